@@ -62,7 +62,9 @@ class EngineConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype={self.dtype!r}: allowed {', '.join(DTYPE_CHOICES)}")
         if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load_format={self.load_format!r}: allowed {', '.join(LOAD_FORMATS)}")
+            raise ConfigError(
+                f"load_format={self.load_format!r}: allowed {', '.join(LOAD_FORMATS)}"
+            )
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"block_size={self.block_size}: allowed 8, 16, 32")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -70,7 +72,9 @@ class EngineConfig:
                 f"attention_backend={self.attention_backend!r}: allowed {', '.join(ATTENTION_BACKENDS)}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]")
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -86,7 +90,9 @@ class EngineConfig:
         return torch.device(self.device)
 
 
-def resolve_dtype(name: str, config_dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, config_dtype: torch.dtype | str | None, device: torch.device
+) -> torch.dtype:
     """DTYPE=auto takes the checkpoint's dtype, except float32 on CPU for half checkpoints
     (CPU half matmuls are slow and imprecise) and float16 on GPU for float32 checkpoints."""
     if name != "auto":

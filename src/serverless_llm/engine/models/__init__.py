@@ -1,0 +1,3 @@
+from .registry import MODEL_REGISTRY, UnsupportedModelError, model_class_for
+
+__all__ = ["MODEL_REGISTRY", "UnsupportedModelError", "model_class_for"]

@@ -1,0 +1,3 @@
+from .params import SamplingParams, SamplingParamsError
+
+__all__ = ["SamplingParams", "SamplingParamsError"]

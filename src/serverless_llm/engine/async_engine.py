@@ -1,0 +1,160 @@
+"""The asyncio front of the engine: many concurrent `generate` calls, one stepping loop.
+
+One background task owns the engine. It applies queued additions and aborts between steps and
+runs each step in a single worker thread, so the event loop stays free while the model computes
+and the engine's state is only ever touched by one party at a time. Each request has a queue its
+`generate` call reads from; a consumer that stops listening (break, cancel, disconnect) aborts
+its request, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import EngineOutput
+from .sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._ids = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Yields one EngineOutput per step that produced tokens for this request; the last
+        has `finished` set. Invalid input raises InvalidRequestError before anything is queued."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        if request_id is None:
+            request_id = f"async-{next(self._ids)}"
+        if request_id in self._queues:
+            from .engine import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = self.engine.make_request(prompt, params or SamplingParams(), request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending_adds.append(req)
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._pending_aborts.append(request_id)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._pending_aborts.append(request_id)
+        self._ensure_loop()
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # -- the stepping loop ------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for req in adds:
+            if req.request_id in self._queues:
+                self.engine.add(req)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for rid in aborts:
+            out = self.engine.abort_request(rid)
+            queue = self._queues.get(rid)
+            if out is not None and queue is not None:
+                queue.put_nowait(out)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if self._pending_adds or self._pending_aborts:
+                    continue
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a step failed: fail its requests, keep serving others
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            # Let consumers run between steps (they may add or abort).
+            await asyncio.sleep(0)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(EngineDeadError(f"generation failed: {exc}"))

@@ -1,0 +1,366 @@
+"""The synchronous engine: owns the model, the KV cache, the scheduler and the sampler; `step()`
+runs one scheduled batch and returns what each request produced.
+
+Everything a bad request could trip over is checked in `make_request`, before the request
+touches the scheduler, so an invalid request never holds blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, EngineConfig, resolve_dtype
+from .cpu_tuning import tune_allocator
+from .kv_cache import BlockPool, allocate_kv_cache, bytes_per_block
+from .layers.attention import AttentionBackend, TorchAttentionBackend
+from .loader import iter_weights, load_hf_config, resolve_model
+from .model_runner import ModelRunner
+from .models import model_class_for
+from .outputs import EngineOutput
+from .request import FinishReason, Request, RequestStatus
+from .sampling.params import SamplingParams
+from .sampling.sampler import Sampler, SamplingBatch
+from .scheduler import Scheduler
+from .tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message says why (shown to the client)."""
+
+
+@dataclass
+class PromptInput:
+    text: str | None
+    token_ids: list[int]
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    raise ConfigError(f"attention_backend={name!r} is not available yet in this build; use 'torch'")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = config.resolve_device()
+        resolved = resolve_model(config)
+        self.resolved = resolved
+        hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+        self.hf_config = hf_config
+        self.dtype = resolve_dtype(
+            config.dtype,
+            getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
+            self.device,
+        )
+        self.max_model_len = self._max_model_len(hf_config, config.max_model_len)
+        if config.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = config.max_num_batched_tokens
+        else:
+            self.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+
+        if self.device.type == "cpu":
+            tune_allocator()
+        torch.manual_seed(config.seed)
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+        model_cls = model_class_for(hf_config)
+        with torch.device("meta"):
+            model = model_cls(hf_config, self.backend, max_position=self.max_model_len)
+        model = model.to_empty(device=self.device)
+        self._init_rope(model, hf_config)
+        if resolved.load_format == "dummy":
+            model.init_dummy_weights(config.seed)
+        else:
+            model.load_weights(iter_weights(resolved, show_progress=config.show_progress))
+        self.model = model.to(self.dtype).eval()
+        if self.device.type == "cpu":
+            self.model.optimize_for_cpu()
+
+        self.tokenizer = load_tokenizer(
+            resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
+        )
+        self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config, self._generation_config())
+        self.vocab_size = hf_config.vocab_size
+
+        self.block_size = config.block_size
+        num_blocks = self._num_blocks()
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
+            )
+        self.kv_caches = allocate_kv_cache(
+            model.num_layers,
+            num_blocks,
+            self.block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.block_pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(
+            self.block_pool, self.block_size, config.max_num_seqs, self.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, self.backend, self.block_size, self.device
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        self.requests: dict[str, Request] = {}
+        self._next_id = 0
+        logger.info(
+            "engine ready in %.1fs: model=%s dtype=%s device=%s backend=%s max_model_len=%d "
+            "kv_blocks=%d (block_size %d, %d tokens)",
+            time.perf_counter() - t0,
+            resolved.source,
+            str(self.dtype).replace("torch.", ""),
+            self.device,
+            self.backend.name,
+            self.max_model_len,
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+        )
+
+    # -- set-up helpers ---------------------------------------------------------------------
+
+    def _init_rope(self, model, hf_config) -> None:
+        from .layers.rotary import cos_sin_cache, inv_frequencies, rope_parameters
+
+        inv = inv_frequencies(rope_parameters(hf_config), model.head_dim, self.max_model_len)
+        model.rope_cache = cos_sin_cache(inv, self.max_model_len).to(self.device)
+
+    def _generation_config(self):
+        try:
+            from transformers import GenerationConfig
+
+            return GenerationConfig.from_pretrained(self.resolved.model_dir)
+        except Exception:  # no generation_config.json: the model config's ids are enough
+            return None
+
+    @staticmethod
+    def _max_model_len(hf_config, requested: int | None) -> int:
+        limit = None
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            value = getattr(hf_config, key, None)
+            if isinstance(value, int) and value > 0:
+                limit = value
+                break
+        if requested is None:
+            if limit is None:
+                raise ConfigError("the model config gives no maximum length: set max_model_len")
+            return limit
+        if limit is not None and requested > limit:
+            raise ConfigError(
+                f"max_model_len={requested} exceeds the model's maximum length {limit}"
+            )
+        return requested
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        m = self.model
+        per_block = bytes_per_block(
+            m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype
+        )
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(per_block)
+        return max(1, int(c.kv_cache_space_gib * (1 << 30)) // per_block)
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        """Runs the largest step the scheduler can produce, with nothing cached, and gives the
+        KV cache what is left of GPU_MEMORY_UTILIZATION of the device after that peak."""
+        from .layers.attention import AttentionMetadata
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.max_num_batched_tokens, self.max_model_len)
+        m = self.model
+        dummy = allocate_kv_cache(
+            m.num_layers, 1, self.block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
+        )
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            num_decodes=0,
+            max_query_len=n,
+            max_seq_len=n,
+            query_lens_host=[n],
+            seq_lens_host=[n],
+            block_size=self.block_size,
+        )
+        self.backend.prepare(meta)
+        hidden = m(
+            torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev), dummy, meta
+        )
+        rows = min(self.config.max_num_seqs, n)
+        m.compute_logits(hidden[:rows]).float().softmax(-1)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del hidden, dummy
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = total - free - torch.cuda.memory_reserved(dev)
+        budget = total * self.config.gpu_memory_utilization - peak - non_torch
+        if budget < per_block:
+            raise ConfigError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization} (weights and activations peak at "
+                f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+            )
+        return int(budget // per_block)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return PromptInput(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise InvalidRequestError("a token-id prompt must be a list of integers")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} tokens"
+                )
+            return PromptInput(None, list(prompt))
+        raise InvalidRequestError("the prompt must be a string or a list of token ids")
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validates and builds a request without touching the scheduler."""
+        pi = self.tokenize_prompt(prompt)
+        n = len(pi.token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty (it encodes to no tokens)")
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if n >= limit:
+                raise InvalidRequestError(
+                    f"the prompt has {n} tokens, which leaves no room for output within "
+                    f"max_model_len={limit}"
+                )
+            max_total = limit
+        else:
+            if n + params.max_tokens > limit:
+                raise InvalidRequestError(
+                    f"prompt length ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                    f"{n + params.max_tokens}, more than max_model_len={limit}"
+                )
+            max_total = n + params.max_tokens
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        req = Request(request_id, pi.token_ids, params, max_total_tokens=max_total)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            pi.token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        req.prompt_text = pi.text
+        return req
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        req = self.make_request(prompt, params or SamplingParams(), request_id)
+        self.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        """Stops a request and frees its blocks now. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, FinishReason.ABORT)
+        return self._output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            if self.scheduler.running or self.scheduler.waiting:
+                # Nothing fits (only possible if a single request outgrew the cache).
+                raise RuntimeError("scheduler made no progress: the KV cache is too small")
+            return []
+        sample_reqs, logits = self.runner.execute(batch)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        if not sample_reqs:
+            return []
+        sb = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
+        token_ids = self.sampler(logits, sb).tolist()
+        outputs = []
+        for req, tok in zip(sample_reqs, token_ids):
+            req.output_token_ids.append(tok)
+            self._check_stop(req, tok)
+            text = req.detokenizer.add([tok])
+            if req.finish_reason is not None:
+                # An output that ends inside a multi-byte character still shows what it has.
+                text += req.detokenizer.flush()
+                self.scheduler.finish(req, req.finish_reason)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req, [tok], text))
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif tok in p.stop_token_ids:
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = tok
+        elif req.num_tokens >= req.max_total_tokens:
+            req.finish_reason = FinishReason.LENGTH
+
+    @staticmethod
+    def _output(req: Request, new_ids: list[int], text: str) -> EngineOutput:
+        finished = req.status is RequestStatus.FINISHED
+        return EngineOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=finished,
+            finish_reason=req.finish_reason.value if finished and req.finish_reason else None,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+        )

@@ -1,0 +1,148 @@
+"""From what the user named (nothing, a directory, a .gguf file, a hub id) to files on disk."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..config import EngineConfig
+from .base import ModelLoadError, ResolvedModel, scrub
+from .gguf import EMBEDDED_GGUF, converted_gguf_dir, embedded_model_path, gguf_files_in
+from .hub import hub_snapshot, looks_like_hub_id
+from .weights import local_weight_files
+
+logger = logging.getLogger(__name__)
+
+
+def _weights_format(load_format: str) -> str | None:
+    """What to look for on disk: None for dummy; gguf input is converted to safetensors."""
+    if load_format == "dummy":
+        return None
+    return "auto" if load_format in ("auto", "gguf") else load_format
+
+
+def _from_gguf(gguf_path: str, cfg: EngineConfig) -> tuple[str, str]:
+    if cfg.load_format == "pt":
+        raise ModelLoadError(f"load_format=pt cannot read GGUF file {gguf_path}")
+    model_dir = converted_gguf_dir(gguf_path, cfg.download_dir, cfg.show_progress)
+    return model_dir, "dummy" if cfg.load_format == "dummy" else "safetensors"
+
+
+def _from_directory(path: str, cfg: EngineConfig) -> tuple[str, str]:
+    ggufs = gguf_files_in(path)
+    has_config = os.path.isfile(os.path.join(path, "config.json"))
+    weights_format = _weights_format(cfg.load_format)
+    # A lone .gguf is the model unless the directory also holds a transformers checkpoint.
+    gguf_only = bool(ggufs) and (
+        not has_config
+        or (weights_format is not None and local_weight_files(path, weights_format) is None)
+    )
+    if cfg.load_format == "gguf" or gguf_only:
+        if len(ggufs) != 1:
+            found = ", ".join(ggufs) if ggufs else "none"
+            raise ModelLoadError(
+                f"{path} needs exactly one .gguf file to load as GGUF (found: {found}); "
+                "pass the file's path instead"
+            )
+        return _from_gguf(os.path.join(path, ggufs[0]), cfg)
+    if not has_config:
+        raise ModelLoadError(f"{path} holds no config.json: not a transformers model directory")
+    if weights_format is None:
+        return path, "dummy"
+    found = local_weight_files(path, weights_format)
+    if found is None:
+        kind = "*.safetensors or *.bin" if weights_format == "auto" else weights_format
+        raise ModelLoadError(f"{path} holds no {kind} weights")
+    return path, found[0]
+
+
+def _resolve_tokenizer(cfg: EngineConfig, model_dir: str) -> str:
+    """The tokenizer's directory: the model's own unless TOKENIZER (or its revision) says so."""
+    if cfg.tokenizer:
+        path = os.path.abspath(os.path.expanduser(cfg.tokenizer))
+        if os.path.isdir(path):
+            return path
+        if os.path.isfile(path) and path.lower().endswith(".gguf"):
+            return converted_gguf_dir(path, cfg.download_dir, cfg.show_progress)
+        if looks_like_hub_id(cfg.tokenizer):
+            folder, _ = hub_snapshot(
+                cfg.tokenizer,
+                revision=cfg.tokenizer_revision,
+                cache_dir=cfg.download_dir,
+                token=cfg.hf_token,
+                weights_format=None,
+                tokenizer_only=True,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+            return folder
+        raise ModelLoadError(
+            f"tokenizer {scrub(cfg.tokenizer, cfg.hf_token)!r} is neither an existing directory "
+            "nor a hub id"
+        )
+    model = cfg.model
+    if (
+        cfg.tokenizer_revision
+        and model
+        and not os.path.exists(os.path.expanduser(model))
+        and cfg.tokenizer_revision != (cfg.revision or "main")
+    ):
+        folder, _ = hub_snapshot(
+            model,
+            revision=cfg.tokenizer_revision,
+            cache_dir=cfg.download_dir,
+            token=cfg.hf_token,
+            weights_format=None,
+            tokenizer_only=True,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        return folder
+    return model_dir
+
+
+def resolve_model(cfg: EngineConfig) -> ResolvedModel:
+    """Finds or fetches the model `cfg` names; every later step reads only local files.
+
+    None: the embedded SmolLM2 GGUF. A directory: used as is (or its single .gguf when it has no
+    config.json). A .gguf file: converted once to a cached safetensors directory. Anything else
+    must be a hub id, served from the HF cache without a network call when already there.
+    """
+    model = cfg.model
+    if model is None:
+        model_dir, fmt = _from_gguf(embedded_model_path(), cfg)
+        source = f"embedded {EMBEDDED_GGUF}"
+    else:
+        source = scrub(model if not cfg.revision else f"{model}@{cfg.revision}", cfg.hf_token)
+        path = os.path.abspath(os.path.expanduser(model))
+        if os.path.isdir(path):
+            model_dir, fmt = _from_directory(path, cfg)
+        elif os.path.isfile(path):
+            if not (path.lower().endswith(".gguf") or cfg.load_format == "gguf"):
+                raise ModelLoadError(
+                    f"{source} is a file; give a model directory, a .gguf file or a hub id"
+                )
+            model_dir, fmt = _from_gguf(path, cfg)
+        elif model.lower().endswith(".gguf"):
+            raise ModelLoadError(f"GGUF file not found: {source}")
+        elif looks_like_hub_id(model):
+            if cfg.load_format == "gguf":
+                raise ModelLoadError(
+                    f"load_format=gguf needs a local .gguf file, not hub id {source}: "
+                    "download the .gguf file and pass its path"
+                )
+            model_dir, fmt = hub_snapshot(
+                model,
+                revision=cfg.revision,
+                cache_dir=cfg.download_dir,
+                token=cfg.hf_token,
+                weights_format=_weights_format(cfg.load_format),
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        elif model.startswith(("/", ".", "~")) or model.count("/") > 1:
+            raise ModelLoadError(f"model path {source} does not exist")
+        else:
+            raise ModelLoadError(f"model {source!r} is neither an existing path nor a hub id")
+    tokenizer_dir = _resolve_tokenizer(cfg, model_dir)
+    logger.info("model %s: %s weights in %s", source, fmt, model_dir)
+    return ResolvedModel(
+        model_dir=model_dir, tokenizer_dir=tokenizer_dir, load_format=fmt, source=source
+    )

@@ -1,0 +1,145 @@
+"""Which files of a checkpoint hold its weights, and reading them tensor by tensor.
+
+The same selection runs on a hub repo's file list (to choose what to download) and on a local
+directory (to choose what to read), so both agree on what a complete checkpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import transformers
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .base import ModelLoadError, ResolvedModel
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_INDEX = "pytorch_model.bin.index.json"
+# .bin files that are pickles of training state, not weights.
+_NOT_WEIGHTS = {"training_args.bin", "optimizer.bin", "scheduler.bin", "rng_state.bin"}
+
+
+def _indexed(index_name: str, read_index: Callable[[str], str]) -> list[str]:
+    """The index file followed by the shards it names."""
+    try:
+        weight_map = json.loads(read_index(index_name))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index_name} is not a valid weight index: {e}") from e
+    return [index_name, *sorted(set(weight_map.values()))]
+
+
+def select_weight_files(
+    names: Iterable[str], load_format: str, read_index: Callable[[str], str]
+) -> tuple[str, list[str]] | None:
+    """Picks (format, files) from top-level file `names`: safetensors before .bin under "auto".
+
+    An index, when present, decides the shards (a Mistral repo also ships consolidated.safetensors,
+    which must not be read twice). `read_index(name)` returns an index file's text. The list
+    includes the index itself, so a download of the list fetches it. None: no weights of the format.
+    """
+    top = {n for n in names if "/" not in n}
+    formats = ("safetensors", "pt") if load_format == "auto" else (load_format,)
+    for fmt in formats:
+        if fmt == "safetensors":
+            if SAFETENSORS_INDEX in top:
+                return fmt, _indexed(SAFETENSORS_INDEX, read_index)
+            if "model.safetensors" in top:
+                return fmt, ["model.safetensors"]
+            files = sorted(n for n in top if n.endswith(".safetensors"))
+        else:
+            if PT_INDEX in top:
+                return fmt, _indexed(PT_INDEX, read_index)
+            files = sorted(n for n in top if n.startswith("pytorch_model") and n.endswith(".bin"))
+            if not files:
+                files = sorted(n for n in top if n.endswith(".bin") and n not in _NOT_WEIGHTS)
+        if files:
+            return fmt, files
+    return None
+
+
+def local_weight_files(model_dir: str, load_format: str) -> tuple[str, list[str]] | None:
+    """select_weight_files on a directory's listing; indexes are read from the directory."""
+
+    def read_index(name: str) -> str:
+        path = os.path.join(model_dir, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read weight index {path}: {e}") from e
+
+    return select_weight_files(os.listdir(model_dir), load_format, read_index)
+
+
+def load_hf_config(
+    resolved: ResolvedModel, trust_remote_code: bool = False
+) -> transformers.PretrainedConfig:
+    """The model's transformers config, read from disk only (resolution already fetched it)."""
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            resolved.model_dir, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except Exception as e:  # transformers raises ValueError, OSError, KeyError for bad configs
+        hint = "" if trust_remote_code else " (a custom architecture needs trust_remote_code)"
+        raise ModelLoadError(
+            f"cannot read the model config of {resolved.source} in {resolved.model_dir}: "
+            f"{type(e).__name__}: {e}{hint}"
+        ) from e
+
+
+def _torch_load(path: str) -> dict:
+    # mmap keeps a shard's peak memory near one tensor; old (non-zip) files cannot be mapped.
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def iter_weights(
+    resolved: ResolvedModel, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (checkpoint parameter name, CPU tensor) for every tensor of every shard.
+
+    One shard at a time, so peak memory is a shard, not the model. The names are the
+    checkpoint's, before any renaming the model code does.
+    """
+    if resolved.load_format == "dummy":
+        raise ModelLoadError(
+            f"{resolved.source}: load_format=dummy has no weights; initialise the model randomly"
+        )
+    found = local_weight_files(resolved.model_dir, resolved.load_format)
+    if found is None:
+        raise ModelLoadError(
+            f"no {resolved.load_format} weights in {resolved.model_dir} (from {resolved.source})"
+        )
+    fmt, files = found
+    shards = [f for f in files if not f.endswith(".json")]
+    missing = [f for f in shards if not os.path.isfile(os.path.join(resolved.model_dir, f))]
+    if missing:
+        raise ModelLoadError(
+            f"weight shards listed in the index are missing from {resolved.model_dir}: "
+            + ", ".join(missing[:3])
+            + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
+    bar = tqdm(shards, desc=f"Loading {fmt} shards", unit="shard", disable=not show_progress)
+    for name in bar:
+        path = os.path.join(resolved.model_dir, name)
+        try:
+            if fmt == "safetensors":
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for key in f.keys():
+                        yield key, f.get_tensor(key)
+            else:
+                state = _torch_load(path)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        yield key, value
+                del state
+        except ModelLoadError:
+            raise
+        except Exception as e:  # corrupt or truncated file: name it
+            raise ModelLoadError(f"cannot read weights from {path}: {type(e).__name__}: {e}") from e

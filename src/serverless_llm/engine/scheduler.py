@@ -1,0 +1,146 @@
+"""The scheduler: each step, a token budget handed out across running and waiting requests.
+
+There is no prefill phase and no decode phase. A request has `num_computed_tokens` (K/V already
+in the cache) and `num_tokens` (prompt plus output so far); a step gives it some of the
+difference. A decode is a grant of one token, a prefill a grant of many, a chunked prefill a
+grant smaller than what is left, so the model always runs one ragged batch.
+
+Order of service: running requests first (oldest first), so requests in flight keep producing
+tokens; then waiting requests while budget, blocks and `max_num_seqs` allow. When a running
+request needs a block and none is free, the newest running request is preempted: its blocks
+are freed, its computed tokens forgotten, and it goes back to the head of the queue, to be
+recomputed later (its prompt plus the output it already has, so the output continues exactly).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockPool, blocks_needed
+from .request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self, block_pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.pool = block_pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # -- queue management -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Removes a request wherever it is and frees its blocks at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self._free_blocks(request)
+        request.status = RequestStatus.FINISHED
+        if request.finish_reason is None:
+            request.finish_reason = reason
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # Running requests, oldest first. A preempted request leaves `running`, so iterate over
+        # a snapshot and skip those already gone.
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self._grow(req, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            out.requests.append(req)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+
+        # Waiting requests, in order, unless this step had to preempt (no room for newcomers).
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Makes `req` own enough blocks for `num_tokens` tokens; False if the pool is short."""
+        need = blocks_needed(num_tokens, self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        req.block_ids.extend(new)
+        return True
+
+    def _free_blocks(self, req: Request) -> None:
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free_blocks(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

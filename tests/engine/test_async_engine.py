@@ -1,0 +1,119 @@
+"""AsyncEngine: concurrent streams on one stepping loop, aborts on disconnect, failures contained."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine.async_engine import AsyncEngine, EngineDeadError
+from serverless_llm.engine.engine import InvalidRequestError
+from tests.engine.test_engine_core import GREEDY, random_prompts
+
+
+@pytest.fixture()
+def setup(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, block_size=8, max_model_len=256)
+    return llm, AsyncEngine(llm.engine)
+
+
+async def collect(engine: AsyncEngine, prompt, params):
+    ids, text, outs = [], "", []
+    async for out in engine.generate(prompt, params):
+        ids += out.new_token_ids
+        text += out.new_text
+        outs.append(out)
+    return ids, text, outs
+
+
+def test_concurrent_streams_equal_offline(setup):
+    llm, aengine = setup
+    prompts = random_prompts(12, llm.engine.vocab_size, seed=11)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    expected = [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    async def main():
+        try:
+            return await asyncio.gather(*(collect(aengine, p, params) for p in prompts))
+        finally:
+            await aengine.shutdown()
+
+    results = asyncio.run(main())
+    for (ids, text, outs), exp in zip(results, expected):
+        assert ids == exp.token_ids and text == exp.text
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        assert outs[-1].num_output_tokens == 20
+    assert llm.engine.block_pool.num_free == 64
+
+
+def test_consumer_that_stops_listening_aborts(setup):
+    llm, aengine = setup
+    prompt = random_prompts(1, llm.engine.vocab_size, seed=12)[0]
+
+    async def main():
+        gen = aengine.generate(prompt, SamplingParams(max_tokens=200, **GREEDY))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        # The abort lands at the next step boundary; then the pool is whole again.
+        for _ in range(100):
+            if llm.engine.block_pool.num_free == 64 and not llm.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        # A cancelled task aborts too.
+        task = asyncio.ensure_future(
+            collect(aengine, prompt, SamplingParams(max_tokens=200, **GREEDY))
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if llm.engine.block_pool.num_free == 64 and not llm.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        await aengine.shutdown()
+
+    asyncio.run(main())
+    assert llm.engine.block_pool.num_free == 64 and not llm.engine.requests
+
+
+def test_invalid_request_raises_and_engine_keeps_serving(setup):
+    llm, aengine = setup
+
+    async def main():
+        with pytest.raises(InvalidRequestError):
+            await collect(aengine, [], SamplingParams())
+        with pytest.raises(InvalidRequestError):
+            await collect(aengine, [5] * 250, SamplingParams(max_tokens=10))
+        ids, _, _ = await collect(aengine, [5, 6, 7], SamplingParams(max_tokens=5, **GREEDY))
+        await aengine.shutdown()
+        return ids
+
+    assert len(asyncio.run(main())) == 5
+
+
+def test_failed_step_fails_its_requests_only(setup, monkeypatch):
+    llm, aengine = setup
+    real_execute = llm.engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_execute(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="boom"):
+            await collect(aengine, [5, 6, 7], SamplingParams(max_tokens=10, **GREEDY))
+        ids, _, _ = await collect(aengine, [5, 6, 7], SamplingParams(max_tokens=10, **GREEDY))
+        await aengine.shutdown()
+        return ids
+
+    assert len(asyncio.run(main())) == 10
+    assert llm.engine.block_pool.num_free == 64
