@@ -41,9 +41,8 @@ class PromptInput:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+    """`auto` is the torch backend until the Triton kernels land (it runs on CUDA too)."""
+    if name in ("auto", "torch"):
         return TorchAttentionBackend()
     raise ConfigError(f"attention_backend={name!r} is not available yet in this build; use 'torch'")
 
