@@ -30,7 +30,12 @@ def test_unsupported_architecture_lists_supported(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [("float32", torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16), ("auto", torch.float32)],
+    [
+        ("float32", torch.float32),
+        ("half", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("auto", torch.float32),
+    ],
 )
 def test_dtypes(tiny_llama, dtype, expected):
     llm = LLM(tiny_llama, dtype=dtype, num_kv_blocks=32, max_model_len=128)
@@ -43,7 +48,9 @@ def test_dtypes(tiny_llama, dtype, expected):
 def test_half_precision_stays_close_to_float32(tiny_llama):
     """Low precision changes logits slightly; the first greedy tokens of a clear model agree."""
     ref = LLM(tiny_llama, num_kv_blocks=32, max_model_len=128).generate([[5, 6, 7, 8]], GREEDY)
-    half = LLM(tiny_llama, dtype="float16", num_kv_blocks=32, max_model_len=128).generate([[5, 6, 7, 8]], GREEDY)
+    half = LLM(tiny_llama, dtype="float16", num_kv_blocks=32, max_model_len=128).generate(
+        [[5, 6, 7, 8]], GREEDY
+    )
     assert half[0].outputs[0].token_ids[:3] == ref[0].outputs[0].token_ids[:3]
 
 
@@ -85,7 +92,9 @@ def test_embedded_gguf_through_the_offline_api(model_cache_dir):
     llm = LLM(None, download_dir=model_cache_dir, max_model_len=512)
     tok = llm.get_tokenizer()
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     out = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0]
     assert "Paris" in out.text

@@ -53,6 +53,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     kv_cache_space_gib: float = 4.0  # the cache's size on CPU
     num_kv_blocks: int | None = None  # overrides both of the above (tests, debugging)
+    enable_prefix_caching: bool = True
     # Execution.
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU

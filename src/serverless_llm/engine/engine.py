@@ -41,10 +41,36 @@ class PromptInput:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` is the torch backend until the Triton kernels land (it runs on CUDA too)."""
-    if name in ("auto", "torch"):
+    """`auto`: Triton on CUDA, the torch reference elsewhere. Left at `auto`, the argument
+    yields to ATTENTION_BACKEND in the environment, so the worker and the offline LLM can be
+    forced without code changes (the env var also switches RMSNorm/rotary/SiLU, see
+    kernels/dispatch.py). `triton` off CUDA runs the kernels in Triton's interpreter, which is
+    only valid with TRITON_INTERPRET=1 (tests, debugging: it is very slow)."""
+    from .kernels.dispatch import BACKEND_ENV, KERNEL_BACKENDS, env_backend, interpreter_enabled
+
+    if name == "auto":
+        name = env_backend()
+        if name not in KERNEL_BACKENDS:
+            raise ConfigError(f"{BACKEND_ENV}={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    raise ConfigError(f"attention_backend={name!r} is not available yet in this build; use 'torch'")
+    if name != "triton":
+        raise ConfigError(f"attention_backend={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreter_enabled()):
+        raise ConfigError(
+            f"attention_backend='triton' needs a CUDA device (the device is {device.type}); "
+            "on CPU use 'torch', or set TRITON_INTERPRET=1 to run the kernels in Triton's "
+            "interpreter (tests and debugging only)"
+        )
+    try:
+        from .kernels.triton_backend import TritonAttentionBackend
+    except ImportError as e:  # the CPU build of torch does not bring Triton
+        raise ConfigError(
+            f"attention_backend='triton' needs the triton package, which is not importable: {e}"
+        ) from e
+    return TritonAttentionBackend()
 
 
 class LLMEngine:
@@ -108,7 +134,7 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_pool, self.block_size, config.max_num_seqs, self.max_num_batched_tokens
         )
@@ -323,6 +349,7 @@ class LLMEngine:
         sample_reqs, logits = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
+            self.scheduler.cache_computed_blocks(req)
         if not sample_reqs:
             return []
         sb = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)

@@ -1,25 +1,42 @@
-"""The paged KV cache: a pool of fixed-size blocks and the tensors that hold them.
+"""The paged KV cache: a pool of fixed-size blocks, the prefix cache over them, and the
+tensors that hold them.
 
 Layout, shared by every attention backend: one tensor per layer of shape
 `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys, 1 values). Token `t` of a
 request lives in slot `block_ids[t // block_size] * block_size + t % block_size`.
+
+Prefix caching: a block whose `block_size` tokens are all computed is keyed by a chained hash of
+(parent block's hash, its token ids), so the key names the whole prefix up to it. Blocks are
+reference-counted; a block nobody holds goes back to the free list but keeps its key, so a later
+request with the same prefix takes it back instead of recomputing it. Free blocks are reused
+least recently freed first, and a reused block loses its key.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 
 import torch
 
 
-class BlockPool:
-    """Free-list allocator of block ids. All-or-nothing allocation, so a failed request for
-    blocks never leaves a partial allocation behind."""
+def block_hash(parent: int | None, tokens: list[int] | tuple[int, ...]) -> int:
+    return hash((parent, tuple(tokens)))
 
-    def __init__(self, num_blocks: int) -> None:
+
+class BlockPool:
+    """Reference-counted blocks with an LRU free list. Allocation is all or nothing, so a failed
+    request for blocks never leaves a partial allocation behind."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self.hits = 0  # blocks taken from the prefix cache
+        self.queries = 0  # blocks looked up
 
     @property
     def num_free(self) -> int:
@@ -28,12 +45,64 @@ class BlockPool:
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            h = self._hash_of[block]
+            if h is not None:
+                if self._cached.get(h) == block:
+                    del self._cached[h]
+                self._hash_of[block] = None
+            self._refs[block] = 1
+            out.append(block)
+        return out
 
     def free(self, block_ids: list[int]) -> None:
-        # Recently freed blocks go to the back: the cache of other requests stays warm longest.
-        self._free.extend(block_ids)
-        assert len(self._free) <= self.num_blocks, "a block was freed twice"
+        # Freed in reverse so a request's tail blocks are evicted before its head: the head is
+        # the prefix other requests are likeliest to share.
+        for block in reversed(block_ids):
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0, "a block was freed twice"
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def lookup(
+        self, tokens: list[int], block_size: int, max_blocks: int
+    ) -> tuple[list[int], list[int]]:
+        """Takes (refs) the cached blocks holding the longest full-block prefix of `tokens`, at
+        most `max_blocks` of them; returns their ids and prefix hashes."""
+        if not self.enable_prefix_caching:
+            return [], []
+        found: list[int] = []
+        hashes: list[int] = []
+        parent = None
+        for i in range(max_blocks):
+            self.queries += 1
+            parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            found.append(block)
+            hashes.append(parent)
+        for block in found:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        self.hits += len(found)
+        return found, hashes
+
+    def register(self, block: int, h: int) -> None:
+        """Marks a full, computed block as holding the prefix `h`."""
+        if not self.enable_prefix_caching or self._hash_of[block] is not None:
+            return
+        self._hash_of[block] = h
+        self._cached.setdefault(h, block)
+
+    def reset_prefix_cache(self) -> None:
+        self._cached.clear()
+        self._hash_of = [None] * self.num_blocks
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

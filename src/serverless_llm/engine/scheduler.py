@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool, blocks_needed
+from .kv_cache import BlockPool, block_hash, blocks_needed
 from .request import FinishReason, Request, RequestStatus
 
 
@@ -107,8 +107,11 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            self._take_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + num_new):
+                self._free_blocks(req)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -119,6 +122,33 @@ class Scheduler:
         return out
 
     # -- blocks -----------------------------------------------------------------------------
+
+    def _take_cached_prefix(self, req: Request) -> None:
+        """Starts a request after the longest prefix already in the cache. At least its last
+        token is always computed (it yields the logits to sample from), so the blocks it writes
+        are never shared ones."""
+        if req.num_computed_tokens or req.block_ids:
+            return
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        if max_blocks == 0:
+            return
+        tokens = req.prompt_token_ids + req.output_token_ids
+        blocks, hashes = self.pool.lookup(tokens, self.block_size, max_blocks)
+        req.block_ids = blocks
+        req.block_hashes = hashes
+        req.num_computed_tokens = len(blocks) * self.block_size
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """After a step: keys each block of `req` that has just become full and computed."""
+        if not self.pool.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = req.num_computed_tokens // bs
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        for i in range(len(req.block_hashes), full):
+            parent = block_hash(parent, req.token_slice(i * bs, (i + 1) * bs))
+            self.pool.register(req.block_ids[i], parent)
+            req.block_hashes.append(parent)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Makes `req` own enough blocks for `num_tokens` tokens; False if the pool is short."""
@@ -135,6 +165,7 @@ class Scheduler:
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
+        req.block_hashes = []
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
