@@ -1,0 +1,322 @@
+"""Request and response models of the OpenAI routes (pydantic v2).
+
+Requests are validated strictly, as OpenAI does: `"5"` is not an integer, `1` is not a boolean,
+NaN is not a temperature, and an unknown field is an error rather than something silently
+dropped (a typo such as `temprature` would otherwise change nothing and go unnoticed). Fields
+that the engine cannot honour yet are still declared, so their shapes are checked; the route
+modules reject non-default values with a clear "not supported yet" (see `chat.py`,
+`completions.py`).
+
+Field names and defaults follow OpenAI's API, then vLLM's extra parameters (sent at the top
+level of the body; the OpenAI client merges `extra_body` there).
+
+The response models document the shapes and are used for the one-off responses; stream chunks
+are built as plain dicts on the hot path (`chat.py`, `completions.py`) with the same fields.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+# OpenAI caps n at 128; the limit also bounds the engine requests one job can queue.
+MAX_N = 128
+# torch generators take seeds in this range.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+def _check_content(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"content part {j} must be an object with a string 'type'")
+        return value
+    raise ValueError("must be a string or a list of content parts")
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ValueError("must be a string or a list of strings")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _check_prompt(value: Any) -> Any:
+    """One of OpenAI's four prompt forms: str, list[str], list[int], list[list[int]]."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("must not be an empty list")
+        if all(isinstance(p, str) for p in value) or _is_token_ids(value):
+            return value
+        if all(_is_token_ids(p) for p in value):
+            return value
+    raise ValueError(
+        "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    )
+
+
+def _check_str_or_object(value: Any) -> Any:
+    if value is None or isinstance(value, (str, dict)):
+        return value
+    raise ValueError("must be a string or an object")
+
+
+Content = Annotated[Any, AfterValidator(_check_content)]
+Stop = Annotated[Any, AfterValidator(_check_stop)]
+Prompt = Annotated[Any, AfterValidator(_check_prompt)]
+StrOrObject = Annotated[Any, AfterValidator(_check_str_or_object)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    # vLLM: usage in every chunk, not only in the final one.
+    continuous_usage_stats: bool | None = False
+    # OpenAI pads chunks with random text against side channels; this server adds no padding,
+    # so the flag changes nothing either way.
+    include_obfuscation: bool | None = None
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template sees it. Keys beyond OpenAI's (some templates read
+    `reasoning_content`, for one) are passed through to the template, not dropped."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Role
+    content: Content = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingRequest(_Strict):
+    """Fields chat and completions share: OpenAI's, then vLLM's extra sampling parameters."""
+
+    model: str | None = None
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    seed: Seed | None = None
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    user: str | None = None
+    # OpenAI bookkeeping that changes nothing about the output.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    # vLLM's extra sampling parameters.
+    best_of: int | None = Field(None, ge=1)
+    use_beam_search: bool = False
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(1.0, gt=0.0, allow_inf_nan=False)
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    early_stopping: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+
+    # vLLM's structured output (guided decoding).
+    response_format: dict[str, Any] | None = None
+    guided_json: StrOrObject = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrOrObject = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: StrOrObject = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    # vLLM's chat extras.
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The chat template already writes BOS and friends, so none are added by default.
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens is OpenAI's newer name for max_tokens; it wins when both are
+        set, as OpenAI's own precedence."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt = Field()
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+    # A plain prompt is raw text, so BOS (and whatever else the tokenizer adds) belongs in it.
+    add_special_tokens: bool = True
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatResponseMessage(_Response):
+    role: str
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    # vLLM's: the stop token id (or string) that ended the choice, None for EOS or length.
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    """Also the shape of each stream chunk: OpenAI uses one object for both."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "serverless-llm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

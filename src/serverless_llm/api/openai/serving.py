@@ -1,0 +1,453 @@
+"""The OpenAI routes over one AsyncEngine: what a worker job with `openai_route` runs.
+
+`OpenAIServing.handle(route, body, batch)` is an async generator, so a job streams whatever the
+route produces:
+
+- not streamed: one response dict (OpenAI's shape) or one error dict;
+- streamed with `raw_output` (RAW_OPENAI_OUTPUT, the default): strings of concatenated SSE
+  events, `data: {json}\\n\\n` each, the last string ending with `data: [DONE]\\n\\n`;
+- streamed without `raw_output`: lists of chunk dicts (no [DONE] marker).
+
+Stream chunks are grouped by the geometric batch sizes (1, 3, 9, 27, 50, ... tokens a yield)
+so the first token leaves at once and a long answer costs few messages.
+
+Errors never raise: `handle` yields one error dict (`{"error": {...}}`, see errors.py; its HTTP
+status from `http_status`) and stops. That holds mid-stream too, after strings have gone out.
+Cancellation does propagate: closing the generator or cancelling its task aborts every engine
+request of the job, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from pydantic import BaseModel, ValidationError
+
+from serverless_llm.engine.async_engine import AsyncEngine, EngineDeadError
+from serverless_llm.engine.engine import InvalidRequestError
+from serverless_llm.engine.outputs import EngineOutput
+from serverless_llm.engine.sampling.params import SamplingParams, SamplingParamsError
+from serverless_llm.engine.tokenizer import ChatTemplateError
+from serverless_llm.worker.batching import BatchSizes
+
+from .chat import ChatFormatter, echo_text, render_chat_prompt
+from .completions import CompletionFormatter, tokenize_prompts
+from .errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    OpenAIServingError,
+    internal_error,
+    model_not_found,
+    openai_error,
+    validation_error,
+)
+from .models import list_models, retrieve_model
+from .params import chat_sampling_params, choice_seed, completion_sampling_params
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+_DONE = "data: [DONE]\n\n"
+
+
+def parse_route(route: Any) -> tuple[str, str | None]:
+    """Maps a route to (kind, argument). `/v1/chat/completions`, `v1/chat/completions`,
+    `/chat/completions` and `/openai/v1/chat/completions` are the same route: jobs are written
+    by hand, and the prefix carries no information."""
+    if isinstance(route, str):
+        path = route.strip().split("?", 1)[0].strip("/")
+        for prefix in ("openai/", "v1/"):
+            if path.startswith(prefix):
+                path = path[len(prefix) :]
+        if path == "chat/completions":
+            return "chat", None
+        if path == "completions":
+            return "completions", None
+        if path == "models":
+            return "models", None
+        if path.startswith("models/") and len(path) > len("models/"):
+            return "model", unquote(path[len("models/") :])
+    raise OpenAIServingError(
+        openai_error(
+            f"Invalid URL: no route {route!r}; the OpenAI routes are {', '.join(ROUTES)} "
+            "(and /v1/models/{model}).",
+            INVALID_REQUEST,
+            "openai_route",
+            "unknown_url",
+            404,
+        )
+    )
+
+
+def _sse(chunks: list[dict[str, Any]]) -> str:
+    return "".join(
+        f"data: {json.dumps(c, ensure_ascii=False, separators=(',', ':'))}\n\n" for c in chunks
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class _Plan:
+    """A validated request: prompts x n engine requests and how to shape their outputs."""
+
+    response_id: str
+    prompts: list[list[int]]
+    n: int
+    params: list[SamplingParams]  # choice i of every prompt samples with params[i]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    formatter: ChatFormatter | CompletionFormatter
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+async def merge_streams(
+    streams: Sequence[AsyncIterator[EngineOutput]],
+) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """Interleaves engine streams as their outputs arrive, tagged with the stream's index.
+
+    One stream is iterated directly (the common case pays for no task). Several get one task
+    each; closing or cancelling the merged stream cancels them, and each engine stream's own
+    clean-up then aborts its request. The first error of any stream is raised here.
+    """
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(k: int, stream: AsyncIterator[EngineOutput]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for out in s:
+                    queue.put_nowait((k, out))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((k, exc))
+            return
+        queue.put_nowait((k, None))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            k, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServing:
+    """Serves /v1/chat/completions, /v1/completions and /v1/models from one engine."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        served_model_name: str,
+        response_role: str = "assistant",
+        chat_template: str | None = None,
+        raw_output: bool = True,
+        max_model_len: int | None = None,
+        model_aliases: Sequence[str] = (),
+    ) -> None:
+        """`model_aliases`: further names requests may use (say MODEL_NAME when
+        OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
+        request used. `max_model_len` defaults to the engine's and may only lower it."""
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.model_names: tuple[str, ...] = tuple(
+            dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
+        )
+        self.response_role = response_role
+        self.chat_template = chat_template
+        self.raw_output = raw_output
+        inner = getattr(engine, "engine", None)
+        engine_limit = getattr(inner, "max_model_len", None)
+        limits = [x for x in (max_model_len, engine_limit) if isinstance(x, int)]
+        self.max_model_len: int | None = min(limits) if limits else None
+        self.vocab_size: int = getattr(inner, "vocab_size", None) or len(engine.tokenizer)
+        self.created = int(time.time())
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # -- entry point ------------------------------------------------------------------------
+
+    async def handle(
+        self, route: str, body: Any, batch: BatchSizes | None = None
+    ) -> AsyncIterator[Any]:
+        """Runs one OpenAI request; see the module docstring for what it yields."""
+        try:
+            kind, arg = parse_route(route)
+            if kind == "models":
+                yield list_models(self.model_names, self.created, self.max_model_len)
+                return
+            if kind == "model":
+                yield retrieve_model(arg or "", self.model_names, self.created, self.max_model_len)
+                return
+            plan = self._chat_plan(body) if kind == "chat" else self._completion_plan(body)
+        except Exception as exc:
+            yield self._error_from(exc)
+            return
+        if plan.stream:
+            run = self._stream(plan, batch or BatchSizes())
+        else:
+            run = self._complete(plan)
+        async with aclosing(run) as items:
+            async for item in items:
+                yield item
+
+    # -- request -> plan --------------------------------------------------------------------
+
+    @staticmethod
+    def _parse(model_cls: type[BaseModel], body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise OpenAIServingError.bad_request(
+                f"The request body must be a JSON object, got {type(body).__name__}.",
+                None,
+                "invalid_type",
+            )
+        try:
+            # Jobs can be built in Python, so check the body is JSON at all (no sets, bytes,
+            # objects, NaN or cycles) before the schema does.
+            json.dumps(body, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise OpenAIServingError.bad_request(
+                f"The request body is not valid JSON: {e}.", None, "invalid_json"
+            ) from e
+        try:
+            return model_cls.model_validate(body)
+        except ValidationError as e:
+            raise OpenAIServingError(validation_error(e)) from e
+
+    def _check_model(self, model: str | None) -> str:
+        """The name to put in responses; a name this worker does not serve is OpenAI's 404.
+        A missing or empty name means the served model, as in vLLM."""
+        if not model:
+            return self.served_model_name
+        if model in self.model_names:
+            return model
+        raise OpenAIServingError(model_not_found(model))
+
+    def _fit_prompt(
+        self, ids: list[int], truncate: int | None, max_tokens: int | None, param: str
+    ) -> list[int]:
+        """Applies truncate_prompt_tokens (keep the last k) and checks the context length here,
+        before any engine request exists, so a job fails whole instead of partly queued."""
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
+        if not ids:
+            raise OpenAIServingError.bad_request(
+                f"Invalid value for '{param}': the prompt is empty (it encodes to no tokens).",
+                param,
+                "invalid_value",
+            )
+        limit = self.max_model_len
+        if limit is None:
+            return ids
+        what = "messages" if param == "messages" else "prompt"
+        if max_tokens is None and len(ids) >= limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your {what} "
+                f"resulted in {len(ids)} tokens, which leaves no room for the completion. "
+                f"Please reduce the length of the {what}."
+            )
+        elif max_tokens is not None and len(ids) + max_tokens > limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {what} or completion."
+            )
+        else:
+            return ids
+        raise OpenAIServingError.bad_request(message, param, "context_length_exceeded")
+
+    @staticmethod
+    def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+        if n == 1 or params.seed is None:
+            return [params] * n
+        return [dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
+
+    def _chat_plan(self, body: Any) -> _Plan:
+        request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
+        model = self._check_model(request.model)
+        params = chat_sampling_params(request)
+        ids = render_chat_prompt(request, self.tokenizer, self.chat_template)
+        ids = self._fit_prompt(ids, request.truncate_prompt_tokens, params.max_tokens, "messages")
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        options = request.stream_options
+        formatter = ChatFormatter(
+            response_id,
+            int(time.time()),
+            model,
+            self.response_role,
+            echo_text(request, self.response_role),
+        )
+        return _Plan(
+            response_id=response_id,
+            prompts=[ids],
+            n=request.num_choices,
+            params=self._choice_params(params, request.num_choices),
+            stream=bool(request.stream),
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+            formatter=formatter,
+        )
+
+    def _completion_plan(self, body: Any) -> _Plan:
+        request: CompletionRequest = self._parse(CompletionRequest, body)
+        model = self._check_model(request.model)
+        params = completion_sampling_params(request)
+        inputs = tokenize_prompts(request, self.tokenizer, self.vocab_size)
+        prompts: list[list[int]] = []
+        echo: list[str] | None = [] if request.echo else None
+        for prompt in inputs:
+            ids = self._fit_prompt(
+                prompt.token_ids, request.truncate_prompt_tokens, params.max_tokens, prompt.param
+            )
+            prompts.append(ids)
+            if echo is not None:
+                if prompt.text is not None and len(ids) == len(prompt.token_ids):
+                    echo.append(prompt.text)
+                else:  # token ids, or a truncated prompt: echo what the model saw
+                    echo.append(self.tokenizer.decode(ids, skip_special_tokens=False))
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        options = request.stream_options
+        formatter = CompletionFormatter(
+            response_id, int(time.time()), model, echo, request.num_choices
+        )
+        return _Plan(
+            response_id=response_id,
+            prompts=prompts,
+            n=request.num_choices,
+            params=self._choice_params(params, request.num_choices),
+            stream=bool(request.stream),
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+            formatter=formatter,
+        )
+
+    # -- plan -> outputs --------------------------------------------------------------------
+
+    def _engine_streams(self, plan: _Plan) -> list[AsyncIterator[EngineOutput]]:
+        """One engine request per choice, with ids derived from the response id (unique)."""
+        return [
+            self.engine.generate(ids, plan.params[i], f"{plan.response_id}-{p * plan.n + i}")
+            for p, ids in enumerate(plan.prompts)
+            for i in range(plan.n)
+        ]
+
+    async def _complete(self, plan: _Plan) -> AsyncIterator[Any]:
+        total = plan.num_choices
+        texts: list[list[str]] = [[] for _ in range(total)]
+        finish: list[str | None] = [None] * total
+        stops: list[int | str | None] = [None] * total
+        generated = [0] * total
+        try:
+            async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
+                async for k, out in outputs:
+                    if out.new_text:
+                        texts[k].append(out.new_text)
+                    if out.finished:
+                        finish[k] = out.finish_reason
+                        stops[k] = out.stop_reason
+                        generated[k] = out.num_output_tokens
+        except Exception as exc:
+            yield self._error_from(exc)
+            return
+        usage = _usage(sum(len(p) for p in plan.prompts), sum(generated))
+        yield plan.formatter.response(["".join(t) for t in texts], finish, stops, usage)
+
+    async def _stream(self, plan: _Plan, batch: BatchSizes) -> AsyncIterator[Any]:
+        fmt = plan.formatter
+        n = plan.n
+        prompt_lens = [len(p) for p in plan.prompts]
+        remaining = plan.num_choices
+        generated = [0] * plan.num_choices
+        sizes = batch.sizes()
+        target = next(sizes)
+        pending: list[dict[str, Any]] = []
+        count = 0
+        for k in range(plan.num_choices):
+            for chunk in fmt.head_chunks(k):
+                if plan.continuous_usage:
+                    chunk["usage"] = _usage(prompt_lens[k // n], 0)
+                pending.append(chunk)
+        try:
+            async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
+                async for k, out in outputs:
+                    usage = None
+                    if plan.continuous_usage:
+                        usage = _usage(prompt_lens[k // n], out.num_output_tokens)
+                    chunk = fmt.delta_chunk(
+                        k, out.new_text, out.finish_reason, out.stop_reason, usage
+                    )
+                    if chunk is not None:
+                        pending.append(chunk)
+                    count += len(out.new_token_ids)
+                    if out.finished:
+                        generated[k] = out.num_output_tokens
+                        remaining -= 1
+                        if remaining == 0:
+                            break  # the rest goes out with the closing events below
+                    if count >= target:
+                        yield self._emit(pending)
+                        pending, count = [], 0
+                        target = next(sizes)
+        except Exception as exc:
+            yield self._error_from(exc)
+            return
+        if plan.include_usage:
+            pending.append(fmt.usage_chunk(_usage(sum(prompt_lens), sum(generated))))
+        if self.raw_output:
+            yield _sse(pending) + _DONE
+        elif pending:
+            yield pending
+
+    def _emit(self, chunks: list[dict[str, Any]]) -> Any:
+        return _sse(chunks) if self.raw_output else chunks
+
+    # -- errors -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _error_from(exc: Exception) -> dict:
+        if isinstance(exc, OpenAIServingError):
+            return exc.error
+        if isinstance(exc, (InvalidRequestError, SamplingParamsError, ChatTemplateError)):
+            return openai_error(str(exc), INVALID_REQUEST, None, None, 400)
+        if isinstance(exc, EngineDeadError):
+            logger.error("OpenAI request failed in the engine: %s", exc)
+            return openai_error(str(exc), SERVER_ERROR, None, None, 500)
+        logger.exception("OpenAI request failed")
+        return internal_error(exc)

@@ -1,0 +1,218 @@
+"""The RunPod entry point: one engine, loaded once, serving many concurrent jobs.
+
+`Worker.handle` is an async generator, so RunPod streams what it yields (and, with
+`return_aggregate_stream`, also returns the list of items from `/run` and `/runsync`). It never
+blocks the event loop: the engine steps in its own thread and the model loads before the SDK
+starts (or in a thread, from `start()`). A job can fail, never the worker: every error is
+yielded in its route's shape, and only CancelledError escapes, so the SDK can cancel a job;
+closing the generator aborts the job's engine requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from ..api.errors import native_error, openai_bad_request
+from ..api.native import NativeServing
+from ..engine.async_engine import AsyncEngine
+from ..engine.config import ConfigError
+from ..engine.loader import ModelLoadError
+from .jobs import JobError, NativeJob, OpenAIJob, parse_job
+from .settings import Settings, load_settings_or_exit
+
+__all__ = ["Worker", "main"]
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 10.0
+
+
+class Worker:
+    """The handler and its state: settings, the engine and the two serving layers."""
+
+    def __init__(self, settings: Settings | None = None, engine: AsyncEngine | None = None) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.engine: AsyncEngine | None = engine
+        self._load_lock = threading.Lock()
+        self._native: NativeServing | None = None
+        self._openai: Any = None
+        self._stats_task: asyncio.Task | None = None
+        self.active_jobs = 0
+        self.finished_jobs = 0
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def load(self) -> AsyncEngine:
+        """Loads the model (once; later calls return the same engine). Blocking: call it before
+        the event loop runs, or through `start()`."""
+        with self._load_lock:
+            if self.engine is None:
+                self.settings.log_startup(logger)
+                self.engine = AsyncEngine.from_config(self.settings.engine_config())
+            return self.engine
+
+    async def start(self) -> None:
+        """Loads the model in a thread (the event loop keeps serving health checks); idempotent
+        and safe to call from concurrent jobs."""
+        if self.engine is None:
+            await asyncio.to_thread(self.load)
+        if not self.settings.disable_log_stats and self._stats_task is None:
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
+
+    async def shutdown(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
+            self._stats_task = None
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    def concurrency_modifier(self, current: int) -> int:
+        """Constant: a changed value makes the SDK wait for every running job to end before it
+        rescales, which would stall a busy worker."""
+        return self.settings.max_concurrency
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def handle(self, job: dict[str, Any]) -> AsyncIterator[Any]:
+        """The RunPod handler: `job` is `{"id": ..., "input": {...}}`."""
+        job_id = str(job.get("id") or "job") if isinstance(job, dict) else "job"
+        openai = False
+        self.active_jobs += 1
+        try:
+            try:
+                parsed = parse_job(job, self.settings.batch_sizes)
+            except JobError as e:
+                yield e.payload
+                return
+            openai = isinstance(parsed, OpenAIJob)
+            try:
+                await self.start()
+            except (ModelLoadError, ConfigError) as e:
+                message = f"the model could not be loaded: {e}"
+                yield openai_bad_request(message) if openai else native_error(message)
+                return
+            if isinstance(parsed, OpenAIJob):
+                stream = self._openai_serving().handle(parsed.route, parsed.body, parsed.batch)
+            else:
+                assert isinstance(parsed, NativeJob)
+                stream = self._native_serving().handle(parsed.request, parsed.batch, job_id)
+            async with aclosing(stream) as items:
+                async for item in items:
+                    yield item
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug below: this job fails, the worker keeps serving
+            logger.exception("job %s failed", job_id)
+            message = f"internal error: {type(e).__name__}: {e}"
+            yield _internal_openai_error(message) if openai else native_error(message)
+        finally:
+            self.active_jobs -= 1
+            self.finished_jobs += 1
+
+    async def handle_aggregate(self, job: dict[str, Any]) -> list[Any]:
+        """All of `handle`'s items as one list, for SDK modes that call the handler once and
+        do not iterate generators (`--test_input`, realtime)."""
+        async with aclosing(self.handle(job)) as items:
+            return [item async for item in items]
+
+    def _native_serving(self) -> NativeServing:
+        if self._native is None:
+            assert self.engine is not None
+            self._native = NativeServing(
+                self.engine,
+                chat_template=self.settings.custom_chat_template,
+                log_requests=not self.settings.disable_log_requests,
+            )
+        return self._native
+
+    def _openai_serving(self) -> Any:
+        """Imported on first use: the OpenAI layer is heavier and native-only jobs never need it."""
+        if self._openai is None:
+            from ..api.openai import OpenAIServing
+
+            assert self.engine is not None
+            self._openai = OpenAIServing(
+                self.engine,
+                served_model_name=self.settings.served_model_name,
+                response_role=self.settings.openai_response_role,
+                chat_template=self.settings.custom_chat_template,
+                raw_output=self.settings.raw_openai_output,
+                max_model_len=self.engine.engine.max_model_len,
+            )
+        return self._openai
+
+    async def _log_stats(self) -> None:
+        """DISABLE_LOG_STATS=0: a line every few seconds while there is work."""
+        last_finished = -1
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            engine = self.engine
+            if engine is None or (self.active_jobs == 0 and self.finished_jobs == last_finished):
+                continue
+            last_finished = self.finished_jobs
+            core = engine.engine
+            pool = core.block_pool
+            logger.info(
+                "stats: %d jobs running, %d finished; engine: %d running, %d waiting requests; "
+                "KV cache %d/%d blocks in use",
+                self.active_jobs,
+                self.finished_jobs,
+                len(core.scheduler.running),
+                len(core.scheduler.waiting),
+                pool.num_blocks - pool.num_free,
+                pool.num_blocks,
+            )
+
+
+def _internal_openai_error(message: str) -> dict[str, Any]:
+    try:
+        from ..api.openai.errors import openai_error
+    except ImportError:
+        return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    return openai_error(message, type="server_error", status=500)
+
+
+def _iterates_generators(argv: Sequence[str], environ: Any) -> bool:
+    """Whether the SDK will iterate a generator handler in this mode. The API server
+    (`--rp_serve_api`) and the platform's job loop do; `--test_input`, `test_input.json` and the
+    realtime server call the handler once and would get a generator object back."""
+    if "--rp_serve_api" in argv:
+        return True
+    if environ.get("RUNPOD_REALTIME_PORT", "0") not in ("", "0"):
+        return False
+    if any(a == "--test_input" or a.startswith("--test_input=") for a in argv):
+        return False
+    return environ.get("RUNPOD_WEBHOOK_GET_JOB") is not None
+
+
+def main() -> None:
+    """`python -m serverless_llm.worker`: validate the env, load the model, start the SDK."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = load_settings_or_exit()
+    worker = Worker(settings)
+    try:
+        worker.load()
+    except (ModelLoadError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+    import runpod
+
+    iterates = _iterates_generators(sys.argv[1:], os.environ)
+    runpod.serverless.start(
+        {
+            "handler": worker.handle if iterates else worker.handle_aggregate,
+            "concurrency_modifier": worker.concurrency_modifier,
+            "return_aggregate_stream": True,
+        }
+    )

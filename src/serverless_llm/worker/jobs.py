@@ -1,0 +1,118 @@
+"""A RunPod job's `input`, parsed into an OpenAI job or a native job.
+
+With `openai_route` set, the job goes to the OpenAI layer with `openai_input` as the request
+body; otherwise it is a native job. Both may set the stream batch knobs (`max_batch_size`,
+`min_batch_size`, `batch_size_growth_factor`), which override the env defaults for this job.
+A job that cannot be parsed raises JobError, whose `payload` is the error in the shape of the
+job's route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..api.errors import NativeJobError, describe_validation_error, native_error, openai_bad_request
+from ..api.native import NativeRequest
+from .batching import BatchSizes
+
+__all__ = ["JobError", "NativeJob", "OpenAIJob", "parse_job"]
+
+_OPENAI_KEYS = ("openai_route", "openai_input")
+_BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
+
+
+class JobError(ValueError):
+    """A job that cannot be served; `payload` is what the handler yields."""
+
+    def __init__(self, message: str, *, openai: bool, param: str | None = None) -> None:
+        super().__init__(message)
+        self.payload: dict[str, Any] = (
+            openai_bad_request(message, param) if openai else native_error(message)
+        )
+
+
+@dataclass(frozen=True)
+class OpenAIJob:
+    route: str
+    body: Any
+    batch: BatchSizes
+
+
+@dataclass(frozen=True)
+class NativeJob:
+    request: NativeRequest
+    batch: BatchSizes
+
+
+class _BatchKnobs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    max_batch_size: int | None = Field(None, ge=1)
+    min_batch_size: int | None = Field(None, ge=1)
+    batch_size_growth_factor: float | None = Field(None, gt=0)
+
+
+def _batch_sizes(data: dict[str, Any], defaults: BatchSizes, *, openai: bool) -> BatchSizes:
+    try:
+        knobs = _BatchKnobs.model_validate({k: data[k] for k in _BATCH_KEYS if k in data})
+    except ValidationError as e:
+        path, message = describe_validation_error(e)
+        raise JobError(message, openai=openai, param=path) from None
+    return BatchSizes(
+        max_batch_size=(
+            defaults.max_batch_size if knobs.max_batch_size is None else knobs.max_batch_size
+        ),
+        min_batch_size=(
+            defaults.min_batch_size if knobs.min_batch_size is None else knobs.min_batch_size
+        ),
+        growth_factor=(
+            defaults.growth_factor
+            if knobs.batch_size_growth_factor is None
+            else knobs.batch_size_growth_factor
+        ),
+    )
+
+
+def parse_job(job: Any, defaults: BatchSizes) -> OpenAIJob | NativeJob:
+    """Parses a RunPod job (`{"id": ..., "input": {...}}`), raising JobError."""
+    if not isinstance(job, dict):
+        raise JobError(f"a job must be an object, got {type(job).__name__}", openai=False)
+    data = job.get("input")
+    if data is None:
+        raise JobError("the job has no input", openai=False)
+    if not isinstance(data, dict):
+        raise JobError(
+            f"the job's input must be an object, got {type(data).__name__}", openai=False
+        )
+
+    if data.get("openai_route") is not None:
+        route = data["openai_route"]
+        if not isinstance(route, str):
+            raise JobError(
+                f"openai_route must be a string such as '/v1/chat/completions', got {route!r}",
+                openai=True,
+                param="openai_route",
+            )
+        extra = [k for k in data if k not in _OPENAI_KEYS + _BATCH_KEYS]
+        if extra:
+            raise JobError(
+                f"unknown input field '{extra[0]}' in an OpenAI job (the request goes in "
+                "openai_input)",
+                openai=True,
+                param=extra[0],
+            )
+        batch = _batch_sizes(data, defaults, openai=True)
+        return OpenAIJob(route=route, body=data.get("openai_input"), batch=batch)
+
+    batch = _batch_sizes(data, defaults, openai=False)
+    rest = {k: v for k, v in data.items() if k not in _BATCH_KEYS and k not in _OPENAI_KEYS}
+    if "openai_input" in data:
+        raise JobError("openai_input needs openai_route", openai=False)
+    try:
+        request = NativeRequest.parse(rest)
+    except NativeJobError as e:
+        raise JobError(str(e), openai=False) from None
+    return NativeJob(request=request, batch=batch)

@@ -1,0 +1,53 @@
+"""Worker test helpers: a Worker on the tiny random Llama, and a way to run a job to the end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from serverless_llm.worker.handler import Worker
+from serverless_llm.worker.settings import Settings
+
+GREEDY_LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.fixture()
+def worker_env(tiny_llama, tmp_path) -> dict[str, str]:
+    """Env of a small, fast worker: the tiny Llama, a 512-token context, 128 KV blocks."""
+    return {
+        "MODEL_NAME": tiny_llama,
+        "MAX_MODEL_LEN": "512",
+        "NUM_GPU_BLOCKS_OVERRIDE": "128",
+        "BASE_PATH": str(tmp_path / "base"),
+        "DEVICE": "cpu",
+    }
+
+
+@pytest.fixture()
+def make_worker(worker_env) -> Callable[..., Worker]:
+    """Worker(env overrides...) -> a Worker whose engine loads on first use."""
+
+    def make(**overrides: str) -> Worker:
+        env = {**worker_env, **overrides}
+        return Worker(Settings.from_env({k: v for k, v in env.items() if v is not None}))
+
+    return make
+
+
+async def run_job(worker: Worker, job_input: Any, job_id: str = "test-job") -> list[Any]:
+    return [item async for item in worker.handle({"id": job_id, "input": job_input})]
+
+
+def token_counts(items: list[dict], choice: int = 0) -> list[int]:
+    return [len(item["choices"][choice]["tokens"]) for item in items]
+
+
+def joined(items: list[dict], choice: int = 0) -> str:
+    return "".join(piece for item in items for piece in item["choices"][choice]["tokens"])
+
+
+def blocks_all_free(worker: Worker) -> bool:
+    pool = worker.engine.engine.block_pool
+    return pool.num_free == pool.num_blocks

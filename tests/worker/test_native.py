@@ -1,0 +1,386 @@
+"""The native route: prompt and messages, geometric stream batches, n choices, usage counts,
+sampling parameter validation, malformed jobs, and cancellation freeing every KV block."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serverless_llm.api.sampling import (
+    SamplingParamError,
+    build_sampling_params,
+    parse_sampling_params,
+)
+from serverless_llm.engine.tokenizer import apply_chat_template
+from tests.worker.conftest import GREEDY_LONG, blocks_all_free, joined, run_job, token_counts
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello world! How are you today?"},
+]
+
+
+def run(worker, scenario):
+    """Runs `scenario(worker)` on a fresh event loop and shuts the worker down after."""
+
+    async def main():
+        await worker.start()
+        try:
+            return await scenario(worker)
+        finally:
+            await worker.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_stream_batches_grow_geometrically(make_worker):
+    async def scenario(w):
+        items = await run_job(
+            w, {"prompt": "Hello world", "sampling_params": GREEDY_LONG, "stream": True}
+        )
+        whole = await run_job(w, {"prompt": "Hello world", "sampling_params": GREEDY_LONG})
+        return items, whole
+
+    items, whole = run(make_worker(), scenario)
+    assert token_counts(items) == [1, 3, 9, 27, 50, 50, 50, 10]
+    assert [item["usage"]["output"] for item in items] == [1, 4, 13, 40, 90, 140, 190, 200]
+    assert len(whole) == 1 and len(whole[0]["choices"][0]["tokens"]) == 1
+    assert whole[0]["choices"][0]["tokens"][0] == joined(items)
+    assert whole[0]["usage"]["output"] == 200
+    assert all(item["usage"]["input"] == whole[0]["usage"]["input"] for item in items)
+
+
+def test_per_job_knobs_change_the_sequence(make_worker):
+    def job(**knobs):
+        return {"prompt": "Hello", "sampling_params": GREEDY_LONG, "stream": True, **knobs}
+
+    async def scenario(w):
+        return (
+            await run_job(w, job(max_batch_size=10, min_batch_size=2, batch_size_growth_factor=2)),
+            await run_job(w, job(max_batch_size=64, batch_size_growth_factor=1)),
+            await run_job(w, job(min_batch_size=5, batch_size_growth_factor=1.5)),
+        )
+
+    grow2, flat, slow = run(make_worker(), scenario)
+    assert token_counts(grow2) == [2, 4, 8] + [10] * 18 + [6]
+    assert token_counts(flat) == [64, 64, 64, 8]  # not dynamic: every batch holds the max
+    assert token_counts(slow)[:5] == [5, 7, 11, 16, 25]
+    assert sum(token_counts(slow)) == 200
+
+
+def test_env_defaults_change_the_sequence(make_worker):
+    worker = make_worker(
+        DEFAULT_BATCH_SIZE="20", DEFAULT_MIN_BATCH_SIZE="5", DEFAULT_BATCH_SIZE_GROWTH_FACTOR="2"
+    )
+
+    async def scenario(w):
+        return await run_job(w, {"prompt": "Hi", "sampling_params": GREEDY_LONG, "stream": True})
+
+    assert token_counts(run(worker, scenario)) == [5, 10] + [20] * 9 + [5]
+
+
+def test_prompt_usage_and_default_max_tokens(make_worker):
+    worker = make_worker()
+
+    async def scenario(w):
+        items = await run_job(w, {"prompt": "Hello world", "sampling_params": {"ignore_eos": True}})
+        return items, w.engine.tokenizer.encode("Hello world")
+
+    items, ids = run(worker, scenario)
+    assert items[0]["usage"] == {"input": len(ids), "output": 100}  # native default: 100
+
+
+def test_default_max_tokens_shrinks_to_fit(make_worker):
+    worker = make_worker(MAX_MODEL_LEN="40")
+
+    async def scenario(w):
+        prompt = "The quick brown fox jumps over the lazy dog."
+        n = len(w.engine.tokenizer.encode(prompt))
+        items = await run_job(w, {"prompt": prompt, "sampling_params": {"ignore_eos": True}})
+        explicit = await run_job(
+            w, {"prompt": prompt, "sampling_params": {"ignore_eos": True, "max_tokens": 100}}
+        )
+        return n, items, explicit
+
+    n, items, explicit = run(worker, scenario)
+    assert items[0]["usage"] == {"input": n, "output": 40 - n}
+    assert "max_model_len=40" in explicit[0]["error"]  # asked for explicitly: an error
+
+
+def test_messages_use_the_chat_template(make_worker):
+    async def scenario(w):
+        rendered = apply_chat_template(w.engine.tokenizer, MESSAGES)
+        expected = len(w.engine.tokenizer.encode(rendered, add_special_tokens=False))
+        chat = await run_job(w, {"messages": MESSAGES, "sampling_params": GREEDY_LONG})
+        as_prompt = await run_job(
+            w, {"prompt": rendered, "sampling_params": GREEDY_LONG}, job_id="p"
+        )
+        return expected, chat, as_prompt
+
+    expected, chat, as_prompt = run(make_worker(), scenario)
+    assert chat[0]["usage"]["input"] == expected
+    # The tiny tokenizer adds no BOS, so the rendered prompt gives the same tokens and text.
+    assert chat[0]["choices"] == as_prompt[0]["choices"]
+
+
+def test_apply_chat_template_wraps_the_prompt(make_worker):
+    params = {"max_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+
+    async def scenario(w):
+        wrapped = await run_job(
+            w, {"prompt": "Hello there", "apply_chat_template": True, "sampling_params": params}
+        )
+        chat = await run_job(
+            w, {"messages": [{"role": "user", "content": "Hello there"}], "sampling_params": params}
+        )
+        raw = await run_job(w, {"prompt": "Hello there", "sampling_params": params})
+        return wrapped, chat, raw
+
+    wrapped, chat, raw = run(make_worker(), scenario)
+    assert wrapped == chat
+    assert wrapped[0]["usage"]["input"] > raw[0]["usage"]["input"]
+
+
+def test_custom_chat_template(make_worker):
+    worker = make_worker(
+        CUSTOM_CHAT_TEMPLATE="{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+
+    async def scenario(w):
+        chat = await run_job(w, {"messages": [{"role": "user", "content": "Hello world"}]})
+        return chat, len(w.engine.tokenizer.encode("Hello world", add_special_tokens=False))
+
+    chat, n = run(worker, scenario)
+    assert chat[0]["usage"]["input"] == n
+
+
+def test_n_choices(make_worker):
+    params = {"n": 2, "max_tokens": 30, "ignore_eos": True, "seed": 5, "temperature": 1.0}
+
+    async def scenario(w):
+        whole = await run_job(w, {"prompt": "Once upon a time", "sampling_params": params})
+        streamed = await run_job(
+            w, {"prompt": "Once upon a time", "sampling_params": params, "stream": True}
+        )
+        greedy = await run_job(
+            w,
+            {
+                "prompt": "Once upon a time",
+                "sampling_params": {"n": 3, "max_tokens": 20, "ignore_eos": True, "temperature": 0},
+            },
+        )
+        return whole, streamed, greedy
+
+    whole, streamed, greedy = run(make_worker(), scenario)
+    assert len(whole) == 1 and len(whole[0]["choices"]) == 2
+    assert whole[0]["usage"]["output"] == 60
+    # Seeded choices differ (choice i gets seed + i) and are reproducible in a stream.
+    texts = [c["tokens"][0] for c in whole[0]["choices"]]
+    assert texts[0] != texts[1]
+    assert [joined(streamed, 0), joined(streamed, 1)] == texts
+    assert streamed[-1]["usage"]["output"] == 60
+    # Batch sizes count the tokens of all choices together.
+    per_item = [len(i["choices"][0]["tokens"]) + len(i["choices"][1]["tokens"]) for i in streamed]
+    assert sum(per_item) == 60 and per_item[0] >= 1
+    assert [c["tokens"][0] for c in greedy[0]["choices"]] == [
+        greedy[0]["choices"][0]["tokens"][0]
+    ] * 3
+
+
+# -- sampling parameters ---------------------------------------------------------------------
+
+
+def test_sampling_params_supported_and_defaults():
+    p = build_sampling_params(
+        {"temperature": 0, "top_p": 0.5, "top_k": 5, "seed": 3, "stop_token_ids": [1, 2]},
+        default_max_tokens=100,
+    )
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids) == (0, 0.5, 5, 3, [1, 2])
+    assert p.max_tokens == 100
+    parsed = parse_sampling_params({"n": 3, "max_tokens": None}, default_max_tokens=100)
+    assert parsed.n == 3 and parsed.params.max_tokens is None and parsed.max_tokens_given
+    # vLLM names not supported yet are fine at their defaults.
+    defaults = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "stop": [],
+        "logprobs": None,
+        "use_beam_search": False,
+        "best_of": 2,
+        "n": 2,
+        "min_tokens": 0,
+        "guided_json": None,
+        "logit_bias": {},
+    }
+    assert parse_sampling_params(defaults, default_max_tokens=7).params.max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"foo": 1}, "unknown sampling parameter 'foo'"),
+        ({"top_a": 0.1}, "unknown sampling parameter 'top_a'"),
+        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported yet"),
+        ({"repetition_penalty": 1.1}, "'repetition_penalty' is not supported yet"),
+        ({"stop": ["\n"]}, "'stop' is not supported yet"),
+        ({"min_p": 0.1}, "'min_p' is not supported yet"),
+        ({"logprobs": 2}, "'logprobs' is not supported yet"),
+        ({"use_beam_search": True}, "'use_beam_search' is not supported yet"),
+        ({"guided_json": {"type": "object"}}, "'guided_json' is not supported yet"),
+        ({"best_of": 3}, "'best_of' is not supported yet"),
+        ({"best_of": 1, "n": 2}, "best_of must be >= n"),
+        ({"temperature": "hot"}, "sampling_params.temperature"),
+        ({"temperature": "0.5"}, "sampling_params.temperature"),
+        ({"ignore_eos": 1}, "sampling_params.ignore_eos"),
+        ({"max_tokens": 1.5}, "sampling_params.max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "sampling_params.n"),
+        ({"n": 1000}, "sampling_params.n"),
+        ({"stop_token_ids": ["a"]}, "sampling_params.stop_token_ids[0]"),
+        ({"seed": 2**70}, "sampling_params.seed"),
+    ],
+)
+def test_sampling_param_errors_name_the_parameter(params, message):
+    with pytest.raises(SamplingParamError) as info:
+        parse_sampling_params(params, default_max_tokens=100)
+    assert message in str(info.value)
+    assert info.value.param in str(info.value)
+
+
+# -- malformed jobs --------------------------------------------------------------------------
+
+MALFORMED = [
+    {"prompt": 42},
+    {"prompt": ["not", "a", "string"]},
+    {"prompt": ""},
+    {"messages": []},
+    {"messages": "hello"},
+    {"messages": [{"content": "no role"}]},
+    {"messages": [{"role": 7, "content": "x"}]},
+    {"messages": [{"role": "", "content": "x"}]},
+    {"messages": [{"role": "user", "content": 5}]},
+    {"prompt": "x", "sampling_params": {"foo": 1}},
+    {"prompt": "x", "sampling_params": {"max_tokens": -5}},
+    {"prompt": "x", "sampling_params": {"max_tokens": 0}},
+    {"prompt": "x", "sampling_params": {"temperature": -1}},
+    {"prompt": "x", "sampling_params": {"temperature": "warm"}},
+    {"prompt": "x", "sampling_params": {"n": 0}},
+    {"prompt": "x", "sampling_params": {"top_k": -7}},
+    {"prompt": "x", "sampling_params": {"presence_penalty": 1.0}},
+    {"prompt": "x", "sampling_params": ["max_tokens", 5]},
+    {"prompt": "x", "sampling_params": {"max_tokens": 10_000}},
+    {"prompt": "word " * 600},
+    {"prompt": "word " * 600, "stream": True},
+    {"prompt": "x", "stream": "yes"},
+    {"prompt": "x", "apply_chat_template": "true"},
+    {"prompt": "x", "max_tokens": 5},
+    {"prompt": "x", "max_batch_size": 0},
+    {"prompt": "x", "min_batch_size": "3"},
+    {"prompt": "x", "batch_size_growth_factor": -2},
+    {"prompt": "x", "openai_input": {"model": "m"}},
+    {},
+    {"sampling_params": {"max_tokens": 5}},
+    {"prompt": "x", "sampling_params": {"n": 2, "max_tokens": 10_000}, "stream": True},
+]
+NOT_A_DICT = ["just a string", ["a", "list"], 7, None]
+
+
+def test_malformed_jobs_get_an_error_and_the_worker_recovers(make_worker):
+    async def scenario(w):
+        results = [await run_job(w, job) for job in MALFORMED]
+        results += [await run_job(w, job) for job in NOT_A_DICT]
+        results.append([item async for item in w.handle("not even a job")])
+        await asyncio.sleep(0.05)  # let the engine loop apply any abort
+        free = blocks_all_free(w)
+        after = await run_job(
+            w, {"prompt": "Hello", "sampling_params": GREEDY_LONG, "stream": True}
+        )
+        await asyncio.sleep(0.05)
+        return results, free, after, blocks_all_free(w)
+
+    results, free_between, after, free_after = run(make_worker(), scenario)
+    assert len(results) >= 30
+    for job, items in zip(MALFORMED + NOT_A_DICT + ["not even a job"], results):
+        assert len(items) == 1, job
+        assert set(items[0]) == {"error"}, job
+        assert isinstance(items[0]["error"], str) and items[0]["error"], job
+        assert "\n" not in items[0]["error"], job
+    assert free_between and free_after
+    assert sum(token_counts(after)) == 200
+
+
+def test_error_messages_are_specific(make_worker):
+    async def scenario(w):
+        return {
+            "unknown": await run_job(w, {"prompt": "x", "sampling_params": {"foo": 1}}),
+            "role": await run_job(w, {"messages": [{"role": 7, "content": "x"}]}),
+            "empty": await run_job(w, {"messages": []}),
+            "long": await run_job(w, {"prompt": "word " * 600}),
+            "missing": await run_job(w, {"stream": True}),
+            "top": await run_job(w, {"prompt": "x", "max_tokens": 5}),
+        }
+
+    r = run(make_worker(), scenario)
+    assert r["unknown"][0]["error"] == "unknown sampling parameter 'foo'"
+    assert "messages[0].role" in r["role"][0]["error"]
+    assert r["empty"][0]["error"] == "'messages' must not be empty"
+    assert "max_model_len=512" in r["long"][0]["error"]
+    assert r["missing"][0]["error"] == "the job needs 'prompt' or 'messages'"
+    assert "sampling_params" in r["top"][0]["error"] and "'max_tokens'" in r["top"][0]["error"]
+
+
+# -- cancellation ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_closing_a_stream_aborts_its_requests(make_worker, n):
+    params = {"n": n, "max_tokens": 400, "ignore_eos": True}
+
+    async def scenario(w):
+        gen = w.handle(
+            {"id": "c", "input": {"prompt": "Hi", "sampling_params": params, "stream": True}}
+        )
+        first = await gen.__anext__()
+        await gen.aclose()  # the client went away
+        for _ in range(100):
+            if blocks_all_free(w) and not w.engine.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        return first, blocks_all_free(w), dict(w.engine.engine.requests)
+
+    first, free, left = run(make_worker(), scenario)
+    assert "choices" in first and free and left == {}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_cancelling_a_job_task_propagates_and_frees_blocks(make_worker, n):
+    params = {"n": n, "max_tokens": 400, "ignore_eos": True}
+
+    async def scenario(w):
+        got: list = []
+
+        async def consume():
+            async for item in w.handle(
+                {"id": "k", "input": {"prompt": "Hi", "sampling_params": params, "stream": True}}
+            ):
+                got.append(item)
+
+        task = asyncio.create_task(consume())
+        while not got:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if blocks_all_free(w) and not w.engine.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        return blocks_all_free(w), w.active_jobs
+
+    free, active = run(make_worker(), scenario)
+    assert free and active == 0

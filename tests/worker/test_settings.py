@@ -1,0 +1,369 @@
+"""Settings: every env var parsed and validated, one-line errors, limitations reported, the docs
+generated from the code, and HF_TOKEN in no log line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serverless_llm.engine.loader import ModelLoadError
+from serverless_llm.worker import settings as settings_module
+from serverless_llm.worker.batching import BatchSizes
+from serverless_llm.worker.settings import (
+    CATEGORIES,
+    EMBEDDED_MODEL_NAME,
+    Settings,
+    SettingsError,
+    settings_markdown,
+    settings_metadata,
+)
+from tests.worker.conftest import run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The worker-vllm table plus the engine's own, as issue 4 lists them.
+ISSUE_VARS = [
+    "MODEL_NAME",
+    "MODEL_REVISION",
+    "MAX_MODEL_LEN",
+    "BASE_PATH",
+    "LOAD_FORMAT",
+    "HF_TOKEN",
+    "QUANTIZATION",
+    "TRUST_REMOTE_CODE",
+    "SEED",
+    "KV_CACHE_DTYPE",
+    "DTYPE",
+    "TOKENIZER_NAME",
+    "TOKENIZER_REVISION",
+    "CUSTOM_CHAT_TEMPLATE",
+    "GPU_MEMORY_UTILIZATION",
+    "MAX_PARALLEL_LOADING_WORKERS",
+    "BLOCK_SIZE",
+    "SWAP_SPACE",
+    "ENFORCE_EAGER",
+    "MAX_CONTEXT_LEN_TO_CAPTURE",
+    "MAX_SEQ_LEN_TO_CAPTURE",
+    "DISABLE_CUSTOM_ALL_REDUCE",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MIN_BATCH_SIZE",
+    "DEFAULT_BATCH_SIZE_GROWTH_FACTOR",
+    "RAW_OPENAI_OUTPUT",
+    "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
+    "OPENAI_RESPONSE_ROLE",
+    "MAX_CONCURRENCY",
+    "DISABLE_LOG_STATS",
+    "DISABLE_LOG_REQUESTS",
+    "TENSOR_PARALLEL_SIZE",
+    "MAX_NUM_SEQS",
+    "MAX_NUM_BATCHED_TOKENS",
+    "ENABLE_PREFIX_CACHING",
+    "ATTENTION_BACKEND",
+    "CPU_KV_CACHE_SPACE",
+    "NUM_GPU_BLOCKS_OVERRIDE",
+    "DEVICE",
+]
+
+# Every variable set to a value other than its default, and the field value it must give.
+EVERY_VAR = {
+    "MODEL_NAME": ("org/model", "model_name", "org/model"),
+    "MODEL_REVISION": ("v2", "model_revision", "v2"),
+    "MAX_MODEL_LEN": ("4096", "max_model_len", 4096),
+    "BASE_PATH": ("/models", "base_path", "/models"),
+    "LOAD_FORMAT": ("safetensors", "load_format", "safetensors"),
+    "HF_TOKEN": ("hf_abc", "hf_token", None),  # checked separately: a SecretStr
+    "TRUST_REMOTE_CODE": ("1", "trust_remote_code", True),
+    "SEED": ("7", "seed", 7),
+    "KV_CACHE_DTYPE": ("fp8", "kv_cache_dtype", "fp8"),
+    "DTYPE": ("bfloat16", "dtype", "bfloat16"),
+    "TOKENIZER_NAME": ("org/tok", "tokenizer_name", "org/tok"),
+    "TOKENIZER_REVISION": ("t1", "tokenizer_revision", "t1"),
+    "CUSTOM_CHAT_TEMPLATE": ("{{ messages }}", "custom_chat_template", "{{ messages }}"),
+    "GPU_MEMORY_UTILIZATION": ("0.5", "gpu_memory_utilization", 0.5),
+    "MAX_PARALLEL_LOADING_WORKERS": ("2", "max_parallel_loading_workers", 2),
+    "BLOCK_SIZE": ("32", "block_size", 32),
+    "SWAP_SPACE": ("2", "swap_space", 2.0),
+    "ENFORCE_EAGER": ("true", "enforce_eager", True),
+    "MAX_CONTEXT_LEN_TO_CAPTURE": ("1024", "max_seq_len_to_capture", 1024),
+    "DISABLE_CUSTOM_ALL_REDUCE": ("1", "disable_custom_all_reduce", True),
+    "DEFAULT_BATCH_SIZE": ("40", "default_batch_size", 40),
+    "DEFAULT_MIN_BATCH_SIZE": ("2", "default_min_batch_size", 2),
+    "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": ("2.5", "default_batch_size_growth_factor", 2.5),
+    "RAW_OPENAI_OUTPUT": ("0", "raw_openai_output", False),
+    "OPENAI_SERVED_MODEL_NAME_OVERRIDE": (
+        "my-model",
+        "openai_served_model_name_override",
+        "my-model",
+    ),
+    "OPENAI_RESPONSE_ROLE": ("bot", "openai_response_role", "bot"),
+    "MAX_CONCURRENCY": ("12", "max_concurrency", 12),
+    "DISABLE_LOG_STATS": ("false", "disable_log_stats", False),
+    "DISABLE_LOG_REQUESTS": ("0", "disable_log_requests", False),
+    "TENSOR_PARALLEL_SIZE": ("2", "tensor_parallel_size", 2),
+    "MAX_NUM_SEQS": ("64", "max_num_seqs", 64),
+    "MAX_NUM_BATCHED_TOKENS": ("1024", "max_num_batched_tokens", 1024),
+    "ENABLE_PREFIX_CACHING": ("0", "enable_prefix_caching", False),
+    "ATTENTION_BACKEND": ("torch", "attention_backend", "torch"),
+    "DEVICE": ("cuda:1", "device", "cuda:1"),
+    "CPU_KV_CACHE_SPACE": ("1.5", "cpu_kv_cache_space", 1.5),
+    "NUM_GPU_BLOCKS_OVERRIDE": ("99", "num_gpu_blocks_override", 99),
+}
+
+FAKE_TOKEN = "hf_FAKEtoken0123456789abcdefSECRET"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """Settings read os.environ in some tests: start each from a clean slate."""
+    for name in list(os.environ):
+        if name.upper() in settings_module._ENV_TO_FIELD:
+            monkeypatch.delenv(name)
+
+
+def test_issue_vars_are_all_settings():
+    known = {row["env"] for row in settings_metadata()}
+    known |= {a for row in settings_metadata() for a in row["aliases"]}
+    assert [v for v in ISSUE_VARS if v not in known] == []
+
+
+def test_every_variable_parsed():
+    env = {name: raw for name, (raw, _, _) in EVERY_VAR.items()}
+    s = Settings.from_env(env)
+    for name, (_, field, expected) in EVERY_VAR.items():
+        if field == "hf_token":
+            assert s.hf_token.get_secret_value() == "hf_abc"
+        else:
+            assert getattr(s, field) == expected, name
+    cfg = s.engine_config()
+    assert cfg.model == "org/model" and cfg.revision == "v2" and cfg.max_model_len == 4096
+    assert cfg.num_kv_blocks == 99 and cfg.kv_cache_space_gib == 1.5 and cfg.block_size == 32
+    assert cfg.download_dir == os.path.join("/models", "huggingface-cache", "hub")
+    assert cfg.hf_token == "hf_abc" and "hf_abc" not in repr(cfg)
+    assert cfg.max_num_seqs == 64 and cfg.max_num_batched_tokens == 1024
+    assert cfg.device == "cuda:1" and cfg.tokenizer == "org/tok" and cfg.dtype == "bfloat16"
+
+
+def test_defaults_match_the_table():
+    s = Settings.from_env({})
+    assert s.model_name is None and s.served_model_name == EMBEDDED_MODEL_NAME
+    assert s.base_path == "/runpod-volume" and s.load_format == "auto" and s.dtype == "auto"
+    assert s.gpu_memory_utilization == 0.95 and s.block_size == 16 and s.max_concurrency == 300
+    assert s.batch_sizes == BatchSizes(max_batch_size=50, min_batch_size=1, growth_factor=3.0)
+    assert s.raw_openai_output is True and s.openai_response_role == "assistant"
+    assert s.disable_log_stats is True and s.disable_log_requests is True
+    assert s.limitations() == []
+    assert s.engine_config().model is None  # the embedded default
+
+
+def test_reads_os_environ(monkeypatch):
+    monkeypatch.setenv("MAX_MODEL_LEN", "1234")
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "TRUE")
+    monkeypatch.setenv("MODEL_REVISION", "")  # the console sends "" for blank: unset
+    s = Settings.from_env()
+    assert s.max_model_len == 1234 and s.trust_remote_code is True and s.model_revision is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("0", False), ("1", True), ("true", True), ("false", False), ("True", True), ("FALSE", False)],
+)
+def test_booleans(raw, expected):
+    s = Settings.from_env({"TRUST_REMOTE_CODE": raw, "ENFORCE_EAGER": raw})
+    assert s.trust_remote_code is expected and s.enforce_eager is expected
+
+
+@pytest.mark.parametrize(
+    ("env", "must_contain"),
+    [
+        ({"MAX_MODEL_LEN": "abc"}, ["MAX_MODEL_LEN", "'abc'", "integer >= 1"]),
+        ({"MAX_MODEL_LEN": "0"}, ["MAX_MODEL_LEN", "'0'", "integer >= 1"]),
+        ({"BLOCK_SIZE": "12"}, ["BLOCK_SIZE", "'12'", "8, 16, 32"]),
+        ({"DTYPE": "float64"}, ["DTYPE", "'float64'", "bfloat16"]),
+        ({"TRUST_REMOTE_CODE": "maybe"}, ["TRUST_REMOTE_CODE", "'maybe'", "0, 1, true or false"]),
+        ({"GPU_MEMORY_UTILIZATION": "1.5"}, ["GPU_MEMORY_UTILIZATION", "'1.5'", "<= 1"]),
+        ({"GPU_MEMORY_UTILIZATION": "nan"}, ["GPU_MEMORY_UTILIZATION", "'nan'"]),
+        ({"LOAD_FORMAT": "onnx"}, ["LOAD_FORMAT", "'onnx'", "safetensors"]),
+        ({"DEVICE": "tpu"}, ["DEVICE", "'tpu'", "cuda:N"]),
+        ({"MAX_CONCURRENCY": "-3"}, ["MAX_CONCURRENCY", "'-3'", "integer >= 1"]),
+        ({"DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "0"}, ["DEFAULT_BATCH_SIZE_GROWTH_FACTOR", "> 0"]),
+        ({"MIN_BATCH_SIZE": "zero"}, ["MIN_BATCH_SIZE", "'zero'"]),  # named as the user set it
+        ({"KV_CACHE_DTYPE": "int4"}, ["KV_CACHE_DTYPE", "'int4'", "fp8"]),
+        ({"QUANTIZATION": "awq"}, ["QUANTIZATION", "'awq'", "not supported yet"]),
+        ({"ATTENTION_BACKEND": "flash"}, ["ATTENTION_BACKEND", "'flash'", "triton"]),
+    ],
+)
+def test_bad_values_give_one_line(env, must_contain):
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env(env)
+    message = str(info.value)
+    assert "\n" not in message
+    for part in must_contain:
+        assert part in message
+
+
+def test_several_bad_values_still_one_line():
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env({"SEED": "x", "BLOCK_SIZE": "7"})
+    message = str(info.value)
+    assert "\n" not in message and "SEED" in message and "BLOCK_SIZE" in message
+
+
+def test_bad_env_stops_startup_with_one_line(worker_env):
+    env = {k: v for k, v in os.environ.items() if k.upper() not in settings_module._ENV_TO_FIELD}
+    env.update(worker_env, MAX_MODEL_LEN="lots")
+    proc = subprocess.run(
+        [sys.executable, "-m", "serverless_llm.worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["error: MAX_MODEL_LEN='lots' is not valid: expected an integer >= 1"]
+
+
+def test_documented_batch_names_and_legacy_aliases():
+    s = Settings.from_env(
+        {
+            "DEFAULT_BATCH_SIZE": "20",
+            "DEFAULT_MIN_BATCH_SIZE": "4",
+            "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "2",
+        }
+    )
+    assert s.batch_sizes == BatchSizes(max_batch_size=20, min_batch_size=4, growth_factor=2.0)
+    legacy = Settings.from_env({"MIN_BATCH_SIZE": "5", "BATCH_SIZE_GROWTH_FACTOR": "4"})
+    assert (legacy.default_min_batch_size, legacy.default_batch_size_growth_factor) == (5, 4.0)
+    both = Settings.from_env({"DEFAULT_MIN_BATCH_SIZE": "2", "MIN_BATCH_SIZE": "9"})
+    assert both.default_min_batch_size == 2  # the documented name wins
+
+
+def test_context_len_to_capture_aliases():
+    assert Settings.from_env({"MAX_SEQ_LEN_TO_CAPTURE": "10"}).max_seq_len_to_capture == 10
+    assert Settings.from_env({"MAX_CONTEXT_LEN_TO_CAPTURE": "11"}).max_seq_len_to_capture == 11
+
+
+def test_served_model_name():
+    assert Settings.from_env({"MODEL_NAME": "org/m"}).served_model_name == "org/m"
+    both = {"MODEL_NAME": "org/m", "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "alias"}
+    assert Settings.from_env(both).served_model_name == "alias"
+    assert Settings.from_env({}).served_model_name == "SmolLM2-135M-Instruct"
+
+
+def test_base_path(monkeypatch, tmp_path):
+    s = Settings.from_env({"BASE_PATH": str(tmp_path)})
+    assert s.download_dir == str(tmp_path / "huggingface-cache" / "hub")
+    # The default on a machine where /runpod-volume cannot be created: the HF cache.
+    monkeypatch.setattr(settings_module, "_can_create", lambda path: False)
+    assert Settings.from_env({}).download_dir is None
+    assert Settings.from_env({"BASE_PATH": str(tmp_path)}).download_dir is not None
+
+
+def test_limitations_warn_or_fail():
+    s = Settings.from_env(
+        {
+            "TENSOR_PARALLEL_SIZE": "2",
+            "SWAP_SPACE": "4",
+            "KV_CACHE_DTYPE": "fp8",
+            "MAX_PARALLEL_LOADING_WORKERS": "3",
+            "MAX_CONTEXT_LEN_TO_CAPTURE": "4096",
+        }
+    )
+    lims = {lim.env: lim for lim in s.limitations()}
+    assert set(lims) == {
+        "TENSOR_PARALLEL_SIZE",
+        "SWAP_SPACE",
+        "KV_CACHE_DTYPE",
+        "MAX_PARALLEL_LOADING_WORKERS",
+        "MAX_SEQ_LEN_TO_CAPTURE",
+    }
+    assert all(lim.level == "warning" for lim in lims.values())
+    assert lims["TENSOR_PARALLEL_SIZE"].message.startswith("TENSOR_PARALLEL_SIZE=2: ")
+    # Defaults, and values that ask for nothing, are not reported.
+    quiet = {"TENSOR_PARALLEL_SIZE": "1", "SWAP_SPACE": "0", "ENFORCE_EAGER": "1"}
+    assert Settings.from_env(quiet).limitations() == []
+
+
+def test_limitations_are_logged_at_startup(make_worker, caplog):
+    worker = make_worker(TENSOR_PARALLEL_SIZE="4", SWAP_SPACE="1")
+    with caplog.at_level(logging.INFO):
+        worker.load()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("TENSOR_PARALLEL_SIZE=4:") for w in warnings)
+    assert any(w.startswith("SWAP_SPACE=1.0:") for w in warnings)
+    info = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings: ")]
+    assert len(info) == 1 and "TENSOR_PARALLEL_SIZE=4" in info[0]
+
+
+def test_metadata_is_complete():
+    rows = settings_metadata()
+    assert len({row["env"] for row in rows}) == len(rows)
+    for row in rows:
+        assert row["title"] and row["description"], row["env"]
+        assert row["category"] in CATEGORIES, row["env"]
+        assert row["type"] in {"str", "int", "float", "bool", "secret"}, row["env"]
+        assert row["form_type"] in {"text", "number", "toggle", "select"}, row["env"]
+        if row["form_type"] == "select":
+            assert row["default"] is None or row["default"] in row["choices"], row["env"]
+
+
+def test_docs_are_current():
+    """docs/settings.md is generated: regenerate it with
+    `python -m serverless_llm.worker.settings --markdown > docs/settings.md`."""
+    on_disk = (ROOT / "docs" / "settings.md").read_text()
+    assert on_disk == settings_markdown()
+    for row in settings_metadata():
+        assert f"`{row['env']}`" in on_disk
+
+
+def test_hf_token_never_logged(monkeypatch, make_worker, tmp_path):
+    """Everything the worker logs at every level, with a fake token set, on the paths that
+    touch it: settings, start-up, a job, a failing hub lookup."""
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(logging.Formatter("%(name)s %(message)s").format(record))
+
+    root = logging.getLogger()
+    handler = Capture(level=logging.DEBUG)
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        worker = make_worker(HF_TOKEN=FAKE_TOKEN, DISABLE_LOG_REQUESTS="0")
+        settings = worker.settings
+        assert settings.hf_token.get_secret_value() == FAKE_TOKEN
+        logging.getLogger("test").debug("settings %r %s", settings, settings)
+        logging.getLogger("test").debug("config %r", settings.engine_config())
+
+        async def scenario():
+            await worker.start()
+            items = await run_job(worker, {"prompt": "Hello", "sampling_params": {"max_tokens": 4}})
+            await worker.shutdown()
+            return items
+
+        assert "error" not in asyncio.run(scenario())[0]
+
+        hub = make_worker(HF_TOKEN=FAKE_TOKEN, MODEL_NAME="someorg/private-model")
+        with pytest.raises(ModelLoadError) as info:
+            hub.load()
+        assert FAKE_TOKEN not in str(info.value)
+        logging.getLogger("test").exception("load failed", exc_info=info.value)
+        with pytest.raises(SettingsError) as bad:
+            Settings.from_env({"HF_TOKEN": FAKE_TOKEN, "SEED": "x"})
+        assert FAKE_TOKEN not in str(bad.value)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert len(records) > 5
+    assert any("settings: " in r and "HF_TOKEN=***" in r for r in records)
+    leaked = [r for r in records if FAKE_TOKEN in r or FAKE_TOKEN[3:20] in r]
+    assert leaked == []
