@@ -1,0 +1,426 @@
+"""The local endpoint's HTTP app: the hosted platform's routes in front of the worker's handler.
+
+Every route builds the same job the platform would hand the worker and drives the very same
+`Worker.handle`, so what works here works deployed:
+
+- `/openai/v1/chat/completions`, `/openai/v1/completions`, `/openai/v1/models` (and
+  `/v2/{endpoint_id}/openai/v1/...`): OpenAI requests relayed as `openai_route` jobs. Streams are
+  real server-sent events, one write per item the handler yields. A client that goes away
+  mid-request closes the handler's generator, which aborts the engine request and frees its KV
+  blocks.
+- `/run`, `/runsync`, `/stream/{id}`, `/status/{id}`, `/cancel/{id}`, `/health` (and
+  `/v2/{endpoint_id}/...`): the platform's job API. Unlike runpod's `--rp_serve_api`, `/stream`
+  returns only what is new since the last poll, as the platform does.
+
+With an API key set, every route wants `Authorization: Bearer <key>` (a bare key works too, as
+on the platform); a wrong or missing one gets 401 in the route's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager, suppress
+from typing import Any, Protocol, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from ..api.openai import http_status, openai_error
+from .jobs import COMPLETED, FAILED, Job, JobManager
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+STREAM_POLL_WAIT_S = 2.0  # how long GET /stream waits for something new before answering
+RUNSYNC_WAIT_MS = 90_000  # /runsync's default wait, as on the platform; ?wait= overrides it
+RUNSYNC_MAX_WAIT_MS = 300_000
+
+
+class WorkerLike(Protocol):
+    """What the app needs from `serverless_llm.worker.handler.Worker`."""
+
+    async def start(self) -> None: ...
+
+    def handle(self, job: dict[str, Any]) -> AsyncIterator[Any]: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class ApiError(Exception):
+    """An error answered in the shape of the route it happened on (see `_error_response`)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+def _is_openai_path(path: str) -> bool:
+    return "/openai/" in path
+
+
+def _error_response(path: str, status: int, message: str, code: str | None = None) -> Response:
+    """OpenAI routes answer in OpenAI's error object (what its client parses); job routes in
+    the platform's `{"error": "..."}`."""
+    if _is_openai_path(path):
+        err = openai_error(message, code=code, status=status)  # the type follows the status
+        return JSONResponse(err, status_code=http_status(err))
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _openai_error_response(err: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(err, status_code=http_status(err))
+
+
+def _sse(item: Any) -> str:
+    """One handler item as SSE text: strings are already SSE (RAW_OPENAI_OUTPUT on), lists are
+    chunk objects (off), anything else is one event."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list):
+        return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in item)
+    return f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+
+
+async def _first(items: AsyncIterator[Any]) -> Any:
+    return await anext(items, None)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(aw: Awaitable[T], receive: Receive) -> T:
+    """Awaits `aw` unless the client disconnects first; then cancels it and raises ClientGone.
+    (Starlette does not notice a disconnect until it writes, and a request waiting for a slot
+    or for a long generation writes nothing.)"""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from a handler generator, one write per item.
+
+    Unlike StreamingResponse, it always listens for the client going away while it waits for
+    the next item, and closes the generator in every case, so the engine request is aborted at
+    once rather than when some later write fails.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, first: Any, items: AsyncIterator[Any]) -> None:
+        self._items = items
+        super().__init__(
+            self._events(first, items),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            media_type=self.media_type,
+        )
+
+    @staticmethod
+    async def _events(first: Any, items: AsyncIterator[Any]) -> AsyncIterator[str]:
+        last = ""
+        async with aclosing(items):  # type: ignore[type-var]
+            item = first
+            try:
+                while True:
+                    if text := _sse(item):
+                        last = text
+                        yield text
+                    try:
+                        item = await anext(items)
+                    except StopAsyncIteration:
+                        break
+            except Exception as exc:  # the handler broke mid-stream: say so in-band
+                logger.exception("stream failed")
+                last = _sse(
+                    openai_error(f"{type(exc).__name__}: {exc}", type="server_error", status=500)
+                )
+                yield last
+        # RAW_OPENAI_OUTPUT on: the handler's text already ends with [DONE]; off: we add it.
+        if not last.endswith(SSE_DONE):
+            yield SSE_DONE
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, listener):
+                task.cancel()
+            await asyncio.wait({sender, listener})
+            # The generator is idle now (its task is done), so closing it is safe; this is what
+            # aborts the engine request when the client left while we waited on a send.
+            with suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            with suppress(Exception):
+                await self._items.aclose()  # type: ignore[attr-defined]
+        if not sender.cancelled() and (exc := sender.exception()) is not None:
+            if not isinstance(exc, OSError):  # OSError: the client is gone, nothing to tell
+                raise exc
+
+
+def create_app(
+    worker: WorkerLike,
+    *,
+    api_key: str | None = None,
+    max_concurrency: int = 300,
+    max_finished_jobs: int = 1000,
+    finished_job_ttl_s: float = 600.0,
+    stream_poll_wait_s: float = STREAM_POLL_WAIT_S,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app; its lifespan starts the worker (loads the model once) before serving and calls
+    `on_ready` then, and shuts the worker down at exit."""
+    jobs: JobManager | None = None
+
+    def job_manager() -> JobManager:
+        if jobs is None:
+            raise ApiError(503, "the worker is not started yet")
+        return jobs
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal jobs
+        await worker.start()
+        jobs = JobManager(
+            worker.handle,
+            max_concurrency=max_concurrency,
+            max_finished=max_finished_jobs,
+            finished_ttl_s=finished_job_ttl_s,
+        )
+        app.state.jobs = jobs
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await jobs.shutdown()
+            await worker.shutdown()
+
+    def check_api_key(request: Request) -> None:
+        if not api_key:
+            return
+        given = request.headers.get("authorization", "").strip()
+        if given[:7].lower() == "bearer ":
+            given = given[7:].strip()
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "missing or incorrect API key", code="invalid_api_key")
+
+    app = FastAPI(
+        title="serverless-llm local endpoint",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.worker = worker
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(request.url.path, exc.status, exc.message, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error_response(request.url.path, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(request.url.path, 400, f"invalid request: {exc.errors()}")
+
+    router = APIRouter(dependencies=[Depends(check_api_key)])
+
+    # -- OpenAI -------------------------------------------------------------------------------
+
+    async def relay(request: Request, route: str, body: dict[str, Any]) -> Response:
+        items = job_manager().run_direct(
+            {
+                "id": f"oai-{uuid.uuid4().hex}",
+                "input": {"openai_route": route, "openai_input": body},
+            }
+        )
+        try:
+            first = await _unless_disconnected(_first(items), request.receive)
+        except ClientGone:
+            await items.aclose()
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        except BaseException:
+            await items.aclose()
+            raise
+        if first is None or isinstance(first, dict):
+            # Not a stream: one response object or one error object.
+            await items.aclose()
+            if first is None:
+                raise ApiError(500, "the worker produced no output")
+            if "error" in first:
+                return _openai_error_response(first)
+            return JSONResponse(first)
+        return EventStream(first, items)
+
+    async def read_openai_body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    @router.post("/openai/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await relay(request, "/v1/chat/completions", await read_openai_body(request))
+
+    @router.post("/openai/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await relay(request, "/v1/completions", await read_openai_body(request))
+
+    @router.get("/openai/v1/models")
+    async def list_models(request: Request) -> Response:
+        return await relay(request, "/v1/models", {})
+
+    @router.get("/openai/v1/models/{model:path}")
+    async def retrieve_model(request: Request, model: str) -> Response:
+        """`client.models.retrieve(name)`: the matching entry of the model list, or 404."""
+        listed = await relay(request, "/v1/models", {})
+        if listed.status_code != 200 or not isinstance(listed, JSONResponse):
+            return listed
+        for entry in json.loads(bytes(listed.body)).get("data", []):
+            if entry.get("id") == model:
+                return JSONResponse(entry)
+        err = openai_error(
+            f"The model `{model}` does not exist.",
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+        return _openai_error_response(err)
+
+    # -- the platform's job API ---------------------------------------------------------------
+
+    async def read_job_input(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict) or "input" not in body:
+            raise ApiError(400, 'the request body must be a JSON object with an "input" field')
+        if not isinstance(body["input"], dict):
+            raise ApiError(400, '"input" must be a JSON object')
+        return body["input"]
+
+    def find(job_id: str) -> Job:
+        job = job_manager().get(job_id)
+        if job is None:
+            raise ApiError(404, f"job {job_id!r} not found (unknown, or finished long ago)")
+        return job
+
+    def view(job: Job) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": job.id, "status": job.status, **job.timings()}
+        if job.status == COMPLETED:
+            out["output"] = job.output
+        elif job.status == FAILED:
+            out["error"] = job.error
+        return out
+
+    @router.post("/run")
+    async def run(request: Request) -> dict[str, Any]:
+        job = job_manager().submit(await read_job_input(request))
+        return {"id": job.id, "status": job.status}
+
+    @router.post("/runsync")
+    async def runsync(request: Request, wait: int | None = None) -> dict[str, Any]:
+        """Waits for the job (up to `wait` ms, 90 s by default); a job still running answers
+        with its status, to be polled with /status or /stream, as on the platform."""
+        jm = job_manager()
+        job = jm.submit(await read_job_input(request))
+        wait_ms = RUNSYNC_WAIT_MS if wait is None else min(max(wait, 0), RUNSYNC_MAX_WAIT_MS)
+        await jm.wait_done(job, wait_ms / 1000)
+        return view(job)
+
+    @router.api_route("/stream/{job_id}", methods=["GET", "POST"])
+    async def stream(job_id: str) -> dict[str, Any]:
+        job = find(job_id)
+        items = await job_manager().next_stream_items(job, stream_poll_wait_s)
+        out: dict[str, Any] = {
+            "id": job.id,
+            "status": job.status,
+            "stream": [{"output": item} for item in items],
+        }
+        if job.status == FAILED:
+            out["error"] = job.error
+        return out
+
+    @router.api_route("/status/{job_id}", methods=["GET", "POST"])
+    async def status(job_id: str) -> dict[str, Any]:
+        return view(find(job_id))
+
+    @router.post("/cancel/{job_id}")
+    async def cancel(job_id: str) -> dict[str, Any]:
+        job = find(job_id)
+        await job_manager().cancel(job)
+        return {"id": job.id, "status": job.status}
+
+    @router.get("/health")
+    async def health() -> dict[str, Any]:
+        jm = job_manager()
+        counts = jm.health_counts()
+        busy = counts["inProgress"] > 0
+        out: dict[str, Any] = {
+            "ok": True,
+            "jobs": counts,
+            "workers": {
+                "ready": 1,
+                "idle": 0 if busy else 1,
+                "running": 1 if busy else 0,
+                "concurrency": jm.max_concurrency,
+            },
+        }
+        if (engine_stats := _engine_stats(worker)) is not None:
+            out["engine"] = engine_stats
+        return out
+
+    app.include_router(router)
+    app.include_router(router, prefix="/v2/{endpoint_id}")
+    return app
+
+
+def _engine_stats(worker: Any) -> dict[str, Any] | None:
+    """KV pool occupancy and requests in flight, when the worker exposes its engine: what tells
+    a stuck or leaking engine apart from a busy one."""
+    async_engine = getattr(worker, "engine", None)
+    engine = getattr(async_engine, "engine", None)
+    pool = getattr(engine, "block_pool", None)
+    if pool is None:
+        return None
+    return {
+        "kvBlocksFree": pool.num_free,
+        "kvBlocksTotal": pool.num_blocks,
+        "requests": len(getattr(engine, "requests", ())),
+    }
