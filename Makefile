@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install install-dev run test lint format bench
+.PHONY: install install-dev run chat test lint format bench
 
 $(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
 
-# Runs the engine on the embedded default model (SmolLM2-135M-Instruct).
+# Starts the local endpoint (OpenAI routes under /openai/v1, RunPod job routes) on the embedded
+# default model (SmolLM2-135M-Instruct) unless MODEL_NAME says otherwise.
 run: install
+	$(PY) -m serverless_llm.devserver $(ARGS)
+
+# Chats with the model offline in the terminal, without the HTTP layer.
+chat: install
 	$(PY) -m serverless_llm $(ARGS)
 
 test: install-dev
