@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.dispatch import use_triton
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As Llama computes it: statistics in float32, scale applied after casting back."""
@@ -25,6 +27,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pair a
         pre-norm decoder layer needs, so the add and the norm can be one kernel."""
+        if use_triton(x):
+            from ..kernels.rms_norm import rms_norm  # Triton is imported only on this path
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
         residual = x + residual

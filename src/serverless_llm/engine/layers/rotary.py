@@ -8,8 +8,11 @@ position each step, so a token's rotation depends only on its position, never on
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from ..kernels.dispatch import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
@@ -96,3 +99,64 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate_table_ref(
+    positions: torch.Tensor,
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    is_neox: bool = True,
+) -> torch.Tensor:
+    """Any layout, straight from the table: neox (halves) or gpt-j (interleaved pairs), over
+    the first `cache.shape[-1]` dims of x [T, H, D] (the rest pass through: partial rotary).
+    cos/sin are rounded to x's dtype first, as `apply_rotary_ref` does."""
+    rot_dim = cache.shape[-1]
+    half = rot_dim // 2
+    cs = cache.index_select(0, positions)
+    cos = cs[:, None, :half].to(x.dtype)
+    sin = cs[:, None, half:].to(x.dtype)
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    if is_neox:
+        x1, x2 = rot[..., :half], rot[..., half:]
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    out = torch.cat([o1, o2], dim=-1) if is_neox else torch.stack([o1, o2], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+@dataclass
+class RotaryStep:
+    """What every layer's rotary needs in one step, computed once: the positions and table for
+    the Triton kernel (which looks rows up itself), or the gathered cos/sin for the torch path."""
+
+    positions: torch.Tensor  # [T]
+    cache: torch.Tensor  # [max_position, rot_dim] float32
+    cos: torch.Tensor | None = None  # [T, 1, D] in the model dtype; None on the Triton path
+    sin: torch.Tensor | None = None
+
+
+def rotary_step(cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+    if use_triton(positions):
+        return RotaryStep(positions, cache)
+    cos, sin = gather_cos_sin(cache, positions, dtype)
+    return RotaryStep(positions, cache, cos, sin)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, step: RotaryStep, is_neox: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, H, D] and k [T, KVH, D]. The Triton path rotates in place (q and k are
+    views into the fresh QKV projection, so nobody else sees them); the torch path returns new
+    tensors, exactly as `apply_rotary_ref`."""
+    if step.cos is None:
+        from ..kernels.rotary import rotary_embedding  # Triton is imported only on this path
+
+        return rotary_embedding(step.positions, q, k, step.cache, is_neox)
+    if is_neox and step.cos.shape[-1] == q.shape[-1]:
+        return apply_rotary_ref(q, k, step.cos, step.sin)
+    return (
+        rotate_table_ref(step.positions, q, step.cache, is_neox),
+        rotate_table_ref(step.positions, k, step.cache, is_neox),
+    )

@@ -13,16 +13,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.activation import silu_and_mul_ref
+from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from ..layers.linear import PackedLinear, pack_linears_for_cpu
 from ..layers.norm import RMSNorm
 from ..layers.rotary import (
-    apply_rotary_ref,
+    RotaryStep,
+    apply_rotary,
     cos_sin_cache,
-    gather_cos_sin,
     inv_frequencies,
     rope_parameters,
+    rotary_step,
 )
 
 
@@ -72,14 +73,14 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.o_bias)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: RotaryStep, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         s = self.spec
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, s.num_heads, s.head_dim)
         k = k.view(T, s.num_kv_heads, s.head_dim)
         v = v.reshape(T, s.num_kv_heads, s.head_dim)
-        q, k = apply_rotary_ref(q, k, cos, sin)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, s))
 
 
@@ -94,7 +95,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -105,13 +106,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
+    def forward(self, x, residual, rope: RotaryStep, kv_cache, meta):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -172,10 +173,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states of every token, after the final norm: [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = gather_cos_sin(self.rope_cache, positions, x.dtype)
+        rope = rotary_step(self.rope_cache, positions, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+            x, residual = layer(x, residual, rope, cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

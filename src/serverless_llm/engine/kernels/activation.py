@@ -1,0 +1,60 @@
+"""SiLU-and-mul over the fused [gate | up] projection: out = silu(gate) * up, one pass.
+
+Numerics follow `layers.activation.silu_and_mul_ref`: silu is computed in float32 and rounded to
+the input dtype, then the product is rounded again, as the two torch ops do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.activation import silu_and_mul_ref
+
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    n_cols,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    y = silu * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * I] -> [..., I]."""
+    two_i = x.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"silu_and_mul needs an even last dimension, got {two_i}")
+    n = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows and n:
+        block = min(SILU_BLOCK, triton.next_power_of_2(n))
+        grid = (rows, triton.cdiv(n, block))
+        _silu_and_mul_kernel[grid](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The torch reference (what the CPU path runs)."""
+    return silu_and_mul_ref(x)

@@ -1,0 +1,113 @@
+"""KV cache write (reshape_and_cache): each new token's K and V into its cache slot.
+
+The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is offset
+s % block_size of block s // block_size. A negative slot marks a padding token and is skipped.
+A program copies a few whole tokens (all their heads), so each row it moves is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.attention import write_kv_ref
+
+
+@triton.jit
+def _kv_write_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    num_kv_heads,
+    head_dim,
+    CACHE_BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+    D_PAD: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+):
+    """A [TOKENS, ROW_PAD] tile: TOKENS tokens, each row all its heads (head-major, D_PAD lanes
+    a head)."""
+    toks = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    tmask = toks < num_tokens
+    slots = tl.load(slot_ptr + toks, mask=tmask, other=-1).to(tl.int64)
+    # A padding slot (< 0) masks its whole row: nothing is read or written for it.
+    live = tmask & (slots >= 0)
+    slots = tl.maximum(slots, 0)
+    cols = tl.arange(0, ROW_PAD)
+    heads = cols // D_PAD
+    dims = cols % D_PAD
+    cmask = (heads < num_kv_heads) & (dims < head_dim)
+    mask = live[:, None] & cmask[None, :]
+    toks64 = toks.to(tl.int64)[:, None]
+    src_k = toks64 * stride_kt + (heads * stride_kh + dims)[None, :]
+    src_v = toks64 * stride_vt + (heads * stride_vh + dims)[None, :]
+    dst = (slots // CACHE_BLOCK) * stride_cb + (slots % CACHE_BLOCK) * stride_ct
+    dst = dst[:, None] + (heads * stride_ch + dims)[None, :]
+    k = tl.load(k_ptr + src_k, mask=mask, other=0.0)
+    v = tl.load(v_ptr + src_v, mask=mask, other=0.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# Elements a program moves (per tensor): enough to amortise a program, small in registers.
+KV_WRITE_TILE = 4096
+
+
+def reshape_and_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, KVH, D] (any token/head strides, unit stride on D); kv_cache as above."""
+    T, kvh, d = k.shape
+    if T == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
+        raise ValueError("the K and V caches must share one layout with unit stride on head_dim")
+    block_size = key_cache.shape[1]
+    d_pad = triton.next_power_of_2(d)
+    row_pad = triton.next_power_of_2(kvh) * d_pad
+    tokens = max(1, min(KV_WRITE_TILE // row_pad, triton.next_power_of_2(T)))
+    _kv_write_kernel[(triton.cdiv(T, tokens),)](
+        k,
+        v,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        T,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        kvh,
+        d,
+        CACHE_BLOCK=block_size,
+        TOKENS=tokens,
+        D_PAD=d_pad,
+        ROW_PAD=row_pad,
+        num_warps=4,
+    )
+
+
+def reshape_and_cache_reference(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The torch reference (what the torch backend runs)."""
+    write_kv_ref(k, v, kv_cache, slot_mapping)

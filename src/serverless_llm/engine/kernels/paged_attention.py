@@ -1,0 +1,491 @@
+"""Paged attention over the ragged batch of a step, in one Triton kernel for every query length.
+
+What a program computes: one *query tile* (up to BLOCK_Q consecutive new tokens of one request)
+against one KV head, for all the query heads that share that KV head (GQA/MQA). The tile's rows
+are (token, head-in-group) pairs, BLOCK_M = BLOCK_Q * G_PAD of them, so a decode with 4 query
+heads per KV head still feeds `tl.dot` a 16-row operand and reads each K/V tile once for the
+whole group. Keys are read through the block table in tiles of BLOCK_N (independent of the cache
+block size: a tile may span several cache blocks or part of one). A query at absolute position
+p = context_len + i attends key j when j <= p and, with a sliding window W, p - j < W.
+
+Two launches of the same kernel per step: the decode tokens (which the model runner puts first)
+with a small row tile, then everything else with a large one; each launch may split the key
+range of its programs across `num_splits` programs (split-KV) when there are too few programs
+to fill the GPU, and a reduce kernel merges the partial softmaxes.
+
+`paged_attention_reference` is a plain per-request torch implementation (float32 math) to test
+against; the torch backend in `layers.attention` is the engine's CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.attention import AttentionMetadata, AttentionSpec, attention_mask, key_slots
+
+LOG2E = 1.4426950408889634
+# A finite "minus infinity" for the running max, so a row with no allowed key in a tile (or in a
+# whole split) gives exp2(-inf - NEG_BIG) = 0 and a rescale of exp2(0) = 1, never NaN.
+NEG_BIG = tl.constexpr(-1.0e30)
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 256
+REDUCE_TILE = 4096  # partial-accumulator elements one reduce program merges
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # rows of a query tile: BLOCK_Q tokens x G_PAD heads
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile_req_ptr,
+    tile_q0_ptr,
+    tok_base,
+    scale_log2e,
+    window,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    num_heads,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = tl.load(tile_req_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    tok_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - tok_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    row_q = q0 + rows // G_PAD  # query index inside the request
+    row_h = rows % G_PAD
+    row_valid = (row_q < q_len) & (row_h < GROUP)
+    head = kv_head * GROUP + row_h
+    tok = (tok_start + row_q).to(tl.int64)
+    pos = ctx + row_q  # absolute position of each row's query
+
+    dims = tl.arange(0, D_PAD)
+    dmask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dmask[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: up to its last query's position, from its first query's window.
+    hi = tl.minimum(ctx + q0 + BLOCK_Q, seq_len)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx + q0 - window + 1, 0)
+    t_lo = lo // BLOCK_N
+    t_hi = tl.cdiv(hi, BLOCK_N)
+    if SPLIT:
+        per = tl.cdiv(t_hi - t_lo, num_splits)
+        t_begin = t_lo + split * per
+        t_end = tl.minimum(t_begin + per, t_hi)
+    else:
+        t_begin = t_lo
+        t_end = t_hi
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for t in range(t_begin, t_end):
+        keys = t * BLOCK_N + offs_n
+        kmask = keys < hi
+        blk = tl.load(table_row + keys // CACHE_BLOCK, mask=kmask, other=0).to(tl.int64)
+        in_blk = keys % CACHE_BLOCK
+        kv_mask = kmask[:, None] & dmask[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + blk[:, None] * stride_kb
+            + in_blk[:, None] * stride_kt
+            + kv_head * stride_kh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2e
+        allowed = (keys[None, :] <= pos[:, None]) & kmask[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (pos[:, None] - keys[None, :] < window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr
+            + blk[:, None] * stride_vb
+            + in_blk[:, None] * stride_vt
+            + kv_head * stride_vh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SPLIT:
+        # Partial row r = ((token - tok_base) * num_heads + head) * num_splits + split.
+        prow = ((tok - tok_base) * num_heads + head) * num_splits + split
+        tl.store(
+            part_acc_ptr + prow[:, None] * D_PAD + dims[None, :],
+            acc,
+            mask=row_valid[:, None] & dmask[None, :],
+        )
+        tl.store(part_ml_ptr + 2 * prow, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + 2 * prow + 1, l_i, mask=row_valid)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dmask[None, :],
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    tok_base,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    """Merges the split partial softmaxes of HEADS heads of one token: rescales each split's
+    sum and accumulator to the global max and divides once."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    hmask = heads < num_heads
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    dmask = dims < HEAD_DIM
+    ml_mask = hmask[:, None] & (splits < num_splits)[None, :]
+    base = (t * num_heads + heads[:, None]) * num_splits + splits[None, :]  # [HEADS, S_PAD]
+    m = tl.load(part_ml_ptr + 2 * base, mask=ml_mask, other=NEG_BIG)
+    l = tl.load(part_ml_ptr + 2 * base + 1, mask=ml_mask, other=0.0)  # noqa: E741
+    m_all = tl.max(m, axis=1)
+    w = tl.where(ml_mask, tl.exp2(m - m_all[:, None]), 0.0)
+    denom = tl.sum(w * l, axis=1)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    acc = tl.load(
+        part_acc_ptr + base[:, :, None] * D_PAD + dims[None, None, :],
+        mask=ml_mask[:, :, None] & dmask[None, None, :],
+        other=0.0,
+    )
+    o = tl.sum(acc * w[:, :, None], axis=1) / denom[:, None]  # [HEADS, D_PAD]
+    tl.store(
+        out_ptr + (tok_base + t) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=hmask[:, None] & dmask[None, :],
+    )
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a stand-in of 16 elsewhere (the interpreter),
+    so split-KV is exercised at the small shapes tests use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 16
+
+
+def decode_tiles(group: int, head_dim: int, dtype: torch.dtype) -> TileConfig:
+    """One token per request: the row tile is just the query-head group (at least 16 rows for
+    tl.dot). Decode is bound by K/V reads: 64-key tiles on 4 warps keep ~110 registers a thread
+    at head_dim 128 (sm90, bf16), so four programs share an SM with loads in flight."""
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(16, g_pad)
+    block_n = 64 if head_dim <= 128 else 32
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+
+
+def prefill_tiles(group: int, head_dim: int, max_query_len: int, dtype: torch.dtype) -> TileConfig:
+    """Many tokens per request: flash-attention-sized tiles (128 rows x 64 keys on 8 warps, 3
+    stages: ~190 registers, 96 KiB shared memory at head_dim 128 in bf16, no spills), fewer rows
+    when the longest query is short so padding rows are not computed. float32 (IEEE dots, a
+    debugging dtype on GPU) spills with anything bigger than the decode tiles, so it uses them."""
+    if dtype == torch.float32:
+        return decode_tiles(group, head_dim, dtype)
+    g_pad = triton.next_power_of_2(group)
+    rows_needed = triton.next_power_of_2(max(1, max_query_len)) * g_pad
+    block_m = max(16, g_pad, min(128, rows_needed))
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 8 if block_m >= 128 and head_dim >= 128 else 4
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=3)
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, sms: int) -> int:
+    """Split-KV when the programs of a launch cannot fill the GPU (fewer than two per SM) and
+    the keys are long enough that each split still reads at least MIN_KEYS_PER_SPLIT of them:
+    a lone 8k-token decode over 8 KV heads becomes 8 x 32 programs of 256 keys each."""
+    target = 2 * sms
+    if num_programs >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, max(1, num_programs))
+    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
+    return max(1, min(MAX_SPLITS, by_occupancy, by_length))
+
+
+def _tile_plan(
+    meta: AttentionMetadata, first: int, last: int, block_q: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For requests first..last-1: (request index, first query index) of each query tile.
+    Built from the host copies of the query lengths (no device sync), once per step: the
+    layers share it through meta.backend_state."""
+    key = ("tiles", first, last, block_q)
+    cached = meta.backend_state.get(key)
+    if cached is not None:
+        return cached
+    lens = meta.query_lens_host[first:last]
+    if all(n <= block_q for n in lens):  # decodes: one tile a request, made on the device
+        reqs = torch.arange(first, last, dtype=torch.int32, device=device)
+        plan = (reqs, torch.zeros_like(reqs))
+    else:
+        tiles: list[tuple[int, int, int]] = []  # (keys to read, request, first query)
+        for r, n in enumerate(lens, start=first):
+            ctx = meta.seq_lens_host[r] - n
+            for q0 in range(0, n, block_q):
+                tiles.append((ctx + min(q0 + block_q, n), r, q0))
+        # Longest first: the causal tail of a long prompt starts early instead of running alone
+        # at the end of the grid.
+        tiles.sort(key=lambda t: -t[0])
+        both = torch.tensor([[t[1] for t in tiles], [t[2] for t in tiles]], dtype=torch.int32)
+        both = both.to(device, non_blocking=True)
+        plan = (both[0], both[1])
+    meta.backend_state[key] = plan
+    return plan
+
+
+# -- launch ------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    spec: AttentionSpec,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    decode_config: TileConfig | None = None,
+    prefill_config: TileConfig | None = None,
+    sms: int | None = None,
+) -> torch.Tensor:
+    """Attention of the step's queries q [T, H, D] over the paged cache (the new tokens' K/V
+    must already be written). Returns [T, H * D]; rows of padding tokens past the last request
+    are left unwritten. `num_splits` forces split-KV (tests); None lets the heuristic choose."""
+    T, H, D = q.shape
+    if H != spec.num_heads or D != spec.head_dim:
+        raise ValueError(f"q is {tuple(q.shape)}, spec says {spec.num_heads} heads x {D}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+    out3 = out.view(T, H, D)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the KV cache needs unit stride on head_dim")
+    group = H // spec.num_kv_heads
+    sms = sms if sms is not None else num_sms(q.device)
+    nd = meta.num_decodes
+    n_req = meta.num_requests
+    if nd:
+        cfg = decode_config or decode_tiles(group, D, q.dtype)
+        _launch(q, key_cache, value_cache, out3, meta, spec, 0, nd, 0, cfg, num_splits, sms)
+    if n_req > nd:
+        max_q = max(meta.query_lens_host[nd:])
+        cfg = prefill_config or prefill_tiles(group, D, max_q, q.dtype)
+        _launch(q, key_cache, value_cache, out3, meta, spec, nd, n_req, nd, cfg, num_splits, sms)
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out3: torch.Tensor,
+    meta: AttentionMetadata,
+    spec: AttentionSpec,
+    first: int,
+    last: int,
+    tok_base: int,
+    cfg: TileConfig,
+    num_splits: int | None,
+    sms: int,
+) -> None:
+    """One launch over requests first..last-1, whose tokens start at `tok_base`."""
+    H, D = spec.num_heads, spec.head_dim
+    kvh = spec.num_kv_heads
+    group = H // kvh
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(cfg.block_m, g_pad)
+    block_q = block_m // g_pad
+    tile_req, tile_q0 = _tile_plan(meta, first, last, block_q, q.device)
+    n_tiles = tile_req.shape[0]
+    if num_splits is None:
+        max_seq = max(meta.seq_lens_host[first:last])
+        num_splits = choose_num_splits(n_tiles * kvh, max_seq, sms)
+    split = num_splits > 1
+    d_pad = triton.next_power_of_2(D)
+    n_tok = sum(meta.query_lens_host[first:last])
+    if split:
+        part_acc = torch.empty(n_tok, H, num_splits, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n_tok, H, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out3  # unused
+    window = spec.sliding_window or 0
+    key_cache_block = key_cache.shape[1]
+    _paged_attention_kernel[(n_tiles, kvh, num_splits)](
+        q,
+        key_cache,
+        value_cache,
+        out3,
+        part_acc,
+        part_ml,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        tile_req,
+        tile_q0,
+        tok_base,
+        spec.scale * LOG2E,
+        window,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out3.stride(0),
+        out3.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        meta.block_tables.stride(0),
+        H,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=D,
+        D_PAD=d_pad,
+        CACHE_BLOCK=key_cache_block,
+        HAS_WINDOW=spec.sliding_window is not None,
+        SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        s_pad = triton.next_power_of_2(num_splits)
+        heads = max(1, min(triton.next_power_of_2(H), REDUCE_TILE // (s_pad * d_pad)))
+        _reduce_splits_kernel[(n_tok, triton.cdiv(H, heads))](
+            part_acc,
+            part_ml,
+            out3,
+            tok_base,
+            H,
+            num_splits,
+            out3.stride(0),
+            out3.stride(1),
+            HEAD_DIM=D,
+            D_PAD=d_pad,
+            S_PAD=s_pad,
+            HEADS=heads,
+            num_warps=4,
+        )
+
+
+# -- reference -------------------------------------------------------------------------------
+
+
+def paged_attention_reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
+) -> torch.Tensor:
+    """Request by request: gather the keys through the block table, mask causally (and by the
+    window), softmax in float32. Slow and obvious on purpose."""
+    T = q.shape[0]
+    kvh, d = spec.num_kv_heads, spec.head_dim
+    group = spec.num_heads // kvh
+    out = torch.zeros(T, spec.num_heads * d, dtype=q.dtype, device=q.device)
+    flat = kv_cache.view(2, -1, kvh, d)
+    qsl = meta.query_start_loc.tolist()
+    for i in range(meta.num_requests):
+        s, e = qsl[i], qsl[i + 1]
+        seq_len = meta.seq_lens_host[i]
+        ctx = seq_len - (e - s)
+        slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
+        keys = flat[0][slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        values = flat[1][slots].float().repeat_interleave(group, dim=1)
+        qi = q[s:e].float()  # [n, H, D]
+        scores = torch.einsum("nhd,lhd->hnl", qi, keys) * spec.scale
+        positions = torch.arange(ctx, seq_len, device=q.device)
+        mask = attention_mask(positions, seq_len, spec.sliding_window)
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hnl,lhd->nhd", probs, values)
+        out[s:e] = o.reshape(e - s, -1).to(q.dtype)
+    return out

@@ -1,0 +1,112 @@
+"""RMSNorm, optionally fused with the residual add before it: one read of x (and the residual),
+one write of the output (and the new residual).
+
+Numerics follow `layers.norm.rms_norm_ref`: the sum x + residual is rounded to the input dtype
+(as the torch add is), the statistics are taken in float32, the normalised row is rounded to the
+input dtype before the weight multiplies it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.norm import rms_norm_ref
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    normed = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = normed * w
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_shape(n_cols: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(n_cols)
+    # About 8-16 elements per thread: wide rows get more warps instead of more registers.
+    num_warps = max(1, min(16, block // 512))
+    return block, num_warps
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) or, with `residual`, (norm(x + residual), x + residual); x: [..., hidden]."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out_dtype = torch.result_type(weight, x)
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    block, num_warps = _launch_shape(n)
+    if residual is None:
+        res2 = res_out = x2  # unused by the kernel
+    else:
+        res2 = residual.reshape(-1, n)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        res_out = torch.empty_like(x2)
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x2,
+            res2,
+            weight,
+            out,
+            res_out,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference with the same contract as `rms_norm` (what the CPU path runs)."""
+    if residual is None:
+        return rms_norm_ref(x, weight, eps)
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual

@@ -1,0 +1,176 @@
+"""Compiles every kernel for real NVIDIA targets (sm80, sm90) with Triton's own compiler, no GPU
+needed: the interpreter accepts code the GPU compiler refuses (non-constexpr globals, dot shapes,
+layouts), so this is the CPU machines' check that the kernels still build for the device. Also
+reads the register/stack use of the main bf16 attention configs from the cubin and reports any
+spill (a large slowdown). Run as a script with TRITON_INTERPRET unset:
+
+    .venv/bin/python -m tests.kernels.gpu_compile [--quick]
+
+prints one line per kernel and `FAILED <n>` at the end (exit status 1 if n > 0)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from serverless_llm.engine.kernels import activation, kv_write, rms_norm, rotary
+from serverless_llm.engine.kernels import paged_attention as pa
+
+# Pointer arguments whose element type is not the data dtype.
+POINTER_TYPES = {
+    "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32",
+    "block_tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "tile_req_ptr": "*i32",
+    "tile_q0_ptr": "*i32",
+    "slot_ptr": "*i64",
+    "pos_ptr": "*i64",
+    "cache_ptr": "*fp32",
+}
+FLOAT_ARGS = {"scale_log2e", "eps"}
+# Integer arguments that are multiples of 16 at real shapes (Triton specialises on that).
+ALIGNED = re.compile(r"^stride_(q|o|k|v|c)|^num_heads$")
+
+
+def compile_kernel(jit_fn, dtype: str, constexprs: dict, arch: int, warps: int, stages: int):
+    fn = jit_fn
+    signature: dict[str, str] = {}
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTER_TYPES.get(name, f"*{dtype}")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if ALIGNED.match(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def stack_bytes(kernel) -> int | None:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    path = f"/tmp/gpu_compile_{os.getpid()}.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    finally:
+        os.remove(path)
+    m = re.search(r"STACK:(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: str, **flags):
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(cfg.block_m, g_pad)
+    return dict(
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=block_m // g_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+        CACHE_BLOCK=16,
+        HAS_WINDOW=flags.get("window", False),
+        SPLIT=flags.get("split", False),
+        IEEE=dtype == "fp32",
+    )
+
+
+def main(quick: bool = False) -> int:
+    """All arches, dtypes and head groups; `quick` (the pytest run): sm90, bf16 and fp32, two
+    head groups."""
+    failed = 0
+    arches = (90,) if quick else (90, 80)
+    dtypes = ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32")
+    shapes = ((4, 128), (1, 64)) if quick else ((4, 128), (1, 64), (8, 128), (32, 128))
+    torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+    def attempt(label: str, jit_fn, dtype, constexprs, arch, warps, stages, no_spill=False):
+        nonlocal failed
+        try:
+            kernel = compile_kernel(jit_fn, dtype, constexprs, arch, warps, stages)
+        except Exception as e:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            print(f"FAIL sm{arch} {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+            return
+        stack = stack_bytes(kernel) if no_spill else None
+        if stack:
+            failed += 1
+            print(f"FAIL sm{arch} {label}: spills ({stack} bytes of stack)", flush=True)
+            return
+        print(f"ok   sm{arch} {label} shared={kernel.metadata.shared}", flush=True)
+
+    for arch in arches:
+        for dtype in dtypes:
+            tdt = torch_dtypes[dtype]
+            for group, d in shapes:
+                for kind in ("decode", "prefill"):
+                    cfg = (
+                        pa.decode_tiles(group, d, tdt)
+                        if kind == "decode"
+                        else pa.prefill_tiles(group, d, 2048, tdt)
+                    )
+                    for split, window in ((False, False), (True, True)):
+                        ce = attention_constexprs(group, cfg, d, dtype, split=split, window=window)
+                        label = (
+                            f"attention {dtype} {kind} g{group} d{d} split={split} window={window}"
+                        )
+                        no_spill = arch == 90 and dtype == "bf16" and group == 4 and not split
+                        attempt(
+                            label,
+                            pa._paged_attention_kernel,
+                            dtype,
+                            ce,
+                            arch,
+                            cfg.num_warps,
+                            cfg.num_stages,
+                            no_spill,
+                        )
+            ce = dict(HEAD_DIM=128, D_PAD=128, S_PAD=32, HEADS=1)
+            attempt(f"reduce {dtype}", pa._reduce_splits_kernel, dtype, ce, arch, 4, 1)
+            ce = dict(CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
+            attempt(f"kv_write {dtype}", kv_write._kv_write_kernel, dtype, ce, arch, 4, 1)
+            for res in (False, True):
+                block, warps = rms_norm._launch_shape(4096)
+                ce = dict(HAS_RESIDUAL=res, BLOCK=block)
+                attempt(
+                    f"rms_norm {dtype} res={res}",
+                    rms_norm._rms_norm_kernel,
+                    dtype,
+                    ce,
+                    arch,
+                    warps,
+                    1,
+                )
+            ce = dict(BLOCK=activation.SILU_BLOCK)
+            attempt(f"silu_and_mul {dtype}", activation._silu_and_mul_kernel, dtype, ce, arch, 4, 1)
+            for neox in (True, False):
+                ce = dict(IS_NEOX=neox, QH_PAD=32, KH_PAD=8, HALF_PAD=64)
+                attempt(f"rotary {dtype} neox={neox}", rotary._rotary_kernel, dtype, ce, arch, 8, 1)
+    print(f"FAILED {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run with TRITON_INTERPRET unset: the interpreter does not compile")
+    sys.exit(main(quick="--quick" in sys.argv[1:]))
