@@ -180,3 +180,15 @@ def test_block_sizes(tiny_llama, alone):
             llm.generate([prompt], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].token_ids
             == want
         )
+
+
+def test_uninitialised_cache_memory_is_never_read(tiny_llama, alone):
+    """The CPU cache is allocated without zero-filling; poison everything but block 0 with NaN
+    and the outputs must not change (no slot is read before it is written)."""
+    llm = LLM(tiny_llama, num_kv_blocks=40, block_size=8, max_model_len=128, max_num_seqs=16)
+    for cache in llm.engine.kv_caches:
+        cache[:, 1:].fill_(float("nan"))
+    prompts = random_prompts(16, llm.engine.vocab_size, seed=13)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == alone(prompt, 20)
