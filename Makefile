@@ -33,16 +33,16 @@ chat: install
 	$(PY) -m serverless_llm $(ARGS)
 
 test: install-dev
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench builder
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install-dev
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench builder
+	$(VENV)/bin/ruff format --check src tests bench builder
 
 format: install-dev
-	$(VENV)/bin/ruff format src tests bench
-	$(VENV)/bin/ruff check --fix src tests bench
+	$(VENV)/bin/ruff format src tests bench builder
+	$(VENV)/bin/ruff check --fix src tests bench builder
 
 bench: install-dev
 	$(PY) bench/throughput.py $(ARGS)

@@ -24,6 +24,8 @@ from ..api.native import NativeServing
 from ..engine.async_engine import AsyncEngine
 from ..engine.config import ConfigError
 from ..engine.loader import ModelLoadError
+from ..engine.models import UnsupportedModelError
+from .baked import BakedModelError, apply_baked_model
 from .jobs import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
 
@@ -193,18 +195,47 @@ def _iterates_generators(argv: Sequence[str], environ: Any) -> bool:
     return environ.get("RUNPOD_WEBHOOK_GET_JOB") is not None
 
 
+MODEL_NAME_MISSING = (
+    "MODEL_NAME is not set: set it to the Hugging Face repo id (or local path) of the model to "
+    "serve, or build the image with --build-arg MODEL_NAME=...; for a local run without a model, "
+    "python -m serverless_llm.devserver serves the embedded SmolLM2"
+)
+
+
+def ready_line(worker: Worker) -> str:
+    """The one start-up line: what is served, how, and how many jobs at once."""
+    assert worker.engine is not None
+    core = worker.engine.engine
+    return (
+        f"worker ready: model={worker.settings.served_model_name} "
+        f"(from {core.resolved.source}) dtype={str(core.dtype).removeprefix('torch.')} "
+        f"device={core.device} kv_blocks={core.block_pool.num_blocks} "
+        f"(block_size {core.block_size}) max_model_len={core.max_model_len} "
+        f"max_concurrency={worker.settings.max_concurrency}"
+    )
+
+
 def main() -> None:
     """`python -m serverless_llm.worker`: validate the env, load the model, start the SDK."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        apply_baked_model()  # a model baked into the image: its local files, the hub off
+    except BakedModelError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     settings = load_settings_or_exit()
+    if settings.model_name is None:  # the embedded model is for local runs, not a deployment
+        print(f"error: {MODEL_NAME_MISSING}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     worker = Worker(settings)
     try:
         worker.load()
-    except (ModelLoadError, ConfigError) as e:
+    except (ModelLoadError, ConfigError, UnsupportedModelError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    logger.info("%s", ready_line(worker))
 
     import runpod
 

@@ -118,8 +118,9 @@ class Settings(BaseSettings):
         title="Model",
         description=(
             "Hugging Face repo id (e.g. `Qwen/Qwen2.5-0.5B-Instruct`), local directory or `.gguf` "
-            f"file of the model to serve. Unset: the embedded {EMBEDDED_MODEL_NAME} (GGUF), "
-            "meant for local runs."
+            "file of the model to serve. Required by the deployed worker, unless the image has a "
+            "model baked in; the local devserver serves the embedded "
+            f"{EMBEDDED_MODEL_NAME} (GGUF) when it is unset."
         ),
         category=LLM,
     )
@@ -463,8 +464,9 @@ class Settings(BaseSettings):
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
         title="Served Model Name",
         description=(
-            "The model name clients send and `/v1/models` lists. Unset: MODEL_NAME (or "
-            f"`{EMBEDDED_MODEL_NAME}` for the embedded model)."
+            "The model name clients send and `/v1/models` lists. Unset: MODEL_NAME (the repo id "
+            f"it was built with for a baked image, `{EMBEDDED_MODEL_NAME}` for the embedded "
+            "model)."
         ),
         category=OPENAI,
         min_length=1,
@@ -907,7 +909,9 @@ def settings_markdown() -> str:
         "  output.",
         "- Native jobs default to `max_tokens` 100, capped to what fits in `MAX_MODEL_LEN` when",
         "  the job does not set it.",
-        f"- `MODEL_NAME` unset serves the embedded {EMBEDDED_MODEL_NAME}, for local runs.",
+        "- `MODEL_NAME` unset: the deployed worker (`python -m serverless_llm.worker`) stops at",
+        "  start with a one-line reason, unless the image has a model baked in; the local",
+        f"  devserver serves the embedded {EMBEDDED_MODEL_NAME}.",
         "",
     ]
     return "\n".join(out)

@@ -1,0 +1,332 @@
+"""Cold start: from process start to the first token of a request, this worker against
+transformers, on the same cached safetensors files, in one run.
+
+Each measurement is a fresh Python process, timed by this parent from just before it is spawned
+to the moment it prints the first token of one chat request (greedy):
+
+- engine: what the deployed worker does: settings from the environment (MODEL_NAME = the model
+  directory, everything else default, so the CPU KV cache is CPU_KV_CACHE_SPACE = 4 GiB), the
+  model loaded by `Worker.load`, one native job through `Worker.handle`, first streamed item.
+- engine, small KV cache: the same with CPU_KV_CACHE_SPACE=0.5, to show what the cache's
+  allocation costs;
+- engine, torch.empty KV cache: the default 4 GiB allocated lazily (the engine's allocation
+  swapped for `lazy_kv_cache` below, in the child only), the fix this benchmark proposes;
+- transformers: `AutoTokenizer` + `AutoModelForCausalLM.from_pretrained` on the same directory,
+  then `generate(max_new_tokens=1)` on the same chat prompt.
+
+Runs alternate between systems (so drift hits all alike); each row is the median of --reps
+runs. Every child also reports where its time went (imports, weights, KV cache, tokenizer,
+first step), printed as a second table. Ends with one `SUMMARY` line; the bar is engine (default
+settings) <= 1.5 x transformers. Exits non-zero only on errors, never on a missed bar.
+
+    .venv/bin/python bench/coldstart.py                   # SmolLM2-135M, 5 runs each
+    .venv/bin/python bench/coldstart.py --model DIR --reps 1 --no-warmup --kv-gib 0.05 \
+        --small-kv-gib 0.02 --json out.json               # the CI smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BAR = 1.5
+QUESTION = "What is the capital of France?"
+MARK = "FIRST_TOKEN "
+
+
+# -- children: each runs in a fresh process and prints its phases, then the first token --------
+
+
+class Phases:
+    """Wall time of named start-up phases, from the child's first line of code."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.times: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.add(name, now - self.last)
+        self.last = now
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        """Times every call of owner.attr under `name` (and leaves the rest to laps)."""
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - start)
+
+        setattr(owner, attr, timed)
+
+    def report(self, token: str) -> None:
+        print(json.dumps({"phases": self.times}), flush=True)
+        print(MARK + json.dumps(token), flush=True)
+
+
+def lazy_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    """The proposed fix, tried without editing the engine: torch.empty instead of torch.zeros, so
+    pages are faulted in as blocks are first used rather than all at start-up. Every slot is
+    written before attention reads it, except slot 0, which the torch decode path reads (masked)
+    for padded keys: it is zeroed so a 0-weight times garbage can never make a NaN."""
+    import torch
+
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    for cache in caches:
+        cache[:, 0].zero_()
+    return caches
+
+
+def child_engine(model_dir: str, kv_gib: str, kv_alloc: str) -> None:
+    phases = Phases()
+    os.environ["MODEL_NAME"] = model_dir
+    os.environ["DEVICE"] = "cpu"
+    if kv_gib:
+        os.environ["CPU_KV_CACHE_SPACE"] = kv_gib
+    import asyncio
+
+    import torch  # noqa: F401 - timed apart from the package's own imports
+
+    phases.lap("import torch")
+    from serverless_llm.engine import engine as engine_mod
+    from serverless_llm.engine.models import MODEL_REGISTRY
+    from serverless_llm.worker.handler import Worker
+    from serverless_llm.worker.settings import Settings
+
+    phases.lap("import the rest")
+    if kv_alloc == "empty":
+        engine_mod.allocate_kv_cache = lazy_kv_cache
+    phases.wrap(engine_mod, "resolve_model", "resolve + config")
+    phases.wrap(engine_mod, "load_hf_config", "resolve + config")
+    phases.wrap(engine_mod, "load_tokenizer", "tokenizer")
+    phases.wrap(engine_mod, "allocate_kv_cache", "KV cache allocation")
+    for cls in set(MODEL_REGISTRY.values()):
+        phases.wrap(cls, "load_weights", "weights: read + copy")
+        phases.wrap(cls, "optimize_for_cpu", "weights: pack for oneDNN")
+    worker = Worker(Settings.from_env())
+    job = {
+        "id": "coldstart",
+        "input": {
+            "messages": [{"role": "user", "content": QUESTION}],
+            "sampling_params": {"max_tokens": 1, "temperature": 0},
+            "stream": True,
+        },
+    }
+
+    async def first_token() -> str:
+        load_start = time.perf_counter()
+        await worker.start()
+        load = time.perf_counter() - load_start
+        named = sum(v for k, v in phases.times.items() if not k.startswith(("import", "first")))
+        phases.add("engine: other set-up", load - named)
+        phases.last = time.perf_counter()
+        async for item in worker.handle(job):
+            phases.lap("first request")
+            return "".join(item["choices"][0]["tokens"])
+        raise RuntimeError("the job yielded nothing")
+
+    token = asyncio.run(first_token())
+    phases.report(token)
+    os._exit(0)  # the engine's thread and the KV cache: nothing to wait for
+
+
+def child_transformers(model_dir: str) -> None:
+    phases = Phases()
+    import torch
+
+    phases.lap("import torch")
+    import transformers
+
+    phases.lap("import the rest")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    phases.lap("tokenizer")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    phases.lap("weights: read + copy")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, return_tensors="pt"
+    )
+    if not isinstance(ids, torch.Tensor):  # a BatchEncoding in newer releases
+        ids = ids["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False
+        )
+    token = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    phases.lap("first request")
+    phases.report(token)
+    os._exit(0)
+
+
+# -- the parent ----------------------------------------------------------------------------------
+
+
+def run_child(args: list[str], timeout: float) -> tuple[float, dict[str, float], str]:
+    """Seconds from spawn to the first-token line, the child's phases, and the token."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # An explicit PYTHONPATH (another checkout's src) wins; this repo's src is the fallback.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO / "src")) if p)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
+    phases: dict[str, float] = {}
+    elapsed = None
+    token = ""
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(MARK):
+                elapsed = time.perf_counter() - start
+                token = json.loads(line[len(MARK) :])
+                break
+            if line.startswith('{"phases"'):
+                phases = json.loads(line)["phases"]
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if elapsed is None or proc.returncode != 0:
+        err = proc.stderr.read() if proc.stderr else ""
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return elapsed, phases, token
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="safetensors model directory (default: SmolLM2-135M)")
+    ap.add_argument("--reps", type=int, default=5, help="runs per system (median reported)")
+    ap.add_argument(
+        "--kv-gib", default="", help="KV cache of the main engine rows (default: the setting's)"
+    )
+    ap.add_argument("--small-kv-gib", default="0.5", help="KV cache of the diagnostic row")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first runs")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        kind, model_dir, *rest = args.child
+        if kind == "engine":
+            kv_gib, kv_alloc = (rest + ["", "zeros"])[:2]
+            child_engine(model_dir, kv_gib, kv_alloc)
+        elif kind == "transformers":
+            child_transformers(model_dir)
+        raise SystemExit(f"unknown child {kind}")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    sys.path.insert(0, str(REPO))
+    from bench.common import default_model_dir, format_table, machine_info
+
+    model_dir = args.model or default_model_dir()  # resolved (converted) once, before timing
+    kv = f"{args.kv_gib} GiB" if args.kv_gib else "default 4 GiB"
+    systems = {
+        f"engine (KV cache {kv})": ["engine", model_dir, args.kv_gib],
+        f"engine (KV cache {args.small_kv_gib} GiB)": ["engine", model_dir, args.small_kv_gib],
+        f"engine (KV cache {kv}, torch.empty: proposed fix)": [
+            "engine",
+            model_dir,
+            args.kv_gib,
+            "empty",
+        ],
+        "transformers from_pretrained + generate": ["transformers", model_dir],
+    }
+    if not args.no_warmup:  # one untimed run of each: the page cache holds every file after it
+        for child in systems.values():
+            run_child(child, args.timeout)
+    samples: dict[str, list[float]] = {name: [] for name in systems}
+    phase_samples: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    tokens: dict[str, str] = {}
+    for _ in range(max(1, args.reps)):
+        for name, child in systems.items():
+            elapsed, phases, token = run_child(child, args.timeout)
+            samples[name].append(elapsed)
+            phase_samples[name].append(phases)
+            tokens[name] = token
+
+    names = list(systems)
+    engine, small, lazy, hf = (statistics.median(samples[n]) for n in names)
+    info = machine_info()
+    print(
+        f"cold start to first token, {Path(model_dir).name}, CPU ({info['cpu']}, "
+        f"{info['cores']} cores), torch {info['torch']}, transformers {info['transformers']}, "
+        f"median of {max(1, args.reps)} fresh processes each"
+    )
+    rows = [
+        [
+            name,
+            statistics.median(samples[name]),
+            min(samples[name]),
+            max(samples[name]),
+            statistics.median(samples[name]) / hf,
+            repr(tokens[name]),
+        ]
+        for name in names
+    ]
+    print(
+        format_table(
+            ["system", "median s", "min s", "max s", "vs transformers", "first token"], rows
+        )
+    )
+    print()
+    phase_names: list[str] = []
+    for name in names:
+        for runs in phase_samples[name]:
+            phase_names += [p for p in runs if p not in phase_names]
+    phase_rows = []
+    for phase in phase_names:
+        row: list[object] = [phase]
+        for name in names:
+            values = [runs.get(phase) for runs in phase_samples[name]]
+            present = [v for v in values if v is not None]
+            row.append(statistics.median(present) if present else None)
+        phase_rows.append(row)
+    print("where the time goes (median s, inside each process; interpreter start not included)")
+    print(format_table(["phase", *names], phase_rows))
+    ratio = engine / hf
+    verdict = "met" if ratio <= BAR else "missed"
+    print()
+    print(
+        f"SUMMARY coldstart engine={engine:.2f}s transformers={hf:.2f}s ratio={ratio:.2f} "
+        f"bar<={BAR} {verdict}; engine_small_kv={small:.2f}s ({small / hf:.2f}x) "
+        f"engine_empty_kv={lazy:.2f}s ({lazy / hf:.2f}x)"
+    )
+    if args.json:
+        report = {
+            "model_dir": model_dir,
+            "machine": info,
+            "reps": max(1, args.reps),
+            "seconds": samples,
+            "median_s": {n: statistics.median(samples[n]) for n in names},
+            "phases": phase_samples,
+            "tokens": tokens,
+            "ratio": ratio,
+            "ratio_small_kv": small / hf,
+            "ratio_empty_kv": lazy / hf,
+            "bar": BAR,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
