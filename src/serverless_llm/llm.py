@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from .engine.config import EngineConfig
 from .engine.engine import LLMEngine
-from .engine.outputs import CompletionOutput, RequestOutput
-from .engine.sampling.params import SamplingParams
+from .engine.outputs import CompletionOutput, RequestOutput, position_logprobs
+from .engine.request import Request
+from .engine.sampling.params import SamplingParams, best_sequences, sequence_params
 
 Prompt = str | list[int]
 
@@ -49,10 +50,16 @@ class LLM:
                 )
         engine = self.engine
         # Validate everything before scheduling anything, so a bad prompt leaves nothing behind.
-        requests = []
+        # A prompt with n (or best_of) sequences becomes that many engine requests.
+        groups: list[list[Request]] = []
         for prompt, p in zip(prompts, params):
-            requests.append(engine.make_request(prompt, p, request_id=f"llm-{self._counter}"))
+            group = []
+            for i, child in enumerate(sequence_params(p)):
+                rid = f"llm-{self._counter}" + (f".{i}" if p.num_sequences > 1 else "")
+                group.append(engine.make_request(prompt, child, request_id=rid))
             self._counter += 1
+            groups.append(group)
+        requests = [req for group in groups for req in group]
         for req in requests:
             engine.add(req)
         try:
@@ -62,20 +69,43 @@ class LLM:
             for req in requests:
                 engine.abort_request(req.request_id)
             raise
-        return [
-            RequestOutput(
-                request_id=req.request_id,
-                prompt=req.prompt_text,
-                prompt_token_ids=req.prompt_token_ids,
-                outputs=[
-                    CompletionOutput(
-                        index=0,
-                        text=req.detokenizer.text,
-                        token_ids=list(req.output_token_ids),
-                        finish_reason=req.finish_reason.value if req.finish_reason else None,
-                        stop_reason=req.stop_reason,
-                    )
-                ],
+        return [self._result(group, p) for group, p in zip(groups, params)]
+
+    def _result(self, group: list[Request], params: SamplingParams) -> RequestOutput:
+        decode = self._decode_token
+        order = list(range(len(group)))
+        if params.ranks_by_logprob:
+            order = best_sequences([r.cumulative_logprob for r in group], params.n)
+        show_logprobs = params.logprobs is not None
+        outputs = []
+        for index, k in enumerate(order):
+            req = group[k]
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=req.output_text,
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=req.finish_reason.value if req.finish_reason else None,
+                    stop_reason=req.stop_reason,
+                    cumulative_logprob=req.cumulative_logprob,
+                    logprobs=[position_logprobs(e, decode) for e in req.logprobs]
+                    if show_logprobs
+                    else None,
+                )
             )
-            for req in requests
-        ]
+        first = group[0]
+        prompt_lp = None
+        if first.prompt_logprobs is not None:
+            prompt_lp = [
+                None if e is None else position_logprobs(e, decode) for e in first.prompt_logprobs
+            ]
+        return RequestOutput(
+            request_id=first.request_id.split(".")[0],
+            prompt=first.prompt_text,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            prompt_logprobs=prompt_lp,
+        )
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])

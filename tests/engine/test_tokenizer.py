@@ -548,3 +548,56 @@ def test_smollm2_gguf_tokenizer():
         for skip in (True, False):
             deltas, _ = check_stream(tok, prompt_ids, output, rng, skip=skip, max_chunk=3)
             assert not any(REPLACEMENT in d for d in deltas)
+
+
+# -- stop strings -----------------------------------------------------------------------------
+
+
+def _feed_all(matcher, pieces, active=True):
+    shown, hit = [], None
+    for piece in pieces:
+        text, hit = matcher.feed(piece, active)
+        shown.append(text)
+        if hit is not None:
+            return shown, hit
+    shown.append(matcher.flush())
+    return shown, hit
+
+
+def test_stop_string_across_pieces_is_held_back_then_cut():
+    from serverless_llm.engine.tokenizer import StopStringMatcher
+
+    m = StopStringMatcher(["STOP"])
+    shown, hit = _feed_all(m, ["Hello S", "T", "O", "P and more"])
+    assert hit == "STOP" and "".join(shown) == "Hello "
+    assert shown == ["Hello ", "", "", ""]  # "S", "ST", "STO" were held, never shown
+
+
+def test_held_text_is_released_when_it_turns_out_not_to_stop():
+    from serverless_llm.engine.tokenizer import StopStringMatcher
+
+    m = StopStringMatcher(["STOP", "xy"])
+    shown, hit = _feed_all(m, ["ab S", "TA", "x", "z"])
+    assert hit is None and "".join(shown) == "ab STAxz"
+    assert shown[0] == "ab " and shown[1] == "STA" and shown[2] == ""
+
+
+def test_include_in_output_and_earliest_match():
+    from serverless_llm.engine.tokenizer import StopStringMatcher
+
+    m = StopStringMatcher(["cd", "b"], include_in_output=True)
+    shown, hit = _feed_all(m, ["a", "bcd"])
+    assert hit == "b" and "".join(shown) == "ab"
+    m = StopStringMatcher(["END"], include_in_output=True)
+    shown, hit = _feed_all(m, ["the E", "N", "D! tail"])
+    assert hit == "END" and "".join(shown) == "the END"
+
+
+def test_inactive_matcher_lets_stop_strings_through():
+    from serverless_llm.engine.tokenizer import StopStringMatcher
+
+    m = StopStringMatcher(["\n"])
+    text, hit = m.feed("a\nb", active=False)
+    assert hit is None and text == "a\nb"
+    text, hit = m.feed("c\nd", active=True)
+    assert hit == "\n" and text == "c"

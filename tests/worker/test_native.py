@@ -200,20 +200,46 @@ def test_sampling_params_supported_and_defaults():
     assert p.max_tokens == 100
     parsed = parse_sampling_params({"n": 3, "max_tokens": None}, default_max_tokens=100)
     assert parsed.n == 3 and parsed.params.max_tokens is None and parsed.max_tokens_given
-    # vLLM names not supported yet are fine at their defaults.
-    defaults = {
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0,
-        "repetition_penalty": 1.0,
-        "min_p": 0.0,
-        "stop": [],
-        "logprobs": None,
-        "use_beam_search": False,
-        "best_of": 2,
+    # Every vLLM and Aphrodite sampling name reaches the engine's parameters.
+    everything = {
         "n": 2,
-        "min_tokens": 0,
+        "best_of": 4,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "min_p": 0.05,
+        "top_a": 0.2,
+        "tfs": 0.9,
+        "eta_cutoff": 3.0,
+        "epsilon_cutoff": 2.0,
+        "typical_p": 0.9,
+        "smoothing_factor": 0.3,
+        "smoothing_curve": 1.5,
+        "stop": "\n\n",
+        "include_stop_str_in_output": True,
+        "min_tokens": 2,
+        "logprobs": 3,
+        "prompt_logprobs": 1,
+        "logit_bias": {"5": 2.5},
+        "allowed_token_ids": [5, 6, 7],
+        "truncate_prompt_tokens": 8,
+    }
+    p = parse_sampling_params(everything, default_max_tokens=7).params
+    for name, value in everything.items():
+        if name == "stop":
+            assert p.stop == ["\n\n"]
+        elif name == "logit_bias":
+            assert p.logit_bias == {5: 2.5}
+        else:
+            assert getattr(p, name) == value, name
+    # Names not honoured yet are fine at their defaults.
+    defaults = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "early_stopping": False,
         "guided_json": None,
-        "logit_bias": {},
+        "bad_words": [],
+        "detokenize": True,
     }
     assert parse_sampling_params(defaults, default_max_tokens=7).params.max_tokens == 7
 
@@ -222,22 +248,35 @@ def test_sampling_params_supported_and_defaults():
     ("params", "message"),
     [
         ({"foo": 1}, "unknown sampling parameter 'foo'"),
-        ({"top_a": 0.1}, "unknown sampling parameter 'top_a'"),
-        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported yet"),
-        ({"repetition_penalty": 1.1}, "'repetition_penalty' is not supported yet"),
-        ({"stop": ["\n"]}, "'stop' is not supported yet"),
-        ({"min_p": 0.1}, "'min_p' is not supported yet"),
-        ({"logprobs": 2}, "'logprobs' is not supported yet"),
+        ({"mirostat_mode": 2}, "unknown sampling parameter 'mirostat_mode'"),
         ({"use_beam_search": True}, "'use_beam_search' is not supported yet"),
+        ({"length_penalty": 0.5}, "'length_penalty' is not supported yet"),
+        ({"early_stopping": "never"}, "'early_stopping' is not supported yet"),
         ({"guided_json": {"type": "object"}}, "'guided_json' is not supported yet"),
-        ({"best_of": 3}, "'best_of' is not supported yet"),
-        ({"best_of": 1, "n": 2}, "best_of must be >= n"),
+        ({"bad_words": ["x"]}, "'bad_words' is not supported yet"),
+        ({"best_of": 1, "n": 2}, "best_of must be an integer >= n (2)"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a number in (0, inf)"),
+        ({"min_p": 1.5}, "min_p must be a number in [0, 1]"),
+        ({"top_a": -1.0}, "top_a must be a number in [0, inf)"),
+        ({"tfs": 0.0}, "tfs must be a number in (0, 1]"),
+        ({"typical_p": 2.0}, "typical_p must be a number in (0, 1]"),
+        ({"epsilon_cutoff": 5000.0}, "epsilon_cutoff must be a number in [0, 1000]"),
+        ({"smoothing_curve": 0.0}, "smoothing_curve must be a number in [1, inf)"),
+        ({"stop": [""]}, "stop must not contain an empty string"),
+        ({"stop": 5}, "sampling_params.stop"),
+        ({"logit_bias": {"5": 200.0}}, "logit_bias values must be numbers in [-100, 100]"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"logprobs": 50}, "logprobs must be an integer in [0, 20]"),
+        ({"min_tokens": 200, "max_tokens": 10}, "min_tokens must be <= max_tokens (10)"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1"),
         ({"temperature": "hot"}, "sampling_params.temperature"),
         ({"temperature": "0.5"}, "sampling_params.temperature"),
         ({"ignore_eos": 1}, "sampling_params.ignore_eos"),
         ({"max_tokens": 1.5}, "sampling_params.max_tokens"),
         ({"max_tokens": -1}, "max_tokens"),
-        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": -0.5}, "temperature must be a number in [0, inf)"),
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "sampling_params.n"),
         ({"n": 1000}, "sampling_params.n"),
@@ -271,7 +310,10 @@ MALFORMED = [
     {"prompt": "x", "sampling_params": {"temperature": "warm"}},
     {"prompt": "x", "sampling_params": {"n": 0}},
     {"prompt": "x", "sampling_params": {"top_k": -7}},
-    {"prompt": "x", "sampling_params": {"presence_penalty": 1.0}},
+    {"prompt": "x", "sampling_params": {"presence_penalty": 3.0}},
+    {"prompt": "x", "sampling_params": {"use_beam_search": True}},
+    {"prompt": "x", "sampling_params": {"logit_bias": {"100000": 1.0}}},
+    {"prompt": "x", "sampling_params": {"best_of": 3}, "stream": True},
     {"prompt": "x", "sampling_params": ["max_tokens", 5]},
     {"prompt": "x", "sampling_params": {"max_tokens": 10_000}},
     {"prompt": "word " * 600},

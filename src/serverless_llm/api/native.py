@@ -1,17 +1,26 @@
 """The native route: worker-vllm's job schema in, batches of token text out.
 
 Input: `prompt` or `messages` (rendered with the chat template; `apply_chat_template: true`
-wraps a prompt as one user message), `sampling_params` (vLLM's names, see `api.sampling`) and
-`stream`. Every yielded item is
+wraps a prompt as one user message), `sampling_params` (vLLM's and Aphrodite's names, see
+`api.sampling`) and `stream`. Every yielded item is
 
     {"choices": [{"tokens": ["Hel", "lo"]}, ...], "usage": {"input": 12, "output": 3}}
 
 with one choice per `n` and `usage.output` the running total over all choices. Streamed, each
 item holds the next stream batch of tokens (one text piece per token, possibly "" while a
-character is incomplete; batch sizes from `BatchSizes`, counted over all choices together, as
-worker-vllm did); otherwise one item holds each choice's whole text. Any failure is yielded as
-`{"error": "<message>"}`, once, and ends the job; the engine requests are aborted when this
-generator closes, so nothing is left holding KV blocks.
+character is incomplete or text is held back because it may start a stop string; batch sizes
+from `BatchSizes`, counted over all choices together, as worker-vllm did); otherwise one item
+holds each choice's whole text.
+
+With `logprobs: k` each choice also carries `"logprobs"`: one object per generated token (in a
+stream, per token of that item), `{"token_id", "token", "logprob", "top_logprobs": [{"token_id",
+"token", "logprob"}, ...k]}`, and `"cumulative_logprob"`, the sum so far. With
+`prompt_logprobs: k` the first item carries `"prompt_logprobs"`: None for the first prompt
+token, then the same objects with a `"rank"`. `best_of > n` runs best_of sequences and returns
+the n with the highest cumulative logprob (not streamable: the best are known at the end).
+
+Any failure is yielded as `{"error": "<message>"}`, once, and ends the job; the engine requests
+are aborted when this generator closes, so nothing is left holding KV blocks.
 """
 
 from __future__ import annotations
@@ -29,10 +38,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import InvalidRequestError
 from ..engine.outputs import EngineOutput
-from ..engine.sampling.params import SamplingParams
+from ..engine.sampling.params import SamplingParams, best_sequences, sequence_params
 from ..engine.tokenizer import ChatTemplateError, apply_chat_template
 from ..worker.batching import BatchSizes, batch_stream
 from .errors import NativeJobError, describe_validation_error, native_error
+from .logprobs import TokenDecoder, native_logprobs
 from .sampling import SamplingParamError, VLLMSamplingParams, parse_sampling_params
 
 __all__ = ["DEFAULT_MAX_TOKENS", "ChatMessage", "NativeRequest", "NativeServing"]
@@ -142,13 +152,13 @@ class NativeServing:
             raise NativeJobError("the chat prompt is empty")
         return list(ids)
 
-    def _sampling(
-        self, request: NativeRequest, num_prompt_tokens: int
-    ) -> tuple[SamplingParams, int]:
+    def _sampling(self, request: NativeRequest, num_prompt_tokens: int) -> SamplingParams:
         parsed = parse_sampling_params(
             request.sampling_params, default_max_tokens=self.default_max_tokens
         )
         params = parsed.params
+        if params.truncate_prompt_tokens is not None:
+            num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
         if not parsed.max_tokens_given:
             # The default is a convenience, not a demand: it shrinks to what fits.
             room = self.engine.engine.max_model_len - num_prompt_tokens
@@ -158,45 +168,60 @@ class NativeServing:
                     f"within max_model_len={self.engine.engine.max_model_len}"
                 )
             if room < params.max_tokens:
-                params = dataclasses.replace(params, max_tokens=room)
-        return params, parsed.n
+                params = dataclasses.replace(
+                    params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+                )
+        if request.stream and params.ranks_by_logprob:
+            raise SamplingParamError(
+                "best_of",
+                f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
+                "sequences are known only at the end; set stream to false or best_of to n",
+            )
+        return params
 
     async def _generate(
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
         prompt_ids = self._prompt_token_ids(request)
+        params = self._sampling(request, len(prompt_ids))
+        if params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
         num_input = len(prompt_ids)
-        params, n = self._sampling(request, num_input)
         if self.log_requests:
             logger.info(
                 "job %s: native, %d prompt tokens, n=%d, stream=%s, %s",
                 job_id,
                 num_input,
-                n,
+                params.n,
                 request.stream,
                 params,
             )
         seq = next(self._ids)
-        streams = []
-        for i in range(n):
-            p = params
-            if i and params.seed is not None:
-                p = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
-            streams.append(self.engine.generate(prompt_ids, p, f"{job_id}#{seq}.{i}"))
+        streams = [
+            self.engine.generate(prompt_ids, p, f"{job_id}#{seq}.{i}")
+            for i, p in enumerate(sequence_params(params))
+        ]
+        view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer))
 
-        num_output = 0
         if not request.stream:
-            texts: list[list[str]] = [[] for _ in range(n)]
+            results = [_Sequence() for _ in streams]
             async with aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
-                    texts[i].append(out.new_text)
-                    num_output += len(out.new_token_ids)
-            yield {
-                "choices": [{"tokens": ["".join(t)]} for t in texts],
-                "usage": {"input": num_input, "output": num_output},
+                    results[i].add(out)
+            order = list(range(len(results)))
+            if params.ranks_by_logprob:
+                order = best_sequences([r.cumulative for r in results], params.n)
+            chosen = [results[i] for i in order]
+            item: dict[str, Any] = {
+                "choices": [view.whole(r) for r in chosen],
+                "usage": {"input": num_input, "output": sum(r.num_tokens for r in chosen)},
             }
+            view.add_prompt_logprobs(item, results[0].prompt_logprobs)
+            yield item
             return
 
+        num_output = 0
+        n = params.n
         async with (
             aclosing(_merge(streams)) as merged,
             aclosing(
@@ -204,12 +229,72 @@ class NativeServing:
             ) as batches,
         ):
             async for group in batches:
-                choices: list[dict[str, list[str]]] = [{"tokens": []} for _ in range(n)]
+                choices: list[dict[str, Any]] = [view.empty() for _ in range(n)]
+                prompt_lp = None
                 for i, out in group:
                     if out.new_token_ids:  # an abort's final output carries no token
-                        choices[i]["tokens"].append(out.new_text)
+                        view.extend(choices[i], out)
                         num_output += len(out.new_token_ids)
-                yield {"choices": choices, "usage": {"input": num_input, "output": num_output}}
+                    if out.prompt_logprobs is not None:
+                        prompt_lp = out.prompt_logprobs
+                item = {"choices": choices, "usage": {"input": num_input, "output": num_output}}
+                view.add_prompt_logprobs(item, prompt_lp)
+                yield item
+
+
+class _Sequence:
+    """One engine request's output, gathered for a non-streamed answer."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.num_tokens = 0
+        self.logprobs: list = []
+        self.cumulative: float | None = None
+        self.prompt_logprobs: list | None = None
+
+    def add(self, out: EngineOutput) -> None:
+        self.texts.append(out.new_text)
+        self.num_tokens += len(out.new_token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.cumulative_logprob is not None:
+            self.cumulative = out.cumulative_logprob
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+
+class _ChoiceView:
+    """Shapes choices for what the job asked (logprobs only when asked for)."""
+
+    def __init__(self, params: SamplingParams, decoder: TokenDecoder) -> None:
+        self.top = params.logprobs
+        self.prompt_top = params.prompt_logprobs
+        self.decoder = decoder
+
+    def empty(self) -> dict[str, Any]:
+        choice: dict[str, Any] = {"tokens": []}
+        if self.top is not None:
+            choice["logprobs"] = []
+        return choice
+
+    def extend(self, choice: dict[str, Any], out: EngineOutput) -> None:
+        choice["tokens"].append(out.new_text)
+        if self.top is not None and out.logprobs:
+            choice["logprobs"].extend(native_logprobs(out.logprobs, self.top, self.decoder))
+            choice["cumulative_logprob"] = out.cumulative_logprob
+
+    def whole(self, seq: _Sequence) -> dict[str, Any]:
+        choice: dict[str, Any] = {"tokens": ["".join(seq.texts)]}
+        if self.top is not None:
+            choice["logprobs"] = native_logprobs(seq.logprobs, self.top, self.decoder)
+            choice["cumulative_logprob"] = seq.cumulative
+        return choice
+
+    def add_prompt_logprobs(self, item: dict[str, Any], entries: list | None) -> None:
+        if self.prompt_top is not None and entries is not None:
+            item["prompt_logprobs"] = native_logprobs(
+                entries, self.prompt_top, self.decoder, with_rank=True
+            )
 
 
 async def _merge(

@@ -1,14 +1,16 @@
-"""From a job's `sampling_params` dict (vLLM's names) to the engine's SamplingParams.
+"""From a job's `sampling_params` dict (vLLM's names, and Aphrodite's extra samplers) to the
+engine's SamplingParams.
 
-The one place that knows which vLLM sampling parameters the engine honours. Every vLLM name is
+The one place that knows which sampling parameters the native route honours. Every name is
 declared in `VLLMSamplingParams` with its type and default, so an ill-typed value is an error
-naming the parameter. A name the engine's `SamplingParams` also has is passed through; any other
-vLLM name is accepted at its default and refused otherwise ("'min_p' is not supported yet"), never
-ignored. A name vLLM does not have is an error ("unknown sampling parameter 'x'"). When the engine
-gains a parameter under vLLM's name, it passes through here without a change.
+naming the parameter. A name the engine's `SamplingParams` also has is passed through (and
+range-checked there); any other known name is accepted at its default and refused otherwise
+("'use_beam_search' is not supported yet"), never ignored. A name neither vLLM nor Aphrodite
+has is an error ("unknown sampling parameter 'x'"). When the engine gains a parameter under that
+name, it passes through here without a change.
 
-`n` is not an engine parameter: callers fan out `n` engine requests (choice i gets seed + i, so
-seeded choices differ, as in vLLM).
+`n` and `best_of` are carried in the SamplingParams; callers fan a prompt out into engine
+requests with `sequence_params` (sequence i gets seed + i, as in vLLM).
 """
 
 from __future__ import annotations
@@ -47,38 +49,46 @@ class SamplingParamError(ValueError):
 
 class VLLMSamplingParams(BaseModel):
     """vLLM's SamplingParams names (including the older beam-search ones and the guided-decoding
-    extras users send on the native route), with vLLM's defaults. JSON types only: strict, so
-    "0.5" is not a number and 1 is not a bool."""
+    extras users send on the native route) and Aphrodite's samplers, with their defaults. JSON
+    types only: strict, so "0.5" is not a number and 1 is not a bool."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
-    # Honoured now (n by fan-out; the rest by the engine's SamplingParams).
+    # Honoured (n and best_of by fan-out; the rest by the engine's SamplingParams, which checks
+    # the ranges).
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     max_tokens: int | None = None
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    # vLLM names the engine does not honour yet: accepted at their defaults only.
-    best_of: int | None = None
+    min_p: float = 0.0
+    top_a: float = 0.0
+    tfs: float = 1.0
+    eta_cutoff: float = 0.0
+    epsilon_cutoff: float = 0.0
+    typical_p: float = 1.0
+    smoothing_factor: float = 0.0
+    smoothing_curve: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    include_stop_str_in_output: bool = False
-    bad_words: list[str] | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    detokenize: bool = True
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    # Names the engine does not honour yet: accepted at their defaults only.
+    bad_words: list[str] | None = None
+    detokenize: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -94,13 +104,9 @@ class VLLMSamplingParams(BaseModel):
     extra_args: dict[str, Any] | None = None
 
 
-# Handled by the caller, not by SamplingParams.
-_CALLER_FIELDS = frozenset({"n", "best_of"})
-
-
 @dataclass(frozen=True)
 class ParsedSampling:
-    params: SamplingParams
+    params: SamplingParams  # n and best_of included
     n: int
     max_tokens_given: bool  # False: max_tokens is the caller's default (it may cap it)
 
@@ -137,17 +143,10 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
         raise SamplingParamError(name, message) from None
 
     given = parsed.model_fields_set
-    if parsed.best_of is not None and parsed.best_of != parsed.n:
-        if parsed.best_of < parsed.n:
-            raise SamplingParamError(
-                "best_of", f"best_of must be >= n ({parsed.n}), got {parsed.best_of}"
-            )
-        raise SamplingParamError("best_of", "'best_of' is not supported yet")
-
     engine_fields = _engine_fields()
     kwargs: dict[str, Any] = {}
     for name in VLLMSamplingParams.model_fields:
-        if name in _CALLER_FIELDS or name not in given:
+        if name not in given:
             continue
         value = getattr(parsed, name)
         if name not in engine_fields:
@@ -165,12 +164,10 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
     try:
         params = SamplingParams(**kwargs)
     except SamplingParamsError as e:
-        message = str(e)
-        raise SamplingParamError(message.split(" ", 1)[0], message) from None
+        raise SamplingParamError(e.param, str(e)) from None
     return ParsedSampling(params=params, n=parsed.n, max_tokens_given=max_tokens_given)
 
 
 def build_sampling_params(raw: Any, *, default_max_tokens: int) -> SamplingParams:
-    """The engine's SamplingParams for `raw`. `n` is validated but not part of the result:
-    use `parse_sampling_params` to fan out n requests."""
+    """The engine's SamplingParams for `raw` (n and best_of included)."""
     return parse_sampling_params(raw, default_max_tokens=default_max_tokens).params

@@ -22,16 +22,23 @@ from .model_runner import ModelRunner
 from .models import model_class_for
 from .outputs import EngineOutput
 from .request import FinishReason, Request, RequestStatus
-from .sampling.params import SamplingParams
+from .sampling.logits_processors import RequestSamplingState
+from .sampling.logprobs import TokenLogprob
+from .sampling.params import SamplingParams, SamplingParamsError
 from .sampling.sampler import Sampler, SamplingBatch
 from .scheduler import Scheduler
-from .tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
-    """The request cannot be served as given; the message says why (shown to the client)."""
+    """The request cannot be served as given; the message says why (shown to the client) and
+    `param` names the parameter at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -142,6 +149,7 @@ class LLMEngine:
             self.model, self.kv_caches, self.backend, self.block_size, self.device
         )
         self.sampler = Sampler(config.seed, self.device)
+        self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps
         self.requests: dict[str, Request] = {}
         self._next_id = 0
         logger.info(
@@ -275,11 +283,39 @@ class LLMEngine:
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
-        """Validates and builds a request without touching the scheduler."""
+        """Validates and builds a request without touching the scheduler. The request runs one
+        sequence: `n` and `best_of` are for whoever fans a prompt out (see sequence_params)."""
+        if params.num_sequences > 1:
+            raise InvalidRequestError(
+                "an engine request runs one sequence: fan n / best_of out with "
+                "sequence_params (LLM.generate and the API routes do)",
+                "n",
+            )
         pi = self.tokenize_prompt(prompt)
-        n = len(pi.token_ids)
+        try:
+            params.check_vocab(self.vocab_size)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), e.param) from None
+        token_ids = pi.token_ids
+        if (
+            params.truncate_prompt_tokens is not None
+            and len(token_ids) > params.truncate_prompt_tokens
+        ):
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+            pi = PromptInput(None, token_ids)
+        n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty (it encodes to no tokens)")
+        if params.min_tokens and params.allowed_token_ids:
+            stops = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids
+            )
+            if set(params.allowed_token_ids) <= stops:
+                raise InvalidRequestError(
+                    "allowed_token_ids holds only end-of-sequence and stop tokens, which "
+                    "min_tokens forbids: nothing could be sampled",
+                    "allowed_token_ids",
+                )
         limit = self.max_model_len
         if params.max_tokens is None:
             if n >= limit:
@@ -298,15 +334,21 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        req = Request(request_id, pi.token_ids, params, max_total_tokens=max_total)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(request_id, token_ids, params, max_total_tokens=max_total)
+        req.sampling = RequestSamplingState(params, token_ids, self.eos_token_ids)
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
-            pi.token_ids,
+            token_ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
+        if params.stop:
+            req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        if params.logprobs is not None:
+            req.logprobs = []
+            req.cumulative_logprob = 0.0
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         req.prompt_text = pi.text
         return req
 
@@ -352,34 +394,75 @@ class LLMEngine:
             self.scheduler.cache_computed_blocks(req)
         if not sample_reqs:
             return []
-        sb = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
-        token_ids = self.sampler(logits, sb).tolist()
-        outputs = []
-        for req, tok in zip(sample_reqs, token_ids):
-            req.output_token_ids.append(tok)
-            self._check_stop(req, tok)
-            text = req.detokenizer.add([tok])
-            if req.finish_reason is not None:
-                # An output that ends inside a multi-byte character still shows what it has.
-                text += req.detokenizer.flush()
-                self.scheduler.finish(req, req.finish_reason)
-                self.requests.pop(req.request_id, None)
-            outputs.append(self._output(req, [tok], text))
-        return outputs
+        sb = SamplingBatch.build(
+            sample_reqs, self.vocab_size, self.device, cache=self._sampling_cache
+        )
+        sampled = self.sampler(logits, sb)
+        logprobs = sampled.logprobs or [None] * len(sample_reqs)
+        return [
+            self._process_token(req, tok, lp)
+            for req, tok, lp in zip(sample_reqs, sampled.token_ids, logprobs)
+        ]
 
-    def _check_stop(self, req: Request, tok: int) -> None:
+    def _process_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> EngineOutput:
+        """Appends a sampled token, decides whether the request ends (vLLM's rules) and returns
+        the text it releases."""
         p = req.params
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            req.finish_reason = FinishReason.STOP
-        elif tok in p.stop_token_ids:
-            req.finish_reason = FinishReason.STOP
-            req.stop_reason = tok
-        elif req.num_tokens >= req.max_total_tokens:
-            req.finish_reason = FinishReason.LENGTH
+        req.output_token_ids.append(tok)
+        req.sampling.on_token(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        num_out = len(req.output_token_ids)
+        reason: FinishReason | None = None
+        # EOS and stop tokens count once min_tokens are out (they are masked before that).
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                reason = FinishReason.STOP
+            elif tok in p.stop_token_ids:
+                reason = FinishReason.STOP
+                req.stop_reason = tok
+        stopped_by_token = reason is not None
+        # The text of the token that stopped the request is not output (vLLM), unless asked.
+        text = "" if stopped_by_token and not p.include_stop_str_in_output else None
+        if text is None:
+            text = req.detokenizer.add([tok])
+        if reason is None and req.num_tokens >= req.max_total_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            # An output that ends inside a multi-byte character still shows what it has.
+            text += req.detokenizer.flush()
+        matcher = req.stop_matcher
+        if matcher is not None:
+            if stopped_by_token:
+                text = matcher.flush() + text
+            else:
+                text, hit = matcher.feed(text, active=num_out >= p.min_tokens)
+                if hit is not None:
+                    reason = FinishReason.STOP
+                    req.stop_reason = hit
+                elif reason is not None:
+                    text += matcher.flush()
+        if text:
+            req.text_chunks.append(text)
+        if reason is not None:
+            req.finish_reason = reason
+            self.scheduler.finish(req, reason)
+            self.requests.pop(req.request_id, None)
+        return self._output(req, [tok], text, None if lp is None else [lp])
 
     @staticmethod
-    def _output(req: Request, new_ids: list[int], text: str) -> EngineOutput:
+    def _output(
+        req: Request,
+        new_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> EngineOutput:
         finished = req.status is RequestStatus.FINISHED
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and new_ids:
+            prompt_logprobs = req.prompt_logprobs
+            req.prompt_logprobs_sent = True
         return EngineOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -389,4 +472,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
+            logprobs=logprobs,
+            cumulative_logprob=req.cumulative_logprob,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -1,14 +1,32 @@
 """Turns a scheduled batch into the model's flat ragged inputs, runs the model, and returns the
 logits of the tokens that will be sampled (the last token of each request that reaches the end
-of what it has; a prefill chunk that stops short of it samples nothing)."""
+of what it has; a prefill chunk that stops short of it samples nothing).
+
+Requests that asked for prompt_logprobs also get the logits of their prompt positions in the
+chunk, turned into logprobs here a few hundred positions at a time (a [prompt, vocab] tensor
+would be large).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from .layers.attention import AttentionBackend, AttentionMetadata
 from .request import Request
+from .sampling.logprobs import prompt_logprobs
 from .scheduler import ScheduledBatch
+
+
+@dataclass
+class PromptLogprobWork:
+    """Prompt positions of this step whose logits score the next prompt token."""
+
+    requests: list[Request] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # indices into the flat token batch
+    targets: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -28,7 +46,9 @@ class ModelRunner:
 
     def prepare(
         self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Request], list[int]]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, AttentionMetadata, list[Request], list[int], PromptLogprobWork
+    ]:
         # Decodes first: the backend then finds them as one contiguous run of tokens.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         bs = self.block_size
@@ -40,6 +60,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_reqs: list[Request] = []
         sample_idx: list[int] = []
+        prompt_work = PromptLogprobWork()
         num_decodes = 0
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
@@ -47,6 +68,16 @@ class ModelRunner:
             end = start + n
             if n == 1:
                 num_decodes += 1
+            if req.needs_prompt_logprobs:
+                # Position j scores prompt token j + 1; the first still missing is len(list).
+                lo = max(start, len(req.prompt_logprobs) - 1)
+                hi = min(end, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    base = len(input_ids) - start
+                    prompt_work.requests.append(req)
+                    prompt_work.counts.append(hi - lo)
+                    prompt_work.positions.extend(range(base + lo, base + hi))
+                    prompt_work.targets.extend(req.prompt_token_ids[lo + 1 : hi + 1])
             input_ids.extend(req.token_slice(start, end))
             blocks = req.block_ids
             if n == 1:
@@ -87,15 +118,34 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
-        return ids_t, pos_t, meta, sample_reqs, sample_idx
+        return ids_t, pos_t, meta, sample_reqs, sample_idx, prompt_work
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor | None]:
-        """Runs one step; returns the requests that sample and their logits [N, vocab]."""
-        input_ids, positions, meta, sample_reqs, sample_idx = self.prepare(batch)
+        """Runs one step; returns the requests that sample and their logits [N, vocab]. Prompt
+        logprobs of the step are appended to their requests."""
+        input_ids, positions, meta, sample_reqs, sample_idx, prompt_work = self.prepare(batch)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if prompt_work.requests:
+            self._prompt_logprobs(hidden, prompt_work)
         if not sample_reqs:
             return [], None
         idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
         return sample_reqs, self.model.compute_logits(hidden.index_select(0, idx))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, work: PromptLogprobWork) -> None:
+        idx = torch.tensor(work.positions, dtype=torch.int64, device=hidden.device)
+        k = max(r.params.prompt_logprobs for r in work.requests)
+        entries = prompt_logprobs(
+            self.model.compute_logits, hidden.index_select(0, idx), work.targets, k
+        )
+        start = 0
+        for req, count in zip(work.requests, work.counts):
+            mine = req.params.prompt_logprobs
+            for entry in entries[start : start + count]:
+                if len(entry.top_ids) > mine:
+                    entry.top_ids = entry.top_ids[:mine]
+                    entry.top_logprobs = entry.top_logprobs[:mine]
+                req.prompt_logprobs.append(entry)
+            start += count

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling.logprobs import TokenLogprob
 
 
 @dataclass
@@ -14,9 +17,29 @@ class EngineOutput:
     new_text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | str | None
+    stop_reason: int | str | None  # the stop token id or stop string; None for EOS or length
     num_prompt_tokens: int
     num_output_tokens: int
+    # When the request asked for logprobs: one per new token, and the running sum.
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # When it asked for prompt_logprobs: all of them (None for the first prompt token), once,
+    # with the first output token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token logprob entry (offline API): the value, the rank when known (1 = most
+    likely) and the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shapes: per position, token id -> Logprob (the sampled or prompt token and the top k).
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -27,7 +50,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -39,3 +62,15 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+def position_logprobs(entry: TokenLogprob, decode: Any) -> PositionLogprobs:
+    """One position as vLLM reports it: the token itself first, then the top k by rank."""
+    out: PositionLogprobs = {
+        entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))
+    }
+    for rank, (token, value) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
+        if token not in out:
+            out[token] = Logprob(value, rank, decode(token))
+    return out

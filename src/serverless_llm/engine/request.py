@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from .sampling.logits_processors import RequestSamplingState
+    from .sampling.logprobs import TokenLogprob
+    from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -17,7 +21,7 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop token
+    STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
 
@@ -35,11 +39,18 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # prefix hashes of full, computed blocks
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG for seeded sampling
-    detokenizer: object | None = None  # set by the engine when it has a tokenizer
+    sampling: RequestSamplingState | None = None  # generator, penalty counts, id tensors
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None  # when the request has stop strings
     prompt_text: str | None = None
+    text_chunks: list[str] = field(default_factory=list)  # the output text, as released
+    # Logprobs, when asked for: per output token, and per prompt token (None for the first).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    cumulative_logprob: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,6 +68,20 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logprobs are still to compute (they need the prompt run
+        through the model, so such a request does not start from cached blocks)."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < len(self.prompt_token_ids)
+
+    @property
+    def output_text(self) -> str:
+        chunks = self.text_chunks
+        if len(chunks) > 1:
+            chunks[:] = ["".join(chunks)]
+        return chunks[0] if chunks else ""
 
     @property
     def finished(self) -> bool:

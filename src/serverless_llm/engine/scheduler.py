@@ -129,6 +129,8 @@ class Scheduler:
         are never shared ones."""
         if req.num_computed_tokens or req.block_ids:
             return
+        if req.needs_prompt_logprobs:  # cached positions would yield no logits
+            return
         max_blocks = (req.num_tokens - 1) // self.block_size
         if max_blocks == 0:
             return

@@ -1,5 +1,6 @@
-"""Tokenizer side of the engine: loading, end-of-sequence ids, chat templates, and the
-incremental detokenizer that turns sampled token ids into streamable text.
+"""Tokenizer side of the engine: loading, end-of-sequence ids, chat templates, the incremental
+detokenizer that turns sampled token ids into streamable text, and the stop-string matcher that
+sits on that text.
 
 The detokenizer is on the hot path (every sequence, every step), so it decodes only a small window
 of recent tokens per call and goes straight to the Rust `tokenizers` backend when there is one.
@@ -20,6 +21,7 @@ import transformers
 __all__ = [
     "ChatTemplateError",
     "IncrementalDetokenizer",
+    "StopStringMatcher",
     "apply_chat_template",
     "eos_token_ids",
     "load_tokenizer",
@@ -407,3 +409,79 @@ class IncrementalDetokenizer:
             self._read_offset = end - read_offset
         self._chunks.append(delta)
         return delta
+
+
+# -- stop strings ----------------------------------------------------------------------------
+
+
+class StopStringMatcher:
+    """Finds stop strings in a sequence's streamed text, also when one spans several tokens.
+
+    Text that could be the start of a stop string is held back until the next text decides
+    it, so nothing a client has been shown is ever taken back: `feed` returns only what is
+    certain to stay. With `include_in_output` the stop string itself is part of the output, so
+    nothing needs holding back; text after the stop string is never released either way.
+    A match counts from the first occurrence in the text (the earliest start; at the same
+    start, the stop string listed first).
+    """
+
+    __slots__ = ("stops", "include", "_pending", "_tail", "_prefixes", "_longest")
+
+    def __init__(self, stops: Sequence[str], include_in_output: bool = False) -> None:
+        if not stops or any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self.stops = list(stops)
+        self.include = include_in_output
+        self._longest = max(len(s) for s in self.stops)
+        # Every proper prefix of a stop string: what a held-back suffix may be.
+        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
+        self._pending = ""  # held back (not yet released)
+        self._tail = ""  # the last released characters, where a match may start (include)
+
+    def feed(self, text: str, active: bool = True) -> tuple[str, str | None]:
+        """Takes the next text; returns (text released now, the stop string that ends the
+        output or None). While not `active` (min_tokens not reached) stop strings are let
+        through as ordinary text."""
+        if not text:
+            return "", None
+        if self.include:
+            window = self._tail + text
+            offset = len(self._tail)
+            hit = self._first_match(window, offset) if active else None
+            if hit is not None:
+                start, stop = hit
+                released = window[offset : start + len(stop)]
+                self._tail = ""
+                return released, stop
+            self._tail = window[-(self._longest - 1) :] if self._longest > 1 else ""
+            return text, None
+        buf = self._pending + text
+        if active:
+            hit = self._first_match(buf, 0)
+            if hit is not None:
+                self._pending = ""
+                return buf[: hit[0]], hit[1]
+        hold = self._held_suffix(buf)
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
+
+    def flush(self) -> str:
+        """Releases what is held back (the output ended some other way)."""
+        pending, self._pending = self._pending, ""
+        return pending
+
+    def _first_match(self, text: str, offset: int) -> tuple[int, str] | None:
+        """The earliest stop string in `text` that ends past `offset`."""
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            i = text.find(stop, max(0, offset - len(stop) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        return best
+
+    def _held_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that a stop string starts with."""
+        for k in range(min(len(text), self._longest - 1), 0, -1):
+            if text[-k:] in self._prefixes:
+                return k
+        return 0

@@ -8,12 +8,18 @@ part types (images, audio, files) are refused, since the engine takes text only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from serverless_llm.engine.outputs import EngineOutput
+from serverless_llm.engine.sampling.logprobs import TokenLogprob
 from serverless_llm.engine.tokenizer import ChatTemplateError, apply_chat_template
 
+from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import ChatCompletionRequest, ChatMessage
+
+if TYPE_CHECKING:
+    from .serving import SequenceResult
 
 # Roles whose messages must carry content (an assistant turn may carry only tool calls).
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
@@ -103,19 +109,34 @@ class ChatFormatter:
     """Builds chat.completion responses and chat.completion.chunk dicts for one request.
 
     Chunks are plain dicts because they are built once per token; their fields are those of
-    `protocol.ChatCompletionStreamResponse`.
+    `protocol.ChatCompletionStreamResponse`. With logprobs asked for, each choice (and each
+    chunk) carries `logprobs.content`; prompt_logprobs (vLLM's) go at the top of the response.
     """
 
     object_name = "chat.completion.chunk"
 
     def __init__(
-        self, response_id: str, created: int, model: str, role: str, echo: str | None
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        role: str,
+        echo: str | None,
+        *,
+        top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        decoder: TokenDecoder | None = None,
     ) -> None:
+        """`top_logprobs`: None when the request did not ask for logprobs, else how many top
+        tokens each position lists."""
         self.response_id = response_id
         self.created = created
         self.model = model
         self.role = role
         self.echo = echo
+        self.top_logprobs = top_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.decoder = decoder
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -126,6 +147,11 @@ class ChatFormatter:
             "choices": choices,
         }
 
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"content": chat_logprobs(entries or [], self.top_logprobs, self.decoder)}
+
     def head_chunks(self, index: int) -> list[dict[str, Any]]:
         """Each choice's stream opens with its role (and the echoed text, if any)."""
         delta = {"role": self.role, "content": self.echo or ""}
@@ -134,23 +160,20 @@ class ChatFormatter:
         ]
 
     def delta_chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        usage: dict[str, int] | None,
+        self, index: int, out: EngineOutput, usage: dict[str, int] | None
     ) -> dict[str, Any] | None:
-        if not text and finish_reason is None and usage is None:
+        text, finish_reason = out.new_text, out.finish_reason
+        logprobs = self._logprobs(out.logprobs) if out.logprobs else None
+        if not text and finish_reason is None and usage is None and logprobs is None:
             return None  # a token whose text is still held back (part of a character)
         choice: dict[str, Any] = {
             "index": index,
             "delta": {"content": text} if text else {},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
+            choice["stop_reason"] = out.stop_reason
         chunk = self._chunk([choice])
         if usage is not None:
             chunk["usage"] = usage
@@ -163,9 +186,8 @@ class ChatFormatter:
 
     def response(
         self,
-        texts: list[str],
-        finish_reasons: list[str | None],
-        stop_reasons: list[int | str | None],
+        results: list[SequenceResult],
+        prompt_logprobs: list[list[TokenLogprob | None] | None],
         usage: dict[str, int],
     ) -> dict[str, Any]:
         prefix = self.echo or ""
@@ -174,17 +196,17 @@ class ChatFormatter:
                 "index": k,
                 "message": {
                     "role": self.role,
-                    "content": prefix + text,
+                    "content": prefix + r.text,
                     "refusal": None,
                     "tool_calls": [],
                 },
-                "logprobs": None,
-                "finish_reason": finish_reasons[k],
-                "stop_reason": stop_reasons[k],
+                "logprobs": self._logprobs(r.logprobs),
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
             }
-            for k, text in enumerate(texts)
+            for k, r in enumerate(results)
         ]
-        return {
+        response = {
             "id": self.response_id,
             "object": "chat.completion",
             "created": self.created,
@@ -192,3 +214,8 @@ class ChatFormatter:
             "choices": choices,
             "usage": usage,
         }
+        if self.prompt_logprobs is not None and prompt_logprobs and prompt_logprobs[0]:
+            response["prompt_logprobs"] = prompt_logprobs_vllm(
+                prompt_logprobs[0], self.prompt_logprobs, self.decoder
+            )
+        return response

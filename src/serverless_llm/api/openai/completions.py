@@ -7,10 +7,23 @@ choices, and choice `i` of prompt `p` has index `p * n + i`, as OpenAI numbers t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from serverless_llm.engine.outputs import EngineOutput
+from serverless_llm.engine.sampling.logprobs import TokenLogprob
+
+from ..logprobs import (
+    TokenDecoder,
+    completion_logprobs,
+    first_prompt_token,
+    merge_completion_logprobs,
+    prompt_logprobs_vllm,
+)
 from .errors import OpenAIServingError
 from .protocol import CompletionRequest
+
+if TYPE_CHECKING:
+    from .serving import SequenceResult
 
 
 @dataclass
@@ -55,16 +68,41 @@ def tokenize_prompts(
 
 
 class CompletionFormatter:
-    """Builds text_completion responses and chunks (OpenAI uses the same object for both)."""
+    """Builds text_completion responses and chunks (OpenAI uses the same object for both).
+
+    With `logprobs: k` each choice carries OpenAI's legacy logprobs object; with echo too, it
+    starts with the prompt's tokens (the first without a logprob), so a streamed echo waits for
+    the first engine output, which brings the prompt's logprobs.
+    """
 
     def __init__(
-        self, response_id: str, created: int, model: str, echo: list[str] | None, n: int
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        echo: list[str] | None,
+        n: int,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        prompt_ids: list[list[int]] | None = None,
+        decoder: TokenDecoder | None = None,
     ) -> None:
         self.response_id = response_id
         self.created = created
         self.model = model
         self.echo = echo  # per prompt, when echo is on
         self.n = n
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_ids = prompt_ids
+        self.decoder = decoder
+        self._offsets: dict[int, int] = {}  # text offset reached by each streamed choice
+        self._echo_pending: set[int] = set()
+
+    @property
+    def _echo_logprobs(self) -> bool:
+        return self.echo is not None and self.logprobs is not None
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -75,9 +113,25 @@ class CompletionFormatter:
             "choices": choices,
         }
 
+    def _prompt_part(
+        self, index: int, prompt_logprobs: list[TokenLogprob | None] | None
+    ) -> tuple[dict[str, Any], int]:
+        """The echoed prompt's logprobs: its first token (no logprob), then the others."""
+        first = first_prompt_token(self.prompt_ids[index // self.n][0], self.decoder)
+        rest, offset = completion_logprobs(
+            (prompt_logprobs or [None])[1:],
+            self.logprobs,
+            self.decoder,
+            len(first["tokens"][0]),
+        )
+        return merge_completion_logprobs([first, rest]), offset
+
     def head_chunks(self, index: int) -> list[dict[str, Any]]:
         """With echo, each choice's stream opens with its prompt's text."""
         if self.echo is None:
+            return []
+        if self._echo_logprobs:
+            self._echo_pending.add(index)  # sent with the first output (and its logprobs)
             return []
         text = self.echo[index // self.n]
         return [
@@ -85,23 +139,37 @@ class CompletionFormatter:
         ]
 
     def delta_chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        usage: dict[str, int] | None,
+        self, index: int, out: EngineOutput, usage: dict[str, int] | None
     ) -> dict[str, Any] | None:
-        if not text and finish_reason is None and usage is None:
+        text, finish_reason = out.new_text, out.finish_reason
+        logprobs = None
+        if self.logprobs is not None:
+            parts = []
+            offset = self._offsets.get(index, 0)
+            if index in self._echo_pending:
+                self._echo_pending.discard(index)
+                text = self.echo[index // self.n] + text
+                part, offset = self._prompt_part(index, out.prompt_logprobs)
+                offset = len(self.echo[index // self.n])
+                parts.append(part)
+            if out.logprobs:
+                part, offset = completion_logprobs(
+                    out.logprobs, self.logprobs, self.decoder, offset
+                )
+                parts.append(part)
+            self._offsets[index] = offset
+            if parts:
+                logprobs = merge_completion_logprobs(parts)
+        if not text and finish_reason is None and usage is None and logprobs is None:
             return None  # a token whose text is still held back (part of a character)
         choice: dict[str, Any] = {
             "index": index,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
+            choice["stop_reason"] = out.stop_reason
         chunk = self._chunk([choice])
         if usage is not None:
             chunk["usage"] = usage
@@ -114,24 +182,39 @@ class CompletionFormatter:
 
     def response(
         self,
-        texts: list[str],
-        finish_reasons: list[str | None],
-        stop_reasons: list[int | str | None],
+        results: list[SequenceResult],
+        prompt_logprobs: list[list[TokenLogprob | None] | None],
         usage: dict[str, int],
     ) -> dict[str, Any]:
         choices = []
-        for k, text in enumerate(texts):
+        for k, r in enumerate(results):
+            text = r.text
+            p = k // self.n
+            logprobs = None
             if self.echo is not None:
-                text = self.echo[k // self.n] + text
-            choices.append(
-                {
-                    "index": k,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish_reasons[k],
-                    "stop_reason": stop_reasons[k],
-                }
-            )
+                text = self.echo[p] + text
+            if self.logprobs is not None:
+                parts = []
+                offset = 0
+                if self.echo is not None:
+                    part, _ = self._prompt_part(k, prompt_logprobs[p])
+                    offset = len(self.echo[p])
+                    parts.append(part)
+                part, _ = completion_logprobs(r.logprobs, self.logprobs, self.decoder, offset)
+                parts.append(part)
+                logprobs = merge_completion_logprobs(parts)
+            choice = {
+                "index": k,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
+            }
+            if self.prompt_logprobs is not None and prompt_logprobs[p] is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_vllm(
+                    prompt_logprobs[p], self.prompt_logprobs, self.decoder
+                )
+            choices.append(choice)
         chunk = self._chunk(choices)
         chunk["usage"] = usage
         return chunk

@@ -2,35 +2,24 @@
 
 This is the one place that knows which request fields reach the engine. A field the engine does
 not implement yet is rejected when set to anything but its neutral value, never dropped: a
-client asking for stop strings or a JSON schema and quietly getting neither is worse than an
-error. When the engine learns a parameter, its entry leaves `_UNSUPPORTED_*` and it gets mapped
-in `_common_params`.
+client asking for beam search or a JSON schema and quietly getting neither is worse than an
+error. Ranges are checked by the engine's SamplingParams, whose errors name the parameter.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from serverless_llm.engine.sampling.params import SamplingParams
+from serverless_llm.engine.sampling.params import SamplingParams, SamplingParamsError
 
 from .errors import OpenAIServingError, unsupported
-from .protocol import SEED_MAX, ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest
 
 # field -> the values that mean "not used" (so accepting them changes nothing).
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0.0),
-    "presence_penalty": (None, 0.0),
-    "logit_bias": (None, {}),
-    "stop": (None, "", []),
     "use_beam_search": (False,),
-    "min_p": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
     "length_penalty": (1.0,),
     "early_stopping": (False,),
-    "include_stop_str_in_output": (False,),
-    "min_tokens": (0,),
-    "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "priority": (0,),
     "guided_json": (None,),
@@ -42,8 +31,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -56,7 +43,6 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
 }
 _UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None,),
     "suffix": (None, ""),
 }
 
@@ -87,8 +73,19 @@ def _check_shared(request: ChatCompletionRequest | CompletionRequest) -> None:
                 "best_of",
                 "invalid_value",
             )
-        if request.best_of > request.num_choices:
-            raise unsupported("best_of", "best_of greater than n")
+        if request.best_of > request.num_choices and request.stream:
+            raise OpenAIServingError.bad_request(
+                f"best_of ({request.best_of}) greater than n ({request.num_choices}) cannot be "
+                "streamed: the best sequences are known only at the end.",
+                "best_of",
+                "invalid_value",
+            )
+    if request.stream and request.prompt_logprobs is not None:
+        raise OpenAIServingError.bad_request(
+            "prompt_logprobs are not available when stream is true.",
+            "prompt_logprobs",
+            "invalid_value",
+        )
     if request.stream_options is not None and not request.stream:
         raise OpenAIServingError.bad_request(
             "stream_options can only be set when stream is true.", "stream_options", "invalid_value"
@@ -96,41 +93,75 @@ def _check_shared(request: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _common_params(
-    request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
+    request: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
 ) -> SamplingParams:
-    """`max_tokens=None` lets the engine generate up to max_model_len minus the prompt."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else float(request.temperature),
-        top_p=1.0 if request.top_p is None else float(request.top_p),
-        top_k=-1 if request.top_k is None else request.top_k,
-        seed=request.seed,
-        stop_token_ids=list(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-        skip_special_tokens=request.skip_special_tokens,
-        spaces_between_special_tokens=request.spaces_between_special_tokens,
-    )
+    """`max_tokens=None` lets the engine generate up to max_model_len minus the prompt. Fields
+    left null mean their default, as in OpenAI's API."""
+
+    def value(name: str, default: Any) -> Any:
+        v = getattr(request, name)
+        return default if v is None else v
+
+    try:
+        return SamplingParams(
+            n=request.num_choices,
+            best_of=request.best_of,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=float(value("temperature", 1.0)),
+            top_p=float(value("top_p", 1.0)),
+            top_k=value("top_k", -1),
+            min_p=float(value("min_p", 0.0)),
+            top_a=float(value("top_a", 0.0)),
+            tfs=float(value("tfs", 1.0)),
+            eta_cutoff=float(value("eta_cutoff", 0.0)),
+            epsilon_cutoff=float(value("epsilon_cutoff", 0.0)),
+            typical_p=float(value("typical_p", 1.0)),
+            smoothing_factor=float(value("smoothing_factor", 0.0)),
+            smoothing_curve=float(value("smoothing_curve", 1.0)),
+            presence_penalty=float(value("presence_penalty", 0.0)),
+            frequency_penalty=float(value("frequency_penalty", 0.0)),
+            repetition_penalty=float(value("repetition_penalty", 1.0)),
+            logit_bias=request.logit_bias or None,
+            allowed_token_ids=request.allowed_token_ids,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=list(request.stop_token_ids or ()),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
+    except SamplingParamsError as e:
+        raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
 
 
 def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
-    """Raises OpenAIServingError for fields the engine cannot honour yet."""
+    """Chat's `logprobs: true` with `top_logprobs: k` is the engine's logprobs=k. Raises
+    OpenAIServingError for fields the engine cannot honour yet."""
     _check_shared(request)
     _reject_unsupported(request, _UNSUPPORTED_CHAT)
-    return _common_params(request, request.output_limit)
+    top = request.top_logprobs
+    if top and not request.logprobs:
+        raise OpenAIServingError.bad_request(
+            "top_logprobs requires logprobs to be true.", "top_logprobs", "invalid_value"
+        )
+    logprobs = (top or 0) if request.logprobs else None
+    return _common_params(request, request.output_limit, logprobs, request.prompt_logprobs)
 
 
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
-    """Raises OpenAIServingError for fields the engine cannot honour yet."""
+    """Completions' `logprobs: k`; with `echo` the prompt's logprobs are needed too (at least
+    k of them). Raises OpenAIServingError for fields the engine cannot honour yet."""
     _check_shared(request)
     _reject_unsupported(request, _UNSUPPORTED_COMPLETION)
-    return _common_params(request, request.output_limit)
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index` of a prompt samples with `seed + index`, so the n choices differ from each
-    other and the whole response is reproducible (vLLM's rule for n > 1). Wraps at 2**64,
-    the top of torch's seed range."""
-    if seed is None:
-        return None
-    value = seed + index
-    return value - 2**64 if value > SEED_MAX else value
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+    return _common_params(request, request.output_limit, request.logprobs, prompt_logprobs)

@@ -3,12 +3,12 @@
 Requests are validated strictly, as OpenAI does: `"5"` is not an integer, `1` is not a boolean,
 NaN is not a temperature, and an unknown field is an error rather than something silently
 dropped (a typo such as `temprature` would otherwise change nothing and go unnoticed). Fields
-that the engine cannot honour yet are still declared, so their shapes are checked; the route
-modules reject non-default values with a clear "not supported yet" (see `chat.py`,
-`completions.py`).
+that the engine cannot honour yet are still declared, so their shapes are checked; `params.py`
+rejects non-default values with a clear "not supported yet".
 
-Field names and defaults follow OpenAI's API, then vLLM's extra parameters (sent at the top
-level of the body; the OpenAI client merges `extra_body` there).
+Field names and defaults follow OpenAI's API, then vLLM's and Aphrodite's extra parameters (sent
+at the top level of the body; the OpenAI client merges `extra_body` there). Completions'
+`logprobs` goes up to 20 (vLLM's default --max-logprobs; OpenAI stops at 5).
 
 The response models document the shapes and are used for the one-off responses; stream chunks
 are built as plain dicts on the hot path (`chat.py`, `completions.py`) with the same fields.
@@ -135,11 +135,19 @@ class _SamplingRequest(_Strict):
     safety_identifier: str | None = None
 
     # vLLM's extra sampling parameters.
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     use_beam_search: bool = False
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(1.0, gt=0.0, allow_inf_nan=False)
+    # Aphrodite's samplers (ranges checked by the engine's SamplingParams).
+    top_a: float | None = Field(0.0, allow_inf_nan=False)
+    tfs: float | None = Field(1.0, allow_inf_nan=False)
+    eta_cutoff: float | None = Field(0.0, allow_inf_nan=False)
+    epsilon_cutoff: float | None = Field(0.0, allow_inf_nan=False)
+    typical_p: float | None = Field(1.0, allow_inf_nan=False)
+    smoothing_factor: float | None = Field(0.0, allow_inf_nan=False)
+    smoothing_curve: float | None = Field(1.0, allow_inf_nan=False)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     early_stopping: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -149,7 +157,7 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     priority: int = 0

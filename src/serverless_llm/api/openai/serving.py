@@ -20,14 +20,13 @@ request of the job, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
@@ -36,10 +35,17 @@ from pydantic import BaseModel, ValidationError
 from serverless_llm.engine.async_engine import AsyncEngine, EngineDeadError
 from serverless_llm.engine.engine import InvalidRequestError
 from serverless_llm.engine.outputs import EngineOutput
-from serverless_llm.engine.sampling.params import SamplingParams, SamplingParamsError
+from serverless_llm.engine.sampling.logprobs import TokenLogprob
+from serverless_llm.engine.sampling.params import (
+    SamplingParams,
+    SamplingParamsError,
+    best_sequences,
+    sequence_params,
+)
 from serverless_llm.engine.tokenizer import ChatTemplateError
 from serverless_llm.worker.batching import BatchSizes
 
+from ..logprobs import TokenDecoder
 from .chat import ChatFormatter, echo_text, render_chat_prompt
 from .completions import CompletionFormatter, tokenize_prompts
 from .errors import (
@@ -52,7 +58,7 @@ from .errors import (
     validation_error,
 )
 from .models import list_models, retrieve_model
-from .params import chat_sampling_params, choice_seed, completion_sampling_params
+from .params import chat_sampling_params, completion_sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -107,20 +113,55 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass
 class _Plan:
-    """A validated request: prompts x n engine requests and how to shape their outputs."""
+    """A validated request: prompts x sequences engine requests and how to shape their outputs."""
 
     response_id: str
     prompts: list[list[int]]
-    n: int
-    params: list[SamplingParams]  # choice i of every prompt samples with params[i]
+    params: SamplingParams  # as asked (n, best_of, logprobs)
+    sequences: list[SamplingParams]  # one engine request of each prompt per entry (best_of)
     stream: bool
     include_usage: bool
     continuous_usage: bool
     formatter: ChatFormatter | CompletionFormatter
 
     @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+
+@dataclass
+class SequenceResult:
+    """One engine request's output, gathered for a non-streamed response."""
+
+    texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def add(self, out: EngineOutput) -> None:
+        if out.new_text:
+            self.texts.append(out.new_text)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.cumulative_logprob is not None:
+            self.cumulative_logprob = out.cumulative_logprob
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            self.num_tokens = out.num_output_tokens
 
 
 async def merge_streams(
@@ -293,16 +334,11 @@ class OpenAIServing:
             return ids
         raise OpenAIServingError.bad_request(message, param, "context_length_exceeded")
 
-    @staticmethod
-    def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-        if n == 1 or params.seed is None:
-            return [params] * n
-        return [dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
-
     def _chat_plan(self, body: Any) -> _Plan:
         request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         model = self._check_model(request.model)
         params = chat_sampling_params(request)
+        params.check_vocab(self.vocab_size)
         ids = render_chat_prompt(request, self.tokenizer, self.chat_template)
         ids = self._fit_prompt(ids, request.truncate_prompt_tokens, params.max_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -313,12 +349,15 @@ class OpenAIServing:
             model,
             self.response_role,
             echo_text(request, self.response_role),
+            top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
+            decoder=TokenDecoder(self.tokenizer),
         )
         return _Plan(
             response_id=response_id,
             prompts=[ids],
-            n=request.num_choices,
-            params=self._choice_params(params, request.num_choices),
+            params=params,
+            sequences=sequence_params(params),
             stream=bool(request.stream),
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats),
@@ -329,6 +368,7 @@ class OpenAIServing:
         request: CompletionRequest = self._parse(CompletionRequest, body)
         model = self._check_model(request.model)
         params = completion_sampling_params(request)
+        params.check_vocab(self.vocab_size)
         inputs = tokenize_prompts(request, self.tokenizer, self.vocab_size)
         prompts: list[list[int]] = []
         echo: list[str] | None = [] if request.echo else None
@@ -345,13 +385,24 @@ class OpenAIServing:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         options = request.stream_options
         formatter = CompletionFormatter(
-            response_id, int(time.time()), model, echo, request.num_choices
+            response_id,
+            int(time.time()),
+            model,
+            echo,
+            request.num_choices,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            prompt_ids=prompts,
+            decoder=TokenDecoder(self.tokenizer),
         )
         return _Plan(
             response_id=response_id,
             prompts=prompts,
-            n=request.num_choices,
-            params=self._choice_params(params, request.num_choices),
+            params=params,
+            # A streamed echo with logprobs opens each choice with the prompt's logprobs.
+            sequences=sequence_params(
+                params, prompt_logprobs_once=not (request.stream and request.echo)
+            ),
             stream=bool(request.stream),
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats),
@@ -361,33 +412,36 @@ class OpenAIServing:
     # -- plan -> outputs --------------------------------------------------------------------
 
     def _engine_streams(self, plan: _Plan) -> list[AsyncIterator[EngineOutput]]:
-        """One engine request per choice, with ids derived from the response id (unique)."""
+        """One engine request per sequence of each prompt, with ids derived from the response
+        id (unique). Stream p * len(sequences) + i is sequence i of prompt p."""
+        count = len(plan.sequences)
         return [
-            self.engine.generate(ids, plan.params[i], f"{plan.response_id}-{p * plan.n + i}")
+            self.engine.generate(ids, seq, f"{plan.response_id}-{p * count + i}")
             for p, ids in enumerate(plan.prompts)
-            for i in range(plan.n)
+            for i, seq in enumerate(plan.sequences)
         ]
 
     async def _complete(self, plan: _Plan) -> AsyncIterator[Any]:
-        total = plan.num_choices
-        texts: list[list[str]] = [[] for _ in range(total)]
-        finish: list[str | None] = [None] * total
-        stops: list[int | str | None] = [None] * total
-        generated = [0] * total
+        count = len(plan.sequences)
+        results = [SequenceResult() for _ in range(len(plan.prompts) * count)]
         try:
             async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
                 async for k, out in outputs:
-                    if out.new_text:
-                        texts[k].append(out.new_text)
-                    if out.finished:
-                        finish[k] = out.finish_reason
-                        stops[k] = out.stop_reason
-                        generated[k] = out.num_output_tokens
+                    results[k].add(out)
         except Exception as exc:
             yield self._error_from(exc)
             return
-        usage = _usage(sum(len(p) for p in plan.prompts), sum(generated))
-        yield plan.formatter.response(["".join(t) for t in texts], finish, stops, usage)
+        chosen: list[SequenceResult] = []
+        prompt_logprobs = []
+        for p in range(len(plan.prompts)):
+            group = results[p * count : (p + 1) * count]
+            order = list(range(count))
+            if plan.params.ranks_by_logprob:
+                order = best_sequences([r.cumulative_logprob for r in group], plan.n)
+            chosen.extend(group[i] for i in order)
+            prompt_logprobs.append(group[0].prompt_logprobs)
+        usage = _usage(sum(len(p) for p in plan.prompts), sum(r.num_tokens for r in chosen))
+        yield plan.formatter.response(chosen, prompt_logprobs, usage)
 
     async def _stream(self, plan: _Plan, batch: BatchSizes) -> AsyncIterator[Any]:
         fmt = plan.formatter
@@ -410,9 +464,7 @@ class OpenAIServing:
                     usage = None
                     if plan.continuous_usage:
                         usage = _usage(prompt_lens[k // n], out.num_output_tokens)
-                    chunk = fmt.delta_chunk(
-                        k, out.new_text, out.finish_reason, out.stop_reason, usage
-                    )
+                    chunk = fmt.delta_chunk(k, out, usage)
                     if chunk is not None:
                         pending.append(chunk)
                     count += len(out.new_token_ids)
@@ -444,7 +496,11 @@ class OpenAIServing:
     def _error_from(exc: Exception) -> dict:
         if isinstance(exc, OpenAIServingError):
             return exc.error
-        if isinstance(exc, (InvalidRequestError, SamplingParamsError, ChatTemplateError)):
+        if isinstance(exc, (InvalidRequestError, SamplingParamsError)):
+            param = getattr(exc, "param", None)
+            code = "invalid_value" if param else None
+            return openai_error(str(exc), INVALID_REQUEST, param, code, 400)
+        if isinstance(exc, ChatTemplateError):
             return openai_error(str(exc), INVALID_REQUEST, None, None, 400)
         if isinstance(exc, EngineDeadError):
             logger.error("OpenAI request failed in the engine: %s", exc)
