@@ -44,3 +44,30 @@ def test_throughput_tiny(tiny_llama, tmp_path):
     assert report["compute_ceiling_tokens_per_s"] > 0
     for key in ("engine_vs_generate_batch", "engine_vs_generate"):
         assert report["ratios"][key] > 0
+
+
+def test_endpoint_tiny(tiny_llama, tmp_path):
+    """The worker-overhead benchmark: offline engine, then the local endpoint in a subprocess
+    driven by the official OpenAI client, same prompts."""
+    out = tmp_path / "endpoint.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "endpoint.py"),
+            "--tiny",
+            "--model",
+            tiny_llama,
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert any(line.startswith("SUMMARY offline=") for line in proc.stdout.splitlines())
+    report = json.loads(out.read_text())
+    assert report["offline_tok_s"] > 0 and report["endpoint_tok_s"] > 0
