@@ -1,14 +1,30 @@
-"""The offline API, shaped like vLLM's: `LLM(model=...)` then `llm.generate(prompts, params)`."""
+"""The offline API, shaped like vLLM's: `LLM(model=...)` then `llm.generate(prompts, params)`.
+
+Beam search runs either way vLLM has offered it: `generate` with
+`SamplingParams(use_beam_search=True, best_of=w, n=k, temperature=0)` (the k best of w beams, as
+`CompletionOutput`s), or `beam_search(prompts, BeamSearchParams(beam_width=w, max_tokens=m))`
+(all w beams, as `BeamSearchOutput`s).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from .engine.config import EngineConfig
 from .engine.engine import LLMEngine
-from .engine.outputs import CompletionOutput, RequestOutput, position_logprobs
+from .engine.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+    position_logprobs,
+)
 from .engine.request import Request
+from .engine.sampling.beam_search import BeamSearchParams
 from .engine.sampling.params import SamplingParams, best_sequences, sequence_params
+
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"]
 
 Prompt = str | list[int]
 
@@ -50,12 +66,14 @@ class LLM:
                 )
         engine = self.engine
         # Validate everything before scheduling anything, so a bad prompt leaves nothing behind.
-        # A prompt with n (or best_of) sequences becomes that many engine requests.
+        # A prompt with n (or best_of) sequences becomes that many engine requests (a beam
+        # search, one).
         groups: list[list[Request]] = []
         for prompt, p in zip(prompts, params):
             group = []
-            for i, child in enumerate(sequence_params(p)):
-                rid = f"llm-{self._counter}" + (f".{i}" if p.num_sequences > 1 else "")
+            children = sequence_params(p)
+            for i, child in enumerate(children):
+                rid = f"llm-{self._counter}" + (f".{i}" if len(children) > 1 else "")
                 group.append(engine.make_request(prompt, child, request_id=rid))
             self._counter += 1
             groups.append(group)
@@ -71,7 +89,39 @@ class LLM:
             raise
         return [self._result(group, p) for group, p in zip(groups, params)]
 
+    def beam_search(
+        self,
+        prompts: Sequence[Prompt | dict[str, Any]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: prompts as strings, token-id lists or `{"prompt": ...}` /
+        `{"prompt_token_ids": [...]}`; each result holds all beam_width beams, best first."""
+        plain: list[Prompt] = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            plain.append(prompt)
+        results = self.generate(plain, params.to_sampling_params())
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=[*r.prompt_token_ids, *o.token_ids],
+                        logprobs=o.logprobs or [],
+                        cum_logprob=o.cumulative_logprob or 0.0,
+                        text=o.text,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                    for o in r.outputs
+                ]
+            )
+            for r in results
+        ]
+
     def _result(self, group: list[Request], params: SamplingParams) -> RequestOutput:
+        if group[0].beam is not None:
+            return self._beam_result(group[0])
         decode = self._decode_token
         order = list(range(len(group)))
         if params.ranks_by_logprob:
@@ -103,6 +153,37 @@ class LLM:
             request_id=first.request_id.split(".")[0],
             prompt=first.prompt_text,
             prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            prompt_logprobs=prompt_lp,
+        )
+
+    def _beam_result(self, root: Request) -> RequestOutput:
+        """A beam search's n best sequences, best first."""
+        decode = self._decode_token
+        show_logprobs = root.params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=index,
+                text=out.new_text,
+                token_ids=list(out.new_token_ids),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                cumulative_logprob=out.cumulative_logprob,
+                logprobs=[position_logprobs(e, decode) for e in out.logprobs]
+                if show_logprobs
+                else None,
+            )
+            for index, out in enumerate(root.beam.outputs or [])
+        ]
+        prompt_lp = None
+        if root.prompt_logprobs is not None:
+            prompt_lp = [
+                None if e is None else position_logprobs(e, decode) for e in root.prompt_logprobs
+            ]
+        return RequestOutput(
+            request_id=root.request_id,
+            prompt=root.prompt_text,
+            prompt_token_ids=root.prompt_token_ids,
             outputs=outputs,
             prompt_logprobs=prompt_lp,
         )

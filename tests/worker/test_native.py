@@ -232,7 +232,7 @@ def test_sampling_params_supported_and_defaults():
             assert p.logit_bias == {5: 2.5}
         else:
             assert getattr(p, name) == value, name
-    # Names not honoured yet are fine at their defaults.
+    # Beam search's names, and names not honoured yet, are fine at their defaults.
     defaults = {
         "use_beam_search": False,
         "length_penalty": 1.0,
@@ -249,9 +249,12 @@ def test_sampling_params_supported_and_defaults():
     [
         ({"foo": 1}, "unknown sampling parameter 'foo'"),
         ({"mirostat_mode": 2}, "unknown sampling parameter 'mirostat_mode'"),
-        ({"use_beam_search": True}, "'use_beam_search' is not supported yet"),
-        ({"length_penalty": 0.5}, "'length_penalty' is not supported yet"),
-        ({"early_stopping": "never"}, "'early_stopping' is not supported yet"),
+        ({"use_beam_search": True, "temperature": 0.5}, "temperature must be 0 when using beam"),
+        ({"use_beam_search": True, "top_k": 5}, "top_k must be -1 when using beam search"),
+        ({"use_beam_search": True, "presence_penalty": 1.0}, "presence_penalty must be 0.0 when"),
+        ({"length_penalty": 0.5}, "length_penalty is not effective and must be the default"),
+        ({"early_stopping": "never"}, "early_stopping is not effective and must be false"),
+        ({"use_beam_search": True, "early_stopping": "no"}, "early_stopping must be true, false"),
         ({"guided_json": {"type": "object"}}, "'guided_json' is not supported yet"),
         ({"bad_words": ["x"]}, "'bad_words' is not supported yet"),
         ({"best_of": 1, "n": 2}, "best_of must be an integer >= n (2)"),
@@ -311,7 +314,7 @@ MALFORMED = [
     {"prompt": "x", "sampling_params": {"n": 0}},
     {"prompt": "x", "sampling_params": {"top_k": -7}},
     {"prompt": "x", "sampling_params": {"presence_penalty": 3.0}},
-    {"prompt": "x", "sampling_params": {"use_beam_search": True}},
+    {"prompt": "x", "sampling_params": {"use_beam_search": True, "top_p": 0.5}},
     {"prompt": "x", "sampling_params": {"logit_bias": {"100000": 1.0}}},
     {"prompt": "x", "sampling_params": {"best_of": 3}, "stream": True},
     {"prompt": "x", "sampling_params": ["max_tokens", 5]},

@@ -18,6 +18,8 @@ stream, per token of that item), `{"token_id", "token", "logprob", "top_logprobs
 `prompt_logprobs: k` the first item carries `"prompt_logprobs"`: None for the first prompt
 token, then the same objects with a `"rank"`. `best_of > n` runs best_of sequences and returns
 the n with the highest cumulative logprob (not streamable: the best are known at the end).
+`use_beam_search` returns its n beams together when the search ends: streamed, they come as one
+item holding every choice's whole text.
 
 Any failure is yielded as `{"error": "<message>"}`, once, and ends the job; the engine requests
 are aborted when this generator closes, so nothing is left holding KV blocks.
@@ -204,10 +206,13 @@ class NativeServing:
         view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer))
 
         if not request.stream:
-            results = [_Sequence() for _ in streams]
+            results = [
+                _Sequence() for _ in range(params.n if params.use_beam_search else len(streams))
+            ]
             async with aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
-                    results[i].add(out)
+                    for j, choice_out in _choices(i, out):
+                        results[j].add(choice_out)
             order = list(range(len(results)))
             if params.ranks_by_logprob:
                 order = best_sequences([r.cumulative for r in results], params.n)
@@ -232,14 +237,23 @@ class NativeServing:
                 choices: list[dict[str, Any]] = [view.empty() for _ in range(n)]
                 prompt_lp = None
                 for i, out in group:
-                    if out.new_token_ids:  # an abort's final output carries no token
-                        view.extend(choices[i], out)
-                        num_output += len(out.new_token_ids)
-                    if out.prompt_logprobs is not None:
-                        prompt_lp = out.prompt_logprobs
+                    for j, choice_out in _choices(i, out):
+                        if choice_out.new_token_ids:  # an abort's final output carries no token
+                            view.extend(choices[j], choice_out)
+                            num_output += len(choice_out.new_token_ids)
+                        if choice_out.prompt_logprobs is not None:
+                            prompt_lp = choice_out.prompt_logprobs
                 item = {"choices": choices, "usage": {"input": num_input, "output": num_output}}
                 view.add_prompt_logprobs(item, prompt_lp)
                 yield item
+
+
+def _choices(index: int, out: EngineOutput) -> list[tuple[int, EngineOutput]]:
+    """(choice index, output) pairs of one engine output: a beam search's final output holds
+    all its choices; any other output is its stream's own choice."""
+    if out.sequences is not None:
+        return list(enumerate(out.sequences))
+    return [(index, out)]
 
 
 class _Sequence:

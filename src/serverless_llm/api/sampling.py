@@ -5,12 +5,14 @@ The one place that knows which sampling parameters the native route honours. Eve
 declared in `VLLMSamplingParams` with its type and default, so an ill-typed value is an error
 naming the parameter. A name the engine's `SamplingParams` also has is passed through (and
 range-checked there); any other known name is accepted at its default and refused otherwise
-("'use_beam_search' is not supported yet"), never ignored. A name neither vLLM nor Aphrodite
+("'bad_words' is not supported yet"), never ignored. A name neither vLLM nor Aphrodite
 has is an error ("unknown sampling parameter 'x'"). When the engine gains a parameter under that
 name, it passes through here without a change.
 
 `n` and `best_of` are carried in the SamplingParams; callers fan a prompt out into engine
-requests with `sequence_params` (sequence i gets seed + i, as in vLLM).
+requests with `sequence_params` (sequence i gets seed + i, as in vLLM). With `use_beam_search`,
+an unset temperature means 0 (beam search refuses any other), so `{"use_beam_search": true,
+"n": 3}` is enough.
 """
 
 from __future__ import annotations
@@ -86,12 +88,12 @@ class VLLMSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
-    # Names the engine does not honour yet: accepted at their defaults only.
-    bad_words: list[str] | None = None
-    detokenize: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Names the engine does not honour yet: accepted at their defaults only.
+    bad_words: list[str] | None = None
+    detokenize: bool = True
     guided_decoding: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -158,6 +160,8 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
         if name == "stop" and isinstance(value, str):
             value = [value]
         kwargs[name] = value
+    if parsed.use_beam_search and "temperature" not in given:
+        kwargs["temperature"] = 0.0  # the only one beam search takes
     max_tokens_given = "max_tokens" in given
     if not max_tokens_given:
         kwargs["max_tokens"] = default_max_tokens

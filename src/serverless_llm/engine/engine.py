@@ -7,6 +7,7 @@ touches the scheduler, so an invalid request never holds blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from .model_runner import ModelRunner
 from .models import model_class_for
 from .outputs import EngineOutput
 from .request import FinishReason, Request, RequestStatus
+from .sampling.beam_search import BeamGroup, BeamSearch, HeldKV, Hypothesis
 from .sampling.logits_processors import RequestSamplingState
 from .sampling.logprobs import TokenLogprob
 from .sampling.params import SamplingParams, SamplingParamsError
@@ -151,6 +153,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.device)
         self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps
         self.requests: dict[str, Request] = {}
+        self._unfinished_beam_steps: set[BeamGroup] = set()  # some beams reported, not all
         self._next_id = 0
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s device=%s backend=%s max_model_len=%d "
@@ -284,8 +287,9 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         """Validates and builds a request without touching the scheduler. The request runs one
-        sequence: `n` and `best_of` are for whoever fans a prompt out (see sequence_params)."""
-        if params.num_sequences > 1:
+        sequence: `n` and `best_of` are for whoever fans a prompt out (see sequence_params),
+        except with beam search, where the request runs best_of (else n) beams and returns n."""
+        if params.num_sequences > 1 and not params.use_beam_search:
             raise InvalidRequestError(
                 "an engine request runs one sequence: fan n / best_of out with "
                 "sequence_params (LLM.generate and the API routes do)",
@@ -335,6 +339,10 @@ class LLMEngine:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         req = Request(request_id, token_ids, params, max_total_tokens=max_total)
+        req.prompt_text = pi.text
+        if params.use_beam_search:
+            req.beam = self._beam_group(req)
+            return req
         req.sampling = RequestSamplingState(params, token_ids, self.eos_token_ids)
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
@@ -349,14 +357,42 @@ class LLMEngine:
             req.cumulative_logprob = 0.0
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
-        req.prompt_text = pi.text
         return req
+
+    def _beam_group(self, root: Request) -> BeamGroup:
+        """The search and its first step: the prompt, as transformers starts (one beam)."""
+        p = root.params
+        search = BeamSearch(
+            width=p.num_sequences,
+            max_new_tokens=root.max_total_tokens - root.num_prompt_tokens,
+            eos_token_ids=() if p.ignore_eos else sorted(self.eos_token_ids),
+            stop_token_ids=p.stop_token_ids,
+            min_tokens=p.min_tokens,
+            length_penalty=p.length_penalty,
+            early_stopping=p.early_stopping,
+            logprobs=p.logprobs,
+        )
+        member = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+        # The search needs more top tokens than a client may ask for (2 * width or more).
+        member.logprobs = min(search.tokens_per_beam, self.vocab_size)
+        first = member
+        if p.prompt_logprobs is not None:
+            first = dataclasses.replace(member, logprobs=None, prompt_logprobs=p.prompt_logprobs)
+            first.logprobs = member.logprobs
+        sampling = RequestSamplingState(member, root.prompt_token_ids, self.eos_token_ids)
+        group = BeamGroup(root, search, member, sampling)
+        group.spawn(first)
+        return group
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        if req.beam is None:
+            self.scheduler.add(req)
+            return
+        for member in req.beam.members:
+            self.scheduler.add(member)
 
     def add_request(
         self,
@@ -373,7 +409,15 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.finish(req, FinishReason.ABORT)
+        if req.beam is None:
+            self.scheduler.finish(req, FinishReason.ABORT)
+        else:
+            for member in req.beam.members:
+                if not member.finished:
+                    self.scheduler.finish(member, FinishReason.ABORT)
+            self._release_held(req.beam)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ABORT
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -383,6 +427,8 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         batch = self.scheduler.schedule()
+        if not batch.requests and self._drop_waiting_beam_blocks():
+            batch = self.scheduler.schedule()
         if not batch.requests:
             if self.scheduler.running or self.scheduler.waiting:
                 # Nothing fits (only possible if a single request outgrew the cache).
@@ -399,10 +445,149 @@ class LLMEngine:
         )
         sampled = self.sampler(logits, sb)
         logprobs = sampled.logprobs or [None] * len(sample_reqs)
-        return [
-            self._process_token(req, tok, lp)
-            for req, tok, lp in zip(sample_reqs, sampled.token_ids, logprobs)
-        ]
+        outputs = []
+        for req, tok, lp in zip(sample_reqs, sampled.token_ids, logprobs):
+            if req.beam is None:
+                outputs.append(self._process_token(req, tok, lp))
+                continue
+            out = self._beam_step(req, lp)
+            if out is not None:
+                outputs.append(out)
+        # A beam search whose step is split across engine steps must not hold blocks while it
+        # waits for its other beams (those may need them to run): its next beams will find
+        # their prefixes in the cache instead.
+        for group in self._unfinished_beam_steps:
+            self._release_held(group)
+        self._unfinished_beam_steps.clear()
+        return outputs
+
+    # -- beam search --------------------------------------------------------------------------
+
+    def _beam_step(self, member: Request, top: TokenLogprob) -> EngineOutput | None:
+        """A beam's one-step request has its top tokens: it ends, handing its blocks to the
+        group. Once every beam of the step has reported, the search moves on and the next beams
+        start from their parents' blocks, queued ahead of new requests."""
+        group = member.beam
+        j = member.beam_index
+        group.tops[j] = top
+        if member.prompt_logprobs is not None:
+            group.root.prompt_logprobs = member.prompt_logprobs
+        # Taken before the request ends, which would free them.
+        group.held[j] = HeldKV(member.block_ids, member.block_hashes, member.num_computed_tokens)
+        member.block_ids, member.block_hashes = [], []
+        self.scheduler.finish(member, FinishReason.STOP)
+        if not group.complete:
+            self._unfinished_beam_steps.add(group)
+            return None
+        self._unfinished_beam_steps.discard(group)
+        if group.search.step(group.tops):
+            self._release_held(group)
+            return self._finish_beam_search(group)
+        held = group.held
+        children = group.spawn()
+        self._fork_blocks(held, [beam.parent for beam in group.search.live], children)
+        for child in reversed(children):
+            self.scheduler.add(child, front=True)
+        return None
+
+    def _fork_blocks(
+        self, held: list[HeldKV | None], parents: list[int], children: list[Request]
+    ) -> None:
+        """Gives each new beam its parent's KV, so it computes only its new token: the first
+        child of a parent takes the parent's blocks, the others share its full blocks and get a
+        copy of its last, partly filled one (copy-on-write done at once, as the first child is
+        about to write into it). Without room for a copy, a beam computes that block's tokens
+        again. Blocks of beams nobody extends are freed (their full blocks stay cached)."""
+        pool, bs = self.block_pool, self.block_size
+        for b, kv in enumerate(held):
+            if kv is not None and b not in parents:
+                pool.free(kv.block_ids)
+        taken = [False] * len(held)
+        copies: list[tuple[int, int]] = []
+        for child, b in zip(children, parents):
+            kv = held[b]
+            if kv is None:  # released: the cached prefix serves when it is admitted
+                continue
+            if not taken[b]:
+                taken[b] = True
+                child.block_ids = kv.block_ids
+                child.block_hashes = kv.block_hashes
+                child.num_computed_tokens = kv.num_computed_tokens
+                continue
+            full = kv.num_computed_tokens // bs
+            pool.share(kv.block_ids[:full])
+            child.block_ids = kv.block_ids[:full]
+            child.block_hashes = kv.block_hashes[:full]
+            child.num_computed_tokens = full * bs
+            if kv.num_computed_tokens > full * bs:
+                new = pool.allocate(1)
+                if new is not None:
+                    copies.append((kv.block_ids[full], new[0]))
+                    child.block_ids.append(new[0])
+                    child.num_computed_tokens = kv.num_computed_tokens
+        if copies:
+            src = torch.tensor([a for a, _ in copies], device=self.device)
+            dst = torch.tensor([b for _, b in copies], device=self.device)
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
+
+    def _release_held(self, group: BeamGroup) -> None:
+        for j, kv in enumerate(group.held):
+            if kv is not None:
+                self.block_pool.free(kv.block_ids)
+                group.held[j] = None
+
+    def _drop_waiting_beam_blocks(self) -> bool:
+        """Nothing could be scheduled: beams waiting with their parents' blocks may be what
+        fills the cache. They let go (their prefixes stay cached) so the queue can move."""
+        dropped = False
+        for req in self.scheduler.waiting:
+            if req.beam is not None and req.block_ids:
+                self.block_pool.free(req.block_ids)
+                req.block_ids, req.block_hashes = [], []
+                req.num_computed_tokens = 0
+                dropped = True
+        return dropped
+
+    def _finish_beam_search(self, group: BeamGroup) -> EngineOutput:
+        root = group.root
+        self.requests.pop(root.request_id, None)
+        outputs = [self._hypothesis_output(root, h) for h in group.search.best(root.params.n)]
+        group.outputs = outputs
+        best = outputs[0]
+        root.status = RequestStatus.FINISHED
+        root.finish_reason = FinishReason(best.finish_reason)
+        root.stop_reason = best.stop_reason
+        root.output_token_ids = list(best.new_token_ids)
+        return dataclasses.replace(best, sequences=outputs)
+
+    def _hypothesis_output(self, root: Request, hyp: Hypothesis) -> EngineOutput:
+        """A finished beam as a whole output, its text decoded as a streamed one would be (the
+        stop token's text left out unless include_stop_str_in_output)."""
+        p = root.params
+        shown = hyp.token_ids
+        if hyp.finish_reason == "stop" and not p.include_stop_str_in_output:
+            shown = shown[:-1]
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            root.prompt_token_ids,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+        )
+        text = detokenizer.add(shown) + detokenizer.flush()
+        return EngineOutput(
+            request_id=root.request_id,
+            new_token_ids=list(hyp.token_ids),
+            new_text=text,
+            finished=True,
+            finish_reason=hyp.finish_reason,
+            stop_reason=hyp.stop_reason,
+            num_prompt_tokens=root.num_prompt_tokens,
+            num_output_tokens=len(hyp.token_ids),
+            logprobs=hyp.logprobs if p.logprobs is not None else None,
+            cumulative_logprob=hyp.cumulative_logprob,
+            prompt_logprobs=root.prompt_logprobs,
+        )
 
     def _process_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> EngineOutput:
         """Appends a sampled token, decides whether the request ends (vLLM's rules) and returns

@@ -57,6 +57,12 @@ class BlockPool:
             out.append(block)
         return out
 
+    def share(self, block_ids: list[int]) -> None:
+        """Adds a holder to blocks already held (a beam that forks from another)."""
+        for block in block_ids:
+            assert self._refs[block] > 0, "only a held block can be shared"
+            self._refs[block] += 1
+
     def free(self, block_ids: list[int]) -> None:
         # Freed in reverse so a request's tail blocks are evicted before its head: the head is
         # the prefix other requests are likeliest to share.

@@ -26,6 +26,9 @@ class EngineOutput:
     # When it asked for prompt_logprobs: all of them (None for the first prompt token), once,
     # with the first output token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Beam search gives no per-step output: its one output, at the end, is the best sequence
+    # whole, and `sequences` holds the n best (that one first), each a whole finished output.
+    sequences: list[EngineOutput] | None = None
 
 
 @dataclass
@@ -63,6 +66,26 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One result of `LLM.beam_search`, as vLLM shapes it: `tokens` are the prompt's and the
+    output's, `text` the output's."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beam_width best sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 def position_logprobs(entry: TokenLogprob, decode: Any) -> PositionLogprobs:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from .sampling.beam_search import BeamGroup
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -51,6 +52,10 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     cumulative_logprob: float | None = None
+    # Beam search: the group this request belongs to, as its handle (never scheduled) or as the
+    # one-step request of live beam `beam_index`.
+    beam: BeamGroup | None = None
+    beam_index: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,11 +50,16 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, front: bool = False) -> None:
+        """`front`: ahead of the queue, for work that continues a request already in flight
+        (the next beams of a beam search)."""
         request.arrival = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Removes a request wherever it is and frees its blocks at once."""

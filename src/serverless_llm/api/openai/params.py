@@ -2,8 +2,12 @@
 
 This is the one place that knows which request fields reach the engine. A field the engine does
 not implement yet is rejected when set to anything but its neutral value, never dropped: a
-client asking for beam search or a JSON schema and quietly getting neither is worse than an
-error. Ranges are checked by the engine's SamplingParams, whose errors name the parameter.
+client asking for a JSON schema and quietly getting none is worse than an error. Ranges are
+checked by the engine's SamplingParams, whose errors name the parameter.
+
+Beam search (`use_beam_search`, `length_penalty`, `early_stopping`) runs best_of (else n) beams
+and returns the n best. A temperature left unset means 0 with it (the only one it takes), as
+vLLM's beam search ignores temperature; one set above 0 is refused.
 """
 
 from __future__ import annotations
@@ -17,9 +21,6 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 
 # field -> the values that mean "not used" (so accepting them changes nothing).
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1.0,),
-    "early_stopping": (False,),
     "bad_words": (None, []),
     "priority": (0,),
     "guided_json": (None,),
@@ -73,7 +74,7 @@ def _check_shared(request: ChatCompletionRequest | CompletionRequest) -> None:
                 "best_of",
                 "invalid_value",
             )
-        if request.best_of > request.num_choices and request.stream:
+        if request.best_of > request.num_choices and request.stream and not request.use_beam_search:
             raise OpenAIServingError.bad_request(
                 f"best_of ({request.best_of}) greater than n ({request.num_choices}) cannot be "
                 "streamed: the best sequences are known only at the end.",
@@ -111,7 +112,7 @@ def _common_params(
             best_of=request.best_of,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
-            temperature=float(value("temperature", 1.0)),
+            temperature=float(value("temperature", 0.0 if request.use_beam_search else 1.0)),
             top_p=float(value("top_p", 1.0)),
             top_k=value("top_k", -1),
             min_p=float(value("min_p", 0.0)),
@@ -137,6 +138,9 @@ def _common_params(
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
+            use_beam_search=request.use_beam_search,
+            length_penalty=request.length_penalty,
+            early_stopping=request.early_stopping,
         )
     except SamplingParamsError as e:
         raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None

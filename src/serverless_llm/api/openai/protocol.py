@@ -77,7 +77,14 @@ def _check_str_or_object(value: Any) -> Any:
     raise ValueError("must be a string or an object")
 
 
+def _check_early_stopping(value: Any) -> Any:
+    if isinstance(value, bool) or value == "never":
+        return value
+    raise ValueError("must be true, false or 'never'")
+
+
 Content = Annotated[Any, AfterValidator(_check_content)]
+EarlyStopping = Annotated[Any, AfterValidator(_check_early_stopping)]
 Stop = Annotated[Any, AfterValidator(_check_stop)]
 Prompt = Annotated[Any, AfterValidator(_check_prompt)]
 StrOrObject = Annotated[Any, AfterValidator(_check_str_or_object)]
@@ -149,7 +156,7 @@ class _SamplingRequest(_Strict):
     smoothing_factor: float | None = Field(0.0, allow_inf_nan=False)
     smoothing_curve: float | None = Field(1.0, allow_inf_nan=False)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
-    early_stopping: bool = False
+    early_stopping: EarlyStopping = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False

@@ -9,7 +9,8 @@ route produces:
 - streamed without `raw_output`: lists of chunk dicts (no [DONE] marker).
 
 Stream chunks are grouped by the geometric batch sizes (1, 3, 9, 27, 50, ... tokens a yield)
-so the first token leaves at once and a long answer costs few messages.
+so the first token leaves at once and a long answer costs few messages. Beam search knows its
+choices only when it ends (as in vLLM): streamed, each choice comes whole in one chunk.
 
 Errors never raise: `handle` yields one error dict (`{"error": {...}}`, see errors.py; its HTTP
 status from `http_status`) and stops. That holds mid-stream too, after strings have gone out.
@@ -131,6 +132,18 @@ class _Plan:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def outputs_per_prompt(self) -> int:
+        """Results gathered per prompt: one per engine request, or a beam search's n."""
+        return self.n if self.params.use_beam_search else len(self.sequences)
+
+    def choice_outputs(self, k: int, out: EngineOutput) -> list[tuple[int, EngineOutput]]:
+        """(result index, output) pairs of engine stream k's output: a beam search's final
+        output holds all n results of its prompt."""
+        if out.sequences is None:
+            return [(k, out)]
+        return [(k * self.n + i, seq) for i, seq in enumerate(out.sequences)]
 
 
 @dataclass
@@ -422,12 +435,13 @@ class OpenAIServing:
         ]
 
     async def _complete(self, plan: _Plan) -> AsyncIterator[Any]:
-        count = len(plan.sequences)
+        count = plan.outputs_per_prompt
         results = [SequenceResult() for _ in range(len(plan.prompts) * count)]
         try:
             async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
                 async for k, out in outputs:
-                    results[k].add(out)
+                    for index, result_out in plan.choice_outputs(k, out):
+                        results[index].add(result_out)
         except Exception as exc:
             yield self._error_from(exc)
             return
@@ -460,19 +474,20 @@ class OpenAIServing:
                 pending.append(chunk)
         try:
             async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
-                async for k, out in outputs:
-                    usage = None
-                    if plan.continuous_usage:
-                        usage = _usage(prompt_lens[k // n], out.num_output_tokens)
-                    chunk = fmt.delta_chunk(k, out, usage)
-                    if chunk is not None:
-                        pending.append(chunk)
-                    count += len(out.new_token_ids)
-                    if out.finished:
-                        generated[k] = out.num_output_tokens
-                        remaining -= 1
-                        if remaining == 0:
-                            break  # the rest goes out with the closing events below
+                async for stream, engine_out in outputs:
+                    for k, out in plan.choice_outputs(stream, engine_out):
+                        usage = None
+                        if plan.continuous_usage:
+                            usage = _usage(prompt_lens[k // n], out.num_output_tokens)
+                        chunk = fmt.delta_chunk(k, out, usage)
+                        if chunk is not None:
+                            pending.append(chunk)
+                        count += len(out.new_token_ids)
+                        if out.finished:
+                            generated[k] = out.num_output_tokens
+                            remaining -= 1
+                    if remaining == 0:
+                        break  # the rest goes out with the closing events below
                     if count >= target:
                         yield self._emit(pending)
                         pending, count = [], 0

@@ -5,7 +5,8 @@ Names, defaults and meanings follow vLLM's `SamplingParams`, plus Aphrodite's ex
 moving over find what they know. Every check names the parameter and the allowed range.
 
 The engine runs one sequence per request: `n` and `best_of` are honoured by whoever fans a
-prompt out into requests (`LLM.generate`, the API layers), with `sequence_params`.
+prompt out into requests (`LLM.generate`, the API layers), with `sequence_params`. Beam search
+is the exception: one request runs all its beams (see beam_search.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,25 @@ MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 # Below this a temperature means greedy, as in vLLM.
 GREEDY_EPS = 1e-5
+# Parameters beam search cannot honour, with the values that mean "not used" (vLLM refuses
+# top_p and top_k; the others would be just as silently ignored).
+_BEAM_SEARCH_NEUTRAL: dict[str, Any] = {
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "top_a": 0.0,
+    "tfs": 1.0,
+    "eta_cutoff": 0.0,
+    "epsilon_cutoff": 0.0,
+    "typical_p": 1.0,
+    "smoothing_factor": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "stop": None,
+}
 
 
 class SamplingParamsError(ValueError):
@@ -78,12 +98,17 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    # Beam search (vLLM's older names): best_of (else n) beams, the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_sampling()
         self._check_stops()
         self._check_token_params()
+        self._check_beam_search()
 
     # -- validation -------------------------------------------------------------------------
 
@@ -209,6 +234,48 @@ class SamplingParams:
                 )
             self.allowed_token_ids = list(dict.fromkeys(allowed))
 
+    def _check_beam_search(self) -> None:
+        """vLLM's rules: length_penalty and early_stopping mean nothing without beam search, and
+        beam search ranks by the model's own logprobs, so any parameter that would change the
+        distribution is refused rather than silently ignored."""
+        if not isinstance(self.use_beam_search, bool):
+            raise SamplingParamsError(
+                f"use_beam_search must be a boolean, got {self.use_beam_search!r}"
+            )
+        if not _is_real(self.length_penalty):
+            raise SamplingParamsError(
+                f"length_penalty must be a finite number, got {self.length_penalty!r}"
+            )
+        self.length_penalty = float(self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise SamplingParamsError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise SamplingParamsError(
+                    "length_penalty is not effective and must be the default value of 1.0 "
+                    "when not using beam search"
+                )
+            if self.early_stopping is not False:
+                raise SamplingParamsError(
+                    "early_stopping is not effective and must be false when not using beam search"
+                )
+            return
+        if not self.greedy:
+            raise SamplingParamsError(
+                f"temperature must be 0 when using beam search, got {self.temperature:g}"
+            )
+        for name, neutral in _BEAM_SEARCH_NEUTRAL.items():
+            value = getattr(self, name)
+            if value != neutral and not (neutral is None and not value):
+                shown = "unset" if neutral is None else neutral
+                raise SamplingParamsError(
+                    f"{name} must be {shown} when using beam search (beam search ranks by the "
+                    f"model's own logprobs), got {value!r}",
+                    name,
+                )
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given as parameters must exist in the model's vocabulary."""
         for name, ids in (
@@ -237,8 +304,9 @@ class SamplingParams:
 
     @property
     def ranks_by_logprob(self) -> bool:
-        """Whether the n results are picked from more candidates by cumulative logprob."""
-        return self.num_sequences > self.n
+        """Whether the n results are picked from more candidates by cumulative logprob (beam
+        search picks its own, by length-penalised score)."""
+        return self.num_sequences > self.n and not self.use_beam_search
 
     @property
     def has_penalties(self) -> bool:
@@ -266,7 +334,8 @@ class SamplingParams:
 def sequence_params(
     params: SamplingParams, prompt_logprobs_once: bool = True
 ) -> list[SamplingParams]:
-    """One engine request's parameters per sequence of a prompt (best_of of them, else n).
+    """One engine request's parameters per sequence of a prompt (best_of of them, else n; one
+    for beam search, whose request returns its n sequences together).
 
     Sequence i samples with seed + i (vLLM's rule), so seeded sequences differ from each other
     and the whole result is reproducible; seeds wrap into torch's range. When best_of > n, every
@@ -274,6 +343,8 @@ def sequence_params(
     be picked; callers hide logprobs nobody asked for. Only the first sequence computes
     prompt_logprobs, unless `prompt_logprobs_once` is False (each streamed choice needs them).
     """
+    if params.use_beam_search:
+        return [params]  # one engine request runs every beam
     count = params.num_sequences
     base = dataclasses.replace(params, n=1, best_of=None)
     if params.ranks_by_logprob and base.logprobs is None:
