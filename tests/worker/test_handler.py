@@ -138,6 +138,8 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "chat_template": "{{ messages }}",
         "raw_output": False,
         "max_model_len": 512,
+        "enable_auto_tool_choice": False,
+        "tool_call_parser": None,
     }
     assert serving.calls[0] == (
         "/v1/chat/completions",

@@ -139,3 +139,49 @@ def test_stop_strings_never_show_in_a_stream(make_worker):
         shown += "".join(item["choices"][0]["tokens"])
         assert stop not in shown
     assert shown == cut
+
+
+def test_guided_decoding_on_the_native_route(make_worker):
+    import json
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}},
+        "required": ["id"],
+    }
+
+    async def scenario(w):
+        base = {"max_tokens": 60, "seed": 1}
+        as_json = await run_job(
+            w,
+            {
+                "prompt": PROMPT,
+                "sampling_params": {
+                    **base,
+                    "n": 3,
+                    "guided_json": schema,
+                    "guided_decoding_backend": "xgrammar:disable-any-whitespace",
+                },
+            },
+        )
+        choice = await run_job(
+            w, {"prompt": PROMPT, "sampling_params": {**base, "guided_choice": ["yes", "no"]}}
+        )
+        regex = await run_job(
+            w,
+            {
+                "prompt": PROMPT,
+                "stream": True,
+                "sampling_params": {**base, "guided_regex": r"\d{4}"},
+            },
+        )
+        bad = await run_job(w, {"prompt": PROMPT, "sampling_params": {"guided_regex": "(a"}})
+        return as_json, choice, regex, bad
+
+    as_json, choice, regex, bad = run(make_worker(), scenario)
+    for k in range(3):
+        assert json.loads(joined(as_json, k))["id"] in range(1, 100)
+    assert joined(choice) in ("yes", "no")
+    assert re.fullmatch(r"\d{4}", joined(regex))
+    assert len(bad) == 1 and "error" in bad[0] and "guided_regex" in json.dumps(bad[0])

@@ -367,3 +367,31 @@ def test_hf_token_never_logged(monkeypatch, make_worker, tmp_path):
     assert any("settings: " in r and "HF_TOKEN=***" in r for r in records)
     leaked = [r for r in records if FAKE_TOKEN in r or FAKE_TOKEN[3:20] in r]
     assert leaked == []
+
+
+def test_tool_call_settings(tmp_path):
+    s = Settings.from_env({"ENABLE_AUTO_TOOL_CHOICE": "1", "TOOL_CALL_PARSER": "hermes"})
+    assert s.enable_auto_tool_choice and s.tool_call_parser == "hermes"
+    with pytest.raises(SettingsError, match="TOOL_CALL_PARSER"):
+        Settings.from_env({"ENABLE_AUTO_TOOL_CHOICE": "true"})
+    with pytest.raises(SettingsError, match="not a tool call parser"):
+        Settings.from_env({"TOOL_CALL_PARSER": "nope"})
+    with pytest.raises(SettingsError, match="TOOL_PARSER_PLUGIN"):
+        Settings.from_env({"TOOL_PARSER_PLUGIN": str(tmp_path / "missing.py")})
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(
+        "from serverless_llm.api.openai.tool_parsers import (\n"
+        "    ExtractedToolCalls, ToolParser, register_tool_parser)\n\n"
+        "@register_tool_parser('settings_test_parser')\n"
+        "class P(ToolParser):\n"
+        "    def extract(self, text):\n"
+        "        return ExtractedToolCalls(text, [])\n"
+    )
+    s = Settings.from_env(
+        {
+            "TOOL_PARSER_PLUGIN": str(plugin),
+            "TOOL_CALL_PARSER": "settings_test_parser",
+            "ENABLE_AUTO_TOOL_CHOICE": "1",
+        }
+    )
+    assert s.tool_call_parser == "settings_test_parser"

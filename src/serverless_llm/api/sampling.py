@@ -91,9 +91,7 @@ class VLLMSamplingParams(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    # Names the engine does not honour yet: accepted at their defaults only.
-    bad_words: list[str] | None = None
-    detokenize: bool = True
+    # Structured output (validated by the engine's SamplingParams; see structured_output.md).
     guided_decoding: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -102,6 +100,10 @@ class VLLMSamplingParams(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    response_format: dict[str, Any] | None = None
+    # Names the engine does not honour yet: accepted at their defaults only.
+    bad_words: list[str] | None = None
+    detokenize: bool = True
     logits_processors: list[Any] | None = None
     extra_args: dict[str, Any] | None = None
 

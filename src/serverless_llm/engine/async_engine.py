@@ -65,7 +65,22 @@ class AsyncEngine:
             from .engine import InvalidRequestError
 
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = self.engine.make_request(prompt, params or SamplingParams(), request_id)
+        params = params or SamplingParams()
+        compiled = None
+        if params.structured is not None:
+            # Compiled off the step loop (a thread pool; cache hits resolve at once).
+            from .engine import InvalidRequestError, structured_error
+            from .sampling.structured import StructuredOutputError
+
+            try:
+                compiled = await asyncio.wrap_future(
+                    self.engine.grammar_compiler.compile_async(params.structured)
+                )
+            except StructuredOutputError as e:
+                raise structured_error(e) from None
+            if request_id in self._queues:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = self.engine.make_request(prompt, params, request_id, compiled_grammar=compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,15 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def structured_error(e: Exception) -> InvalidRequestError:
+    """A StructuredOutputError as the request's error, its message naming the field."""
+    param = getattr(e, "param", None)
+    message = str(e)
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return InvalidRequestError(message, param)
 
 
 @dataclass
@@ -155,6 +165,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._unfinished_beam_steps: set[BeamGroup] = set()  # some beams reported, not all
         self._next_id = 0
+        self._grammar_compiler = None  # created on the first structured request
+        self._grammar_lock = threading.Lock()
+        self._bitmask = None
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s device=%s backend=%s max_model_len=%d "
             "kv_blocks=%d (block_size %d, %d tokens)",
@@ -263,6 +276,33 @@ class LLMEngine:
             )
         return int(budget // per_block)
 
+    # -- structured output -------------------------------------------------------------------
+
+    @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (one per tokenizer; created on first use)."""
+        if self._grammar_compiler is None:
+            with self._grammar_lock:
+                if self._grammar_compiler is None:
+                    from .sampling.structured import GrammarCompiler
+
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer,
+                        vocab_size=self.vocab_size,
+                        stop_token_ids=sorted(self.eos_token_ids),
+                    )
+        return self._grammar_compiler
+
+    def compile_grammar(self, spec):
+        """The compiled grammar of a spec (cached); InvalidRequestError naming the field when
+        the schema, regex or grammar is invalid."""
+        from .sampling.structured import StructuredOutputError
+
+        try:
+            return self.grammar_compiler.compile(spec)
+        except StructuredOutputError as e:
+            raise structured_error(e) from None
+
     # -- requests ---------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
@@ -284,7 +324,11 @@ class LLMEngine:
         raise InvalidRequestError("the prompt must be a string or a list of token ids")
 
     def make_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        compiled_grammar=None,
     ) -> Request:
         """Validates and builds a request without touching the scheduler. The request runs one
         sequence: `n` and `best_of` are for whoever fans a prompt out (see sequence_params),
@@ -344,6 +388,10 @@ class LLMEngine:
             req.beam = self._beam_group(req)
             return req
         req.sampling = RequestSamplingState(params, token_ids, self.eos_token_ids)
+        if params.structured is not None:
+            if compiled_grammar is None:
+                compiled_grammar = self.compile_grammar(params.structured)
+            req.grammar = compiled_grammar.matcher(extra_stop_token_ids=params.stop_token_ids)
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,
@@ -443,6 +491,7 @@ class LLMEngine:
         sb = SamplingBatch.build(
             sample_reqs, self.vocab_size, self.device, cache=self._sampling_cache
         )
+        self._fill_grammar_masks(sample_reqs, sb)
         sampled = self.sampler(logits, sb)
         logprobs = sampled.logprobs or [None] * len(sample_reqs)
         outputs = []
@@ -460,6 +509,18 @@ class LLMEngine:
             self._release_held(group)
         self._unfinished_beam_steps.clear()
         return outputs
+
+    def _fill_grammar_masks(self, reqs: list[Request], sb: SamplingBatch) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return
+        from .sampling.structured import allocate_bitmask, fill_bitmasks
+
+        need = max(len(reqs), self.config.max_num_seqs)
+        if self._bitmask is None or self._bitmask.shape[0] < need:
+            self._bitmask = allocate_bitmask(need, self.vocab_size)
+        fill_bitmasks([reqs[i].grammar for i in rows], self._bitmask, rows)
+        sb.set_grammar(self._bitmask, rows)
 
     # -- beam search --------------------------------------------------------------------------
 
@@ -607,6 +668,21 @@ class LLMEngine:
             elif tok in p.stop_token_ids:
                 reason = FinishReason.STOP
                 req.stop_reason = tok
+        if req.grammar is not None and reason is None:
+            if not req.grammar.accept_token(tok):
+                logger.warning(
+                    "request %s: token %d breaks its grammar (another constraint disagreed); "
+                    "finishing it",
+                    req.request_id,
+                    tok,
+                )
+                reason = FinishReason.STOP
+            elif req.grammar.is_terminated():  # the grammar's stop token: the output is complete
+                reason = FinishReason.STOP
+                if tok in p.stop_token_ids:
+                    req.stop_reason = tok
+        elif req.grammar is not None:
+            req.grammar.accept_token(tok)
         stopped_by_token = reason is not None
         # The text of the token that stopped the request is not output (vLLM), unless asked.
         text = "" if stopped_by_token and not p.include_stop_str_in_output else None

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .sampling.beam_search import BeamGroup
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
+    from .sampling.structured import GrammarMatcher
     from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -56,6 +57,8 @@ class Request:
     # one-step request of live beam `beam_index`.
     beam: BeamGroup | None = None
     beam_index: int = 0
+    # Structured output: this sequence's place in its grammar (kept across preemption).
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

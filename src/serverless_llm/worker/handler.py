@@ -148,6 +148,8 @@ class Worker:
                 chat_template=self.settings.custom_chat_template,
                 raw_output=self.settings.raw_openai_output,
                 max_model_len=self.engine.engine.max_model_len,
+                enable_auto_tool_choice=self.settings.enable_auto_tool_choice,
+                tool_call_parser=self.settings.tool_call_parser,
             )
         return self._openai
 

@@ -479,6 +479,41 @@ class Settings(BaseSettings):
         category=OPENAI,
         min_length=1,
     )
+    enable_auto_tool_choice: bool = _setting(
+        False,
+        "ENABLE_AUTO_TOOL_CHOICE",
+        title="Enable Auto Tool Choice",
+        description=(
+            'Let chat requests with `tools` use `tool_choice: "auto"` (the default then): the '
+            "model's text is parsed into `tool_calls` by TOOL_CALL_PARSER. Named and "
+            "`required` tool choices work without it."
+        ),
+        category=OPENAI,
+    )
+    tool_call_parser: str | None = _setting(
+        None,
+        "TOOL_CALL_PARSER",
+        title="Tool Call Parser",
+        description=(
+            'How the model writes tool calls, for `tool_choice: "auto"`: `hermes`, '
+            "`mistral`, `llama3_json`, `internlm`, `jamba`, or a name TOOL_PARSER_PLUGIN "
+            "registers. Needed with ENABLE_AUTO_TOOL_CHOICE."
+        ),
+        category=OPENAI,
+        min_length=1,
+    )
+    tool_parser_plugin: str | None = _setting(
+        None,
+        "TOOL_PARSER_PLUGIN",
+        title="Tool Parser Plugin",
+        description=(
+            "Path of a Python file that registers more tool call parsers (a `ToolParser` "
+            'subclass with `@register_tool_parser("name")`, or a `TOOL_PARSERS` dict); loaded '
+            "at startup, before TOOL_CALL_PARSER is checked."
+        ),
+        category=OPENAI,
+        min_length=1,
+    )
 
     # -- Serverless Settings ----------------------------------------------------------------
     max_concurrency: int = _setting(
@@ -531,6 +566,39 @@ class Settings(BaseSettings):
             raise ValueError("not a device")
         return value
 
+    def _check_tool_parser(self) -> None:
+        """Loads TOOL_PARSER_PLUGIN, then checks TOOL_CALL_PARSER names a parser."""
+        if self.tool_parser_plugin is None and self.tool_call_parser is None:
+            if self.enable_auto_tool_choice:
+                raise SettingsError(
+                    "ENABLE_AUTO_TOOL_CHOICE needs TOOL_CALL_PARSER (hermes, mistral, "
+                    "llama3_json, internlm, jamba, or a plugin's parser)"
+                )
+            return
+        from ..api.openai.tool_parsers import (
+            ToolParserError,
+            load_tool_parser_plugin,
+            tool_parser_names,
+        )
+
+        if self.tool_parser_plugin is not None:
+            try:
+                load_tool_parser_plugin(self.tool_parser_plugin)
+            except ToolParserError as e:
+                raise SettingsError(str(e)) from None
+            except Exception as e:
+                raise SettingsError(
+                    f"TOOL_PARSER_PLUGIN: loading {self.tool_parser_plugin} failed: "
+                    f"{type(e).__name__}: {e}"
+                ) from None
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise SettingsError("ENABLE_AUTO_TOOL_CHOICE needs TOOL_CALL_PARSER")
+        if self.tool_call_parser is not None and self.tool_call_parser not in tool_parser_names():
+            raise SettingsError(
+                f"TOOL_CALL_PARSER={self.tool_call_parser!r} is not a tool call parser; "
+                f"available: {', '.join(tool_parser_names())}"
+            )
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
         """Reads and validates the environment (or `environ`), raising SettingsError on the
@@ -554,6 +622,7 @@ class Settings(BaseSettings):
         errors = [lim for lim in settings.limitations() if lim.level == "error"]
         if errors:
             raise SettingsError(errors[0].message)
+        settings._check_tool_parser()
         try:
             settings.engine_config()
         except ConfigError as e:

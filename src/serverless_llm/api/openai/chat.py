@@ -8,6 +8,8 @@ part types (images, audio, files) are refused, since the engine takes text only.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from serverless_llm.engine.outputs import EngineOutput
@@ -17,6 +19,7 @@ from serverless_llm.engine.tokenizer import ChatTemplateError, apply_chat_templa
 from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import ChatCompletionRequest, ChatMessage
+from .tool_parsers import ToolParser, merge_deltas
 
 if TYPE_CHECKING:
     from .serving import SequenceResult
@@ -70,12 +73,33 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["content"] = ""
         else:
             item["content"] = _flatten_content(i, message.content)
+        if item.get("tool_calls"):
+            item["tool_calls"] = [_template_tool_call(c) for c in item["tool_calls"]]
         out.append(item)
     return out
 
 
+def _template_tool_call(call: Any) -> Any:
+    """An assistant message's tool call for the template: JSON-text arguments become an object
+    (what templates iterate over, as vLLM passes them); anything else is left as it is."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return call
+        if isinstance(parsed, dict):
+            return {**call, "function": {**call["function"], "arguments": parsed}}
+    return call
+
+
 def render_chat_prompt(
-    request: ChatCompletionRequest, tokenizer: Any, default_template: str | None
+    request: ChatCompletionRequest,
+    tokenizer: Any,
+    default_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Renders the conversation and tokenizes it; every template problem becomes a 400."""
     messages = template_messages(request.messages)
@@ -86,6 +110,7 @@ def render_chat_prompt(
             chat_template=request.chat_template or default_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            tools=tools or None,
             documents=request.documents,
             chat_template_kwargs=request.chat_template_kwargs,
         )
@@ -126,9 +151,17 @@ class ChatFormatter:
         top_logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         decoder: TokenDecoder | None = None,
+        tool_parser: Callable[[], ToolParser | None] | None = None,
+        tool_mode: str = "none",
+        parallel_tool_calls: bool = True,
     ) -> None:
         """`top_logprobs`: None when the request did not ask for logprobs, else how many top
-        tokens each position lists."""
+        tokens each position lists. `tool_parser`: makes a fresh parser for each choice (tools
+        with a tool_choice other than "none"); `tool_mode` is the choice's mode."""
+        self.tool_parser = tool_parser
+        self.tool_mode = tool_mode
+        self.parallel_tool_calls = parallel_tool_calls
+        self._parsers: dict[int, ToolParser | None] = {}
         self.response_id = response_id
         self.created = created
         self.model = model
@@ -159,16 +192,47 @@ class ChatFormatter:
             self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
         ]
 
+    def _parser(self, index: int) -> ToolParser | None:
+        if self.tool_parser is None:
+            return None
+        if index not in self._parsers:
+            self._parsers[index] = self.tool_parser()
+        return self._parsers[index]
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        # OpenAI: "tool_calls" for auto / required calls; a named choice ends with "stop".
+        if reason == "stop" and called and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def _keep_calls(self, delta: dict[str, Any] | None) -> dict[str, Any] | None:
+        if delta is None or self.parallel_tool_calls or "tool_calls" not in delta:
+            return delta
+        calls = [c for c in delta["tool_calls"] if c.get("index", 0) == 0]
+        delta = {k: v for k, v in delta.items() if k != "tool_calls"}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta or None
+
     def delta_chunk(
         self, index: int, out: EngineOutput, usage: dict[str, int] | None
     ) -> dict[str, Any] | None:
         text, finish_reason = out.new_text, out.finish_reason
         logprobs = self._logprobs(out.logprobs) if out.logprobs else None
-        if not text and finish_reason is None and usage is None and logprobs is None:
+        parser = self._parser(index)
+        if parser is not None:
+            deltas = parser.feed(text) if text else []
+            if finish_reason is not None:
+                deltas = deltas + parser.finish()
+            delta = self._keep_calls(merge_deltas(deltas)) or {}
+            finish_reason = self._finish_reason(finish_reason, parser.tools_called)
+        else:
+            delta = {"content": text} if text else {}
+        if not delta and finish_reason is None and usage is None and logprobs is None:
             return None  # a token whose text is still held back (part of a character)
         choice: dict[str, Any] = {
             "index": index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
@@ -191,21 +255,36 @@ class ChatFormatter:
         usage: dict[str, int],
     ) -> dict[str, Any]:
         prefix = self.echo or ""
-        choices = [
-            {
-                "index": k,
-                "message": {
-                    "role": self.role,
-                    "content": prefix + r.text,
-                    "refusal": None,
-                    "tool_calls": [],
-                },
-                "logprobs": self._logprobs(r.logprobs),
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-            for k, r in enumerate(results)
-        ]
+        choices = []
+        for k, r in enumerate(results):
+            content: str | None = prefix + r.text
+            tool_calls: list[dict[str, Any]] = []
+            finish_reason = r.finish_reason
+            parser = self.tool_parser() if self.tool_parser is not None else None
+            if parser is not None:
+                extracted = parser.extract(r.text)
+                calls = extracted.tool_calls
+                if not self.parallel_tool_calls:
+                    calls = calls[:1]
+                tool_calls = [c.to_openai() for c in calls]
+                content = extracted.content
+                if prefix:
+                    content = prefix + (content or "")
+                finish_reason = self._finish_reason(finish_reason, bool(calls))
+            choices.append(
+                {
+                    "index": k,
+                    "message": {
+                        "role": self.role,
+                        "content": content,
+                        "refusal": None,
+                        "tool_calls": tool_calls,
+                    },
+                    "logprobs": self._logprobs(r.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": r.stop_reason,
+                }
+            )
         response = {
             "id": self.response_id,
             "object": "chat.completion",

@@ -12,9 +12,11 @@ vLLM's beam search ignores temperature; one set above 0 is refused.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from serverless_llm.engine.sampling.params import SamplingParams, SamplingParamsError
+from serverless_llm.engine.sampling.structured import StructuredOutputError, resolve_backend
 
 from .errors import OpenAIServingError, unsupported
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -23,17 +25,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "priority": (0,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -63,10 +56,6 @@ def _reject_unsupported(request: Any, table: dict[str, tuple[Any, ...]]) -> None
 
 def _check_shared(request: ChatCompletionRequest | CompletionRequest) -> None:
     _reject_unsupported(request, _UNSUPPORTED_COMMON)
-    fmt = request.response_format
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type")
-        raise unsupported("response_format", f"only {{'type': 'text'}} is, got type {kind!r}")
     if request.best_of is not None:
         if request.best_of < request.num_choices:
             raise OpenAIServingError.bad_request(
@@ -98,6 +87,7 @@ def _common_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    structured: Any = None,
 ) -> SamplingParams:
     """`max_tokens=None` lets the engine generate up to max_model_len minus the prompt. Fields
     left null mean their default, as in OpenAI's API."""
@@ -141,14 +131,62 @@ def _common_params(
             use_beam_search=request.use_beam_search,
             length_penalty=request.length_penalty,
             early_stopping=request.early_stopping,
+            **_structured_fields(request, structured),
         )
     except SamplingParamsError as e:
         raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
 
 
-def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+def _structured_fields(request: Any, structured: Any) -> dict[str, Any]:
+    """The structured-output fields for SamplingParams (which validates them). `structured`:
+    a ready StructuredOutputSpec (a tool_choice's), exclusive with the request's own fields."""
+    fields = {
+        name: getattr(request, name)
+        for name in (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "guided_whitespace_pattern",
+            "guided_decoding_backend",
+            "response_format",
+            "structured_outputs",
+            "guided_decoding",
+        )
+    }
+    if structured is not None:
+        given = [k for k, v in fields.items() if v is not None and k != "guided_decoding_backend"]
+        if given and not (
+            given == ["response_format"] and fields["response_format"] == {"type": "text"}
+        ):
+            raise OpenAIServingError.bad_request(
+                f"tool_choice constrains the output to a tool call and cannot be combined with "
+                f"{given[0]}.",
+                "tool_choice",
+                "invalid_value",
+            )
+        backend = fields["guided_decoding_backend"]
+        if backend is not None or fields["guided_whitespace_pattern"] is not None:
+            # The request's backend options and whitespace pattern apply to the tool's JSON.
+            try:
+                name, options = resolve_backend(backend)
+                structured = dataclasses.replace(
+                    structured,
+                    backend=name,
+                    any_whitespace=structured.any_whitespace
+                    and "disable-any-whitespace" not in options,
+                    whitespace_pattern=fields["guided_whitespace_pattern"],
+                )
+            except StructuredOutputError as e:
+                raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
+        return {"structured_outputs": structured}
+    return fields
+
+
+def chat_sampling_params(request: ChatCompletionRequest, structured: Any = None) -> SamplingParams:
     """Chat's `logprobs: true` with `top_logprobs: k` is the engine's logprobs=k. Raises
-    OpenAIServingError for fields the engine cannot honour yet."""
+    OpenAIServingError for fields the engine cannot honour yet. `structured`: the spec a
+    named or required tool_choice asks for."""
     _check_shared(request)
     _reject_unsupported(request, _UNSUPPORTED_CHAT)
     top = request.top_logprobs
@@ -157,7 +195,9 @@ def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
             "top_logprobs requires logprobs to be true.", "top_logprobs", "invalid_value"
         )
     logprobs = (top or 0) if request.logprobs else None
-    return _common_params(request, request.output_limit, logprobs, request.prompt_logprobs)
+    return _common_params(
+        request, request.output_limit, logprobs, request.prompt_logprobs, structured
+    )
 
 
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:

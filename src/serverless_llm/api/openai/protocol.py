@@ -178,6 +178,7 @@ class _SamplingRequest(_Strict):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_decoding: dict[str, Any] | None = None
 
     @property
     def num_choices(self) -> int:

@@ -21,6 +21,7 @@ request of the job, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -61,6 +62,15 @@ from .errors import (
 from .models import list_models, retrieve_model
 from .params import chat_sampling_params, completion_sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tool_parsers import (
+    ToolChoiceError,
+    ToolParser,
+    get_tool_parser,
+    parser_for_tool_choice,
+    resolve_tool_choice,
+    tool_choice_spec,
+    validate_tools,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +243,19 @@ class OpenAIServing:
         raw_output: bool = True,
         max_model_len: int | None = None,
         model_aliases: Sequence[str] = (),
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
-        request used. `max_model_len` defaults to the engine's and may only lower it."""
+        request used. `max_model_len` defaults to the engine's and may only lower it.
+        `enable_auto_tool_choice` / `tool_call_parser`: ENABLE_AUTO_TOOL_CHOICE and
+        TOOL_CALL_PARSER (a registered parser name; plugins are loaded before)."""
         self.engine = engine
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.auto_tool_parser: type[ToolParser] | None = (
+            get_tool_parser(tool_call_parser) if tool_call_parser else None
+        )
         self.served_model_name = served_model_name
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
@@ -271,6 +289,7 @@ class OpenAIServing:
                 yield retrieve_model(arg or "", self.model_names, self.created, self.max_model_len)
                 return
             plan = self._chat_plan(body) if kind == "chat" else self._completion_plan(body)
+            await self._compile(plan.params)
         except Exception as exc:
             yield self._error_from(exc)
             return
@@ -281,6 +300,19 @@ class OpenAIServing:
         async with aclosing(run) as items:
             async for item in items:
                 yield item
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """Compiles a request's grammar before anything streams, so an invalid schema, regex
+        or grammar is the request's 400 (the engine then finds it in the cache)."""
+        inner = getattr(self.engine, "engine", None)
+        if params.structured is None or not hasattr(inner, "grammar_compiler"):
+            return
+        from serverless_llm.engine.sampling.structured import StructuredOutputError
+
+        try:
+            await asyncio.wrap_future(inner.grammar_compiler.compile_async(params.structured))
+        except StructuredOutputError as e:
+            raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
 
     # -- request -> plan --------------------------------------------------------------------
 
@@ -350,9 +382,25 @@ class OpenAIServing:
     def _chat_plan(self, body: Any) -> _Plan:
         request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         model = self._check_model(request.model)
-        params = chat_sampling_params(request)
+        try:
+            tools = validate_tools(request.tools)
+            choice = resolve_tool_choice(
+                tools, request.tool_choice, auto_enabled=self.enable_auto_tool_choice
+            )
+        except ToolChoiceError as e:
+            raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
+        params = chat_sampling_params(request, tool_choice_spec(tools, choice))
+        make_parser = None
+        if choice.mode != "none" and not (choice.mode == "auto" and self.auto_tool_parser is None):
+            auto = self.auto_tool_parser
+
+            def make_parser() -> ToolParser | None:
+                return parser_for_tool_choice(choice, auto, tools)
+
+            if choice.mode == "auto" and auto.needs_special_tokens:
+                params = dataclasses.replace(params, skip_special_tokens=False)
         params.check_vocab(self.vocab_size)
-        ids = render_chat_prompt(request, self.tokenizer, self.chat_template)
+        ids = render_chat_prompt(request, self.tokenizer, self.chat_template, tools)
         ids = self._fit_prompt(ids, request.truncate_prompt_tokens, params.max_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         options = request.stream_options
@@ -365,6 +413,9 @@ class OpenAIServing:
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
             decoder=TokenDecoder(self.tokenizer),
+            tool_parser=make_parser,
+            tool_mode=choice.mode,
+            parallel_tool_calls=request.parallel_tool_calls is not False,
         )
         return _Plan(
             response_id=response_id,
@@ -515,6 +566,8 @@ class OpenAIServing:
             param = getattr(exc, "param", None)
             code = "invalid_value" if param else None
             return openai_error(str(exc), INVALID_REQUEST, param, code, 400)
+        if isinstance(exc, ToolChoiceError):
+            return openai_error(str(exc), INVALID_REQUEST, exc.param, "invalid_value", 400)
         if isinstance(exc, ChatTemplateError):
             return openai_error(str(exc), INVALID_REQUEST, None, None, 400)
         if isinstance(exc, EngineDeadError):

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .structured import StructuredOutputError, StructuredOutputSpec
+
 # vLLM's default --max-logprobs: the most top tokens a request may ask for per position.
 MAX_LOGPROBS = 20
 # OpenAI's (and vLLM's) range for logit_bias values.
@@ -102,8 +104,23 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never"
+    # Structured output (vLLM's names; see docs/structured_output.md). At most one constraint:
+    # the guided_* fields, OpenAI's response_format, or vLLM's structured_outputs /
+    # guided_decoding (a dict, a StructuredOutputsParams, or a ready StructuredOutputSpec).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    # The validated constraint the fields above ask for (None: free text). Derived.
+    structured: StructuredOutputSpec | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_structured()
         self._check_counts()
         self._check_sampling()
         self._check_stops()
@@ -111,6 +128,39 @@ class SamplingParams:
         self._check_beam_search()
 
     # -- validation -------------------------------------------------------------------------
+
+    def _check_structured(self) -> None:
+        so, gd = self.structured_outputs, self.guided_decoding
+        if isinstance(so, StructuredOutputsParams):
+            so = so.to_dict()
+        if isinstance(gd, StructuredOutputsParams):
+            gd = gd.to_dict()
+        fields = dict(
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+            guided_whitespace_pattern=self.guided_whitespace_pattern,
+            guided_decoding_backend=self.guided_decoding_backend,
+            response_format=self.response_format,
+            guided_decoding=gd,
+        )
+        try:
+            if isinstance(so, StructuredOutputSpec):
+                given = [k for k, v in fields.items() if v is not None]
+                given = [k for k in given if k != "guided_decoding_backend"]
+                if given:
+                    raise StructuredOutputError(
+                        given[0],
+                        f"only one structured output constraint may be given, got "
+                        f"structured_outputs and {given[0]}",
+                    )
+                self.structured = so
+            else:
+                self.structured = StructuredOutputSpec.from_request(**fields, structured_outputs=so)
+        except StructuredOutputError as e:
+            message = str(e) if e.param in str(e) else f"{e.param}: {e}"
+            raise SamplingParamsError(message, e.param) from None
 
     def _check_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -262,6 +312,12 @@ class SamplingParams:
                     "early_stopping is not effective and must be false when not using beam search"
                 )
             return
+        if self.structured is not None:
+            raise SamplingParamsError(
+                f"{self.structured.param} is not supported with beam search (use sampling, "
+                "n or best_of, for structured output)",
+                self.structured.param,
+            )
         if not self.greedy:
             raise SamplingParamsError(
                 f"temperature must be 0 when using beam search, got {self.temperature:g}"
@@ -329,6 +385,29 @@ class SamplingParams:
             or self.epsilon_cutoff > 0.0
             or self.typical_p < 1.0
         )
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams` (and, as `GuidedDecodingParams`, its older name): one
+    constraint for `SamplingParams(structured_outputs=...)`."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False)}
+
+
+GuidedDecodingParams = StructuredOutputsParams
 
 
 def sequence_params(

@@ -27,6 +27,7 @@ from ..request import Request
 from .logits_processors import SparseRows, apply_processors
 from .logprobs import TokenLogprob, finish_logprobs, prepare_logprobs
 from .ops import block_argmax
+from .structured import apply_bitmask
 from .truncation import TruncationParams, sample_plain, sample_truncated
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch"]
@@ -61,10 +62,20 @@ class SamplingBatch:
     logprob_rows: list[int]  # rows that asked for logprobs
     logprob_top: list[int]  # their top-k count
     device: torch.device
+    # Structured output: the grammar bitmask (CPU int32, row i = batch row i) and its rows.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None
+
+    def set_grammar(self, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Rows `rows` draw only tokens their bitmask row allows (applied after the
+        processors, before temperature and truncation)."""
+        self.grammar_bitmask = bitmask
+        self.grammar_rows = list(rows)
+        self.all_greedy = False
 
     @property
     def has_processors(self) -> bool:
-        return any(
+        return self.grammar_rows is not None or any(
             x is not None
             for x in (
                 self.allowed,
@@ -135,7 +146,10 @@ class SamplingBatch:
         rows = [
             i
             for i, (s, r) in enumerate(zip(states, requests))
-            if s.min_tokens_ids is not None and len(r.output_token_ids) < s.params.min_tokens
+            if s.min_tokens_ids is not None
+            and len(r.output_token_ids) < s.params.min_tokens
+            # a complete grammar allows only stop tokens: min_tokens must not ban them all
+            and not (r.grammar is not None and r.grammar.is_completed())
         ]
         if rows:
             min_tokens = SparseRows.build(
@@ -302,6 +316,10 @@ class Sampler:
     def _sample(
         self, x: torch.Tensor, batch: SamplingBatch, return_logits: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raw = None
+        rows = batch.grammar_rows
+        if rows is not None and (batch.allowed is not None or batch.bias is not None):
+            raw = x[rows].clone()  # the fallback for rows the processors leave empty
         apply_processors(
             x,
             allowed=batch.allowed,
@@ -310,6 +328,15 @@ class Sampler:
             repetition=batch.repetition,
             frequency_presence=batch.frequency_presence,
         )
+        if rows is not None:
+            apply_bitmask(x, batch.grammar_bitmask[: batch.num_rows], rows)
+            if raw is not None:
+                empty = torch.isinf(x[rows]).all(dim=-1).nonzero().flatten().tolist()
+                if empty:  # logit_bias / allowed_token_ids and the grammar disagree
+                    sub = raw[empty]
+                    idx = [rows[j] for j in empty]
+                    apply_bitmask(sub, batch.grammar_bitmask[idx])
+                    x[idx] = sub
         u = self._uniforms(batch)
         n = batch.num_rows
         tokens = torch.empty(n, dtype=torch.int64, device=x.device)
