@@ -12,7 +12,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -168,6 +168,59 @@ class CpuCompetition:
             return
         others = (busy1 - busy0) - (_own_cpu_seconds() - own0)
         self.other_cores = max(0.0, others / wall)
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.1, sample: float = 2.0) -> float | None:
+    """Waits, up to `max_wait` seconds, until other processes keep fewer than `threshold` cores
+    busy over a `sample`-second window; returns the last reading (None: not measurable)."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        with CpuCompetition() as c:
+            time.sleep(sample)
+        if c.other_cores is None or c.other_cores < threshold or time.monotonic() >= deadline:
+            return c.other_cores
+
+
+@dataclass
+class Measured(Generic[T]):
+    value: T  # what the timed function returned, from the least disturbed attempt
+    other_cores: float | None  # during that attempt
+    attempts: int
+
+
+def measure_clean(
+    timed: Callable[[], T],
+    *,
+    prepare: Callable[[], None] | None = None,
+    retries: int = 0,
+    settle: float = 0.0,
+    threshold: float = 0.1,
+    log: Callable[[str], None] | None = None,
+) -> Measured[T]:
+    """Runs `prepare` then `timed`; when other processes kept `threshold` cores or more busy
+    during `timed`, runs both again, up to `retries` more times, and keeps the least disturbed
+    attempt. `settle` > 0 first waits up to that many seconds for the machine to go quiet.
+
+    `prepare` must restore the state the first attempt saw (warm caches, no prefix hits), so
+    every attempt measures the same thing.
+    """
+    best: Measured[T] | None = None
+    for attempt in range(1, retries + 2):
+        if prepare is not None:
+            prepare()
+        if settle > 0:
+            wait_for_quiet(settle, threshold)
+        with CpuCompetition() as c:
+            value = timed()
+        if best is None or (c.other_cores or 0.0) < (best.other_cores or 0.0):
+            best = Measured(value, c.other_cores, attempt)
+        best.attempts = attempt
+        if c.other_cores is None or c.other_cores < threshold:
+            break
+        if log is not None and attempt <= retries:
+            log(f"  other processes used {c.other_cores:.2f} cores meanwhile: measuring again")
+    assert best is not None
+    return best
 
 
 def _machine_busy_seconds() -> float | None:

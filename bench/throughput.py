@@ -26,9 +26,10 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -47,6 +48,7 @@ from bench.common import (  # noqa: E402
     format_table,
     load_average,
     machine_info,
+    measure_clean,
     measure_matmul_flops,
     measure_memory_bandwidth,
     measure_onednn_matmul_flops,
@@ -60,6 +62,9 @@ BAR_VS_GENERATE = 10.0
 BAR_SINGLE_DECODE = 1.3
 PAGE_SIZE = 16  # the engine's block size, and transformers' page size for generate_batch
 BATCH_TOKENS = 2048  # tokens per step for both schedulers (the engine's CPU default)
+
+
+T = TypeVar("T")
 
 
 class BenchError(RuntimeError):
@@ -111,6 +116,21 @@ def check_lengths(name: str, outputs: list[list[int]], num_prompts: int, max_tok
         )
 
 
+@dataclass
+class Settings:
+    """How each measurement is taken (the same for every system)."""
+
+    max_tokens: int
+    repeats: int  # best-of for the one-request timings
+    retries: int  # re-measure when other processes disturbed a timing
+    settle: float  # seconds to wait for a quiet machine before each timing (0: do not wait)
+
+    def measure(self, timed: Callable[[], T], prepare: Callable[[], None] | None = None):
+        return measure_clean(
+            timed, prepare=prepare, retries=self.retries, settle=self.settle, log=log
+        )
+
+
 # -- this engine ------------------------------------------------------------------------------
 
 
@@ -118,17 +138,16 @@ def run_engine(
     model_dir: str,
     prompts: list[list[int]],
     warmup_prompts: list[list[int]],
-    max_tokens: int,
     max_model_len: int,
     num_blocks: int,
-    repeats: int,
+    s: Settings,
 ) -> tuple[SystemResult, SingleResult, list[list[int]]]:
     from serverless_llm import LLM, SamplingParams
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
-    n = len(prompts)
+    n, m = len(prompts), s.max_tokens
     llm = LLM(
         model_dir,
         dtype="float32",
@@ -137,32 +156,52 @@ def run_engine(
         num_kv_blocks=num_blocks,
         max_num_batched_tokens=BATCH_TOKENS,
     )
-    log("engine: warm-up")
-    llm.generate(warmup_prompts, params(min(8, max_tokens)))
+    pool = llm.engine.block_pool
 
-    log(f"engine: {n} prompts x {max_tokens} tokens, all at once")
-    with CpuCompetition() as competition:
+    def prepare() -> None:
+        # Every attempt starts alike: no prefix cached but what the warm-up leaves (the template's
+        # system prompt, which the measured prompts also share among themselves).
+        reset = getattr(pool, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+        log("engine: warm-up")
+        llm.generate(warmup_prompts, params(min(8, m)))
+
+    def timed() -> tuple[float, list, int, int]:
+        log(f"engine: {n} prompts x {m} tokens, all at once")
+        hits, queries = getattr(pool, "hits", 0), getattr(pool, "queries", 0)
         t0 = time.perf_counter()
-        results = llm.generate(prompts, params(max_tokens))
+        results = llm.generate(prompts, params(m))
         seconds = time.perf_counter() - t0
-    outputs = [r.outputs[0].token_ids for r in results]
-    check_lengths("engine", outputs, n, max_tokens)
-    batch = SystemResult(
-        "engine",
-        n,
-        sum(map(len, outputs)),
-        seconds,
-        {"prompt_tokens": sum(map(len, prompts))},
-        competition.other_cores,
-    )
+        return (
+            seconds,
+            results,
+            getattr(pool, "hits", 0) - hits,
+            getattr(pool, "queries", 0) - queries,
+        )
 
-    log("engine: one request alone")
-    with CpuCompetition() as competition:
-        t_first, _ = best_of(lambda: llm.generate([prompts[0]], params(1)), repeats)
-        t_full, out = best_of(lambda: llm.generate([prompts[0]], params(max_tokens)), repeats)
-    check_lengths("engine single", [out[0].outputs[0].token_ids], 1, max_tokens)
-    single = SingleResult(t_first, t_full, max_tokens, competition.other_cores)
-    return batch, single, outputs
+    run = s.measure(timed, prepare)
+    seconds, results, hits, queries = run.value
+    outputs = [r.outputs[0].token_ids for r in results]
+    check_lengths("engine", outputs, n, m)
+    extra = {
+        "prompt_tokens": sum(map(len, prompts)),
+        "prefix_cache_block_hits": hits,
+        "prefix_cache_block_queries": queries,
+        "attempts": run.attempts,
+    }
+    batch = SystemResult("engine", n, sum(map(len, outputs)), seconds, extra, run.other_cores)
+
+    def timed_single() -> tuple[float, float, list]:
+        log("engine: one request alone")
+        t_first, _ = best_of(lambda: llm.generate([prompts[0]], params(1)), s.repeats)
+        t_full, out = best_of(lambda: llm.generate([prompts[0]], params(m)), s.repeats)
+        return t_first, t_full, out
+
+    run1 = s.measure(timed_single)
+    t_first, t_full, out = run1.value
+    check_lengths("engine single", [out[0].outputs[0].token_ids], 1, m)
+    return batch, SingleResult(t_first, t_full, m, run1.other_cores), outputs
 
 
 # -- transformers -----------------------------------------------------------------------------
@@ -192,7 +231,7 @@ def hf_generation_config(model, max_new_tokens: int):
 
 
 def run_hf_generate(
-    model, prompts: list[list[int]], warmup_prompts: list[list[int]], max_tokens: int, repeats: int
+    model, prompts: list[list[int]], warmup_prompts: list[list[int]], s: Settings
 ) -> tuple[SystemResult, SingleResult, list[list[int]]]:
     def generate(ids: list[int], n: int) -> list[int]:
         x = torch.tensor([ids])
@@ -204,35 +243,40 @@ def run_hf_generate(
             )
         return out[0, len(ids) :].tolist()
 
-    n = len(prompts)
+    n, m = len(prompts), s.max_tokens
     log("transformers generate: warm-up")
-    generate(warmup_prompts[0], min(8, max_tokens))
+    generate(warmup_prompts[0], min(8, m))
 
-    log(f"transformers generate: {n} prompts x {max_tokens} tokens, one at a time")
-    with CpuCompetition() as competition:
+    def timed() -> tuple[float, list[list[int]]]:
+        log(f"transformers generate: {n} prompts x {m} tokens, one at a time")
         t0 = time.perf_counter()
-        outputs = [generate(p, max_tokens) for p in prompts]
-        seconds = time.perf_counter() - t0
-    check_lengths("transformers generate", outputs, n, max_tokens)
-    batch = SystemResult(
-        "generate", n, sum(map(len, outputs)), seconds, other_cores=competition.other_cores
-    )
+        outputs = [generate(p, m) for p in prompts]
+        return time.perf_counter() - t0, outputs
 
-    log("transformers generate: one request alone")
-    with CpuCompetition() as competition:
-        t_first, _ = best_of(lambda: generate(prompts[0], 1), repeats)
-        t_full, _ = best_of(lambda: generate(prompts[0], max_tokens), repeats)
-    return batch, SingleResult(t_first, t_full, max_tokens, competition.other_cores), outputs
+    run = s.measure(timed)
+    seconds, outputs = run.value
+    check_lengths("transformers generate", outputs, n, m)
+    extra = {"attempts": run.attempts}
+    batch = SystemResult("generate", n, sum(map(len, outputs)), seconds, extra, run.other_cores)
+
+    def timed_single() -> tuple[float, float]:
+        log("transformers generate: one request alone")
+        t_first, _ = best_of(lambda: generate(prompts[0], 1), s.repeats)
+        t_full, _ = best_of(lambda: generate(prompts[0], m), s.repeats)
+        return t_first, t_full
+
+    run1 = s.measure(timed_single)
+    return batch, SingleResult(*run1.value, m, run1.other_cores), outputs
 
 
 def run_hf_generate_batch(
     model,
     prompts: list[list[int]],
     warmup_prompts: list[list[int]],
-    max_tokens: int,
     num_blocks: int,
+    s: Settings,
 ) -> tuple[SystemResult, list[list[int]]]:
-    """transformers' continuous batching, steady state: a first call on the same prompts builds
+    """transformers' continuous batching, steady state: a first call on other prompts builds
     and warms a persistent manager (KV cache, attention switch), the timed call reuses it.
 
     The cache and the step budget are the engine's: left to itself, generate_batch sizes both
@@ -247,7 +291,7 @@ def run_hf_generate_batch(
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     # eos_token_id=-1 is generate_batch's "no EOS"; None would be filled in from the model.
     gen_config = GenerationConfig(
-        max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=pad
+        max_new_tokens=s.max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=pad
     )
     cb_config = ContinuousBatchingConfig(
         page_size=PAGE_SIZE, num_blocks=num_blocks, max_batch_tokens=BATCH_TOKENS
@@ -266,36 +310,49 @@ def run_hf_generate_batch(
             raise BenchError(f"transformers generate_batch: requests {failed[:8]} failed")
         return list(results.values())
 
-    n = len(prompts)
-    # The manager sizes its batch from the first call's request count: warm up with as many
-    # prompts, fewer tokens (the generated-length hint only sizes the CUDA flash decode path).
-    log("transformers generate_batch: warm-up (builds the persistent manager)")
-    t0 = time.perf_counter()
-    generate(warmup_prompts, min(8, max_tokens))
-    warmup_s = time.perf_counter() - t0
+    n, m = len(prompts), s.max_tokens
+    state: dict[str, Any] = {}
 
-    log(f"transformers generate_batch: {n} prompts x {max_tokens} tokens")
+    def prepare() -> None:
+        # A fresh manager each attempt (its block sharing would otherwise hit the prompts of the
+        # attempt before). It sizes its batch from the first call's request count: warm up with
+        # as many prompts, fewer tokens (the generated-length hint only sizes the CUDA flash
+        # decode path).
+        model.destroy_cached_continuous_batching_manager()
+        log("transformers generate_batch: warm-up (builds the persistent manager)")
+        t0 = time.perf_counter()
+        generate(warmup_prompts, min(8, m))
+        state["warmup_s"] = time.perf_counter() - t0
+
+    def timed() -> tuple[float, list]:
+        log(f"transformers generate_batch: {n} prompts x {m} tokens")
+        t0 = time.perf_counter()
+        results = generate(prompts, m)
+        return time.perf_counter() - t0, results
+
     try:
-        with CpuCompetition() as competition:
-            t0 = time.perf_counter()
-            results = generate(prompts, max_tokens)
-            seconds = time.perf_counter() - t0
+        run = s.measure(timed, prepare)
         manager = getattr(model, "_cached_continuous_batching_manager", None)
         resolved = manager.continuous_batching_config if manager is not None else None
     finally:
         model.destroy_cached_continuous_batching_manager()
+    seconds, results = run.value
     outputs = [list(r.generated_tokens) for r in results]
-    check_lengths("transformers generate_batch", outputs, n, max_tokens)
+    check_lengths("transformers generate_batch", outputs, n, m)
     # Inside the call: first request started to last finished (excludes start/stop of the loop).
     span = max(r.lifespan[1] for r in results) - min(r.lifespan[0] for r in results)
-    extra: dict[str, Any] = {"warmup_s": warmup_s, "in_loop_s": span}
+    extra: dict[str, Any] = {
+        "warmup_s": state["warmup_s"],
+        "in_loop_s": span,
+        "attempts": run.attempts,
+    }
     if resolved is not None:
         extra["max_requests_per_batch"] = resolved.max_requests_per_batch
         extra["max_batch_tokens"] = resolved.max_batch_tokens
         extra["num_blocks"] = resolved.num_blocks
         extra["page_size"] = resolved.page_size
     result = SystemResult(
-        "generate_batch", n, sum(map(len, outputs)), seconds, extra, competition.other_cores
+        "generate_batch", n, sum(map(len, outputs)), seconds, extra, run.other_cores
     )
     return result, outputs
 
@@ -314,10 +371,6 @@ def fmt_x(value: float | None) -> str:
 def fmt_share(value: float | None, ceiling: float, what: str) -> str:
     share = ratio(value, ceiling)
     return "-" if share is None else f"{100 * share:.1f}% {what}"
-
-
-def fmt_cores(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def fmt_rate(value: float | None) -> str:
@@ -366,6 +419,7 @@ def build_report(
             ),
             "other_cores": engine.other_cores,
             "single_other_cores": engine_single.other_cores,
+            **engine.extra,
         },
         "generate": None
         if hf is None
@@ -377,6 +431,7 @@ def build_report(
             "single_decode_tokens_per_s": hf_single.decode_tokens_per_s,
             "other_cores": hf.other_cores,
             "single_other_cores": hf_single.other_cores,
+            **hf.extra,
         },
         "generate_batch": None
         if cb is None
@@ -497,8 +552,8 @@ def print_report(report: dict[str, Any]) -> None:
             f"inside the timed call; first call with manager set-up {cb['warmup_s']:.1f} s"
         )
     print(
-        "others' cores: CPU other processes kept busy during that measurement, in cores "
-        f"(whole run: {fmt_cores(report['other_cores'])}); near 0 is a clean timing"
+        "others' cores: cores other processes kept busy during that timing (near 0: clean; "
+        "a disturbed timing is repeated, see --retries and --settle)"
     )
     print()
     ratios, bars = report["ratios"], report["bars"]
@@ -546,11 +601,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--tiny", action="store_true", help="CI smoke size: 4 prompts x 8 tokens")
     p.add_argument("--repeats", type=int, default=None, help="best-of for one-request timings (3)")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="measure again, up to this many times, when other processes kept 0.1 cores or "
+        "more busy during a timing; the least disturbed attempt counts (2; --tiny: 0)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each timing, wait up to this long for the machine to go quiet (0)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.num_prompts = args.num_prompts or (4 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (8 if args.tiny else 64)
     args.repeats = args.repeats or (1 if args.tiny else 3)
+    if args.retries is None:
+        args.retries = 0 if args.tiny else 2
     if args.num_prompts < 1 or args.max_tokens < 2:
         p.error("--num-prompts must be >= 1 and --max-tokens >= 2")
     return args
@@ -582,16 +653,10 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = len(prompts) * (-(-need // PAGE_SIZE)) + 8
 
     whole_run = CpuCompetition().__enter__()
-    log("machine: matmul FLOP/s and copy bandwidth")
-    mm_repeats = 3 if args.tiny else 5
-    matmul = {
-        "torch.mm": [measure_matmul_flops(2048, repeats=mm_repeats)],
-        "onednn": [measure_onednn_matmul_flops(2048, repeats=mm_repeats)],
-    }
-    bandwidth = measure_memory_bandwidth((64 if args.tiny else 256) << 20)
-
+    settings = Settings(args.max_tokens, args.repeats, args.retries, args.settle)
+    machine = [settings.measure(lambda: measure_machine(args.tiny)).value]
     engine, engine_single, engine_out = run_engine(
-        model_dir, prompts, warmup_prompts, args.max_tokens, max_model_len, num_blocks, args.repeats
+        model_dir, prompts, warmup_prompts, max_model_len, num_blocks, settings
     )
     gc.collect()  # the engine and its KV cache are gone before transformers loads
     hf = hf_single = cb = None
@@ -601,23 +666,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_hf:
         model = load_hf_model(model_dir)
-        hf, hf_single, hf_out = run_hf_generate(
-            model, prompts, warmup_prompts, args.max_tokens, args.repeats
-        )
-        cb, cb_out = run_hf_generate_batch(
-            model, prompts, warmup_prompts, args.max_tokens, num_blocks
-        )
+        hf, hf_single, hf_out = run_hf_generate(model, prompts, warmup_prompts, settings)
+        cb, cb_out = run_hf_generate_batch(model, prompts, warmup_prompts, num_blocks, settings)
         matches["engine_vs_generate"] = sum(a == b for a, b in zip(engine_out, hf_out))
         matches["generate_batch_vs_generate"] = sum(a == b for a, b in zip(cb_out, hf_out))
         del model
         gc.collect()
 
-    # The machine again at the end; the ceiling is the best of every measurement, so neither a
-    # busy moment nor MKL's slow path on AMD lowers it.
-    matmul["torch.mm"].append(measure_matmul_flops(2048, repeats=mm_repeats))
-    matmul["onednn"].append(measure_onednn_matmul_flops(2048, repeats=mm_repeats))
-    matmul_best = {k: max((x for x in v if x is not None), default=None) for k, v in matmul.items()}
+    # The machine again at the end; each ceiling is the best of both, so neither a busy moment
+    # nor MKL's slow path on AMD lowers it.
+    machine.append(settings.measure(lambda: measure_machine(args.tiny)).value)
+    matmul_best = {
+        k: max((m[k] for m in machine if m[k] is not None), default=None)
+        for k in ("torch.mm", "onednn")
+    }
     flops = max(x for x in matmul_best.values() if x is not None)
+    bandwidth = max(m["copy"] for m in machine)
     whole_run.__exit__(None, None, None)
     load_after = load_average()
     log(f"load average {load_after}")
@@ -627,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     report["machine"] = {**machine_info(), "load_before": load_before, "load_after": load_after}
     report["matmul_flops_by_path"] = matmul_best
-    report["other_cores"] = whole_run.other_cores
+    report["other_cores_whole_run"] = whole_run.other_cores  # waits for quiet included
     print(
         f"{report['machine']['cpu']}, {threads} cores; torch {torch.__version__}; "
         f"load average before {_load(load_before)}, after {_load(load_after)}"
@@ -648,6 +712,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def measure_machine(tiny: bool) -> dict[str, float | None]:
+    log("machine: matmul FLOP/s and copy bandwidth")
+    repeats = 3 if tiny else 5
+    return {
+        "torch.mm": measure_matmul_flops(2048, repeats=repeats),
+        "onednn": measure_onednn_matmul_flops(2048, repeats=repeats),
+        "copy": measure_memory_bandwidth((64 if tiny else 256) << 20),
+    }
 
 
 def _load(load: tuple[float, float, float] | None) -> str:
