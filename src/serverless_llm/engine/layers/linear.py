@@ -56,11 +56,14 @@ def pack_linears_for_cpu(model: nn.Module) -> bool:
         logger.info("oneDNN packed linear unavailable; using F.linear")
         return False
     targets = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.dtype == torch.float32
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    # One layer at a time, dropping each plain weight as soon as its packed copy exists: the
+    # freed memory is reused by the next packed weight instead of faulting in fresh pages, and
+    # the peak stays near one copy of the weights rather than two.
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
     return True
