@@ -147,27 +147,41 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float
 
 class CpuCompetition:
     """Context manager: how many cores other processes kept busy while it was open, from
-    /proc/stat (whole machine) minus this process's own CPU time. Near 0 means the timing inside
-    is clean; on a 2-core machine 0.5 already distorts it (OpenMP waits on preempted threads).
+    /proc/stat (whole machine) minus this process's own CPU time (and that of `pids`, the
+    processes the measurement itself runs, such as a server under test). Near 0 means the timing
+    inside is clean; on a 2-core machine 0.5 already distorts it (OpenMP waits on preempted
+    threads).
 
-        with CpuCompetition() as c:
+        with CpuCompetition(pids=[server.pid]) as c:
             run()
         c.other_cores  # None where /proc/stat is missing
+        c.own_cores  # cores this process and `pids` kept busy
     """
 
-    def __enter__(self) -> CpuCompetition:
+    def __init__(self, pids: list[int] | tuple[int, ...] = ()) -> None:
+        self.pids = tuple(pids)
         self.other_cores: float | None = None
-        self._start = (time.perf_counter(), _machine_busy_seconds(), _own_cpu_seconds())
+        self.own_cores: float | None = None
+
+    def _own(self) -> float:
+        return _own_cpu_seconds() + sum(_process_cpu_seconds(p) for p in self.pids)
+
+    def __enter__(self) -> CpuCompetition:
+        self.other_cores = self.own_cores = None
+        self._start = (time.perf_counter(), _machine_busy_seconds(), self._own())
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall0, busy0, own0 = self._start
         wall = time.perf_counter() - wall0
         busy1 = _machine_busy_seconds()
-        if busy0 is None or busy1 is None or wall <= 0:
+        own = self._own() - own0
+        if wall <= 0:
             return
-        others = (busy1 - busy0) - (_own_cpu_seconds() - own0)
-        self.other_cores = max(0.0, others / wall)
+        self.own_cores = own / wall
+        if busy0 is None or busy1 is None:
+            return
+        self.other_cores = max(0.0, ((busy1 - busy0) - own) / wall)
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.1, sample: float = 2.0) -> float | None:
@@ -237,6 +251,16 @@ def _machine_busy_seconds() -> float | None:
 def _own_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of another process, all its threads (0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the model --------------------------------------------------------------------------------

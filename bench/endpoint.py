@@ -5,16 +5,19 @@ The bar (issue 4): the endpoint's aggregate output tokens/s >= 90% of the offlin
 the worker layers (HTTP, SSE, OpenAI shapes, geometric batching, the job plumbing) cost at most
 10%. The offline figure comes from `bench/throughput.py`'s engine run with the same settings;
 the endpoint runs in a subprocess (`python -m serverless_llm.devserver`) with those settings as
-env vars, after the offline engine has been freed, so the two never compete for the cores.
+env vars. Both are loaded once; then each round runs the offline engine and then the endpoint on
+the same new prompts (one runs while the other idles, so they never compete for the cores), and
+the best run of each is compared: on a shared 2-core VM one timing can swing by 30%, and
+alternating rounds expose both systems to the same swings.
 
-    .venv/bin/python bench/endpoint.py [--num-prompts 32] [--max-tokens 64] [--model DIR] [--tiny]
+    .venv/bin/python bench/endpoint.py [--num-prompts 32] [--max-tokens 64] [--rounds 3]
+                                       [--model DIR] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import socket
@@ -116,64 +119,81 @@ async def stream_chats(port: int, model: str, qs: list[str], max_tokens: int) ->
     return seconds, sum(counts)
 
 
-def run_offline(
-    model_dir: str,
-    prompts: list[list[int]],
-    warmup: list[list[int]],
-    max_tokens: int,
-    max_model_len: int,
-    num_blocks: int,
-) -> float:
-    """Seconds for the offline engine to produce max_tokens for every prompt, all at once."""
-    from serverless_llm import LLM, SamplingParams
+class Offline:
+    """The offline engine with the endpoint's settings, built once and warmed up."""
 
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=max_model_len,
-        block_size=PAGE_SIZE,
-        num_kv_blocks=num_blocks,
-        max_num_batched_tokens=BATCH_TOKENS,
-    )
-    llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t0
-    if any(len(o.outputs[0].token_ids) != max_tokens for o in outs):
-        raise RuntimeError("the offline engine produced unequal work")
-    return seconds
+    def __init__(
+        self, model_dir: str, warmup: list[list[int]], max_model_len: int, num_blocks: int
+    ) -> None:
+        from serverless_llm import LLM, SamplingParams
+
+        self.llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=max_model_len,
+            block_size=PAGE_SIZE,
+            num_kv_blocks=num_blocks,
+            max_num_batched_tokens=BATCH_TOKENS,
+        )
+        self.llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> float:
+        """Seconds to produce max_tokens for every prompt, all submitted at once."""
+        from serverless_llm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        if any(len(o.outputs[0].token_ids) != max_tokens for o in outs):
+            raise RuntimeError("the offline engine produced unequal work")
+        return seconds
+
+
+def round_lead(r: int) -> str:
+    """Each round asks questions neither engine has seen, so no round gains from a prefix cache
+    filled by an earlier one (both engines see the same leads, so the same tokens)."""
+    return "" if r == 0 else f"Round {r + 1}. "
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="offline and endpoint runs, alternating; the best of each is compared",
+    )
     ap.add_argument("--model", default=None, help="model directory (default: embedded SmolLM2)")
     ap.add_argument("--tiny", action="store_true", help="CI smoke size: 4 prompts x 8 tokens")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.num_prompts, args.max_tokens = 4, 8
+        args.num_prompts, args.max_tokens, args.rounds = 4, 8, 1
     set_threads()
     model_dir = args.model or default_model_dir()
 
     from serverless_llm.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    prompts = chat_prompt_ids(tokenizer, args.num_prompts)
+    rounds = [
+        chat_prompt_ids(tokenizer, args.num_prompts, round_lead(r)) for r in range(args.rounds)
+    ]
     warmup = chat_prompt_ids(tokenizer, args.num_prompts, lead="Warm-up. ")
-    need = max(map(len, prompts + warmup)) + args.max_tokens
+    need = max(len(p) for prompts in rounds + [warmup] for p in prompts) + args.max_tokens
     max_model_len = -(-need // PAGE_SIZE) * PAGE_SIZE
-    num_blocks = len(prompts) * (max_model_len // PAGE_SIZE) + 8
+    # Room for every request of one round, plus what the earlier rounds leave cached.
+    num_blocks = args.num_prompts * (max_model_len // PAGE_SIZE) + 8
 
     whole = CpuCompetition().__enter__()
-    log("offline engine")
-    offline_seconds = run_offline(
-        model_dir, prompts, warmup, args.max_tokens, max_model_len, num_blocks
-    )
-    offline_rate = args.num_prompts * args.max_tokens / offline_seconds
-    gc.collect()
+    log("offline engine: load and warm up")
+    offline = Offline(model_dir, warmup, max_model_len, num_blocks)
 
     port = free_port()
     settings = {
@@ -186,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         "DISABLE_LOG_REQUESTS": "1",
         "DISABLE_LOG_STATS": "1",
     }
-    log(f"endpoint on port {port}")
+    log(f"endpoint on port {port}: load and warm up")
     server = start_server(model_dir, port, settings)
+    total = args.num_prompts * args.max_tokens
+    results = []  # per round: offline (s, other cores), endpoint (s, other cores, server cores)
     try:
         from openai import OpenAI
 
@@ -196,11 +218,23 @@ def main(argv: list[str] | None = None) -> int:
         ).models.list()
         model_id = model.data[0].id
         asyncio.run(stream_chats(port, model_id, questions(args.num_prompts, "Warm-up. "), 8))
-        log(f"endpoint: {args.num_prompts} streamed chats x {args.max_tokens} tokens")
-        with CpuCompetition() as competition:
-            seconds, tokens = asyncio.run(
-                stream_chats(port, model_id, questions(args.num_prompts), args.max_tokens)
-            )
+        for r in range(args.rounds):
+            log(f"round {r + 1}: offline engine")
+            with CpuCompetition() as c_off:
+                off_s = offline.run(rounds[r], args.max_tokens)
+            log(f"round {r + 1}: endpoint, {args.num_prompts} streamed chats x {args.max_tokens}")
+            with CpuCompetition(pids=[server.pid]) as c_ep:
+                ep_s, tokens = asyncio.run(
+                    stream_chats(
+                        port,
+                        model_id,
+                        questions(args.num_prompts, round_lead(r)),
+                        args.max_tokens,
+                    )
+                )
+            if tokens != total:
+                raise RuntimeError(f"the endpoint produced {tokens} tokens, not {total}")
+            results.append((off_s, c_off.other_cores, ep_s, c_ep.other_cores, c_ep.own_cores))
     finally:
         server.terminate()
         try:
@@ -209,30 +243,48 @@ def main(argv: list[str] | None = None) -> int:
             server.kill()
     whole.__exit__(None, None, None)
 
-    endpoint_rate = tokens / seconds
+    rows = []
+    for r, (off_s, off_other, ep_s, ep_other, ep_own) in enumerate(results):
+        rows.append(
+            [
+                str(r + 1),
+                f"{total / off_s:.1f}",
+                _fmt(off_other),
+                f"{total / ep_s:.1f}",
+                _fmt(ep_other),
+                _fmt(ep_own),
+                f"{off_s / ep_s:.2f}",
+            ]
+        )
+    offline_rate = total / min(r[0] for r in results)
+    endpoint_rate = total / min(r[2] for r in results)
     ratio = endpoint_rate / offline_rate
-    rows = [
-        [
-            "engine offline (LLM.generate)",
-            f"{offline_seconds:.2f}",
-            f"{offline_rate:.1f}",
-            "1.00",
-        ],
-        [
-            "endpoint, OpenAI client, streamed",
-            f"{seconds:.2f}",
-            f"{endpoint_rate:.1f}",
-            f"{ratio:.2f}",
-        ],
-    ]
+    rows.append(["best", f"{offline_rate:.1f}", "", f"{endpoint_rate:.1f}", "", "", f"{ratio:.2f}"])
     info = machine_info()
     print(
-        f"{info.get('cpu')}, {info.get('cores')} cores; {args.num_prompts} chats x {args.max_tokens} tokens"
+        f"{info.get('cpu')}, {info.get('cores')} cores; {args.num_prompts} chats x "
+        f"{args.max_tokens} tokens; {args.rounds} rounds, offline then endpoint in each"
     )
-    print(format_table(["system", "time s", "output tok/s", "of offline"], rows))
-    print(f"others' cores during the endpoint run: {competition.other_cores}")
+    print(
+        format_table(
+            [
+                "round",
+                "offline tok/s",
+                "others' cores",
+                "endpoint tok/s",
+                "others' cores",
+                "bench+server cores",
+                "endpoint / offline",
+            ],
+            rows,
+        )
+    )
+    print(
+        "others' cores: CPU other processes kept busy during that run (near 0: a clean timing); "
+        "bench+server cores: what the client and the server used"
+    )
     verdict = "meets" if ratio >= BAR else "misses"
-    print(f"endpoint vs offline engine   {ratio:.2f}  (bar >= {BAR:.2f}: {verdict})")
+    print(f"endpoint vs offline engine (best of each)   {ratio:.2f}  (bar >= {BAR:.2f}: {verdict})")
     print(
         f"SUMMARY offline={offline_rate:.1f}tok/s endpoint={endpoint_rate:.1f}tok/s "
         f"ratio={ratio:.3f}"
@@ -244,6 +296,16 @@ def main(argv: list[str] | None = None) -> int:
                     "offline_tok_s": offline_rate,
                     "endpoint_tok_s": endpoint_rate,
                     "ratio": ratio,
+                    "rounds": [
+                        {
+                            "offline_s": off_s,
+                            "offline_other_cores": off_other,
+                            "endpoint_s": ep_s,
+                            "endpoint_other_cores": ep_other,
+                            "endpoint_own_cores": ep_own,
+                        }
+                        for off_s, off_other, ep_s, ep_other, ep_own in results
+                    ],
                 },
                 indent=2,
             )

@@ -71,3 +71,4 @@ def test_endpoint_tiny(tiny_llama, tmp_path):
     assert any(line.startswith("SUMMARY offline=") for line in proc.stdout.splitlines())
     report = json.loads(out.read_text())
     assert report["offline_tok_s"] > 0 and report["endpoint_tok_s"] > 0
+    assert len(report["rounds"]) == 1 and report["rounds"][0]["endpoint_s"] > 0

@@ -5,6 +5,13 @@ runs each step in a single worker thread, so the event loop stays free while the
 and the engine's state is only ever touched by one party at a time. Each request has a queue its
 `generate` call reads from; a consumer that stops listening (break, cancel, disconnect) aborts
 its request, which frees its KV blocks at the next step boundary.
+
+All of the engine's torch work, building the model included, happens on that one step thread.
+On CPU this matters a great deal: libgomp keeps a separate pool of OpenMP workers for every
+thread that runs a parallel region, and once the pools hold more threads than there are cores
+it stops spinning between regions, so each of the ~1,000 parallel regions of a decode step pays
+a futex wake-up. Loading the model on one thread and stepping on another made SmolLM2's batch-32
+decode ~60% slower on 2 cores (see docs/engine.md).
 """
 
 from __future__ import annotations
@@ -27,21 +34,36 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def _step_executor() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        executor: concurrent.futures.ThreadPoolExecutor | None = None,
+    ) -> None:
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list = []
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._executor = executor or _step_executor()
         self._ids = itertools.count()
         self._closed = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+        """Builds the engine on the thread that will step it (blocking)."""
+        executor = _step_executor()
+        try:
+            engine = executor.submit(LLMEngine, config).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, executor)
 
     @property
     def tokenizer(self):
@@ -164,8 +186,9 @@ class AsyncEngine:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-            # Let consumers run between steps (they may add or abort).
-            await asyncio.sleep(0)
+            # No yield here: the next step starts at once and the consumers turn these outputs
+            # into responses while it computes (its tensor work releases the GIL). What they add
+            # or abort meanwhile is applied at the following step boundary.
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in list(self.engine.requests):
