@@ -20,7 +20,6 @@ def test_structured_bench_tiny(tiny_llama, tmp_path):
             sys.executable,
             str(REPO / "bench" / "structured.py"),
             "--tiny",
-            "--no-engine",
             "--model",
             tiny_llama,
             "--json",
@@ -40,3 +39,8 @@ def test_structured_bench_tiny(tiny_llama, tmp_path):
     assert report["batch"] == 4
     assert all(row["compile_ms"] > 0 for row in report["compile"])
     assert report["mask"]["mask_step_ms"] > 0
+    engine = report["engine"]
+    assert engine["guided_tok_s"] > 0 and engine["unconstrained_tok_s"] > 0
+    assert (
+        report["guided_vs_unconstrained"] == engine["guided_tok_s"] / engine["unconstrained_tok_s"]
+    )
