@@ -165,3 +165,33 @@ def test_logit_bias_and_allowed_ids_that_contradict_the_grammar(llm):
     # allowed_token_ids with no token the grammar allows: the grammar's mask alone decides.
     outs = _run(llm, guided_regex=r"[0-9]{2}", allowed_token_ids=[5, 6], max_tokens=10)
     assert all(re.fullmatch(r"[0-9]{2}", o.text) for o in outs)
+
+
+def test_stop_strings_and_streaming_with_a_grammar(llm):
+    """A stop string cuts a constrained output where it appears (the grammar does not hide it),
+    and the streamed increments of a guided request add up to the offline result."""
+    params = SamplingParams(n=6, seed=5, guided_regex=r"\d{3}-\d{4}", stop=["-"], max_tokens=50)
+    outs = llm.generate("Call me", params)[0].outputs
+    for o in outs:
+        assert re.fullmatch(r"\d{3}", o.text), o.text
+        assert o.finish_reason == "stop" and o.stop_reason == "-"
+
+    single = SamplingParams(
+        seed=9, max_tokens=400, guided_json=PERSON_SCHEMA, guided_decoding_backend=COMPACT
+    )
+    (expected,) = llm.generate("Hello", single)
+    aengine = AsyncEngine(llm.engine)
+
+    async def stream():
+        text, ids = "", []
+        try:
+            async for out in aengine.generate("Hello", single):
+                text += out.new_text
+                ids += out.new_token_ids
+        finally:
+            await aengine.shutdown()
+        return text, ids
+
+    text, ids = asyncio.run(stream())
+    assert text == expected.outputs[0].text and ids == expected.outputs[0].token_ids
+    jsonschema.validate(json.loads(text), PERSON_SCHEMA)
