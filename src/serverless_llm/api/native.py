@@ -46,6 +46,7 @@ from ..worker.batching import BatchSizes, batch_stream
 from .errors import NativeJobError, describe_validation_error, native_error
 from .logprobs import TokenDecoder, native_logprobs
 from .sampling import SamplingParamError, VLLMSamplingParams, parse_sampling_params
+from .streams import merge_streams
 
 __all__ = ["DEFAULT_MAX_TOKENS", "ChatMessage", "NativeRequest", "NativeServing"]
 
@@ -209,7 +210,7 @@ class NativeServing:
             results = [
                 _Sequence() for _ in range(params.n if params.use_beam_search else len(streams))
             ]
-            async with aclosing(_merge(streams)) as merged:
+            async with aclosing(merge_streams(streams)) as merged:
                 async for i, out in merged:
                     for j, choice_out in _choices(i, out):
                         results[j].add(choice_out)
@@ -228,7 +229,7 @@ class NativeServing:
         num_output = 0
         n = params.n
         async with (
-            aclosing(_merge(streams)) as merged,
+            aclosing(merge_streams(streams)) as merged,
             aclosing(
                 batch_stream(merged, batch, weight=lambda item: len(item[1].new_token_ids))
             ) as batches,
@@ -309,49 +310,3 @@ class _ChoiceView:
             item["prompt_logprobs"] = native_logprobs(
                 entries, self.prompt_top, self.decoder, with_rank=True
             )
-
-
-async def _merge(
-    streams: list[AsyncIterator[EngineOutput]],
-) -> AsyncIterator[tuple[int, EngineOutput]]:
-    """Interleaves the outputs of n engine requests as (choice index, output), in arrival order.
-
-    One stream is iterated directly. Several get a task each feeding one queue; whatever way
-    this generator ends (done, error, cancel, close), the tasks are cancelled and awaited, and a
-    cancelled `generate` aborts its engine request, so no request outlives the job.
-    """
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
-
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncIterator[EngineOutput]) -> None:
-        try:
-            async with aclosing(stream) as outs:
-                async for out in outs:
-                    queue.put_nowait((index, out))
-            queue.put_nowait((index, done))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # handed to the consumer, which raises it
-            queue.put_nowait((index, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -48,6 +48,7 @@ from serverless_llm.engine.tokenizer import ChatTemplateError
 from serverless_llm.worker.batching import BatchSizes
 
 from ..logprobs import TokenDecoder
+from ..streams import merge_streams
 from .chat import ChatFormatter, echo_text, render_chat_prompt
 from .completions import CompletionFormatter, tokenize_prompts
 from .errors import (
@@ -185,49 +186,6 @@ class SequenceResult:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
             self.num_tokens = out.num_output_tokens
-
-
-async def merge_streams(
-    streams: Sequence[AsyncIterator[EngineOutput]],
-) -> AsyncIterator[tuple[int, EngineOutput]]:
-    """Interleaves engine streams as their outputs arrive, tagged with the stream's index.
-
-    One stream is iterated directly (the common case pays for no task). Several get one task
-    each; closing or cancelling the merged stream cancels them, and each engine stream's own
-    clean-up then aborts its request. The first error of any stream is raised here.
-    """
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue()
-
-    async def pump(k: int, stream: AsyncIterator[EngineOutput]) -> None:
-        try:
-            async with aclosing(stream) as s:
-                async for out in s:
-                    queue.put_nowait((k, out))
-        except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((k, exc))
-            return
-        queue.put_nowait((k, None))
-
-    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
-    try:
-        live = len(tasks)
-        while live:
-            k, item = await queue.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield k, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class OpenAIServing:
