@@ -18,7 +18,7 @@ from serverless_llm.engine.tokenizer import ChatTemplateError, apply_chat_templa
 
 from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
-from .protocol import ChatCompletionRequest, ChatMessage
+from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormatter
 from .tool_parsers import ToolParser, merge_deltas
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def echo_text(request: ChatCompletionRequest, role: str) -> str | None:
     return _flatten_content(len(request.messages) - 1, last.content)
 
 
-class ChatFormatter:
+class ChatFormatter(ResponseFormatter):
     """Builds chat.completion responses and chat.completion.chunk dicts for one request.
 
     Chunks are plain dicts because they are built once per token; their fields are those of
@@ -158,27 +158,16 @@ class ChatFormatter:
         """`top_logprobs`: None when the request did not ask for logprobs, else how many top
         tokens each position lists. `tool_parser`: makes a fresh parser for each choice (tools
         with a tool_choice other than "none"); `tool_mode` is the choice's mode."""
+        super().__init__(response_id, created, model)
         self.tool_parser = tool_parser
         self.tool_mode = tool_mode
         self.parallel_tool_calls = parallel_tool_calls
         self._parsers: dict[int, ToolParser | None] = {}
-        self.response_id = response_id
-        self.created = created
-        self.model = model
         self.role = role
         self.echo = echo
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs
         self.decoder = decoder
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if self.top_logprobs is None:
@@ -228,25 +217,9 @@ class ChatFormatter:
             finish_reason = self._finish_reason(finish_reason, parser.tools_called)
         else:
             delta = {"content": text} if text else {}
-        if not delta and finish_reason is None and usage is None and logprobs is None:
-            return None  # a token whose text is still held back (part of a character)
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        if finish_reason is not None:
-            choice["stop_reason"] = out.stop_reason
-        chunk = self._chunk([choice])
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage
-        return chunk
+        return self._delta_chunk(
+            index, "delta", delta, logprobs, finish_reason, out.stop_reason, usage
+        )
 
     def response(
         self,
@@ -285,14 +258,7 @@ class ChatFormatter:
                     "stop_reason": r.stop_reason,
                 }
             )
-        response = {
-            "id": self.response_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-        }
+        response = self._chunk(choices, usage, object_name="chat.completion")
         if self.prompt_logprobs is not None and prompt_logprobs and prompt_logprobs[0]:
             response["prompt_logprobs"] = prompt_logprobs_vllm(
                 prompt_logprobs[0], self.prompt_logprobs, self.decoder

@@ -20,7 +20,7 @@ from ..logprobs import (
     prompt_logprobs_vllm,
 )
 from .errors import OpenAIServingError
-from .protocol import CompletionRequest
+from .protocol import CompletionRequest, ResponseFormatter
 
 if TYPE_CHECKING:
     from .serving import SequenceResult
@@ -67,13 +67,15 @@ def tokenize_prompts(
     return out
 
 
-class CompletionFormatter:
+class CompletionFormatter(ResponseFormatter):
     """Builds text_completion responses and chunks (OpenAI uses the same object for both).
 
     With `logprobs: k` each choice carries OpenAI's legacy logprobs object; with echo too, it
     starts with the prompt's tokens (the first without a logprob), so a streamed echo waits for
     the first engine output, which brings the prompt's logprobs.
     """
+
+    object_name = "text_completion"
 
     def __init__(
         self,
@@ -88,9 +90,7 @@ class CompletionFormatter:
         prompt_ids: list[list[int]] | None = None,
         decoder: TokenDecoder | None = None,
     ) -> None:
-        self.response_id = response_id
-        self.created = created
-        self.model = model
+        super().__init__(response_id, created, model)
         self.echo = echo  # per prompt, when echo is on
         self.n = n
         self.logprobs = logprobs
@@ -103,15 +103,6 @@ class CompletionFormatter:
     @property
     def _echo_logprobs(self) -> bool:
         return self.echo is not None and self.logprobs is not None
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
 
     def _prompt_part(
         self, index: int, prompt_logprobs: list[TokenLogprob | None] | None
@@ -160,25 +151,9 @@ class CompletionFormatter:
             self._offsets[index] = offset
             if parts:
                 logprobs = merge_completion_logprobs(parts)
-        if not text and finish_reason is None and usage is None and logprobs is None:
-            return None  # a token whose text is still held back (part of a character)
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        if finish_reason is not None:
-            choice["stop_reason"] = out.stop_reason
-        chunk = self._chunk([choice])
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage
-        return chunk
+        return self._delta_chunk(
+            index, "text", text, logprobs, finish_reason, out.stop_reason, usage
+        )
 
     def response(
         self,
@@ -215,6 +190,4 @@ class CompletionFormatter:
                     prompt_logprobs[p], self.prompt_logprobs, self.decoder
                 )
             choices.append(choice)
-        chunk = self._chunk(choices)
-        chunk["usage"] = usage
-        return chunk
+        return self._chunk(choices, usage)

@@ -11,7 +11,8 @@ at the top level of the body; the OpenAI client merges `extra_body` there). Comp
 `logprobs` goes up to 20 (vLLM's default --max-logprobs; OpenAI stops at 5).
 
 The response models document the shapes and are used for the one-off responses; stream chunks
-are built as plain dicts on the hot path (`chat.py`, `completions.py`) with the same fields.
+are built as plain dicts on the hot path (`chat.py`, `completions.py`) with the same fields, on
+the frame `ResponseFormatter` gives them.
 """
 
 from __future__ import annotations
@@ -325,6 +326,68 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class ResponseFormatter:
+    """What chat's and completions' formatters share: the frame of every response and chunk of
+    one request, as a plain dict (a chunk is built once per token, so not as a model above).
+
+    A subclass names its chunks' `object_name` and fills in the choices.
+    """
+
+    object_name: str
+
+    def __init__(self, response_id: str, created: int, model: str) -> None:
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+
+    def _chunk(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, int] | None = None,
+        *,
+        object_name: str | None = None,
+    ) -> dict[str, Any]:
+        """A chunk (or, with `object_name`, a response) holding `choices`, and `usage` if any."""
+        chunk = {
+            "id": self.response_id,
+            "object": object_name or self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def _delta_chunk(
+        self,
+        index: int,
+        key: str,
+        content: Any,
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        usage: dict[str, int] | None,
+    ) -> dict[str, Any] | None:
+        """The chunk of one choice's step, its new `content` under `key` ("delta", "text");
+        None when the step has nothing to send."""
+        if not content and finish_reason is None and usage is None and logprobs is None:
+            return None  # a token whose text is still held back (part of a character)
+        choice: dict[str, Any] = {
+            "index": index,
+            key: content,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return self._chunk([choice], usage)
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The closing chunk of `include_usage`: no choices, the request's usage."""
+        return self._chunk([], usage)
 
 
 class ErrorInfo(_Response):
