@@ -147,8 +147,13 @@ class TorchAttentionBackend(AttentionBackend):
         nd, L = slots.shape
         kvh, g, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
         flat = kv_cache.view(2, -1, kvh, d)
-        keys = flat[0][slots]  # [nd, L, KVH, D]
-        values = flat[1][slots]
+        # index_select on the flattened slots takes half the time of `flat[0][slots]` on CPU.
+        # (The math below stays plain matmul + softmax: unlike SDPA's blocked kernel, it gives
+        # each request the same result whatever the padding, so outputs do not depend on what
+        # else is in the batch.)
+        index = slots.reshape(-1)
+        keys = flat[0].index_select(0, index).view(nd, L, kvh, d)
+        values = flat[1].index_select(0, index).view(nd, L, kvh, d)
         qg = q.view(nd, kvh, g, d)
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * spec.scale  # [nd, KVH, G, L]
         mask = valid
@@ -168,7 +173,7 @@ class TorchAttentionBackend(AttentionBackend):
         if ctx > 0:
             slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
             flat = kv_cache.view(2, -1, spec.num_kv_heads, spec.head_dim)
-            k, v = flat[0][slots], flat[1][slots]
+            k, v = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         gqa = spec.num_heads != spec.num_kv_heads
         if ctx == 0 and spec.sliding_window is None:
