@@ -10,7 +10,7 @@ the same new prompts (one runs while the other idles, so they never compete for 
 the best run of each is compared: on a shared 2-core VM one timing can swing by 30%, and
 alternating rounds expose both systems to the same swings.
 
-    .venv/bin/python bench/endpoint.py [--num-prompts 32] [--max-tokens 64] [--rounds 3]
+    .venv/bin/python bench/endpoint.py [--num-prompts 32] [--max-tokens 64] [--rounds 5]
                                        [--model DIR] [--tiny]
 """
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=5,
         help="offline and endpoint runs, alternating; the best of each is compared",
     )
     ap.add_argument("--model", default=None, help="model directory (default: embedded SmolLM2)")
