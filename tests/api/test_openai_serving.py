@@ -122,7 +122,9 @@ def test_chat_continuous_usage_stats(serve):
     items = serve(lambda s: collect(s, CHAT, chat_body(stream=True, stream_options=opts)))
     chunks = parse_sse(items)
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
-    assert counts == list(range(0, 13))  # the role chunk, then one chunk per token
+    # The role chunk, then one chunk per yield (batches of 1, 3, then the last 8 tokens), each
+    # with the usage so far.
+    assert counts == [0, 1, 4, 12]
 
 
 def test_chat_n_and_seed(serve):
@@ -569,3 +571,103 @@ def test_add_special_tokens_defaults(serve, core, monkeypatch):
     finally:
         monkeypatch.undo()
     assert counts == [plain + 1, plain, chat_len, chat_len + 1]
+
+
+# -- coalescing a yield's chunks ----------------------------------------------------------------
+
+
+def _chat_chunk(index, delta, logprobs=None, finish=None, usage=None):
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = None
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    chunk["choices"] = [choice]
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def test_coalesce_chunks_merges_each_choices_text_in_order():
+    import copy
+
+    from serverless_llm.api.openai.serving import coalesce_chunks
+
+    def lp(tok):
+        return {"content": [{"token": tok, "logprob": -1.0, "bytes": [1], "top_logprobs": []}]}
+
+    chunks = [
+        _chat_chunk(0, {"role": "assistant", "content": ""}),
+        _chat_chunk(1, {"role": "assistant", "content": ""}),
+        _chat_chunk(0, {"content": "a"}, lp("a"), usage={"completion_tokens": 1}),
+        _chat_chunk(1, {"content": "x"}, lp("x"), usage={"completion_tokens": 1}),
+        _chat_chunk(0, {"content": "b"}, lp("b"), usage={"completion_tokens": 2}),
+        _chat_chunk(1, {"tool_calls": [{"index": 0}]}),  # a tool-call delta never merges
+        _chat_chunk(1, {"content": "y"}, lp("y")),
+        _chat_chunk(0, {}, lp("c"), finish="stop", usage={"completion_tokens": 3}),
+        _chat_chunk(0, {"content": "after"}, lp("d")),  # nothing merges past a finish reason
+        {"id": "c", "choices": [], "usage": {"completion_tokens": 6}},
+    ]
+    before = copy.deepcopy(chunks)
+    out = coalesce_chunks(chunks)
+    assert chunks == before  # the input is not changed
+    texts = [
+        (c["choices"][0]["index"], c["choices"][0]["delta"].get("content"))
+        for c in out
+        if c["choices"]
+    ]
+    assert texts == [(0, ""), (1, ""), (0, "ab"), (1, "x"), (1, None), (1, "y"), (0, "after")]
+    merged = out[2]["choices"][0]
+    assert [e["token"] for e in merged["logprobs"]["content"]] == ["a", "b", "c"]
+    assert merged["finish_reason"] == "stop" and "stop_reason" in merged
+    assert out[2]["usage"] == {"completion_tokens": 3}
+    assert out[-1] == before[-1]
+
+
+def test_coalesce_chunks_completions_logprobs():
+    from serverless_llm.api.openai.serving import coalesce_chunks
+
+    def chunk(text, offset, finish=None):
+        logprobs = {
+            "tokens": [text],
+            "token_logprobs": [-0.5],
+            "top_logprobs": [{text: -0.5}],
+            "text_offset": [offset],
+        }
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"id": "c", "object": "text_completion", "choices": [choice]}
+
+    (out,) = coalesce_chunks([chunk("He", 0), chunk("llo", 2), chunk("!", 5, "length")])
+    choice = out["choices"][0]
+    assert choice["text"] == "Hello!" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["He", "llo", "!"]
+    assert choice["logprobs"]["text_offset"] == [0, 2, 5]
+
+
+def test_streamed_chunks_hold_a_batch_each(serve):
+    """Streamed, each yield holds at most one text chunk per choice, and the chunks add up to
+    the non-streamed answer."""
+    body = chat_body(n=2, max_tokens=30, temperature=0.0)
+
+    async def run(s):
+        return (
+            await collect(s, CHAT, body),
+            await collect(s, CHAT, {**body, "stream": True}, BatchSizes()),
+        )
+
+    full, items = serve(run, raw_output=False)
+    (response,) = full
+    texts = ["", ""]
+    for item in items:
+        content = [
+            c["choices"][0]["index"]
+            for c in item
+            if c["choices"] and "role" not in c["choices"][0]["delta"]
+        ]
+        assert len(content) == len(set(content)), item
+        for c in item:
+            if c["choices"]:
+                ch = c["choices"][0]
+                texts[ch["index"]] += ch["delta"].get("content") or ""
+    assert texts == [c["message"]["content"] for c in response["choices"]]
+    # A batch counts the tokens of both choices: yields after 2, 4, 10, 28 and the last 16.
+    assert len(items) == 5

@@ -9,7 +9,9 @@ route produces:
 - streamed without `raw_output`: lists of chunk dicts (no [DONE] marker).
 
 Stream chunks are grouped by the geometric batch sizes (1, 3, 9, 27, 50, ... tokens a yield)
-so the first token leaves at once and a long answer costs few messages. Beam search knows its
+so the first token leaves at once and a long answer costs few messages, and within a yield each
+choice's text is one chunk (`coalesce_chunks`): a client parses one event per batch, not one per
+token. Beam search knows its
 choices only when it ends (as in vLLM): streamed, each choice comes whole in one chunk.
 
 Errors never raise: `handle` yields one error dict (`{"error": {...}}`, see errors.py; its HTTP
@@ -47,7 +49,7 @@ from serverless_llm.engine.sampling.params import (
 from serverless_llm.engine.tokenizer import ChatTemplateError
 from serverless_llm.worker.batching import BatchSizes
 
-from ..logprobs import TokenDecoder
+from ..logprobs import TokenDecoder, merge_completion_logprobs
 from ..streams import merge_streams
 from .chat import ChatFormatter, echo_text, render_chat_prompt
 from .completions import CompletionFormatter, tokenize_prompts
@@ -113,6 +115,71 @@ def _sse(chunks: list[dict[str, Any]]) -> str:
     return "".join(
         f"data: {json.dumps(c, ensure_ascii=False, separators=(',', ':'))}\n\n" for c in chunks
     )
+
+
+def coalesce_chunks(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One yield's chunks with each choice's consecutive plain-text chunks merged into one.
+
+    A stream yield carries a batch of tokens (1, 3, 9, 27, 50, ...); sending that batch as one
+    chunk per choice instead of one per token gives the client one event to parse where it had
+    fifty, with the same text, logprobs (lists concatenated), finish reason and usage (the
+    latest) in the end. Chunks that carry a role or tool calls, and chunks without exactly one
+    choice (the usage chunk), are left as they are; nothing merges past a finish reason.
+    """
+    out: list[dict[str, Any]] = []
+    last: dict[int, dict[str, Any]] = {}  # choice index -> its mergeable chunk in `out`
+    for chunk in chunks:
+        choices = chunk["choices"]
+        choice = choices[0] if len(choices) == 1 else None
+        key = _text_key(choice)
+        if choice is None or key is None:
+            out.append(chunk)
+            for c in choices:  # later text must not jump ahead of this chunk
+                last.pop(c.get("index"), None)
+            continue
+        index = choice["index"]
+        prev = last.get(index)
+        if prev is not None and _merge_into(prev, chunk, key):
+            continue
+        chunk = {**chunk, "choices": [dict(choice)]}
+        if key == "delta":
+            chunk["choices"][0]["delta"] = dict(choice["delta"])
+        out.append(chunk)
+        last[index] = chunk
+    return out
+
+
+def _text_key(choice: dict[str, Any] | None) -> str | None:
+    """ "text" (completions) or "delta" (chat, content only); None where it must not merge."""
+    if choice is None:
+        return None
+    if "text" in choice:
+        return "text"
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and set(delta) <= {"content"}:
+        return "delta"
+    return None
+
+
+def _merge_into(prev: dict[str, Any], chunk: dict[str, Any], key: str) -> bool:
+    p, c = prev["choices"][0], chunk["choices"][0]
+    if p["finish_reason"] is not None or (p["logprobs"] is None) != (c["logprobs"] is None):
+        return False
+    if key == "text":
+        p["text"] += c["text"]
+        if c["logprobs"] is not None:
+            p["logprobs"] = merge_completion_logprobs([p["logprobs"], c["logprobs"]])
+    else:
+        if "content" in c["delta"]:
+            p["delta"]["content"] = p["delta"].get("content", "") + c["delta"]["content"]
+        if c["logprobs"] is not None:
+            p["logprobs"] = {"content": p["logprobs"]["content"] + c["logprobs"]["content"]}
+    p["finish_reason"] = c["finish_reason"]
+    if "stop_reason" in c:
+        p["stop_reason"] = c["stop_reason"]
+    if "usage" in chunk:
+        prev["usage"] = chunk["usage"]
+    return True
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -506,12 +573,14 @@ class OpenAIServing:
             return
         if plan.include_usage:
             pending.append(fmt.usage_chunk(_usage(sum(prompt_lens), sum(generated))))
+        pending = coalesce_chunks(pending)
         if self.raw_output:
             yield _sse(pending) + _DONE
         elif pending:
             yield pending
 
     def _emit(self, chunks: list[dict[str, Any]]) -> Any:
+        chunks = coalesce_chunks(chunks)
         return _sse(chunks) if self.raw_output else chunks
 
     # -- errors -----------------------------------------------------------------------------
