@@ -38,10 +38,9 @@ from bench.common import (  # noqa: E402
     machine_info,
     set_threads,
 )
+from bench.throughput import BATCH_TOKENS, PAGE_SIZE, engine_llm  # noqa: E402
 
 BAR = 0.90
-PAGE_SIZE = 16  # the engine's block size in both runs
-BATCH_TOKENS = 2048  # tokens per step in both runs (the engine's CPU default)
 
 
 def log(msg: str) -> None:
@@ -125,16 +124,9 @@ class Offline:
     def __init__(
         self, model_dir: str, warmup: list[list[int]], max_model_len: int, num_blocks: int
     ) -> None:
-        from serverless_llm import LLM, SamplingParams
+        from serverless_llm import SamplingParams
 
-        self.llm = LLM(
-            model_dir,
-            dtype="float32",
-            max_model_len=max_model_len,
-            block_size=PAGE_SIZE,
-            num_kv_blocks=num_blocks,
-            max_num_batched_tokens=BATCH_TOKENS,
-        )
+        self.llm = engine_llm(model_dir, max_model_len, num_blocks)
         self.llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> float:

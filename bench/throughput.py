@@ -134,6 +134,21 @@ class Settings:
 # -- this engine ------------------------------------------------------------------------------
 
 
+def engine_llm(model_dir: str, max_model_len: int, num_blocks: int):
+    """The engine as the benchmarks compare it (bench/endpoint.py's offline figure too): float32,
+    block size PAGE_SIZE, BATCH_TOKENS a step, `num_blocks` KV blocks."""
+    from serverless_llm import LLM
+
+    return LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=max_model_len,
+        block_size=PAGE_SIZE,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=BATCH_TOKENS,
+    )
+
+
 def run_engine(
     model_dir: str,
     prompts: list[list[int]],
@@ -142,20 +157,13 @@ def run_engine(
     num_blocks: int,
     s: Settings,
 ) -> tuple[SystemResult, SingleResult, list[list[int]]]:
-    from serverless_llm import LLM, SamplingParams
+    from serverless_llm import SamplingParams
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
     n, m = len(prompts), s.max_tokens
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=max_model_len,
-        block_size=PAGE_SIZE,
-        num_kv_blocks=num_blocks,
-        max_num_batched_tokens=BATCH_TOKENS,
-    )
+    llm = engine_llm(model_dir, max_model_len, num_blocks)
     pool = llm.engine.block_pool
 
     def prepare() -> None:
