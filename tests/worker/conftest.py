@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -34,6 +35,19 @@ def make_worker(worker_env) -> Callable[..., Worker]:
         return Worker(Settings.from_env({k: v for k, v in env.items() if v is not None}))
 
     return make
+
+
+def run(worker: Worker, scenario: Callable[[Worker], Awaitable[Any]]) -> Any:
+    """Runs `scenario(worker)` on a fresh event loop and shuts the worker down after."""
+
+    async def main():
+        await worker.start()
+        try:
+            return await scenario(worker)
+        finally:
+            await worker.shutdown()
+
+    return asyncio.run(main())
 
 
 async def run_job(worker: Worker, job_input: Any, job_id: str = "test-job") -> list[Any]:

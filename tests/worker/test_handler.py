@@ -15,18 +15,7 @@ from serverless_llm.worker import handler as handler_module
 from serverless_llm.worker.batching import BatchSizes
 from serverless_llm.worker.handler import Worker, _iterates_generators
 from serverless_llm.worker.settings import Settings
-from tests.worker.conftest import blocks_all_free, joined, run_job, token_counts
-
-
-def run(worker, scenario):
-    async def main():
-        await worker.start()
-        try:
-            return await scenario(worker)
-        finally:
-            await worker.shutdown()
-
-    return asyncio.run(main())
+from tests.worker.conftest import blocks_all_free, joined, run, run_job, token_counts
 
 
 def test_many_concurrent_jobs_complete(make_worker):

@@ -13,25 +13,12 @@ from serverless_llm.api.sampling import (
     parse_sampling_params,
 )
 from serverless_llm.engine.tokenizer import apply_chat_template
-from tests.worker.conftest import GREEDY_LONG, blocks_all_free, joined, run_job, token_counts
+from tests.worker.conftest import GREEDY_LONG, blocks_all_free, joined, run, run_job, token_counts
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Hello world! How are you today?"},
 ]
-
-
-def run(worker, scenario):
-    """Runs `scenario(worker)` on a fresh event loop and shuts the worker down after."""
-
-    async def main():
-        await worker.start()
-        try:
-            return await scenario(worker)
-        finally:
-            await worker.shutdown()
-
-    return asyncio.run(main())
 
 
 def test_stream_batches_grow_geometrically(make_worker):

@@ -3,12 +3,10 @@ and prompt_logprobs in the items, best_of, and stop strings that never show in a
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from serverless_llm.engine.sampling.params import SamplingParams
-from tests.worker.conftest import joined, run_job
+from tests.worker.conftest import joined, run, run_job
 
 PROMPT = "Once upon a time"
 BASE = {"max_tokens": 16, "temperature": 1.0, "seed": 5, "ignore_eos": True}
@@ -30,17 +28,6 @@ PARAMS = {
     "stop": {"stop": ["a"]},
     "truncate_prompt_tokens": {"truncate_prompt_tokens": 2},
 }
-
-
-def run(worker, scenario):
-    async def main():
-        await worker.start()
-        try:
-            return await scenario(worker)
-        finally:
-            await worker.shutdown()
-
-    return asyncio.run(main())
 
 
 async def engine_text(worker, params: SamplingParams) -> str:
