@@ -103,7 +103,8 @@ def child_engine(model_dir: str, kv_gib: str, kv_alloc: str) -> None:
     import torch  # noqa: F401 - timed apart from the package's own imports
 
     phases.lap("import torch")
-    from serverless_llm.engine import engine as engine_mod
+    from serverless_llm.engine import llm_engine as engine_mod
+    from serverless_llm.engine import model_builder
     from serverless_llm.engine.models import MODEL_REGISTRY
     from serverless_llm.worker.handler import Worker
     from serverless_llm.worker.settings import Settings
@@ -111,8 +112,8 @@ def child_engine(model_dir: str, kv_gib: str, kv_alloc: str) -> None:
     phases.lap("import the rest")
     if kv_alloc == "empty":
         engine_mod.allocate_kv_cache = lazy_kv_cache
-    phases.wrap(engine_mod, "resolve_model", "resolve + config")
-    phases.wrap(engine_mod, "load_hf_config", "resolve + config")
+    phases.wrap(model_builder, "resolve_model", "resolve + config")
+    phases.wrap(model_builder, "load_hf_config", "resolve + config")
     phases.wrap(engine_mod, "load_tokenizer", "tokenizer")
     phases.wrap(engine_mod, "allocate_kv_cache", "KV cache allocation")
     for cls in set(MODEL_REGISTRY.values()):

@@ -102,7 +102,7 @@ class Timings:
 
 def instrument(engine) -> dict[str, list[float]]:
     """Wraps the runner, the batch build and the sampler of `engine` with timers."""
-    import serverless_llm.engine.engine as engine_module
+    import serverless_llm.engine.llm_engine as engine_module
 
     record: dict[str, list[float]] = {"forward": [], "build": [], "sampler": []}
     execute = engine.runner.execute

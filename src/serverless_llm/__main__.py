@@ -12,7 +12,7 @@ import sys
 import time
 
 from .engine.config import EngineConfig
-from .engine.engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .engine.sampling.params import SamplingParams
 
 DEFAULT_PROMPTS = [

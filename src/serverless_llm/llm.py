@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .engine.config import EngineConfig
-from .engine.engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .engine.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,

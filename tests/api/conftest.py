@@ -13,7 +13,7 @@ import pytest
 from serverless_llm.api.openai import OpenAIServing
 from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.engine.config import EngineConfig
-from serverless_llm.engine.engine import LLMEngine
+from serverless_llm.engine.llm_engine import LLMEngine
 from serverless_llm.worker.batching import BatchSizes
 
 MODEL = "tiny-llama"

@@ -8,7 +8,7 @@ import pytest
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.async_engine import AsyncEngine, EngineDeadError
-from serverless_llm.engine.engine import InvalidRequestError
+from serverless_llm.engine.llm_engine import InvalidRequestError
 from tests.engine.test_engine_core import GREEDY, random_prompts
 
 
@@ -127,7 +127,7 @@ def test_engine_is_built_and_stepped_on_one_thread(tiny_llama, monkeypatch):
     import threading
 
     from serverless_llm.engine.config import EngineConfig
-    from serverless_llm.engine.engine import LLMEngine
+    from serverless_llm.engine.llm_engine import LLMEngine
 
     seen: dict[str, set[int]] = {"init": set(), "step": set()}
     real_init, real_step = LLMEngine.__init__, LLMEngine.step

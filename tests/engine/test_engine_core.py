@@ -7,7 +7,7 @@ import random
 import pytest
 
 from serverless_llm import LLM, SamplingParams
-from serverless_llm.engine.engine import InvalidRequestError
+from serverless_llm.engine.llm_engine import InvalidRequestError
 from serverless_llm.engine.sampling import SamplingParamsError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.async_engine import AsyncEngine
-from serverless_llm.engine.engine import InvalidRequestError
+from serverless_llm.engine.llm_engine import InvalidRequestError
 from serverless_llm.engine.sampling.params import sequence_params
 from tests.engine.reference import hf_model
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from serverless_llm.engine.async_engine import AsyncEngine
-from serverless_llm.engine.engine import InvalidRequestError
+from serverless_llm.engine.llm_engine import InvalidRequestError
 from serverless_llm.engine.sampling.params import (
     GuidedDecodingParams,
     SamplingParams,

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from serverless_llm.engine.config import ConfigError
-from serverless_llm.engine.engine import make_attention_backend
 from serverless_llm.engine.kernels.dispatch import use_triton
 from serverless_llm.engine.layers.activation import silu_and_mul, silu_and_mul_ref
 from serverless_llm.engine.layers.attention import TorchAttentionBackend
@@ -25,6 +24,7 @@ from serverless_llm.engine.layers.rotary import (
     inv_frequencies,
     rotary_step,
 )
+from serverless_llm.engine.model_builder import make_attention_backend
 
 CPU = torch.device("cpu")
 
@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 def test_cpu_default_path_never_imports_triton():
     code = """
 import sys, torch
-from serverless_llm.engine.engine import make_attention_backend
+from serverless_llm.engine.model_builder import make_attention_backend
 from serverless_llm.engine.layers.activation import silu_and_mul
 from serverless_llm.engine.layers.norm import RMSNorm
 from serverless_llm.engine.layers.rotary import apply_rotary, cos_sin_cache, rotary_step

@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.engine import InvalidRequestError
+from ..engine.llm_engine import InvalidRequestError
 from ..engine.outputs import EngineOutput
 from ..engine.sampling.params import SamplingParams, best_sequences, sequence_params
 from ..engine.tokenizer import ChatTemplateError, apply_chat_template

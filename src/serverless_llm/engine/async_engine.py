@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .llm_engine import LLMEngine
 from .outputs import EngineOutput
 from .sampling.params import SamplingParams
 
@@ -84,14 +84,14 @@ class AsyncEngine:
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
         if request_id in self._queues:
-            from .engine import InvalidRequestError
+            from .llm_engine import InvalidRequestError
 
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         compiled = None
         if params.structured is not None:
             # Compiled off the step loop (a thread pool; cache hits resolve at once).
-            from .engine import InvalidRequestError, structured_error
+            from .llm_engine import InvalidRequestError, structured_error
             from .sampling.structured import StructuredOutputError
 
             try:

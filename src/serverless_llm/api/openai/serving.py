@@ -37,7 +37,7 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ValidationError
 
 from serverless_llm.engine.async_engine import AsyncEngine, EngineDeadError
-from serverless_llm.engine.engine import InvalidRequestError
+from serverless_llm.engine.llm_engine import InvalidRequestError
 from serverless_llm.engine.outputs import EngineOutput
 from serverless_llm.engine.sampling.logprobs import TokenLogprob
 from serverless_llm.engine.sampling.params import (

@@ -15,13 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, EngineConfig, resolve_dtype
-from .cpu_tuning import tune_allocator
-from .kv_cache import BlockPool, allocate_kv_cache, bytes_per_block
-from .layers.attention import AttentionBackend, TorchAttentionBackend
-from .loader import iter_weights, load_hf_config, resolve_model
+from .config import ConfigError, EngineConfig
+from .kv_cache import BlockPool, allocate_kv_cache
+from .model_builder import load_model, num_kv_blocks
 from .model_runner import ModelRunner
-from .models import model_class_for
 from .outputs import EngineOutput
 from .request import FinishReason, Request, RequestStatus
 from .sampling.beam_search import BeamGroup, BeamSearch, HeldKV, Hypothesis
@@ -59,77 +56,24 @@ class PromptInput:
     token_ids: list[int]
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: Triton on CUDA, the torch reference elsewhere. Left at `auto`, the argument
-    yields to ATTENTION_BACKEND in the environment, so the worker and the offline LLM can be
-    forced without code changes (the env var also switches RMSNorm/rotary/SiLU, see
-    kernels/dispatch.py). `triton` off CUDA runs the kernels in Triton's interpreter, which is
-    only valid with TRITON_INTERPRET=1 (tests, debugging: it is very slow)."""
-    from .kernels.dispatch import BACKEND_ENV, KERNEL_BACKENDS, env_backend, interpreter_enabled
-
-    if name == "auto":
-        name = env_backend()
-        if name not in KERNEL_BACKENDS:
-            raise ConfigError(f"{BACKEND_ENV}={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name != "triton":
-        raise ConfigError(f"attention_backend={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
-    if device.type != "cuda" and not (device.type == "cpu" and interpreter_enabled()):
-        raise ConfigError(
-            f"attention_backend='triton' needs a CUDA device (the device is {device.type}); "
-            "on CPU use 'torch', or set TRITON_INTERPRET=1 to run the kernels in Triton's "
-            "interpreter (tests and debugging only)"
-        )
-    try:
-        from .kernels.triton_backend import TritonAttentionBackend
-    except ImportError as e:  # the CPU build of torch does not bring Triton
-        raise ConfigError(
-            f"attention_backend='triton' needs the triton package, which is not importable: {e}"
-        ) from e
-    return TritonAttentionBackend()
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.device = config.resolve_device()
-        resolved = resolve_model(config)
-        self.resolved = resolved
-        hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
-        self.hf_config = hf_config
-        self.dtype = resolve_dtype(
-            config.dtype,
-            getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
-            self.device,
-        )
-        self.max_model_len = self._max_model_len(hf_config, config.max_model_len)
+        loaded = load_model(config)
+        self.resolved = resolved = loaded.resolved
+        self.hf_config = hf_config = loaded.hf_config
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.max_model_len = loaded.max_model_len
+        self.backend = loaded.backend
+        self.model = model = loaded.model
         if config.max_num_batched_tokens is not None:
             self.max_num_batched_tokens = config.max_num_batched_tokens
         else:
             self.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
-
-        if self.device.type == "cpu":
-            tune_allocator()
-        torch.manual_seed(config.seed)
-        self.backend = make_attention_backend(config.attention_backend, self.device)
-        model_cls = model_class_for(hf_config)
-        with torch.device("meta"):
-            model = model_cls(hf_config, self.backend, max_position=self.max_model_len)
-        model = model.to_empty(device=self.device)
-        self._init_rope(model, hf_config)
-        if resolved.load_format == "dummy":
-            model.init_dummy_weights(config.seed)
-        else:
-            model.load_weights(iter_weights(resolved, show_progress=config.show_progress))
-        self.model = model.to(self.dtype).eval()
-        if self.device.type == "cpu":
-            self.model.optimize_for_cpu()
 
         self.tokenizer = load_tokenizer(
             resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
@@ -138,7 +82,7 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
 
         self.block_size = config.block_size
-        num_blocks = self._num_blocks()
+        num_blocks = num_kv_blocks(config, loaded, self.block_size, self.max_num_batched_tokens)
         if num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
@@ -184,12 +128,6 @@ class LLMEngine:
 
     # -- set-up helpers ---------------------------------------------------------------------
 
-    def _init_rope(self, model, hf_config) -> None:
-        from .layers.rotary import cos_sin_cache, inv_frequencies, rope_parameters
-
-        inv = inv_frequencies(rope_parameters(hf_config), model.head_dim, self.max_model_len)
-        model.rope_cache = cos_sin_cache(inv, self.max_model_len).to(self.device)
-
     def _generation_config(self):
         try:
             from transformers import GenerationConfig
@@ -197,84 +135,6 @@ class LLMEngine:
             return GenerationConfig.from_pretrained(self.resolved.model_dir)
         except Exception:  # no generation_config.json: the model config's ids are enough
             return None
-
-    @staticmethod
-    def _max_model_len(hf_config, requested: int | None) -> int:
-        limit = None
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-            value = getattr(hf_config, key, None)
-            if isinstance(value, int) and value > 0:
-                limit = value
-                break
-        if requested is None:
-            if limit is None:
-                raise ConfigError("the model config gives no maximum length: set max_model_len")
-            return limit
-        if limit is not None and requested > limit:
-            raise ConfigError(
-                f"max_model_len={requested} exceeds the model's maximum length {limit}"
-            )
-        return requested
-
-    def _num_blocks(self) -> int:
-        c = self.config
-        m = self.model
-        per_block = bytes_per_block(
-            m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype
-        )
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if self.device.type == "cuda":
-            return self._profile_cuda_blocks(per_block)
-        return max(1, int(c.kv_cache_space_gib * (1 << 30)) // per_block)
-
-    @torch.inference_mode()
-    def _profile_cuda_blocks(self, per_block: int) -> int:
-        """Runs the largest step the scheduler can produce, with nothing cached, and gives the
-        KV cache what is left of GPU_MEMORY_UTILIZATION of the device after that peak."""
-        from .layers.attention import AttentionMetadata
-
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.max_num_batched_tokens, self.max_model_len)
-        m = self.model
-        dummy = allocate_kv_cache(
-            m.num_layers, 1, self.block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
-        )
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            num_decodes=0,
-            max_query_len=n,
-            max_seq_len=n,
-            query_lens_host=[n],
-            seq_lens_host=[n],
-            block_size=self.block_size,
-        )
-        self.backend.prepare(meta)
-        hidden = m(
-            torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev), dummy, meta
-        )
-        rows = min(self.config.max_num_seqs, n)
-        m.compute_logits(hidden[:rows]).float().softmax(-1)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        del hidden, dummy
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        non_torch = total - free - torch.cuda.memory_reserved(dev)
-        budget = total * self.config.gpu_memory_utilization - peak - non_torch
-        if budget < per_block:
-            raise ConfigError(
-                f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization} (weights and activations peak at "
-                f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
-            )
-        return int(budget // per_block)
 
     # -- structured output -------------------------------------------------------------------
 

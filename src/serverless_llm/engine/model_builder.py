@@ -1,0 +1,182 @@
+"""Everything between an EngineConfig and a model ready to step: the checkpoint resolved, the
+dtype and context length settled, the attention backend chosen, the decoder built and loaded,
+and the number of KV cache blocks the memory left can hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, EngineConfig, resolve_dtype
+from .cpu_tuning import tune_allocator
+from .kv_cache import allocate_kv_cache, bytes_per_block
+from .layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
+from .models import model_class_for
+
+
+@dataclass
+class LoadedModel:
+    resolved: ResolvedModel
+    hf_config: object
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    backend: AttentionBackend
+    model: torch.nn.Module
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolves, builds and loads the model the config names (on meta first, so no memory is
+    touched twice), packed for oneDNN on CPU."""
+    device = config.resolve_device()
+    resolved = resolve_model(config)
+    hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+    dtype = resolve_dtype(
+        config.dtype,
+        getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
+        device,
+    )
+    max_model_len = max_model_len_of(hf_config, config.max_model_len)
+    if device.type == "cpu":
+        tune_allocator()
+    torch.manual_seed(config.seed)
+    backend = make_attention_backend(config.attention_backend, device)
+    model_cls = model_class_for(hf_config)
+    with torch.device("meta"):
+        model = model_cls(hf_config, backend, max_position=max_model_len)
+    model = model.to_empty(device=device)
+    _init_rope(model, hf_config, max_model_len, device)
+    if resolved.load_format == "dummy":
+        model.init_dummy_weights(config.seed)
+    else:
+        model.load_weights(iter_weights(resolved, show_progress=config.show_progress))
+    model = model.to(dtype).eval()
+    if device.type == "cpu":
+        model.optimize_for_cpu()
+    return LoadedModel(resolved, hf_config, device, dtype, max_model_len, backend, model)
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: Triton on CUDA, the torch reference elsewhere. Left at `auto`, the argument
+    yields to ATTENTION_BACKEND in the environment, so the worker and the offline LLM can be
+    forced without code changes (the env var also switches RMSNorm/rotary/SiLU, see
+    kernels/dispatch.py). `triton` off CUDA runs the kernels in Triton's interpreter, which is
+    only valid with TRITON_INTERPRET=1 (tests, debugging: it is very slow)."""
+    from .kernels.dispatch import BACKEND_ENV, KERNEL_BACKENDS, env_backend, interpreter_enabled
+
+    if name == "auto":
+        name = env_backend()
+        if name not in KERNEL_BACKENDS:
+            raise ConfigError(f"{BACKEND_ENV}={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name != "triton":
+        raise ConfigError(f"attention_backend={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreter_enabled()):
+        raise ConfigError(
+            f"attention_backend='triton' needs a CUDA device (the device is {device.type}); "
+            "on CPU use 'torch', or set TRITON_INTERPRET=1 to run the kernels in Triton's "
+            "interpreter (tests and debugging only)"
+        )
+    try:
+        from .kernels.triton_backend import TritonAttentionBackend
+    except ImportError as e:  # the CPU build of torch does not bring Triton
+        raise ConfigError(
+            f"attention_backend='triton' needs the triton package, which is not importable: {e}"
+        ) from e
+    return TritonAttentionBackend()
+
+
+def _init_rope(model, hf_config, max_model_len: int, device: torch.device) -> None:
+    from .layers.rotary import cos_sin_cache, inv_frequencies, rope_parameters
+
+    inv = inv_frequencies(rope_parameters(hf_config), model.head_dim, max_model_len)
+    model.rope_cache = cos_sin_cache(inv, max_model_len).to(device)
+
+
+def max_model_len_of(hf_config, requested: int | None) -> int:
+    """The context length: the requested one, which may not exceed the model's own."""
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    if requested is None:
+        if limit is None:
+            raise ConfigError("the model config gives no maximum length: set max_model_len")
+        return limit
+    if limit is not None and requested > limit:
+        raise ConfigError(f"max_model_len={requested} exceeds the model's maximum length {limit}")
+    return requested
+
+
+def num_kv_blocks(
+    config: EngineConfig, loaded: LoadedModel, block_size: int, max_num_batched_tokens: int
+) -> int:
+    """NUM_KV_BLOCKS when set; on CUDA what GPU_MEMORY_UTILIZATION leaves after a profiled
+    peak step; on CPU the configured cache size."""
+    m = loaded.model
+    per_block = bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if loaded.device.type == "cuda":
+        return _profile_cuda_blocks(config, loaded, block_size, max_num_batched_tokens, per_block)
+    return max(1, int(config.kv_cache_space_gib * (1 << 30)) // per_block)
+
+
+@torch.inference_mode()
+def _profile_cuda_blocks(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    block_size: int,
+    max_num_batched_tokens: int,
+    per_block: int,
+) -> int:
+    """Runs the largest step the scheduler can produce, with nothing cached, and gives the
+    KV cache what is left of GPU_MEMORY_UTILIZATION of the device after that peak."""
+    dev = loaded.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    n = min(max_num_batched_tokens, loaded.max_model_len)
+    m = loaded.model
+    dummy = allocate_kv_cache(
+        m.num_layers, 1, block_size, m.num_kv_heads, m.head_dim, loaded.dtype, dev
+    )
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+        num_decodes=0,
+        max_query_len=n,
+        max_seq_len=n,
+        query_lens_host=[n],
+        seq_lens_host=[n],
+        block_size=block_size,
+    )
+    loaded.backend.prepare(meta)
+    hidden = m(
+        torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev), dummy, meta
+    )
+    rows = min(config.max_num_seqs, n)
+    m.compute_logits(hidden[:rows]).float().softmax(-1)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    del hidden, dummy
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    non_torch = total - free - torch.cuda.memory_reserved(dev)
+    budget = total * config.gpu_memory_utilization - peak - non_torch
+    if budget < per_block:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization="
+            f"{config.gpu_memory_utilization} (weights and activations peak at "
+            f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+        )
+    return int(budget // per_block)
