@@ -47,7 +47,7 @@ class EngineConfig:
     # Shape limits.
     max_model_len: int | None = None  # None: from the model config
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on CPU (LLMEngine)
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, else 2048 (LLMEngine)
     # KV cache.
     block_size: int = 16
     gpu_memory_utilization: float = 0.90
