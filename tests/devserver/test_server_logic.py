@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serverless_llm.devserver.app import create_app
-from serverless_llm.devserver.jobs import JobManager
+from serverless_llm.devserver.job_store import JobManager
 from tests.devserver.conftest import ServerThread, serve
 from tests.devserver.fake_worker import MODEL, FakeWorker
 

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..api.openai import http_status, openai_error
-from .jobs import COMPLETED, FAILED, Job, JobManager
+from .job_store import COMPLETED, FAILED, Job, JobManager
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from ..engine.config import ConfigError
 from ..engine.loader import ModelLoadError
 from ..engine.models import UnsupportedModelError
 from .baked import BakedModelError, apply_baked_model
-from .jobs import JobError, NativeJob, OpenAIJob, parse_job
+from .job_input import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
 
 __all__ = ["Worker", "main"]
