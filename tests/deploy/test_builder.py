@@ -15,7 +15,6 @@ import pytest
 from huggingface_hub import constants as hf_constants
 
 from serverless_llm.engine.loader import hub as hub_mod
-from serverless_llm.worker import settings as settings_module
 from serverless_llm.worker.baked import (
     BAKED_MODEL_ENV,
     BakedModel,
@@ -25,7 +24,7 @@ from serverless_llm.worker.baked import (
     write_baked_model,
 )
 from serverless_llm.worker.handler import Worker
-from serverless_llm.worker.settings import Settings
+from serverless_llm.worker.settings import ENV_TO_FIELD, Settings
 from tests.engine.test_loader import populate_hub_cache
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +42,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k.upper() not in settings_module._ENV_TO_FIELD
-        and k not in drop
-        and not k.startswith("RUNPOD_")
+        if k.upper() not in ENV_TO_FIELD and k not in drop and not k.startswith("RUNPOD_")
     }
     env.update(extra)
     return env

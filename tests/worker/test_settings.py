@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 
 from serverless_llm.engine.loader import ModelLoadError
-from serverless_llm.worker import settings as settings_module
 from serverless_llm.worker.batching import BatchSizes
 from serverless_llm.worker.settings import (
     CATEGORIES,
     EMBEDDED_MODEL_NAME,
+    ENV_TO_FIELD,
     Settings,
     SettingsError,
     settings_markdown,
     settings_metadata,
 )
+from serverless_llm.worker.settings import engine_config as settings_engine_config
 from tests.worker.conftest import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ FAKE_TOKEN = "hf_FAKEtoken0123456789abcdefSECRET"
 def _clean_env(monkeypatch):
     """Settings read os.environ in some tests: start each from a clean slate."""
     for name in list(os.environ):
-        if name.upper() in settings_module._ENV_TO_FIELD:
+        if name.upper() in ENV_TO_FIELD:
             monkeypatch.delenv(name)
 
 
@@ -215,7 +216,7 @@ def test_several_bad_values_still_one_line():
 
 
 def test_bad_env_stops_startup_with_one_line(worker_env):
-    env = {k: v for k, v in os.environ.items() if k.upper() not in settings_module._ENV_TO_FIELD}
+    env = {k: v for k, v in os.environ.items() if k.upper() not in ENV_TO_FIELD}
     env.update(worker_env, MAX_MODEL_LEN="lots")
     proc = subprocess.run(
         [sys.executable, "-m", "serverless_llm.worker"],
@@ -260,7 +261,7 @@ def test_base_path(monkeypatch, tmp_path):
     s = Settings.from_env({"BASE_PATH": str(tmp_path)})
     assert s.download_dir == str(tmp_path / "huggingface-cache" / "hub")
     # The default on a machine where /runpod-volume cannot be created: the HF cache.
-    monkeypatch.setattr(settings_module, "_can_create", lambda path: False)
+    monkeypatch.setattr(settings_engine_config, "_can_create", lambda path: False)
     assert Settings.from_env({}).download_dir is None
     assert Settings.from_env({"BASE_PATH": str(tmp_path)}).download_dir is not None
 

@@ -1,0 +1,57 @@
+"""The engine's configuration (`EngineConfig`) from the settings, and where models download."""
+
+from __future__ import annotations
+
+import os
+
+from ...engine.config import EngineConfig
+from .fields import DEFAULT_BASE_PATH, SettingsFields
+
+
+def download_dir(base_path: str) -> str | None:
+    """Where models are downloaded: `<BASE_PATH>/huggingface-cache/hub`, as worker-vllm laid it
+    out (a network volume it populated is reused). The default BASE_PATH on a machine where it
+    cannot be created (a local run) falls back to the HF cache (None)."""
+    base = os.path.expanduser(base_path)
+    if base_path == DEFAULT_BASE_PATH and not _can_create(base):
+        return None
+    return os.path.join(base, "huggingface-cache", "hub")
+
+
+def _can_create(path: str) -> bool:
+    """Whether `path` exists as a writable directory or could be created, without creating it."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def engine_config(settings: SettingsFields) -> EngineConfig:
+    """The engine's configuration from these settings. Raises ConfigError when the engine
+    refuses a combination."""
+    s = settings
+    return EngineConfig(
+        model=s.model_name,
+        revision=s.model_revision,
+        tokenizer=s.tokenizer_name,
+        tokenizer_revision=s.tokenizer_revision,
+        load_format=s.load_format,
+        dtype=s.dtype,
+        seed=s.seed,
+        trust_remote_code=s.trust_remote_code,
+        download_dir=download_dir(s.base_path),
+        hf_token=s.hf_token.get_secret_value() if s.hf_token else None,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        block_size=s.block_size,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        kv_cache_space_gib=s.cpu_kv_cache_space,
+        num_kv_blocks=s.num_gpu_blocks_override,
+        device=s.device,
+        attention_backend=s.attention_backend,
+        enable_prefix_caching=s.enable_prefix_caching,
+    )

@@ -1,0 +1,578 @@
+"""The declared settings: every environment variable the worker reads, with its metadata.
+
+Each setting carries its env name, aliases, title, description, type, default and console
+category as first-class metadata (`json_schema_extra`), which the docs and the console form are
+generated from. What one field accepts is checked here, as it is parsed (type, bounds, choices);
+the checks across fields are in `validation`.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Any
+
+import annotated_types
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ...engine.config import ATTENTION_BACKENDS, BLOCK_SIZES, DTYPE_CHOICES, LOAD_FORMATS
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_BASE_PATH = "/runpod-volume"
+
+# Console categories, in the order the form and the docs show them.
+LLM = "LLM Settings"
+TOKENIZER = "Tokenizer Settings"
+SYSTEM = "System Settings"
+STREAMING = "Streaming Settings"
+OPENAI = "OpenAI Settings"
+SERVERLESS = "Serverless Settings"
+CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS)
+
+QUANTIZATION_METHODS = (
+    "awq",
+    "gptq",
+    "squeezellm",
+    "fp8",
+    "bitsandbytes",
+    "marlin",
+    "awq_marlin",
+    "gptq_marlin",
+    "compressed-tensors",
+)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _setting(
+    category: str,
+    default: Any,
+    env: str,
+    *aliases: str,
+    title: str,
+    description: str,
+    choices: tuple[Any, ...] | None = None,
+    allowed: str | None = None,
+    **constraints: Any,
+) -> Any:
+    """A Field whose metadata the docs and the console form are generated from. `env` is the
+    documented name; `aliases` are other names read too (first one set wins, `env` first)."""
+    extra: dict[str, Any] = {"category": category, "env": env, "aliases": list(aliases)}
+    if choices is not None:
+        extra["choices"] = list(choices)
+    if allowed is not None:
+        extra["allowed"] = allowed
+    return Field(
+        default,
+        validation_alias=AliasChoices(env, *aliases) if aliases else env,
+        title=title,
+        description=description,
+        json_schema_extra=extra,
+        **constraints,
+    )
+
+
+# One field factory per console category: a field's category is the section it is declared in.
+_llm = partial(_setting, LLM)
+_tokenizer = partial(_setting, TOKENIZER)
+_system = partial(_setting, SYSTEM)
+_streaming = partial(_setting, STREAMING)
+_openai = partial(_setting, OPENAI)
+_serverless = partial(_setting, SERVERLESS)
+
+
+class SettingsFields(BaseSettings):
+    """Every setting as a field, each checked on its own as it is parsed. `Settings` (in
+    `loader`) adds reading the environment, the checks across fields and derived values."""
+
+    model_config = SettingsConfigDict(
+        env_ignore_empty=True,  # the console sends "" for a field left blank: that is unset
+        extra="ignore",
+        populate_by_name=True,
+        validate_default=False,
+    )
+
+    # -- LLM Settings -----------------------------------------------------------------------
+    model_name: str | None = _llm(
+        None,
+        "MODEL_NAME",
+        title="Model",
+        description=(
+            "Hugging Face repo id (e.g. `Qwen/Qwen2.5-0.5B-Instruct`), local directory or `.gguf` "
+            "file of the model to serve. Required by the deployed worker, unless the image has a "
+            "model baked in; the local devserver serves the embedded "
+            f"{EMBEDDED_MODEL_NAME} (GGUF) when it is unset."
+        ),
+    )
+    model_revision: str | None = _llm(
+        None,
+        "MODEL_REVISION",
+        title="Model Revision",
+        description="Branch, tag or commit of the model repo. Unset: `main`.",
+    )
+    max_model_len: int | None = _llm(
+        None,
+        "MAX_MODEL_LEN",
+        title="Max Model Length",
+        description=(
+            "Most tokens (prompt plus output) one request may hold. Unset: the model's maximum."
+        ),
+        ge=1,
+    )
+    base_path: str = _llm(
+        DEFAULT_BASE_PATH,
+        "BASE_PATH",
+        title="Base Path",
+        description=(
+            "Storage root: models are downloaded to `<BASE_PATH>/huggingface-cache/hub`. "
+            "`/runpod-volume` is the network volume when one is attached, so one worker downloads "
+            "and all load. If the default cannot be written (a local run), the Hugging Face "
+            "cache is used instead."
+        ),
+        min_length=1,
+    )
+    load_format: str = _llm(
+        "auto",
+        "LOAD_FORMAT",
+        title="Load Format",
+        description=(
+            "Weight format to load: `auto` (safetensors, else PyTorch .bin, or a .gguf file), "
+            "`safetensors`, `pt`, `gguf` (dequantized once at load), or `dummy` (random weights, "
+            "for testing)."
+        ),
+        choices=LOAD_FORMATS,
+    )
+    hf_token: SecretStr | None = _llm(
+        None,
+        "HF_TOKEN",
+        title="Hugging Face Token",
+        description="Token for private or gated models. Never written to any log.",
+    )
+    quantization: str | None = _llm(
+        None,
+        "QUANTIZATION",
+        title="Quantization",
+        description=(
+            "Quantization method of an already quantized checkpoint. Not supported yet: setting "
+            "it stops start-up (use an unquantized model, or a `.gguf` file)."
+        ),
+        choices=QUANTIZATION_METHODS,
+    )
+    trust_remote_code: bool = _llm(
+        False,
+        "TRUST_REMOTE_CODE",
+        title="Trust Remote Code",
+        description=(
+            "Allow code from the model repo when reading its config and tokenizer. The model "
+            "itself always runs this engine's own implementation."
+        ),
+    )
+    seed: int = _llm(
+        0,
+        "SEED",
+        title="Seed",
+        description="Seed of the engine's random generators (requests may set their own).",
+        ge=0,
+    )
+    kv_cache_dtype: str = _llm(
+        "auto",
+        "KV_CACHE_DTYPE",
+        title="KV Cache Data Type",
+        description=(
+            "Data type of the KV cache; `auto` uses the model's. fp8 is not supported yet: "
+            "another value is reported at start-up and the cache keeps the model's dtype."
+        ),
+        choices=KV_CACHE_DTYPES,
+    )
+    dtype: str = _llm(
+        "auto",
+        "DTYPE",
+        title="Data Type",
+        description=(
+            "Precision of weights and activations. `auto`: the checkpoint's (float16 on GPU for "
+            "float32 checkpoints, float32 on CPU)."
+        ),
+        choices=DTYPE_CHOICES,
+    )
+
+    # -- Tokenizer Settings -----------------------------------------------------------------
+    tokenizer_name: str | None = _tokenizer(
+        None,
+        "TOKENIZER_NAME",
+        title="Tokenizer",
+        description="Repo id or directory of a tokenizer to use instead of the model's own.",
+    )
+    tokenizer_revision: str | None = _tokenizer(
+        None,
+        "TOKENIZER_REVISION",
+        title="Tokenizer Revision",
+        description="Branch, tag or commit of the tokenizer repo.",
+    )
+    custom_chat_template: str | None = _tokenizer(
+        None,
+        "CUSTOM_CHAT_TEMPLATE",
+        title="Custom Chat Template",
+        description=(
+            "Jinja chat template that replaces the model's, for chat requests on both routes."
+        ),
+    )
+
+    # -- System Settings --------------------------------------------------------------------
+    gpu_memory_utilization: float = _system(
+        0.95,
+        "GPU_MEMORY_UTILIZATION",
+        title="GPU Memory Utilization",
+        description=(
+            "Fraction of GPU memory the engine may use (weights, activations and KV cache); the "
+            "KV cache gets what is left after a profiling pass. No effect on CPU."
+        ),
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+    )
+    max_parallel_loading_workers: int | None = _system(
+        None,
+        "MAX_PARALLEL_LOADING_WORKERS",
+        title="Max Parallel Loading Workers",
+        description=(
+            "Load the model in batches with this many workers (matters with tensor "
+            "parallelism only). Not supported yet: a value is reported at start-up."
+        ),
+        ge=1,
+    )
+    block_size: int = _system(
+        16,
+        "BLOCK_SIZE",
+        title="Block Size",
+        description="Tokens per KV cache block.",
+        choices=BLOCK_SIZES,
+    )
+    swap_space: float = _system(
+        0.0,
+        "SWAP_SPACE",
+        title="Swap Space",
+        description=(
+            "CPU memory (GiB) to swap preempted requests to. Preempted requests are recomputed "
+            "instead; swapping is not supported yet and a value above 0 is reported at start-up."
+        ),
+        ge=0.0,
+        allow_inf_nan=False,
+    )
+    enforce_eager: bool = _system(
+        False,
+        "ENFORCE_EAGER",
+        title="Enforce Eager",
+        description=(
+            "Always run eagerly, without CUDA graphs. The engine does not capture CUDA graphs "
+            "yet, so it always runs eagerly."
+        ),
+    )
+    max_seq_len_to_capture: int = _system(
+        8192,
+        "MAX_SEQ_LEN_TO_CAPTURE",
+        "MAX_CONTEXT_LEN_TO_CAPTURE",
+        title="Max Sequence Length to Capture",
+        description=(
+            "Longest context covered by CUDA graphs. Not supported yet (no CUDA graphs): a value "
+            "set explicitly is reported at start-up."
+        ),
+        ge=1,
+    )
+    disable_custom_all_reduce: bool = _system(
+        False,
+        "DISABLE_CUSTOM_ALL_REDUCE",
+        title="Disable Custom All-Reduce",
+        description=(
+            "Disable the custom all-reduce kernel of tensor parallelism. The engine runs on one "
+            "device and never all-reduces, so either value is honoured."
+        ),
+    )
+    tensor_parallel_size: int = _system(
+        1,
+        "TENSOR_PARALLEL_SIZE",
+        title="Tensor Parallel Size",
+        description=(
+            "Number of GPUs to shard the model over. Not supported yet: a value above 1 is "
+            "reported at start-up and the model runs on one device."
+        ),
+        ge=1,
+    )
+    max_num_seqs: int = _system(
+        256,
+        "MAX_NUM_SEQS",
+        title="Max Number of Sequences",
+        description="Most requests the engine runs in one step; the rest wait in its queue.",
+        ge=1,
+    )
+    max_num_batched_tokens: int | None = _system(
+        None,
+        "MAX_NUM_BATCHED_TOKENS",
+        title="Max Batched Tokens",
+        description=(
+            "Token budget of one engine step (long prompts are prefilled in chunks of at most "
+            "this). Unset: 8192 on GPU, 2048 on CPU."
+        ),
+        ge=1,
+    )
+    enable_prefix_caching: bool = _system(
+        True,
+        "ENABLE_PREFIX_CACHING",
+        title="Enable Prefix Caching",
+        description=(
+            "Reuse the KV cache of prompt prefixes shared between requests (system prompts, "
+            "chat history)."
+        ),
+    )
+    attention_backend: str = _system(
+        "auto",
+        "ATTENTION_BACKEND",
+        title="Attention Backend",
+        description=(
+            "`auto` picks the best available for the device; `torch` is the reference "
+            "implementation, `triton` the GPU kernels."
+        ),
+        choices=ATTENTION_BACKENDS,
+    )
+    device: str = _system(
+        "auto",
+        "DEVICE",
+        title="Device",
+        description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.",
+        allowed="auto, cpu, cuda or cuda:N",
+    )
+    cpu_kv_cache_space: float = _system(
+        4.0,
+        "CPU_KV_CACHE_SPACE",
+        "VLLM_CPU_KV_CACHE_SPACE",
+        title="CPU KV Cache Space",
+        description="Size of the KV cache in GiB when running on CPU.",
+        gt=0.0,
+        allow_inf_nan=False,
+    )
+    num_gpu_blocks_override: int | None = _system(
+        None,
+        "NUM_GPU_BLOCKS_OVERRIDE",
+        "NUM_KV_BLOCKS",
+        title="KV Cache Blocks Override",
+        description=(
+            "Exact number of KV cache blocks, overriding GPU_MEMORY_UTILIZATION and "
+            "CPU_KV_CACHE_SPACE (testing and debugging)."
+        ),
+        ge=1,
+    )
+
+    # -- Streaming Settings -----------------------------------------------------------------
+    default_batch_size: int = _streaming(
+        50,
+        "DEFAULT_BATCH_SIZE",
+        title="Default Batch Size",
+        description=(
+            "Most tokens sent in one streamed message (the largest batch). Jobs may override it "
+            "with `max_batch_size`."
+        ),
+        ge=1,
+    )
+    default_min_batch_size: int = _streaming(
+        1,
+        "DEFAULT_MIN_BATCH_SIZE",
+        "MIN_BATCH_SIZE",
+        title="Default Min Batch Size",
+        description=(
+            "Tokens in the first streamed message; each next one is multiplied by the growth "
+            "factor up to DEFAULT_BATCH_SIZE (1, 3, 9, 27, 50, 50, ... by default). Jobs may "
+            "override it with `min_batch_size`."
+        ),
+        ge=1,
+    )
+    default_batch_size_growth_factor: float = _streaming(
+        3.0,
+        "DEFAULT_BATCH_SIZE_GROWTH_FACTOR",
+        "BATCH_SIZE_GROWTH_FACTOR",
+        title="Default Batch Size Growth Factor",
+        description=(
+            "Factor by which each streamed message grows; 1 or less means every message holds "
+            "DEFAULT_BATCH_SIZE tokens. Jobs may override it with `batch_size_growth_factor`."
+        ),
+        gt=0.0,
+        allow_inf_nan=False,
+    )
+
+    # -- OpenAI Settings --------------------------------------------------------------------
+    raw_openai_output: bool = _openai(
+        True,
+        "RAW_OPENAI_OUTPUT",
+        title="Raw OpenAI Output",
+        description=(
+            "Streamed OpenAI jobs yield SSE text (`data: {...}\\n\\n`), as the `/openai/v1` "
+            "route needs; off, they yield lists of chunk objects."
+        ),
+    )
+    openai_served_model_name_override: str | None = _openai(
+        None,
+        "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
+        title="Served Model Name",
+        description=(
+            "The model name clients send and `/v1/models` lists. Unset: MODEL_NAME (the repo id "
+            f"it was built with for a baked image, `{EMBEDDED_MODEL_NAME}` for the embedded "
+            "model)."
+        ),
+        min_length=1,
+    )
+    openai_response_role: str = _openai(
+        "assistant",
+        "OPENAI_RESPONSE_ROLE",
+        title="Response Role",
+        description="Role of the model's messages in chat completions.",
+        min_length=1,
+    )
+    enable_auto_tool_choice: bool = _openai(
+        False,
+        "ENABLE_AUTO_TOOL_CHOICE",
+        title="Enable Auto Tool Choice",
+        description=(
+            'Let chat requests with `tools` use `tool_choice: "auto"` (the default then): the '
+            "model's text is parsed into `tool_calls` by TOOL_CALL_PARSER. Named and "
+            "`required` tool choices work without it."
+        ),
+    )
+    tool_call_parser: str | None = _openai(
+        None,
+        "TOOL_CALL_PARSER",
+        title="Tool Call Parser",
+        description=(
+            'How the model writes tool calls, for `tool_choice: "auto"`: `hermes`, '
+            "`mistral`, `llama3_json`, `internlm`, `jamba`, or a name TOOL_PARSER_PLUGIN "
+            "registers. Needed with ENABLE_AUTO_TOOL_CHOICE."
+        ),
+        min_length=1,
+    )
+    tool_parser_plugin: str | None = _openai(
+        None,
+        "TOOL_PARSER_PLUGIN",
+        title="Tool Parser Plugin",
+        description=(
+            "Path of a Python file that registers more tool call parsers (a `ToolParser` "
+            'subclass with `@register_tool_parser("name")`, or a `TOOL_PARSERS` dict); loaded '
+            "at startup, before TOOL_CALL_PARSER is checked."
+        ),
+        min_length=1,
+    )
+
+    # -- Serverless Settings ----------------------------------------------------------------
+    max_concurrency: int = _serverless(
+        300,
+        "MAX_CONCURRENCY",
+        title="Max Concurrency",
+        description=(
+            "Most jobs one worker takes at once. The engine queues what does not fit in a step, "
+            "so this tunes load balancing across workers, not memory."
+        ),
+        ge=1,
+    )
+    disable_log_stats: bool = _serverless(
+        True,
+        "DISABLE_LOG_STATS",
+        title="Disable Log Stats",
+        description=(
+            "Off: log engine statistics (jobs, queued and running requests, KV cache use) every "
+            "10 seconds while busy."
+        ),
+    )
+    disable_log_requests: bool = _serverless(
+        True,
+        "DISABLE_LOG_REQUESTS",
+        title="Disable Log Requests",
+        description=(
+            "Off: log each job's route, prompt length and sampling parameters (never the prompt "
+            "text)."
+        ),
+    )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_choices(cls, value: Any, info: Any) -> Any:
+        extra = field_extra(cls.model_fields[info.field_name])
+        choices = extra.get("choices")
+        if choices is not None and value is not None and value not in choices:
+            raise ValueError("not one of the choices")
+        return value
+
+    @field_validator("device", mode="after")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError("not a device")
+        return value
+
+
+# -- what a field is, in words -----------------------------------------------------------------
+
+
+def field_extra(field: FieldInfo) -> dict[str, Any]:
+    """The metadata `_setting` stored: env, aliases, category, and choices or allowed."""
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+# Every name a setting is read under (its env name and aliases) -> the field's name.
+ENV_TO_FIELD: dict[str, str] = {
+    env: name
+    for name, field in SettingsFields.model_fields.items()
+    for env in (field_extra(field)["env"], *field_extra(field)["aliases"])
+}
+
+
+def field_kind(field: FieldInfo) -> str:
+    """The field's type: SecretStr, bool, int, float or str."""
+    ann = field.annotation
+    text = getattr(ann, "__name__", None) or str(ann)
+    for kind in ("SecretStr", "bool", "int", "float", "str"):
+        if kind in text:
+            return kind
+    return "str"
+
+
+def _bounds(field: FieldInfo) -> str:
+    parts = []
+    for m in field.metadata:
+        if isinstance(m, annotated_types.Ge):
+            parts.append(f">= {m.ge:g}")
+        elif isinstance(m, annotated_types.Gt):
+            parts.append(f"> {m.gt:g}")
+        elif isinstance(m, annotated_types.Le):
+            parts.append(f"<= {m.le:g}")
+        elif isinstance(m, annotated_types.Lt):
+            parts.append(f"< {m.lt:g}")
+    return " and ".join(parts)
+
+
+def allowed_values(field: FieldInfo) -> str:
+    """What a setting accepts, in words (for errors and the docs)."""
+    extra = field_extra(field)
+    if "allowed" in extra:
+        return extra["allowed"]
+    if "choices" in extra:
+        return "one of " + ", ".join(str(c) for c in extra["choices"])
+    kind = field_kind(field)
+    bounds = _bounds(field)
+    if kind == "bool":
+        return "0, 1, true or false"
+    if kind == "int":
+        return f"an integer {bounds}".rstrip()
+    if kind == "float":
+        return f"a number {bounds}".rstrip()
+    return (
+        "a non-empty string"
+        if any(isinstance(m, annotated_types.MinLen) for m in field.metadata)
+        else "a string"
+    )
+
+
+def shown_value(settings: SettingsFields, env: str) -> str:
+    """The value of the setting read under `env`, as logs show it: `***` for a secret."""
+    value = getattr(settings, ENV_TO_FIELD[env])
+    if isinstance(value, SecretStr):
+        return "***"
+    return repr(value) if isinstance(value, str) else str(value)

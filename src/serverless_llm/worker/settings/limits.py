@@ -1,0 +1,85 @@
+"""The settings the engine cannot honour yet, in one table.
+
+A setting the engine cannot honour is never dropped silently: `limitations()` lists it, as a
+warning when the worker still serves the same outputs without it (a performance or memory knob)
+and as an error when it would change what is served (start-up stops; see `validation`).
+docs/settings.md lists the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from .fields import SettingsFields, shown_value
+
+
+@dataclass(frozen=True)
+class Limitation:
+    env: str
+    level: Literal["warning", "error"]
+    message: str
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A setting the engine cannot honour yet. `error` when serving without it would change
+    what the user gets (the weights could not be read as meant); `warning` when only speed,
+    memory or device placement differ, so the worker still serves the same outputs."""
+
+    env: str
+    level: Literal["warning", "error"]
+    applies: Callable[[SettingsFields], bool]
+    message: str
+
+
+LIMITS: tuple[Limit, ...] = (
+    Limit(
+        "QUANTIZATION",
+        "error",
+        lambda s: s.quantization is not None,
+        "quantized checkpoints are not supported yet; unset QUANTIZATION and serve an "
+        "unquantized model or a .gguf file (dequantized at load)",
+    ),
+    Limit(
+        "KV_CACHE_DTYPE",
+        "warning",
+        lambda s: s.kv_cache_dtype != "auto",
+        "an fp8 KV cache is not supported yet; the cache uses the model's dtype (more memory, "
+        "same outputs)",
+    ),
+    Limit(
+        "TENSOR_PARALLEL_SIZE",
+        "warning",
+        lambda s: s.tensor_parallel_size > 1,
+        "tensor parallelism is not supported yet; the model runs on one device",
+    ),
+    Limit(
+        "MAX_PARALLEL_LOADING_WORKERS",
+        "warning",
+        lambda s: s.max_parallel_loading_workers is not None,
+        "parallel loading is not supported yet; weights load in one pass",
+    ),
+    Limit(
+        "SWAP_SPACE",
+        "warning",
+        lambda s: s.swap_space > 0,
+        "swapping to CPU memory is not supported yet; preempted requests are recomputed",
+    ),
+    Limit(
+        "MAX_SEQ_LEN_TO_CAPTURE",
+        "warning",
+        lambda s: "max_seq_len_to_capture" in s.model_fields_set,
+        "CUDA graphs are not supported yet; every step runs eagerly",
+    ),
+)
+
+
+def limitations(settings: SettingsFields) -> list[Limitation]:
+    """Settings whose values the engine cannot honour yet, with what happens instead."""
+    return [
+        Limitation(lim.env, lim.level, f"{lim.env}={shown_value(settings, lim.env)}: {lim.message}")
+        for lim in LIMITS
+        if lim.applies(settings)
+    ]

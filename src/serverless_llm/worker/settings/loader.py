@@ -1,0 +1,104 @@
+"""`Settings`: the declared fields read from the environment, checked, and what they give the
+worker (the engine's configuration, stream batch sizes, limitations to report)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+from ...engine.config import EngineConfig
+from ..batching import BatchSizes
+from . import engine_config as _engine_config
+from .fields import EMBEDDED_MODEL_NAME, ENV_TO_FIELD, SettingsFields, field_extra, shown_value
+from .limits import Limitation, limitations
+from .validation import SettingsError, check, format_validation_error
+
+logger = logging.getLogger(__package__)
+
+
+class Settings(SettingsFields):
+    """The worker's configuration, read from the environment (`Settings.from_env()`)."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        """Reads and validates the environment (or `environ`), raising SettingsError on the
+        first problem, as one line. Settings the engine cannot honour are checked too: an
+        error-level limitation raises here; warnings are for `log_startup()`."""
+        env = os.environ if environ is None else environ
+        try:
+            if environ is None:
+                settings = cls()
+            else:
+                # Only the variables we know, so a dict behaves exactly like the environment.
+                settings = cls.model_validate(
+                    {
+                        k.upper(): v
+                        for k, v in environ.items()
+                        if k.upper() in ENV_TO_FIELD and v != ""
+                    }
+                )
+        except ValidationError as e:
+            raise SettingsError(format_validation_error(e, env)) from None
+        check(settings)
+        return settings
+
+    # -- derived values ---------------------------------------------------------------------
+
+    @property
+    def served_model_name(self) -> str:
+        """The name OpenAI clients send as `model` and `/v1/models` lists."""
+        return self.openai_served_model_name_override or self.model_name or EMBEDDED_MODEL_NAME
+
+    @property
+    def batch_sizes(self) -> BatchSizes:
+        """The stream batch sizes of a job that sets none of its own."""
+        return BatchSizes(
+            max_batch_size=self.default_batch_size,
+            min_batch_size=self.default_min_batch_size,
+            growth_factor=self.default_batch_size_growth_factor,
+        )
+
+    @property
+    def download_dir(self) -> str | None:
+        """Where models are downloaded (see `engine_config.download_dir`)."""
+        return _engine_config.download_dir(self.base_path)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration from these settings. Raises ConfigError when the engine
+        refuses a combination."""
+        return _engine_config.engine_config(self)
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def limitations(self) -> list[Limitation]:
+        """Settings whose values the engine cannot honour yet, with what happens instead."""
+        return limitations(self)
+
+    def non_default(self) -> dict[str, str]:
+        """Env name -> shown value of every setting that differs from its default; secrets are
+        shown as `***`."""
+        out: dict[str, str] = {}
+        for name, field in type(self).model_fields.items():
+            if getattr(self, name) != field.default:
+                env = field_extra(field)["env"]
+                out[env] = shown_value(self, env)
+        return out
+
+    def log_startup(self, log: logging.Logger = logger) -> None:
+        """Logs the effective settings (secrets masked) and every limitation."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.non_default().items())
+        log.info("settings: %s", shown or "all defaults")
+        for lim in self.limitations():
+            log.warning("%s", lim.message)
+
+
+def load_settings_or_exit() -> Settings:
+    """For entry points: the settings, or one line on stderr and exit status 2."""
+    try:
+        return Settings.from_env()
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
