@@ -128,7 +128,7 @@ def paged_batch(
 ):
     """A step's q, KV cache and metadata, every request's blocks at shuffled ids (as a cache
     that has served for a while looks)."""
-    from serverless_llm.engine.layers.attention import AttentionMetadata, AttentionSpec
+    from serverless_llm.engine.kernels.metadata import AttentionMetadata, AttentionSpec
 
     bs = s.block_size
     per_req = [-(-n // bs) for n in seq_lens]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serverless_llm.engine.layers.attention import AttentionMetadata, AttentionSpec
+from serverless_llm.engine.kernels.metadata import AttentionMetadata, AttentionSpec
 
 # Where kernel tests put their tensors: the GPU when there is one (compiled kernels), else the
 # CPU (interpreted kernels; tests/kernels/conftest.py sets TRITON_INTERPRET=1).

@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from serverless_llm.engine.kernels import activation, kv_write, rms_norm, rotary
 from serverless_llm.engine.kernels import paged_attention as pa
+from serverless_llm.engine.kernels.triton_lazy import LazyKernel
 
 # Pointer arguments whose element type is not the data dtype.
 POINTER_TYPES = {
@@ -41,8 +42,9 @@ FLOAT_ARGS = {"scale_log2e", "eps"}
 ALIGNED = re.compile(r"^stride_(q|o|k|v|c)|^num_heads$")
 
 
-def compile_kernel(jit_fn, dtype: str, constexprs: dict, arch: int, warps: int, stages: int):
-    fn = jit_fn
+def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int, warps: int, stages: int):
+    # A kernel not launched yet is still the module's LazyKernel: its JIT function is `.jit`.
+    fn = kernel.jit if isinstance(kernel, LazyKernel) else kernel
     signature: dict[str, str] = {}
     attrs = {}
     for i, name in enumerate(fn.arg_names):

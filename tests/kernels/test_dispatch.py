@@ -1,6 +1,7 @@
 """The switch between Triton kernels and torch references: the CPU default never imports Triton;
-ATTENTION_BACKEND=triton with TRITON_INTERPRET=1 routes the layers through the kernels (with the
-same results); `make_attention_backend` picks, honours the env var and refuses what cannot run."""
+`make_attention_backend`, the one place the choice is made, picks, honours ATTENTION_BACKEND and
+TRITON_INTERPRET and refuses what cannot run; layers built with the kernel choice run the kernels
+(with the same results)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import pytest
 import torch
 
 from serverless_llm.engine.config import ConfigError
-from serverless_llm.engine.kernels.dispatch import use_triton
-from serverless_llm.engine.layers.activation import silu_and_mul, silu_and_mul_ref
+from serverless_llm.engine.kernels.activation import silu_and_mul_reference
+from serverless_llm.engine.kernels.rotary import apply_rotary_ref, gather_cos_sin
+from serverless_llm.engine.layers.activation import SiluAndMul
 from serverless_llm.engine.layers.attention import TorchAttentionBackend
 from serverless_llm.engine.layers.norm import RMSNorm
 from serverless_llm.engine.layers.rotary import (
     apply_rotary,
-    apply_rotary_ref,
     cos_sin_cache,
-    gather_cos_sin,
     inv_frequencies,
     rotary_step,
 )
@@ -33,16 +33,21 @@ def test_cpu_default_path_never_imports_triton():
     code = """
 import sys, torch
 from serverless_llm.engine.model_builder import make_attention_backend
-from serverless_llm.engine.layers.activation import silu_and_mul
+from serverless_llm.engine.layers.activation import SiluAndMul
 from serverless_llm.engine.layers.norm import RMSNorm
 from serverless_llm.engine.layers.rotary import apply_rotary, cos_sin_cache, rotary_step
+import serverless_llm.engine.kernels.activation, serverless_llm.engine.kernels.kv_write
+import serverless_llm.engine.kernels.paged_attention, serverless_llm.engine.kernels.rms_norm
+import serverless_llm.engine.kernels.rotary
 import serverless_llm.engine.models.llama
-assert make_attention_backend("auto", torch.device("cpu")).name == "torch"
+backend = make_attention_backend("auto", torch.device("cpu"))
+assert backend.name == "torch" and not backend.use_kernels
 x = torch.randn(3, 8)
-RMSNorm(8, 1e-6)(x, x)
-silu_and_mul(x)
+RMSNorm(8, 1e-6, backend.use_kernels)(x, x)
+SiluAndMul(backend.use_kernels)(x)
 q = torch.randn(3, 2, 8)
-apply_rotary(q, q[:, :1], rotary_step(cos_sin_cache(torch.ones(4), 16), torch.arange(3), q.dtype))
+table = cos_sin_cache(torch.ones(4), 16)
+apply_rotary(q, q[:, :1], rotary_step(table, torch.arange(3), q.dtype, backend.use_kernels))
 assert "triton" not in sys.modules, "the CPU default path imported triton"
 """
     env = {
@@ -54,20 +59,30 @@ assert "triton" not in sys.modules, "the CPU default path imported triton"
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({}, False),
-        ({"ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "1"}, True),
-        ({"ATTENTION_BACKEND": "TRITON", "TRITON_INTERPRET": "1"}, True),
-        ({"ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "0"}, False),
-        ({"ATTENTION_BACKEND": "torch", "TRITON_INTERPRET": "1"}, False),
-        ({"ATTENTION_BACKEND": "auto", "TRITON_INTERPRET": "1"}, False),
+        ({}, "torch"),
+        ({"ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "1"}, "triton"),
+        ({"ATTENTION_BACKEND": "TRITON", "TRITON_INTERPRET": "1"}, "triton"),
+        ({"ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "0"}, ConfigError),
+        ({"ATTENTION_BACKEND": "torch", "TRITON_INTERPRET": "1"}, "torch"),
+        ({"ATTENTION_BACKEND": "auto", "TRITON_INTERPRET": "1"}, "torch"),
     ],
 )
-def test_use_triton_on_cpu(monkeypatch, env, expected):
+def test_backend_choice_on_cpu(monkeypatch, env, expected):
+    """The one resolver of the kernel choice: the backend it returns says, through
+    `use_kernels`, whether the layers run Triton too."""
     monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert use_triton(torch.zeros(1)) is expected
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            make_attention_backend("auto", CPU)
+        return
+    if expected == "triton":
+        pytest.importorskip("triton")
+    backend = make_attention_backend("auto", CPU)
+    assert backend.name == expected
+    assert backend.use_kernels is (expected == "triton")
 
 
 def test_make_attention_backend(monkeypatch):
@@ -100,30 +115,44 @@ def test_make_attention_backend_refuses(monkeypatch):
         make_attention_backend("auto", CPU)
 
 
-@pytest.fixture
-def forced_triton(monkeypatch):
+def _spy(monkeypatch, module, name: str) -> list[str]:
+    """Counts the calls a layer module makes to `name` (a kernel launcher it imported)."""
+    calls: list[str] = []
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def test_layers_run_the_kernels_when_forced(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.setenv("ATTENTION_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def test_layers_run_the_kernels_when_forced(forced_triton):
+    from serverless_llm.engine.layers import activation, norm, rotary
     from tests.kernels.batch import DEVICE
+
+    norm_calls = _spy(monkeypatch, norm, "rms_norm")
+    act_calls = _spy(monkeypatch, activation, "silu_and_mul")
+    rotary_calls = _spy(monkeypatch, rotary, "rotary_embedding")
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g).to(DEVICE)
     res = torch.randn(5, 64, generator=g).to(DEVICE)
-    norm = RMSNorm(64, 1e-6).to(DEVICE)
-    norm.weight.data = torch.rand(64, generator=g).to(DEVICE) + 0.5
-    out, new_res = norm(x, res)
-    assert "serverless_llm.engine.kernels.rms_norm" in sys.modules
+    rms = RMSNorm(64, 1e-6, use_kernels=True).to(DEVICE)
+    rms.weight.data = torch.rand(64, generator=g).to(DEVICE) + 0.5
+    out, new_res = rms(x, res)
+    assert norm_calls == ["rms_norm"]
     torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
-    ref = norm.weight * ((x + res) * torch.rsqrt((x + res).pow(2).mean(-1, keepdim=True) + 1e-6))
+    ref = rms.weight * ((x + res) * torch.rsqrt((x + res).pow(2).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
     gate_up = torch.randn(5, 128, generator=g).to(DEVICE)
-    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
-    assert "serverless_llm.engine.kernels.activation" in sys.modules
+    torch.testing.assert_close(
+        SiluAndMul(use_kernels=True)(gate_up), silu_and_mul_reference(gate_up)
+    )
+    assert act_calls == ["silu_and_mul"]
 
     params = {"rope_type": "default", "rope_theta": 1e4}
     table = cos_sin_cache(inv_frequencies(params, 32, 64), 64).to(DEVICE)
@@ -132,8 +161,9 @@ def test_layers_run_the_kernels_when_forced(forced_triton):
     k = torch.randn(5, 2, 32, generator=g).to(DEVICE)
     cos, sin = gather_cos_sin(table, positions, q.dtype)
     q_ref, k_ref = apply_rotary_ref(q, k, cos, sin)
-    step = rotary_step(table, positions, q.dtype)
+    step = rotary_step(table, positions, q.dtype, use_kernels=True)
     assert step.cos is None  # the kernel reads the table itself
     q_out, k_out = apply_rotary(q, k, step)
+    assert rotary_calls == ["rotary_embedding"]
     torch.testing.assert_close(q_out, q_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)

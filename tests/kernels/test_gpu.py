@@ -55,13 +55,13 @@ def _batch(requests, dtype, block_size=16, window=None, seed=0):
 
 
 def _attention(batch):
+    from serverless_llm.engine.kernels.kv_write import reshape_and_cache_reference
     from serverless_llm.engine.kernels.paged_attention import (
         paged_attention,
         paged_attention_reference,
     )
-    from serverless_llm.engine.layers.attention import write_kv_ref
 
-    write_kv_ref(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
+    reshape_and_cache_reference(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
     out = paged_attention(batch.q, batch.kv_cache, batch.meta, batch.spec)
     ref = paged_attention_reference(batch.q, batch.kv_cache, batch.meta, batch.spec)
     n = int(batch.meta.query_start_loc[-1])
@@ -109,8 +109,10 @@ def test_gqa_ratios(group):
 
 @DTYPES
 def test_triton_backend_matches_torch_backend(dtype):
-    from serverless_llm.engine.kernels.triton_backend import TritonAttentionBackend
-    from serverless_llm.engine.layers.attention import TorchAttentionBackend
+    from serverless_llm.engine.layers.attention import (
+        TorchAttentionBackend,
+        TritonAttentionBackend,
+    )
 
     batch = _batch([(2047, 1), (500, 1), (1000, 64), (0, 700)], dtype, window=None)
     cache = batch.kv_cache.clone()

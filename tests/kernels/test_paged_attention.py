@@ -18,14 +18,17 @@ import torch
 
 pytest.importorskip("triton")
 
+from serverless_llm.engine.kernels.kv_write import reshape_and_cache_reference  # noqa: E402
 from serverless_llm.engine.kernels.paged_attention import (  # noqa: E402
     TileConfig,
     choose_num_splits,
     paged_attention,
     paged_attention_reference,
 )
-from serverless_llm.engine.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
-from serverless_llm.engine.layers.attention import TorchAttentionBackend, write_kv_ref  # noqa: E402
+from serverless_llm.engine.layers.attention import (  # noqa: E402
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+)
 from tests.kernels.batch import Batch, make_batch  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
@@ -46,7 +49,7 @@ def _check(batch: Batch, out: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _run(batch: Batch, **kwargs) -> torch.Tensor:
     # The torch writer: the Triton one has its own tests, and the interpreter is slow.
-    write_kv_ref(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
+    reshape_and_cache_reference(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
     return paged_attention(batch.q, batch.kv_cache, batch.meta, batch.spec, **kwargs)
 
 

@@ -4,14 +4,20 @@ and the number of KV cache blocks the memory left can hold."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, EngineConfig, resolve_dtype
+from .config import ATTENTION_BACKENDS, ConfigError, EngineConfig, resolve_dtype
 from .cpu_tuning import tune_allocator
 from .kv_cache import allocate_kv_cache, bytes_per_block
-from .layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from .layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+)
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
 from .models import model_class_for
 
@@ -59,36 +65,39 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: Triton on CUDA, the torch reference elsewhere. Left at `auto`, the argument
-    yields to ATTENTION_BACKEND in the environment, so the worker and the offline LLM can be
-    forced without code changes (the env var also switches RMSNorm/rotary/SiLU, see
-    kernels/dispatch.py). `triton` off CUDA runs the kernels in Triton's interpreter, which is
-    only valid with TRITON_INTERPRET=1 (tests, debugging: it is very slow)."""
-    from .kernels.dispatch import BACKEND_ENV, KERNEL_BACKENDS, env_backend, interpreter_enabled
+    """The engine's one choice between the Triton kernels and their torch references, made once
+    at build: for attention here, and for RMSNorm, rotary and SiLU through the backend's
+    `use_kernels`, which the model hands to those layers as it builds them.
 
+    `auto`: Triton on CUDA, the torch reference elsewhere. Left at `auto`, the argument yields to
+    ATTENTION_BACKEND in the environment, so the worker and the offline LLM can be forced without
+    code changes. `triton` off CUDA runs the kernels in Triton's interpreter, which is only valid
+    with TRITON_INTERPRET=1 (tests, debugging: it is very slow)."""
     if name == "auto":
-        name = env_backend()
-        if name not in KERNEL_BACKENDS:
-            raise ConfigError(f"{BACKEND_ENV}={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
+        name = os.environ.get("ATTENTION_BACKEND", "").strip().lower() or "auto"
+        if name not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"ATTENTION_BACKEND={name!r}: allowed {', '.join(ATTENTION_BACKENDS)}"
+            )
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name != "triton":
-        raise ConfigError(f"attention_backend={name!r}: allowed {', '.join(KERNEL_BACKENDS)}")
-    if device.type != "cuda" and not (device.type == "cpu" and interpreter_enabled()):
+        raise ConfigError(f"attention_backend={name!r}: allowed {', '.join(ATTENTION_BACKENDS)}")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
+    if device.type != "cuda" and not (device.type == "cpu" and interpreted):
         raise ConfigError(
             f"attention_backend='triton' needs a CUDA device (the device is {device.type}); "
             "on CPU use 'torch', or set TRITON_INTERPRET=1 to run the kernels in Triton's "
             "interpreter (tests and debugging only)"
         )
     try:
-        from .kernels.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
     except ImportError as e:  # the CPU build of torch does not bring Triton
         raise ConfigError(
             f"attention_backend='triton' needs the triton package, which is not importable: {e}"
         ) from e
-    return TritonAttentionBackend()
 
 
 def _init_rope(model, hf_config, max_model_len: int, device: torch.device) -> None:

@@ -1,21 +1,30 @@
-"""SiLU-and-mul over the fused [gate | up] projection: out = silu(gate) * up, one pass.
+"""SiLU-and-mul over the fused [gate | up] projection: out = silu(gate) * up, one pass, and its
+torch reference.
 
-Numerics follow `layers.activation.silu_and_mul_ref`: silu is computed in float32 and rounded to
-the input dtype, then the product is rounded again, as the two torch ops do.
+The kernel's numerics follow `silu_and_mul_reference`: silu is computed in float32 and rounded to
+the input dtype, then the product is rounded again, as the two torch ops do. Triton is imported
+at the kernel's first launch, never for the reference (see `triton_lazy`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 
-from ..layers.activation import silu_and_mul_ref
+from .triton_lazy import cdiv, jit, next_power_of_2
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 SILU_BLOCK = 1024
 
 
-@triton.jit
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The torch reference: x: [..., gate | up] -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -47,14 +56,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows and n:
-        block = min(SILU_BLOCK, triton.next_power_of_2(n))
-        grid = (rows, triton.cdiv(n, block))
+        block = min(SILU_BLOCK, next_power_of_2(n))
+        grid = (rows, cdiv(n, block))
         _silu_and_mul_kernel[grid](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
         )
     return out.view(*x.shape[:-1], n)
-
-
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """The torch reference (what the CPU path runs)."""
-    return silu_and_mul_ref(x)

@@ -1,20 +1,37 @@
-"""KV cache write (reshape_and_cache): each new token's K and V into its cache slot.
+"""KV cache write (reshape_and_cache): each new token's K and V into its cache slot, as a Triton
+kernel and as its torch reference.
 
 The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is offset
 s % block_size of block s // block_size. A negative slot marks a padding token and is skipped.
-A program copies a few whole tokens (all their heads), so each row it moves is contiguous.
+A program of the kernel copies a few whole tokens (all their heads), so each row it moves is
+contiguous. Triton is imported at the kernel's first launch, never for the reference (see
+`triton_lazy`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ..layers.attention import write_kv_ref
+from .triton_lazy import cdiv, jit, next_power_of_2
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 
-@triton.jit
+def reshape_and_cache_reference(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The torch reference (what the torch backend runs): each token's K and V at its slot;
+    padding slots (< 0) are skipped."""
+    kvh, d = k.shape[1], k.shape[2]
+    flat = kv_cache.view(2, -1, kvh, d)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+@jit
 def _kv_write_kernel(
     k_ptr,
     v_ptr,
@@ -79,10 +96,10 @@ def reshape_and_cache(
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
         raise ValueError("the K and V caches must share one layout with unit stride on head_dim")
     block_size = key_cache.shape[1]
-    d_pad = triton.next_power_of_2(d)
-    row_pad = triton.next_power_of_2(kvh) * d_pad
-    tokens = max(1, min(KV_WRITE_TILE // row_pad, triton.next_power_of_2(T)))
-    _kv_write_kernel[(triton.cdiv(T, tokens),)](
+    d_pad = next_power_of_2(d)
+    row_pad = next_power_of_2(kvh) * d_pad
+    tokens = max(1, min(KV_WRITE_TILE // row_pad, next_power_of_2(T)))
+    _kv_write_kernel[(cdiv(T, tokens),)](
         k,
         v,
         key_cache,
@@ -104,10 +121,3 @@ def reshape_and_cache(
         ROW_PAD=row_pad,
         num_warps=4,
     )
-
-
-def reshape_and_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """The torch reference (what the torch backend runs)."""
-    write_kv_ref(k, v, kv_cache, slot_mapping)

@@ -1,21 +1,37 @@
 """RMSNorm, optionally fused with the residual add before it: one read of x (and the residual),
-one write of the output (and the new residual).
+one write of the output (and the new residual); and its torch reference.
 
-Numerics follow `layers.norm.rms_norm_ref`: the sum x + residual is rounded to the input dtype
-(as the torch add is), the statistics are taken in float32, the normalised row is rounded to the
-input dtype before the weight multiplies it.
+The kernel's numerics follow `rms_norm_reference`: the sum x + residual is rounded to the input
+dtype (as the torch add is), the statistics are taken in float32, the normalised row is rounded to
+the input dtype before the weight multiplies it. Triton is imported at the kernel's first launch,
+never for the reference (see `triton_lazy`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ..layers.norm import rms_norm_ref
+from .triton_lazy import jit, next_power_of_2
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 
-@triton.jit
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference, with the kernel's contract: norm(x) or, with `residual`,
+    (norm(x + residual), x + residual). The norm as Llama computes it: statistics in float32,
+    the weight applied after casting back."""
+    if residual is not None:
+        x = residual = x + residual
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+@jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -48,17 +64,14 @@ def _rms_norm_kernel(
 
 
 def _launch_shape(n_cols: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     # About 8-16 elements per thread: wide rows get more warps instead of more registers.
     num_warps = max(1, min(16, block // 512))
     return block, num_warps
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) or, with `residual`, (norm(x + residual), x + residual); x: [..., hidden]."""
     shape = x.shape
@@ -97,16 +110,3 @@ def rms_norm(
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
-
-
-def rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference with the same contract as `rms_norm` (what the CPU path runs)."""
-    if residual is None:
-        return rms_norm_ref(x, weight, eps)
-    residual = x + residual
-    return rms_norm_ref(residual, weight, eps), residual

@@ -1,4 +1,5 @@
-"""Rotary embedding applied in place to the query and key heads of each token.
+"""Rotary embedding applied to the query and key heads of each token: a Triton kernel (in place)
+and its torch reference (out of place).
 
 The table is the one `layers.rotary.cos_sin_cache` builds: [max_position, rot_dim] float32, cos in
 the first half, sin in the second, with any llama3/linear/dynamic scaling already folded in. The
@@ -7,20 +8,94 @@ layouts: neox rotates the two halves of the rotary dims against each other (Llam
 Qwen2); gpt-j rotates interleaved pairs (GPT-J, some GLM/Phi variants). Dims past rot_dim
 (partial rotary) are left as they are.
 
-cos and sin are rounded to the input dtype first, as the torch reference does; the rotation is
-then computed in float32 and rounded once.
+cos and sin are rounded to the input dtype first, as the torch reference does; the kernel then
+computes the rotation in float32 and rounds once. Triton is imported at the kernel's first launch,
+never for the reference (see `triton_lazy`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from torch import Tensor
 
-from ..layers.rotary import apply_rotary_ref, gather_cos_sin, rotate_table_ref
+from .triton_lazy import jit, next_power_of_2
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
+
+# -- torch reference -------------------------------------------------------------------------
 
 
-@triton.jit
+def gather_cos_sin(cache: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin for each token, [T, 1, head_dim] in `dtype`; once a step, shared by layers."""
+    cs = cache.index_select(0, positions)
+    half = cs.shape[-1] // 2
+    cos = cs[:, :half].to(dtype).repeat(1, 2).unsqueeze(1)
+    sin = cs[:, half:].to(dtype).repeat(1, 2).unsqueeze(1)
+    return cos, sin
+
+
+def apply_rotary_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Neox layout (rotate halves), as Llama/Mistral/Qwen2 use. q: [T, H, D], k: [T, KVH, D]."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotate_table_ref(
+    positions: Tensor,
+    x: Tensor,
+    cache: Tensor,
+    is_neox: bool = True,
+) -> Tensor:
+    """Any layout, straight from the table: neox (halves) or gpt-j (interleaved pairs), over
+    the first `cache.shape[-1]` dims of x [T, H, D] (the rest pass through: partial rotary).
+    cos/sin are rounded to x's dtype first, as `apply_rotary_ref` does."""
+    rot_dim = cache.shape[-1]
+    half = rot_dim // 2
+    cs = cache.index_select(0, positions)
+    cos = cs[:, None, :half].to(x.dtype)
+    sin = cs[:, None, half:].to(x.dtype)
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    if is_neox:
+        x1, x2 = rot[..., :half], rot[..., half:]
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    out = torch.cat([o1, o2], dim=-1) if is_neox else torch.stack([o1, o2], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def rotary_embedding_reference(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    cos_sin_cache: Tensor,
+    is_neox: bool = True,
+    cos_sin: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The torch reference of `rotary_embedding`, out of place. Neox over the full head dim runs
+    `apply_rotary_ref` on `cos_sin` (what `gather_cos_sin` gives for these positions, gathered
+    once a step for every layer; gathered here when None); gpt-j and partial rotary run
+    `rotate_table_ref`."""
+    if is_neox and cos_sin_cache.shape[-1] == q.shape[-1]:
+        if cos_sin is None:
+            cos_sin = gather_cos_sin(cos_sin_cache, positions, q.dtype)
+        return apply_rotary_ref(q, k, *cos_sin)
+    return (
+        rotate_table_ref(positions, q, cos_sin_cache, is_neox),
+        rotate_table_ref(positions, k, cos_sin_cache, is_neox),
+    )
+
+
+# -- Triton kernel ---------------------------------------------------------------------------
+
+
+@jit
 def _rotate_heads(
     x_ptr,
     stride_h,
@@ -53,7 +128,7 @@ def _rotate_heads(
     tl.store(p2, (b * c + a * s).to(x1.dtype), mask=mask)
 
 
-@triton.jit
+@jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -87,12 +162,8 @@ def _rotary_kernel(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
+) -> tuple[Tensor, Tensor]:
     """Rotates q [T, H, D] and k [T, KVH, D] in place (views into a fused QKV output are fine:
     only the last dim must have unit stride); returns them for call-site symmetry."""
     T = q.shape[0]
@@ -107,8 +178,8 @@ def rotary_embedding(
         return q, k
     half = rot_dim // 2
     qh, kh = q.shape[1], k.shape[1]
-    qh_pad, kh_pad = triton.next_power_of_2(qh), triton.next_power_of_2(kh)
-    half_pad = triton.next_power_of_2(half)
+    qh_pad, kh_pad = next_power_of_2(qh), next_power_of_2(kh)
+    half_pad = next_power_of_2(half)
     _rotary_kernel[(T,)](
         q,
         k,
@@ -129,21 +200,3 @@ def rotary_embedding(
         num_warps=max(1, min(8, qh_pad * half_pad // 256)),
     )
     return q, k
-
-
-def rotary_embedding_reference(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out of place torch reference. Neox with a full-width table is exactly the CPU path
-    (`layers.rotary.apply_rotary_ref`); gpt-j and partial rotary use `rotate_table_ref`."""
-    if is_neox and cos_sin_cache.shape[-1] == q.shape[-1]:
-        cos, sin = gather_cos_sin(cos_sin_cache, positions, q.dtype)
-        return apply_rotary_ref(q, k, cos, sin)
-    return (
-        rotate_table_ref(positions, q, cos_sin_cache, is_neox),
-        rotate_table_ref(positions, k, cos_sin_cache, is_neox),
-    )

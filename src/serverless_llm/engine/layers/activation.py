@@ -1,23 +1,20 @@
-"""SiLU-and-mul: the gated MLP's activation over the fused [gate | up] projection."""
+"""SiLU-and-mul, the gated MLP's activation over the fused [gate | up] projection: the Triton
+kernel or its torch reference, as the model was built (see kernels/activation.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from ..kernels.dispatch import use_triton
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from ..kernels.activation import silu_and_mul, silu_and_mul_reference
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [..., gate | up]: the Triton kernel where `use_triton` says so,
-    the torch reference otherwise."""
-    if use_triton(x):
-        from ..kernels.activation import silu_and_mul as silu_and_mul_triton
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [..., gate | up]; `use_kernels` picks the Triton kernel."""
 
-        return silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
+    def __init__(self, use_kernels: bool = False) -> None:
+        super().__init__()
+        self.use_kernels = use_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x) if self.use_kernels else silu_and_mul_reference(x)

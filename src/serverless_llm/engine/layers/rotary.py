@@ -1,5 +1,6 @@
 """Rotary position embedding: cos/sin tables (with the scaling types Llama checkpoints use) and
-their application to query and key heads.
+their application to query and key heads, by the Triton kernel or its torch reference as the
+model was built (see kernels/rotary.py).
 
 Tables are computed once in float32 for every position up to the model's length and indexed by
 position each step, so a token's rotation depends only on its position, never on the batch.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.dispatch import use_triton
+from ..kernels.rotary import gather_cos_sin, rotary_embedding, rotary_embedding_reference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
@@ -77,55 +78,6 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def gather_cos_sin(
-    cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for each token, [T, 1, head_dim] in `dtype`; once a step, shared by layers."""
-    cs = cache.index_select(0, positions)
-    half = cs.shape[-1] // 2
-    cos = cs[:, :half].to(dtype).repeat(1, 2).unsqueeze(1)
-    sin = cs[:, half:].to(dtype).repeat(1, 2).unsqueeze(1)
-    return cos, sin
-
-
-def apply_rotary_ref(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox layout (rotate halves), as Llama/Mistral/Qwen2 use. q: [T, H, D], k: [T, KVH, D]."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def rotate_table_ref(
-    positions: torch.Tensor,
-    x: torch.Tensor,
-    cache: torch.Tensor,
-    is_neox: bool = True,
-) -> torch.Tensor:
-    """Any layout, straight from the table: neox (halves) or gpt-j (interleaved pairs), over
-    the first `cache.shape[-1]` dims of x [T, H, D] (the rest pass through: partial rotary).
-    cos/sin are rounded to x's dtype first, as `apply_rotary_ref` does."""
-    rot_dim = cache.shape[-1]
-    half = rot_dim // 2
-    cs = cache.index_select(0, positions)
-    cos = cs[:, None, :half].to(x.dtype)
-    sin = cs[:, None, half:].to(x.dtype)
-    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    if is_neox:
-        x1, x2 = rot[..., :half], rot[..., half:]
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    out = torch.cat([o1, o2], dim=-1) if is_neox else torch.stack([o1, o2], dim=-1).flatten(-2)
-    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
-
-
 @dataclass
 class RotaryStep:
     """What every layer's rotary needs in one step, computed once: the positions and table for
@@ -137,8 +89,12 @@ class RotaryStep:
     sin: torch.Tensor | None = None
 
 
-def rotary_step(cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
-    if use_triton(positions):
+def rotary_step(
+    cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, use_kernels: bool = False
+) -> RotaryStep:
+    """The step's rotary inputs, for the Triton kernel when `use_kernels`, else for the torch
+    reference."""
+    if use_kernels:
         return RotaryStep(positions, cache)
     cos, sin = gather_cos_sin(cache, positions, dtype)
     return RotaryStep(positions, cache, cos, sin)
@@ -149,14 +105,9 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [T, H, D] and k [T, KVH, D]. The Triton path rotates in place (q and k are
     views into the fresh QKV projection, so nobody else sees them); the torch path returns new
-    tensors, exactly as `apply_rotary_ref`."""
+    tensors."""
     if step.cos is None:
-        from ..kernels.rotary import rotary_embedding  # Triton is imported only on this path
-
         return rotary_embedding(step.positions, q, k, step.cache, is_neox)
-    if is_neox and step.cos.shape[-1] == q.shape[-1]:
-        return apply_rotary_ref(q, k, step.cos, step.sin)
-    return (
-        rotate_table_ref(step.positions, q, step.cache, is_neox),
-        rotate_table_ref(step.positions, k, step.cache, is_neox),
+    return rotary_embedding_reference(
+        step.positions, q, k, step.cache, is_neox, cos_sin=(step.cos, step.sin)
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.activation import silu_and_mul
+from ..layers.activation import SiluAndMul
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from ..layers.linear import PackedLinear, pack_linears_for_cpu
 from ..layers.norm import RMSNorm
@@ -85,7 +85,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, variant: ArchVariant):
+    def __init__(self, config, variant: ArchVariant, use_kernels: bool):
         super().__init__()
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias
@@ -93,18 +93,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=variant.mlp_bias
         )
+        self.act_fn = SiluAndMul(use_kernels)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, variant, spec, backend):
         super().__init__()
         self.self_attn = Attention(config, variant, spec, backend)
-        self.mlp = MLP(config, variant)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, variant, backend.use_kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.use_kernels)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, backend.use_kernels
+        )
 
     def forward(self, x, residual, rope: RotaryStep, kv_cache, meta):
         if residual is None:
@@ -123,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: AttentionBackend, max_position: int):
         super().__init__()
         self.config = config
+        self.use_kernels = backend.use_kernels
         d = head_dim_of(config)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = num_kv_heads_of(config)
@@ -145,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.use_kernels)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -173,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states of every token, after the final norm: [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        rope = rotary_step(self.rope_cache, positions, x.dtype)
+        rope = rotary_step(self.rope_cache, positions, x.dtype, self.use_kernels)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, cache, meta)

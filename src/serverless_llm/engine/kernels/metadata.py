@@ -1,0 +1,46 @@
+"""What attention is fed each step, by every backend alike: the ragged batch's metadata and the
+shape of one attention layer.
+
+A step's batch is ragged: request `i` brings `query_lens[i]` new tokens (1 for a decode, more for
+a prefill or a prefill chunk) whose K/V are written into the cache at `slot_mapping`, and its
+queries attend causally to everything up to their own position, `seq_lens[i]` keys in all, read
+through `block_tables[i]`. The model runner puts decode requests first, so the first
+`num_decodes` tokens are exactly the decode tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B + 1] int32: request i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # [B] int32: keys each request attends to (context + new)
+    context_lens: torch.Tensor  # [B] int32: keys already in the cache before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token; < 0 means padding
+    num_decodes: int  # requests 0..num_decodes-1 have exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, for decisions in Python without a device sync.
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    block_size: int = 16
+    # What a backend precomputes once per step and reuses in every layer.
+    backend_state: dict = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_host)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # a query attends to the last `sliding_window` keys
