@@ -52,8 +52,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_cls = model_class_for(hf_config)
     with torch.device("meta"):
         model = model_cls(hf_config, backend, max_position=max_model_len)
-    model = model.to_empty(device=device)
-    _init_rope(model, hf_config, max_model_len, device)
+    model = model.materialize(device)
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)
     else:
@@ -98,13 +97,6 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ConfigError(
             f"attention_backend='triton' needs the triton package, which is not importable: {e}"
         ) from e
-
-
-def _init_rope(model, hf_config, max_model_len: int, device: torch.device) -> None:
-    from .layers.rotary import cos_sin_cache, inv_frequencies, rope_parameters
-
-    inv = inv_frequencies(rope_parameters(hf_config), model.head_dim, max_model_len)
-    model.rope_cache = cos_sin_cache(inv, max_model_len).to(device)
 
 
 def max_model_len_of(hf_config, requested: int | None) -> int:

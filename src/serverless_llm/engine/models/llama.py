@@ -124,8 +124,10 @@ class LlamaForCausalLM(nn.Module):
     variant = ArchVariant()
 
     def __init__(self, config, backend: AttentionBackend, max_position: int):
+        """Built on the meta device by the model builder, then `materialize`d."""
         super().__init__()
         self.config = config
+        self.max_position = max_position
         self.use_kernels = backend.use_kernels
         d = head_dim_of(config)
         self.num_layers = config.num_hidden_layers
@@ -154,8 +156,16 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head = None
-        inv_freq = inv_frequencies(rope_parameters(config), d, max_position)
-        self.register_buffer("rope_cache", cos_sin_cache(inv_freq, max_position), persistent=False)
+        # The cos/sin table: from the config, not the checkpoint; computed by `materialize`.
+        self.register_buffer("rope_cache", None, persistent=False)
+
+    def materialize(self, device: torch.device) -> LlamaForCausalLM:
+        """Storage on `device` for a model built on the meta device: the weights uninitialised
+        (`load_weights` or `init_dummy_weights` fills them), the rope table computed."""
+        self.to_empty(device=device)
+        inv_freq = inv_frequencies(rope_parameters(self.config), self.head_dim, self.max_position)
+        self.rope_cache = cos_sin_cache(inv_freq, self.max_position).to(device)
+        return self
 
     @classmethod
     def variant_for(cls, config) -> ArchVariant:
