@@ -50,6 +50,20 @@ class TileConfig:
 
 
 @jit
+def _load_kv_tile(cache_ptr, blk, in_blk, kv_head, stride_b, stride_t, stride_h, dims, mask):
+    """Keys or values of one KV head at cache rows (blk, in_blk): a [BLOCK_N, D_PAD] tile."""
+    return tl.load(
+        cache_ptr
+        + blk[:, None] * stride_b
+        + in_blk[:, None] * stride_t
+        + kv_head * stride_h
+        + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
+
+
+@jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -143,14 +157,8 @@ def _paged_attention_kernel(
         blk = tl.load(table_row + keys // CACHE_BLOCK, mask=kmask, other=0).to(tl.int64)
         in_blk = keys % CACHE_BLOCK
         kv_mask = kmask[:, None] & dmask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + blk[:, None] * stride_kb
-            + in_blk[:, None] * stride_kt
-            + kv_head * stride_kh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k = _load_kv_tile(
+            k_cache_ptr, blk, in_blk, kv_head, stride_kb, stride_kt, stride_kh, dims, kv_mask
         )
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -165,14 +173,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr
-            + blk[:, None] * stride_vb
-            + in_blk[:, None] * stride_vt
-            + kv_head * stride_vh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+        v = _load_kv_tile(
+            v_cache_ptr, blk, in_blk, kv_head, stride_vb, stride_vt, stride_vh, dims, kv_mask
         )
         acc = acc * alpha[:, None]
         if IEEE:
