@@ -22,7 +22,7 @@ from .engine.outputs import (
 )
 from .engine.request import Request
 from .engine.sampling.beam_search import BeamSearchParams
-from .engine.sampling.params import SamplingParams, best_sequences, sequence_params
+from .engine.sampling.params import SamplingParams, choose_sequences, sequence_params
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"]
 
@@ -123,13 +123,10 @@ class LLM:
         if group[0].beam is not None:
             return self._beam_result(group[0])
         decode = self._decode_token
-        order = list(range(len(group)))
-        if params.ranks_by_logprob:
-            order = best_sequences([r.cumulative_logprob for r in group], params.n)
+        chosen = choose_sequences(group, lambda r: r.cumulative_logprob, params)
         show_logprobs = params.logprobs is not None
         outputs = []
-        for index, k in enumerate(order):
-            req = group[k]
+        for index, req in enumerate(chosen):
             outputs.append(
                 CompletionOutput(
                     index=index,

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from serverless_llm.api.batching import BatchSizes
 from serverless_llm.api.openai import OpenAIServing
 from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.engine.config import EngineConfig
 from serverless_llm.engine.llm_engine import LLMEngine
-from serverless_llm.worker.batching import BatchSizes
 
 MODEL = "tiny-llama"
 NUM_BLOCKS = 64
@@ -31,7 +31,7 @@ def core(tiny_llama) -> LLMEngine:
             show_progress=False,
         )
     )
-    return engine.engine
+    return engine.core
 
 
 async def wait_idle(core: LLMEngine, timeout: float = 5.0) -> None:

@@ -8,9 +8,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from serverless_llm.api.batching import BatchSizes
 from serverless_llm.api.native import NativeRequest, NativeServing
 from serverless_llm.engine.sampling.params import SamplingParams
-from serverless_llm.worker.batching import BatchSizes
 from tests.api.conftest import MODEL, collect, parse_sse
 from tests.api.test_openai_serving import (
     CHAT,

@@ -316,7 +316,7 @@ def test_engine_rejection_is_a_400_and_frees_the_others(serve, n):
     the engine refuses the prompt, and the choices already queued are aborted."""
 
     async def run(s):
-        s.max_model_len = 10**6
+        s.engine.fit_prompt = lambda ids, max_tokens, truncate=None: ids
         return await collect(s, COMPLETIONS, completion(prompt=[5] * 300, n=n, stream=True))
 
     (err,) = serve(run)

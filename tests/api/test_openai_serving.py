@@ -11,10 +11,10 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from serverless_llm.api.batching import BatchSizes
 from serverless_llm.api.openai import http_status, is_error
 from serverless_llm.engine.sampling.params import SamplingParams
 from serverless_llm.engine.tokenizer import apply_chat_template
-from serverless_llm.worker.batching import BatchSizes
 from tests.api.conftest import MAX_MODEL_LEN, MODEL, collect, parse_sse, pool_full, wait_idle
 
 CHAT = "/v1/chat/completions"

@@ -92,4 +92,4 @@ def endpoint(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def kv_pool(server: ServerThread) -> Any:
-    return server.worker.engine.engine.block_pool  # type: ignore[attr-defined]
+    return server.worker.engine.core.block_pool  # type: ignore[attr-defined]

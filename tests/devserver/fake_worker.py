@@ -32,6 +32,9 @@ class FakeWorker:
     async def shutdown(self) -> None:
         self.stopped = True
 
+    def engine_stats(self) -> None:
+        return None  # no engine behind this worker
+
     async def handle(self, job: dict[str, Any]) -> AsyncIterator[Any]:
         self.open.add(job["id"])
         try:

@@ -63,5 +63,5 @@ def joined(items: list[dict], choice: int = 0) -> str:
 
 
 def blocks_all_free(worker: Worker) -> bool:
-    pool = worker.engine.engine.block_pool
-    return pool.num_free == pool.num_blocks
+    stats = worker.engine.stats()
+    return stats.num_free_kv_blocks == stats.num_kv_blocks

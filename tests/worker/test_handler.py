@@ -4,15 +4,13 @@ jobs, errors in each route's shape, and the model loading once."""
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
 from typing import Any
 
 import pytest
 
+from serverless_llm.api.batching import BatchSizes
 from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.worker import handler as handler_module
-from serverless_llm.worker.batching import BatchSizes
 from serverless_llm.worker.handler import Worker, _iterates_generators
 from serverless_llm.worker.settings import Settings
 from tests.worker.conftest import blocks_all_free, joined, run, run_job, token_counts
@@ -87,9 +85,7 @@ class FakeServing:
 @pytest.fixture()
 def fake_openai(monkeypatch):
     FakeServing.instances = []
-    module = types.ModuleType("serverless_llm.api.openai")
-    module.OpenAIServing = FakeServing
-    monkeypatch.setitem(sys.modules, "serverless_llm.api.openai", module)
+    monkeypatch.setattr(handler_module, "OpenAIServing", FakeServing)
     return FakeServing
 
 
@@ -126,7 +122,6 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "response_role": "bot",
         "chat_template": "{{ messages }}",
         "raw_output": False,
-        "max_model_len": 512,
         "enable_auto_tool_choice": False,
         "tool_call_parser": None,
     }

@@ -31,7 +31,7 @@ PARAMS = {
 
 
 async def engine_text(worker, params: SamplingParams) -> str:
-    ids = worker.engine.engine.tokenize_prompt(PROMPT).token_ids
+    ids = worker.engine.tokenize_prompt(PROMPT).token_ids
     return "".join([o.new_text async for o in worker.engine.generate(ids, params)])
 
 
@@ -58,7 +58,7 @@ def test_logprobs_and_prompt_logprobs_in_the_items(make_worker):
     async def scenario(w):
         whole = await run_job(w, {"prompt": PROMPT, "sampling_params": params})
         streamed = await run_job(w, {"prompt": PROMPT, "sampling_params": params, "stream": True})
-        return whole, streamed, w.engine.engine.tokenize_prompt(PROMPT).token_ids
+        return whole, streamed, w.engine.tokenize_prompt(PROMPT).token_ids
 
     whole, streamed, prompt_ids = run(make_worker(), scenario)
     choice = whole[0]["choices"][0]

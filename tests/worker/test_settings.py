@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from serverless_llm.api.batching import BatchSizes
 from serverless_llm.engine.loader import ModelLoadError
-from serverless_llm.worker.batching import BatchSizes
 from serverless_llm.worker.settings import (
     CATEGORIES,
     EMBEDDED_MODEL_NAME,

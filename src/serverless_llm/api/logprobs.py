@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serverless_llm.engine.sampling.logprobs import TokenLogprob
+from serverless_llm.engine import TokenLogprob
 
 __all__ = ["TokenDecoder", "chat_logprobs", "completion_logprobs", "native_logprobs"]
 

@@ -37,14 +37,19 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..engine.async_engine import AsyncEngine
-from ..engine.llm_engine import InvalidRequestError
-from ..engine.outputs import EngineOutput
-from ..engine.sampling.params import SamplingParams, best_sequences, sequence_params
-from ..engine.tokenizer import ChatTemplateError, apply_chat_template
-from ..worker.batching import BatchSizes, batch_stream
+from ..engine import (
+    ChatTemplateError,
+    EngineClient,
+    EngineOutput,
+    InvalidRequestError,
+    SamplingParams,
+    apply_chat_template,
+    sequence_params,
+)
+from .batching import BatchSizes, batch_stream
 from .errors import NativeJobError, describe_validation_error, native_error
 from .logprobs import TokenDecoder, native_logprobs
+from .results import SequenceResult, choice_outputs, gather_results
 from .sampling import SamplingParamError, VLLMSamplingParams, parse_sampling_params
 from .streams import merge_streams
 
@@ -109,7 +114,7 @@ class NativeServing:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         *,
         chat_template: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -146,7 +151,7 @@ class NativeServing:
         elif request.apply_chat_template:
             messages = [{"role": "user", "content": request.prompt}]
         else:
-            return self.engine.engine.tokenize_prompt(request.prompt).token_ids
+            return self.engine.tokenize_prompt(request.prompt).token_ids
         text = apply_chat_template(tokenizer, messages, chat_template=self.chat_template)
         # The template writes its own special tokens (BOS included); adding them again would
         # double them.
@@ -155,40 +160,39 @@ class NativeServing:
             raise NativeJobError("the chat prompt is empty")
         return list(ids)
 
-    def _sampling(self, request: NativeRequest, num_prompt_tokens: int) -> SamplingParams:
+    def _sampling(
+        self, request: NativeRequest, prompt_ids: list[int]
+    ) -> tuple[SamplingParams, list[int]]:
+        """The job's sampling parameters and its prompt as the model will see it (truncated
+        as asked and checked against max_model_len before any engine request exists)."""
         parsed = parse_sampling_params(
             request.sampling_params, default_max_tokens=self.default_max_tokens
         )
         params = parsed.params
-        if params.truncate_prompt_tokens is not None:
-            num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
-        if not parsed.max_tokens_given:
-            # The default is a convenience, not a demand: it shrinks to what fits.
-            room = self.engine.engine.max_model_len - num_prompt_tokens
-            if room < 1:
-                raise NativeJobError(
-                    f"the prompt has {num_prompt_tokens} tokens, which leaves no room for output "
-                    f"within max_model_len={self.engine.engine.max_model_len}"
-                )
-            if room < params.max_tokens:
-                params = dataclasses.replace(
-                    params, max_tokens=room, min_tokens=min(params.min_tokens, room)
-                )
         if request.stream and params.ranks_by_logprob:
             raise SamplingParamError(
                 "best_of",
                 f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
                 "sequences are known only at the end; set stream to false or best_of to n",
             )
-        return params
+        if parsed.max_tokens_given:
+            prompt_ids = self.engine.fit_prompt(
+                prompt_ids, params.max_tokens, params.truncate_prompt_tokens
+            )
+            return params, prompt_ids
+        # The default is a convenience, not a demand: it shrinks to what fits.
+        prompt_ids = self.engine.fit_prompt(prompt_ids, None, params.truncate_prompt_tokens)
+        room = self.engine.max_model_len - len(prompt_ids)
+        if room < params.max_tokens:
+            params = dataclasses.replace(
+                params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+            )
+        return params, prompt_ids
 
     async def _generate(
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
-        prompt_ids = self._prompt_token_ids(request)
-        params = self._sampling(request, len(prompt_ids))
-        if params.truncate_prompt_tokens is not None:
-            prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
+        params, prompt_ids = self._sampling(request, self._prompt_token_ids(request))
         num_input = len(prompt_ids)
         if self.log_requests:
             logger.info(
@@ -207,22 +211,12 @@ class NativeServing:
         view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer))
 
         if not request.stream:
-            results = [
-                _Sequence() for _ in range(params.n if params.use_beam_search else len(streams))
-            ]
-            async with aclosing(merge_streams(streams)) as merged:
-                async for i, out in merged:
-                    for j, choice_out in _choices(i, out):
-                        results[j].add(choice_out)
-            order = list(range(len(results)))
-            if params.ranks_by_logprob:
-                order = best_sequences([r.cumulative for r in results], params.n)
-            chosen = [results[i] for i in order]
+            chosen, (prompt_logprobs,) = await gather_results(streams, 1, params)
             item: dict[str, Any] = {
                 "choices": [view.whole(r) for r in chosen],
                 "usage": {"input": num_input, "output": sum(r.num_tokens for r in chosen)},
             }
-            view.add_prompt_logprobs(item, results[0].prompt_logprobs)
+            view.add_prompt_logprobs(item, prompt_logprobs)
             yield item
             return
 
@@ -238,7 +232,7 @@ class NativeServing:
                 choices: list[dict[str, Any]] = [view.empty() for _ in range(n)]
                 prompt_lp = None
                 for i, out in group:
-                    for j, choice_out in _choices(i, out):
+                    for j, choice_out in choice_outputs(i, out, params):
                         if choice_out.new_token_ids:  # an abort's final output carries no token
                             view.extend(choices[j], choice_out)
                             num_output += len(choice_out.new_token_ids)
@@ -247,35 +241,6 @@ class NativeServing:
                 item = {"choices": choices, "usage": {"input": num_input, "output": num_output}}
                 view.add_prompt_logprobs(item, prompt_lp)
                 yield item
-
-
-def _choices(index: int, out: EngineOutput) -> list[tuple[int, EngineOutput]]:
-    """(choice index, output) pairs of one engine output: a beam search's final output holds
-    all its choices; any other output is its stream's own choice."""
-    if out.sequences is not None:
-        return list(enumerate(out.sequences))
-    return [(index, out)]
-
-
-class _Sequence:
-    """One engine request's output, gathered for a non-streamed answer."""
-
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-        self.num_tokens = 0
-        self.logprobs: list = []
-        self.cumulative: float | None = None
-        self.prompt_logprobs: list | None = None
-
-    def add(self, out: EngineOutput) -> None:
-        self.texts.append(out.new_text)
-        self.num_tokens += len(out.new_token_ids)
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        if out.cumulative_logprob is not None:
-            self.cumulative = out.cumulative_logprob
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
 
 
 class _ChoiceView:
@@ -298,11 +263,11 @@ class _ChoiceView:
             choice["logprobs"].extend(native_logprobs(out.logprobs, self.top, self.decoder))
             choice["cumulative_logprob"] = out.cumulative_logprob
 
-    def whole(self, seq: _Sequence) -> dict[str, Any]:
-        choice: dict[str, Any] = {"tokens": ["".join(seq.texts)]}
+    def whole(self, seq: SequenceResult) -> dict[str, Any]:
+        choice: dict[str, Any] = {"tokens": [seq.text]}
         if self.top is not None:
             choice["logprobs"] = native_logprobs(seq.logprobs, self.top, self.decoder)
-            choice["cumulative_logprob"] = seq.cumulative
+            choice["cumulative_logprob"] = seq.cumulative_logprob
         return choice
 
     def add_prompt_logprobs(self, item: dict[str, Any], entries: list | None) -> None:

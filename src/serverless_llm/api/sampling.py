@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.sampling.params import SamplingParams, SamplingParamsError
+from ..engine import SamplingParams, SamplingParamsError
 from .errors import describe_validation_error
 
 __all__ = [

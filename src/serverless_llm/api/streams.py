@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
-from serverless_llm.engine.outputs import EngineOutput
+from serverless_llm.engine import EngineOutput
 
 __all__ = ["merge_streams"]
 

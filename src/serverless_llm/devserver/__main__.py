@@ -23,9 +23,7 @@ import sys
 
 import uvicorn
 
-from ..engine.config import ConfigError
-from ..engine.loader import ModelLoadError
-from ..worker.handler import Worker
+from ..worker.handler import LOAD_ERRORS, Worker
 from ..worker.settings import load_settings_or_exit
 from .app import create_app
 
@@ -99,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(settings)
     try:
         worker.load()  # once, before serving; the app's start-up then finds it loaded
-    except (ModelLoadError, ConfigError) as exc:
+    except LOAD_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         sock.close()
         return 1

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..api.openai import http_status, openai_error
+from ..worker.handler import http_status, openai_error
 from .job_store import COMPLETED, FAILED, Job, JobManager
 
 logger = logging.getLogger(__name__)
@@ -412,15 +412,13 @@ def create_app(
 
 
 def _engine_stats(worker: Any) -> dict[str, Any] | None:
-    """KV pool occupancy and requests in flight, when the worker exposes its engine: what tells
-    a stuck or leaking engine apart from a busy one."""
-    async_engine = getattr(worker, "engine", None)
-    engine = getattr(async_engine, "engine", None)
-    pool = getattr(engine, "block_pool", None)
-    if pool is None:
+    """KV pool occupancy and requests in flight, when the worker has an engine loaded: what
+    tells a stuck or leaking engine apart from a busy one."""
+    stats = worker.engine_stats()
+    if stats is None:
         return None
     return {
-        "kvBlocksFree": pool.num_free,
-        "kvBlocksTotal": pool.num_blocks,
-        "requests": len(getattr(engine, "requests", ())),
+        "kvBlocksFree": stats.num_free_kv_blocks,
+        "kvBlocksTotal": stats.num_kv_blocks,
+        "requests": stats.num_requests,
     }

@@ -1,0 +1,57 @@
+"""The inference engine. What the layers above it (api, worker) may use is exported here and
+nothing else: the async engine's public face (`EngineClient`, implemented by `AsyncEngine`), the
+request and output types, and the few helpers the routes share with the engine."""
+
+from .async_engine import AsyncEngine, EngineDeadError
+from .client import EngineClient, ModelInfo
+from .config import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    DTYPE_CHOICES,
+    LOAD_FORMATS,
+    ConfigError,
+    EngineConfig,
+)
+from .input_processor import ContextLengthError, InvalidRequestError, PromptInput
+from .loader import ModelLoadError
+from .models import UnsupportedModelError
+from .outputs import EngineOutput, EngineStats
+from .sampling.logprobs import TokenLogprob
+from .sampling.params import (
+    SamplingParams,
+    SamplingParamsError,
+    choose_sequences,
+    sequence_params,
+)
+from .sampling.structured import StructuredOutputError, StructuredOutputSpec, resolve_backend
+from .tokenizer import ChatTemplateError, apply_chat_template
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "BLOCK_SIZES",
+    "DTYPE_CHOICES",
+    "LOAD_FORMATS",
+    "AsyncEngine",
+    "ChatTemplateError",
+    "ConfigError",
+    "ContextLengthError",
+    "EngineClient",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineOutput",
+    "EngineStats",
+    "InvalidRequestError",
+    "ModelInfo",
+    "ModelLoadError",
+    "PromptInput",
+    "SamplingParams",
+    "SamplingParamsError",
+    "StructuredOutputError",
+    "StructuredOutputSpec",
+    "TokenLogprob",
+    "UnsupportedModelError",
+    "apply_chat_template",
+    "choose_sequences",
+    "resolve_backend",
+    "sequence_params",
+]

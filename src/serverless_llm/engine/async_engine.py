@@ -22,10 +22,13 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 
+from .client import ModelInfo
 from .config import EngineConfig
+from .input_processor import InvalidRequestError, PromptInput
 from .llm_engine import LLMEngine
-from .outputs import EngineOutput
+from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
+from .sampling.structured import CompiledGrammar, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +42,14 @@ def _step_executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class AsyncEngine:
+    """The `EngineClient` the API routes and the worker use (client.py): their only way in."""
+
     def __init__(
         self,
         engine: LLMEngine,
         executor: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
-        self.engine = engine
+        self.core = engine
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list = []
         self._pending_aborts: list[str] = []
@@ -65,11 +70,55 @@ class AsyncEngine:
             raise
         return cls(engine, executor)
 
+    # -- the public face (EngineClient) -----------------------------------------------------
+
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.core.tokenizer
 
-    # -- public API -------------------------------------------------------------------------
+    @property
+    def model_config(self):
+        return self.core.hf_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def model_info(self) -> ModelInfo:
+        core = self.core
+        return ModelInfo(
+            source=core.resolved.source,
+            dtype=str(core.dtype).removeprefix("torch."),
+            device=str(core.device),
+            max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size,
+            block_size=core.block_size,
+            num_kv_blocks=core.block_pool.num_blocks,
+        )
+
+    def stats(self) -> EngineStats:
+        """A snapshot (read between steps without a lock: counts may be one step old)."""
+        return self.core.stats()
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
+        return self.core.inputs.tokenize_prompt(prompt)
+
+    def check_token_ids(self, token_ids: list[int], param: str | None = None) -> None:
+        self.core.inputs.check_token_ids(token_ids, param)
+
+    def fit_prompt(
+        self, token_ids: list[int], max_tokens: int | None, truncate: int | None = None
+    ) -> list[int]:
+        return self.core.inputs.fit_prompt(token_ids, max_tokens, truncate)
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        """Compiled off the event loop and the step thread (a cache hit resolves at once)."""
+        return await asyncio.wrap_future(self.core.inputs.compile_grammar(spec))
 
     async def generate(
         self,
@@ -84,25 +133,14 @@ class AsyncEngine:
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
         if request_id in self._queues:
-            from .llm_engine import InvalidRequestError
-
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         compiled = None
         if params.structured is not None:
-            # Compiled off the step loop (a thread pool; cache hits resolve at once).
-            from .llm_engine import InvalidRequestError, structured_error
-            from .sampling.structured import StructuredOutputError
-
-            try:
-                compiled = await asyncio.wrap_future(
-                    self.engine.grammar_compiler.compile_async(params.structured)
-                )
-            except StructuredOutputError as e:
-                raise structured_error(e) from None
+            compiled = await self.compile_grammar(params.structured)
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = self.engine.make_request(prompt, params, request_id, compiled_grammar=compiled)
+        req = self.core.make_request(prompt, params, request_id, compiled_grammar=compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)
@@ -156,10 +194,10 @@ class AsyncEngine:
         adds, self._pending_adds = self._pending_adds, []
         for req in adds:
             if req.request_id in self._queues:
-                self.engine.add(req)
+                self.core.add(req)
         aborts, self._pending_aborts = self._pending_aborts, []
         for rid in aborts:
-            out = self.engine.abort_request(rid)
+            out = self.core.abort_request(rid)
             queue = self._queues.get(rid)
             if out is not None and queue is not None:
                 queue.put_nowait(out)
@@ -168,14 +206,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_pending()
-            if not self.engine.has_unfinished_requests():
+            if not self.core.has_unfinished_requests():
                 self._wakeup.clear()
                 if self._pending_adds or self._pending_aborts:
                     continue
                 await self._wakeup.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._executor, self.core.step)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a step failed: fail its requests, keep serving others
@@ -191,8 +229,8 @@ class AsyncEngine:
             # or abort meanwhile is applied at the following step boundary.
 
     def _fail_all(self, exc: Exception) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+        for rid in list(self.core.requests):
+            self.core.abort_request(rid)
             queue = self._queues.get(rid)
             if queue is not None:
                 queue.put_nowait(EngineDeadError(f"generation failed: {exc}"))

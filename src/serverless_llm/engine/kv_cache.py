@@ -143,3 +143,14 @@ def allocate_kv_cache(
     for cache in caches:
         cache[:, 0].zero_()
     return caches
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Copies the K and V of block `src` into block `dst`, in every layer, for each pair."""
+    if not pairs:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([a for a, _ in pairs], device=device)
+    dst = torch.tensor([b for _, b in pairs], device=device)
+    for cache in kv_caches:
+        cache[:, dst] = cache[:, src]

@@ -31,6 +31,24 @@ class EngineOutput:
     sequences: list[EngineOutput] | None = None
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for logs, health checks and tests."""
+
+    num_running: int  # requests (beams included) in the running batch
+    num_waiting: int  # queued, or preempted and waiting to resume
+    num_requests: int  # unfinished requests as callers see them
+    num_kv_blocks: int
+    num_free_kv_blocks: int  # free, cached-but-unreferenced blocks included
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+
 @dataclass
 class Logprob:
     """vLLM's per-token logprob entry (offline API): the value, the rank when known (1 = most

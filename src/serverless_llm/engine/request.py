@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from .sampling.beam_search import BeamGroup
+    from .beam_search import BeamGroup
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured import GrammarMatcher

@@ -15,6 +15,7 @@ recomputed later (its prompt plus the output it already has, so the output conti
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockPool, block_hash, blocks_needed
@@ -74,6 +75,27 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         if request.finish_reason is None:
             request.finish_reason = reason
+
+    def finish_keeping_blocks(
+        self, request: Request, reason: FinishReason
+    ) -> tuple[list[int], list[int]]:
+        """Ends a request whose KV lives on (a beam's, for the beams that extend it): its block
+        ids and prefix hashes pass to the caller, who frees them through the pool."""
+        held = request.block_ids, request.block_hashes
+        request.block_ids, request.block_hashes = [], []
+        self.finish(request, reason)
+        return held
+
+    def release_waiting_blocks(self, which: Callable[[Request], bool]) -> bool:
+        """Frees the blocks that waiting requests chosen by `which` hold (they compute again, or
+        find their prefixes in the cache, once admitted). Whether any were freed."""
+        released = False
+        for req in self.waiting:
+            if req.block_ids and which(req):
+                self._free_blocks(req)
+                req.num_computed_tokens = 0
+                released = True
+        return released
 
     @property
     def has_unfinished(self) -> bool:

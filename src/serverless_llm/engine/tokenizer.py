@@ -24,6 +24,7 @@ __all__ = [
     "StopStringMatcher",
     "apply_chat_template",
     "eos_token_ids",
+    "load_generation_config",
     "load_tokenizer",
 ]
 
@@ -65,6 +66,15 @@ def load_tokenizer(
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     return transformers.AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def load_generation_config(model_dir: str) -> transformers.GenerationConfig | None:
+    """The model's generation_config.json, or None without one (the model config's EOS ids
+    are enough then)."""
+    try:
+        return transformers.GenerationConfig.from_pretrained(model_dir)
+    except Exception:  # missing or unreadable: only its EOS ids were wanted
+        return None
 
 
 def eos_token_ids(tokenizer: Any, *configs: Any) -> set[int]:

@@ -21,19 +21,28 @@ from typing import Any
 
 from ..api.errors import native_error, openai_bad_request
 from ..api.native import NativeServing
-from ..engine.async_engine import AsyncEngine
-from ..engine.config import ConfigError
-from ..engine.loader import ModelLoadError
-from ..engine.models import UnsupportedModelError
+from ..api.openai import OpenAIServing, http_status, openai_error
+from ..engine import (
+    AsyncEngine,
+    ConfigError,
+    EngineStats,
+    ModelLoadError,
+    UnsupportedModelError,
+)
 from .baked import BakedModelError, apply_baked_model
 from .job_input import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
 
-__all__ = ["Worker", "main"]
+# The devserver reaches the API layer's error shapes through the worker (it imports nothing else).
+__all__ = ["LOAD_ERRORS", "Worker", "http_status", "main", "openai_error"]
 
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 10.0
+
+# What loading raises for a model or settings the worker cannot serve: reported in one line,
+# never as a traceback.
+LOAD_ERRORS = (ModelLoadError, ConfigError, UnsupportedModelError)
 
 
 class Worker:
@@ -97,7 +106,7 @@ class Worker:
             openai = isinstance(parsed, OpenAIJob)
             try:
                 await self.start()
-            except (ModelLoadError, ConfigError) as e:
+            except LOAD_ERRORS as e:
                 message = f"the model could not be loaded: {e}"
                 yield openai_bad_request(message) if openai else native_error(message)
                 return
@@ -119,6 +128,10 @@ class Worker:
             self.active_jobs -= 1
             self.finished_jobs += 1
 
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's load now, or None before the model is loaded."""
+        return None if self.engine is None else self.engine.stats()
+
     async def handle_aggregate(self, job: dict[str, Any]) -> list[Any]:
         """All of `handle`'s items as one list, for SDK modes that call the handler once and
         do not iterate generators (`--test_input`, realtime)."""
@@ -135,11 +148,9 @@ class Worker:
             )
         return self._native
 
-    def _openai_serving(self) -> Any:
-        """Imported on first use: the OpenAI layer is heavier and native-only jobs never need it."""
+    def _openai_serving(self) -> OpenAIServing:
+        """Made on the first OpenAI job."""
         if self._openai is None:
-            from ..api.openai import OpenAIServing
-
             assert self.engine is not None
             self._openai = OpenAIServing(
                 self.engine,
@@ -147,7 +158,6 @@ class Worker:
                 response_role=self.settings.openai_response_role,
                 chat_template=self.settings.custom_chat_template,
                 raw_output=self.settings.raw_openai_output,
-                max_model_len=self.engine.engine.max_model_len,
                 enable_auto_tool_choice=self.settings.enable_auto_tool_choice,
                 tool_call_parser=self.settings.tool_call_parser,
             )
@@ -162,25 +172,20 @@ class Worker:
             if engine is None or (self.active_jobs == 0 and self.finished_jobs == last_finished):
                 continue
             last_finished = self.finished_jobs
-            core = engine.engine
-            pool = core.block_pool
+            stats = engine.stats()
             logger.info(
                 "stats: %d jobs running, %d finished; engine: %d running, %d waiting requests; "
                 "KV cache %d/%d blocks in use",
                 self.active_jobs,
                 self.finished_jobs,
-                len(core.scheduler.running),
-                len(core.scheduler.waiting),
-                pool.num_blocks - pool.num_free,
-                pool.num_blocks,
+                stats.num_running,
+                stats.num_waiting,
+                stats.num_used_kv_blocks,
+                stats.num_kv_blocks,
             )
 
 
 def _internal_openai_error(message: str) -> dict[str, Any]:
-    try:
-        from ..api.openai.errors import openai_error
-    except ImportError:
-        return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
     return openai_error(message, type="server_error", status=500)
 
 
@@ -207,12 +212,12 @@ MODEL_NAME_MISSING = (
 def ready_line(worker: Worker) -> str:
     """The one start-up line: what is served, how, and how many jobs at once."""
     assert worker.engine is not None
-    core = worker.engine.engine
+    info = worker.engine.model_info
     return (
         f"worker ready: model={worker.settings.served_model_name} "
-        f"(from {core.resolved.source}) dtype={str(core.dtype).removeprefix('torch.')} "
-        f"device={core.device} kv_blocks={core.block_pool.num_blocks} "
-        f"(block_size {core.block_size}) max_model_len={core.max_model_len} "
+        f"(from {info.source}) dtype={info.dtype} "
+        f"device={info.device} kv_blocks={info.num_kv_blocks} "
+        f"(block_size {info.block_size}) max_model_len={info.max_model_len} "
         f"max_concurrency={worker.settings.max_concurrency}"
     )
 
@@ -234,7 +239,7 @@ def main() -> None:
     worker = Worker(settings)
     try:
         worker.load()
-    except (ModelLoadError, ConfigError, UnsupportedModelError) as e:
+    except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     logger.info("%s", ready_line(worker))

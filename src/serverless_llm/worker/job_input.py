@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..api.batching import BatchSizes
 from ..api.errors import NativeJobError, describe_validation_error, native_error, openai_bad_request
 from ..api.native import NativeRequest
-from .batching import BatchSizes
 
 __all__ = ["JobError", "NativeJob", "OpenAIJob", "parse_job"]
 

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from serverless_llm.engine.outputs import EngineOutput
-from serverless_llm.engine.sampling.logprobs import TokenLogprob
-from serverless_llm.engine.tokenizer import ChatTemplateError, apply_chat_template
+from serverless_llm.engine import (
+    ChatTemplateError,
+    EngineOutput,
+    TokenLogprob,
+    apply_chat_template,
+)
 
 from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
+from ..results import SequenceResult
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormatter
 from .tool_parsers import ToolParser, merge_deltas
-
-if TYPE_CHECKING:
-    from .serving import SequenceResult
 
 # Roles whose messages must carry content (an assistant turn may carry only tool calls).
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})

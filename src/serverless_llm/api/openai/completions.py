@@ -6,11 +6,9 @@ choices, and choice `i` of prompt `p` has index `p * n + i`, as OpenAI numbers t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from serverless_llm.engine.outputs import EngineOutput
-from serverless_llm.engine.sampling.logprobs import TokenLogprob
+from serverless_llm.engine import EngineOutput, PromptInput, TokenLogprob
 
 from ..logprobs import (
     TokenDecoder,
@@ -19,18 +17,9 @@ from ..logprobs import (
     merge_completion_logprobs,
     prompt_logprobs_vllm,
 )
+from ..results import SequenceResult
 from .errors import OpenAIServingError
 from .protocol import CompletionRequest, ResponseFormatter
-
-if TYPE_CHECKING:
-    from .serving import SequenceResult
-
-
-@dataclass
-class PromptInput:
-    token_ids: list[int]
-    text: str | None  # the prompt as given, for echo; None for token ids
-    param: str  # how errors name it: "prompt", or "prompt[i]" in a list of prompts
 
 
 def split_prompts(prompt: Any) -> tuple[list[str | list[int]], bool]:
@@ -45,15 +34,16 @@ def split_prompts(prompt: Any) -> tuple[list[str | list[int]], bool]:
 
 def tokenize_prompts(
     request: CompletionRequest, tokenizer: Any, vocab_size: int
-) -> list[PromptInput]:
-    """Tokenizes text prompts and range-checks token-id prompts, naming the bad one."""
+) -> list[tuple[str, PromptInput]]:
+    """Tokenizes text prompts and range-checks token-id prompts, naming the bad one. Each
+    prompt comes with the name errors give it: "prompt", or "prompt[i]" in a list of them."""
     prompts, is_list = split_prompts(request.prompt)
-    out: list[PromptInput] = []
+    out: list[tuple[str, PromptInput]] = []
     for p, prompt in enumerate(prompts):
         param = f"prompt[{p}]" if is_list else "prompt"
         if isinstance(prompt, str):
             ids = list(tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
-            out.append(PromptInput(ids, prompt, param))
+            out.append((param, PromptInput(ids, prompt)))
             continue
         for t in prompt:
             if not 0 <= t < vocab_size:
@@ -63,7 +53,7 @@ def tokenize_prompts(
                     param,
                     "invalid_value",
                 )
-        out.append(PromptInput(list(prompt), None, param))
+        out.append((param, PromptInput(list(prompt))))
     return out
 
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from serverless_llm.engine.sampling.params import SamplingParams, SamplingParamsError
-from serverless_llm.engine.sampling.structured import StructuredOutputError, resolve_backend
+from serverless_llm.engine import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputError,
+    resolve_backend,
+)
 
 from .errors import OpenAIServingError, unsupported
 from .protocol import ChatCompletionRequest, CompletionRequest

@@ -22,7 +22,6 @@ request of the job, which frees their KV blocks.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -30,26 +29,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ValidationError
 
-from serverless_llm.engine.async_engine import AsyncEngine, EngineDeadError
-from serverless_llm.engine.llm_engine import InvalidRequestError
-from serverless_llm.engine.outputs import EngineOutput
-from serverless_llm.engine.sampling.logprobs import TokenLogprob
-from serverless_llm.engine.sampling.params import (
+from serverless_llm.engine import (
+    ChatTemplateError,
+    ContextLengthError,
+    EngineClient,
+    EngineDeadError,
+    EngineOutput,
+    InvalidRequestError,
     SamplingParams,
     SamplingParamsError,
-    best_sequences,
     sequence_params,
 )
-from serverless_llm.engine.tokenizer import ChatTemplateError
-from serverless_llm.worker.batching import BatchSizes
 
+from ..batching import BatchSizes, batch_stream
 from ..logprobs import TokenDecoder, merge_completion_logprobs
+from ..results import choice_outputs, gather_results
 from ..streams import merge_streams
 from .chat import ChatFormatter, echo_text, render_chat_prompt
 from .completions import CompletionFormatter, tokenize_prompts
@@ -182,6 +182,22 @@ def _merge_into(prev: dict[str, Any], chunk: dict[str, Any], key: str) -> bool:
     return True
 
 
+def _context_length_message(e: ContextLengthError, what: str) -> str:
+    """OpenAI's wording of a context-length error."""
+    limit, n = e.max_model_len, e.num_prompt_tokens
+    if e.max_tokens is None:
+        return (
+            f"This model's maximum context length is {limit} tokens. However, your {what} "
+            f"resulted in {n} tokens, which leaves no room for the completion. "
+            f"Please reduce the length of the {what}."
+        )
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{n + e.max_tokens} tokens ({n} in the {what}, {e.max_tokens} in the "
+        f"completion). Please reduce the length of the {what} or completion."
+    )
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -211,69 +227,25 @@ class _Plan:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
-    @property
-    def outputs_per_prompt(self) -> int:
-        """Results gathered per prompt: one per engine request, or a beam search's n."""
-        return self.n if self.params.use_beam_search else len(self.sequences)
-
-    def choice_outputs(self, k: int, out: EngineOutput) -> list[tuple[int, EngineOutput]]:
-        """(result index, output) pairs of engine stream k's output: a beam search's final
-        output holds all n results of its prompt."""
-        if out.sequences is None:
-            return [(k, out)]
-        return [(k * self.n + i, seq) for i, seq in enumerate(out.sequences)]
-
-
-@dataclass
-class SequenceResult:
-    """One engine request's output, gathered for a non-streamed response."""
-
-    texts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    cumulative_logprob: float | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-    def add(self, out: EngineOutput) -> None:
-        if out.new_text:
-            self.texts.append(out.new_text)
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        if out.cumulative_logprob is not None:
-            self.cumulative_logprob = out.cumulative_logprob
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.stop_reason = out.stop_reason
-            self.num_tokens = out.num_output_tokens
-
 
 class OpenAIServing:
     """Serves /v1/chat/completions, /v1/completions and /v1/models from one engine."""
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         *,
         served_model_name: str,
         response_role: str = "assistant",
         chat_template: str | None = None,
         raw_output: bool = True,
-        max_model_len: int | None = None,
         model_aliases: Sequence[str] = (),
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
-        request used. `max_model_len` defaults to the engine's and may only lower it.
+        request used.
         `enable_auto_tool_choice` / `tool_call_parser`: ENABLE_AUTO_TOOL_CHOICE and
         TOOL_CALL_PARSER (a registered parser name; plugins are loaded before)."""
         self.engine = engine
@@ -288,11 +260,8 @@ class OpenAIServing:
         self.response_role = response_role
         self.chat_template = chat_template
         self.raw_output = raw_output
-        inner = getattr(engine, "engine", None)
-        engine_limit = getattr(inner, "max_model_len", None)
-        limits = [x for x in (max_model_len, engine_limit) if isinstance(x, int)]
-        self.max_model_len: int | None = min(limits) if limits else None
-        self.vocab_size: int = getattr(inner, "vocab_size", None) or len(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.created = int(time.time())
 
     @property
@@ -329,15 +298,8 @@ class OpenAIServing:
     async def _compile(self, params: SamplingParams) -> None:
         """Compiles a request's grammar before anything streams, so an invalid schema, regex
         or grammar is the request's 400 (the engine then finds it in the cache)."""
-        inner = getattr(self.engine, "engine", None)
-        if params.structured is None or not hasattr(inner, "grammar_compiler"):
-            return
-        from serverless_llm.engine.sampling.structured import StructuredOutputError
-
-        try:
-            await asyncio.wrap_future(inner.grammar_compiler.compile_async(params.structured))
-        except StructuredOutputError as e:
-            raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
+        if params.structured is not None:
+            await self.engine.compile_grammar(params.structured)
 
     # -- request -> plan --------------------------------------------------------------------
 
@@ -376,33 +338,17 @@ class OpenAIServing:
     ) -> list[int]:
         """Applies truncate_prompt_tokens (keep the last k) and checks the context length here,
         before any engine request exists, so a job fails whole instead of partly queued."""
-        if truncate is not None and len(ids) > truncate:
-            ids = ids[-truncate:]
-        if not ids:
+        try:
+            return self.engine.fit_prompt(ids, max_tokens, truncate)
+        except ContextLengthError as e:
+            message = _context_length_message(e, "messages" if param == "messages" else "prompt")
+            raise OpenAIServingError.bad_request(message, param, "context_length_exceeded") from None
+        except InvalidRequestError:
             raise OpenAIServingError.bad_request(
                 f"Invalid value for '{param}': the prompt is empty (it encodes to no tokens).",
                 param,
                 "invalid_value",
-            )
-        limit = self.max_model_len
-        if limit is None:
-            return ids
-        what = "messages" if param == "messages" else "prompt"
-        if max_tokens is None and len(ids) >= limit:
-            message = (
-                f"This model's maximum context length is {limit} tokens. However, your {what} "
-                f"resulted in {len(ids)} tokens, which leaves no room for the completion. "
-                f"Please reduce the length of the {what}."
-            )
-        elif max_tokens is not None and len(ids) + max_tokens > limit:
-            message = (
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {what} or completion."
-            )
-        else:
-            return ids
-        raise OpenAIServingError.bad_request(message, param, "context_length_exceeded")
+            ) from None
 
     def _chat_plan(self, body: Any) -> _Plan:
         request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
@@ -461,9 +407,9 @@ class OpenAIServing:
         inputs = tokenize_prompts(request, self.tokenizer, self.vocab_size)
         prompts: list[list[int]] = []
         echo: list[str] | None = [] if request.echo else None
-        for prompt in inputs:
+        for param, prompt in inputs:
             ids = self._fit_prompt(
-                prompt.token_ids, request.truncate_prompt_tokens, params.max_tokens, prompt.param
+                prompt.token_ids, request.truncate_prompt_tokens, params.max_tokens, param
             )
             prompts.append(ids)
             if echo is not None:
@@ -511,63 +457,53 @@ class OpenAIServing:
         ]
 
     async def _complete(self, plan: _Plan) -> AsyncIterator[Any]:
-        count = plan.outputs_per_prompt
-        results = [SequenceResult() for _ in range(len(plan.prompts) * count)]
         try:
-            async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
-                async for k, out in outputs:
-                    for index, result_out in plan.choice_outputs(k, out):
-                        results[index].add(result_out)
+            chosen, prompt_logprobs = await gather_results(
+                self._engine_streams(plan), len(plan.prompts), plan.params
+            )
         except Exception as exc:
             yield self._error_from(exc)
             return
-        chosen: list[SequenceResult] = []
-        prompt_logprobs = []
-        for p in range(len(plan.prompts)):
-            group = results[p * count : (p + 1) * count]
-            order = list(range(count))
-            if plan.params.ranks_by_logprob:
-                order = best_sequences([r.cumulative_logprob for r in group], plan.n)
-            chosen.extend(group[i] for i in order)
-            prompt_logprobs.append(group[0].prompt_logprobs)
         usage = _usage(sum(len(p) for p in plan.prompts), sum(r.num_tokens for r in chosen))
         yield plan.formatter.response(chosen, prompt_logprobs, usage)
 
     async def _stream(self, plan: _Plan, batch: BatchSizes) -> AsyncIterator[Any]:
+        """Chunks of each batch of tokens (see BatchSizes) go out together; the batch that ends
+        the last choice goes out with the closing events (usage, [DONE])."""
         fmt = plan.formatter
         n = plan.n
         prompt_lens = [len(p) for p in plan.prompts]
         remaining = plan.num_choices
         generated = [0] * plan.num_choices
-        sizes = batch.sizes()
-        target = next(sizes)
         pending: list[dict[str, Any]] = []
-        count = 0
         for k in range(plan.num_choices):
             for chunk in fmt.head_chunks(k):
                 if plan.continuous_usage:
                     chunk["usage"] = _usage(prompt_lens[k // n], 0)
                 pending.append(chunk)
         try:
-            async with aclosing(merge_streams(self._engine_streams(plan))) as outputs:
-                async for stream, engine_out in outputs:
-                    for k, out in plan.choice_outputs(stream, engine_out):
-                        usage = None
-                        if plan.continuous_usage:
-                            usage = _usage(prompt_lens[k // n], out.num_output_tokens)
-                        chunk = fmt.delta_chunk(k, out, usage)
-                        if chunk is not None:
-                            pending.append(chunk)
-                        count += len(out.new_token_ids)
-                        if out.finished:
-                            generated[k] = out.num_output_tokens
-                            remaining -= 1
+            async with (
+                aclosing(merge_streams(self._engine_streams(plan))) as outputs,
+                aclosing(
+                    batch_stream(outputs, batch, weight=lambda item: len(item[1].new_token_ids))
+                ) as batches,
+            ):
+                async for group in batches:
+                    for stream, engine_out in group:
+                        for k, out in choice_outputs(stream, engine_out, plan.params):
+                            usage = None
+                            if plan.continuous_usage:
+                                usage = _usage(prompt_lens[k // n], out.num_output_tokens)
+                            chunk = fmt.delta_chunk(k, out, usage)
+                            if chunk is not None:
+                                pending.append(chunk)
+                            if out.finished:
+                                generated[k] = out.num_output_tokens
+                                remaining -= 1
                     if remaining == 0:
                         break  # the rest goes out with the closing events below
-                    if count >= target:
-                        yield self._emit(pending)
-                        pending, count = [], 0
-                        target = next(sizes)
+                    yield self._emit(pending)
+                    pending = []
         except Exception as exc:
             yield self._error_from(exc)
             return

@@ -25,25 +25,17 @@ the same way. The results are the n best hypotheses, best first (`num_return_seq
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from .logprobs import TokenLogprob
-
-if TYPE_CHECKING:
-    from ..outputs import EngineOutput
-    from ..request import Request
-    from .logits_processors import RequestSamplingState
-    from .params import SamplingParams
+from .params import SamplingParams
 
 __all__ = [
     "Beam",
-    "BeamGroup",
     "BeamSearch",
     "BeamSearchParams",
-    "HeldKV",
     "Hypothesis",
     "num_candidates",
 ]
@@ -68,8 +60,6 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def to_sampling_params(self) -> SamplingParams:
-        from .params import SamplingParams
-
         return SamplingParams(
             use_beam_search=True,
             n=self.beam_width,
@@ -237,65 +227,3 @@ class BeamSearch:
         best = torch.tensor([self.live[0].score], dtype=torch.float32) / (length**lp)
         worst = torch.tensor([self.finished[-1].score], dtype=torch.float32)
         return not bool(best[0] > worst[0])
-
-
-@dataclass(slots=True)
-class HeldKV:
-    """The blocks of a beam that has reported, kept for the beams that extend it."""
-
-    block_ids: list[int]
-    block_hashes: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(eq=False)
-class BeamGroup:
-    """The engine's side of one beam search request.
-
-    `root` is the request the caller holds (its id, prompt and parameters); it is never
-    scheduled. Each step, every live beam runs as a one-step request (`members`), scheduled like
-    any other: it computes its last token's logits, reports its top tokens and ends, handing its
-    KV blocks to the group (`held`). Once all have reported, the next beams start from their
-    parents' blocks (engine.py forks them), so each step computes one token per beam.
-    """
-
-    root: Request
-    search: BeamSearch
-    member_params: SamplingParams  # greedy, logprobs = the search's tokens_per_beam
-    sampling: RequestSamplingState  # shared: greedy without processors keeps no state
-    members: list[Request] = field(default_factory=list)
-    tops: list[TokenLogprob | None] = field(default_factory=list)
-    held: list[HeldKV | None] = field(default_factory=list)
-    step_count: int = 0
-    outputs: list[EngineOutput] | None = None  # the n best, once finished
-
-    @property
-    def complete(self) -> bool:
-        """Whether every live beam of the step has reported."""
-        return all(t is not None for t in self.tops)
-
-    def spawn(self, first_params: SamplingParams | None = None) -> list[Request]:
-        """One request per live beam (the prompt alone at first), without blocks yet.
-        `first_params`: for the first step, which may compute prompt_logprobs."""
-        from ..request import Request
-
-        root = self.root
-        self.members = []
-        for j, beam in enumerate(self.search.live):
-            member = Request(
-                f"{root.request_id}/beam{self.step_count}.{j}",
-                root.prompt_token_ids,
-                first_params or self.member_params,
-                max_total_tokens=root.max_total_tokens,
-                output_token_ids=list(beam.token_ids),
-            )
-            member.sampling = self.sampling
-            member.beam = self
-            member.beam_index = j
-            if member.params.prompt_logprobs is not None:
-                member.prompt_logprobs = [None]
-            self.members.append(member)
-        self.tops = [None] * len(self.members)
-        self.held = [None] * len(self.members)
-        self.step_count += 1
-        return self.members

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .structured import StructuredOutputError, StructuredOutputSpec
+
+T = TypeVar("T")
 
 # vLLM's default --max-logprobs: the most top tokens a request may ask for per position.
 MAX_LOGPROBS = 20
@@ -446,13 +449,17 @@ def sequence_params(
     return out
 
 
-def best_sequences(cumulative_logprobs: list[float | None], n: int) -> list[int]:
-    """Indices of the n sequences with the highest cumulative logprob, best first (ties keep
-    the lower index first, so the choice is deterministic)."""
+def choose_sequences(
+    results: Sequence[T], cumulative_logprob: Callable[[T], float | None], params: SamplingParams
+) -> list[T]:
+    """The results of one prompt's sequences to return: all of them in order, or, when
+    best_of > n, the n with the highest cumulative logprob, best first (ties keep the earlier
+    sequence first, so the choice is deterministic)."""
+    if not params.ranks_by_logprob:
+        return list(results)
 
     def key(i: int) -> tuple[float, int]:
-        value = cumulative_logprobs[i]
+        value = cumulative_logprob(results[i])
         return (math.inf if value is None else -value, i)
 
-    order = sorted(range(len(cumulative_logprobs)), key=key)
-    return order[:n]
+    return [results[i] for i in sorted(range(len(results)), key=key)[: params.n]]

@@ -9,8 +9,8 @@ import sys
 
 from pydantic import ValidationError
 
+from ...api.batching import BatchSizes
 from ...engine.config import EngineConfig
-from ..batching import BatchSizes
 from . import engine_config as _engine_config
 from .fields import EMBEDDED_MODEL_NAME, ENV_TO_FIELD, SettingsFields, field_extra, shown_value
 from .limits import Limitation, limitations

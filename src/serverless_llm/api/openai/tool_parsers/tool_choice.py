@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from serverless_llm.engine.sampling.structured import StructuredOutputSpec
+from serverless_llm.engine import StructuredOutputSpec
 
 from .base import ExtractedToolCalls, ToolCall, ToolParser
 from .formats import JSONToolParser

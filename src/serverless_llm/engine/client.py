@@ -1,0 +1,72 @@
+"""The engine as the layers above it see it: what the API routes and the worker may use, and
+nothing else (vLLM's EngineClient is the idea). `AsyncEngine` implements it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .input_processor import PromptInput
+from .outputs import EngineOutput, EngineStats
+from .sampling.params import SamplingParams
+from .sampling.structured import CompiledGrammar, StructuredOutputSpec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded and how, fixed once the engine is built."""
+
+    source: str  # the hub id, directory or file it came from
+    dtype: str  # "float32", "bfloat16", ...
+    device: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+
+
+class EngineClient(Protocol):
+    @property
+    def model_config(self) -> Any:
+        """The model's transformers config."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
+        """A text or token-id prompt checked and as token ids (InvalidRequestError if bad)."""
+
+    def check_token_ids(self, token_ids: list[int], param: str | None = None) -> None:
+        """InvalidRequestError naming `param` when an id is outside the vocabulary."""
+
+    def fit_prompt(
+        self, token_ids: list[int], max_tokens: int | None, truncate: int | None = None
+    ) -> list[int]:
+        """The prompt truncated as asked and checked against max_model_len
+        (ContextLengthError when it does not fit)."""
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        """The compiled grammar (cached), or InvalidRequestError naming the field."""
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,231 @@
+"""A request's way in: prompt tokenizing, every check a bad request could trip over, the
+context-length rule, grammar compilation, and the `Request` the scheduler will run.
+
+Everything here runs before a request touches the scheduler, so an invalid request never holds
+blocks. The API routes call the same checks (`tokenize_prompt`, `fit_prompt`, `compile_grammar`)
+so a multi-request job fails whole, before any of its requests is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from .request import Request
+from .sampling.logits_processors import RequestSamplingState
+from .sampling.params import SamplingParams, SamplingParamsError
+from .sampling.structured import (
+    CompiledGrammar,
+    GrammarCompiler,
+    StructuredOutputError,
+    StructuredOutputSpec,
+)
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message says why (shown to the client) and
+    `param` names the parameter at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt and the output asked for do not fit in max_model_len. The numbers are kept so
+    each route can word the error its clients expect; `max_tokens` is None when none was set."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        n = num_prompt_tokens
+        if max_tokens is None:
+            message = (
+                f"the prompt has {n} tokens, which leaves no room for output within "
+                f"max_model_len={max_model_len}"
+            )
+        else:
+            message = (
+                f"prompt length ({n} tokens) plus max_tokens ({max_tokens}) is "
+                f"{n + max_tokens}, more than max_model_len={max_model_len}"
+            )
+        super().__init__(message)
+
+
+def structured_error(e: StructuredOutputError) -> InvalidRequestError:
+    """A StructuredOutputError as the request's error, its message naming the field."""
+    param = getattr(e, "param", None)
+    message = str(e)
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return InvalidRequestError(message, param)
+
+
+@dataclass
+class PromptInput:
+    """A prompt as the engine takes it: its token ids, and its text when it was given as text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+class InputProcessor:
+    def __init__(
+        self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self._next_id = 0
+        self._grammar_compiler: GrammarCompiler | None = None  # made on the first grammar
+        self._grammar_lock = threading.Lock()
+
+    # -- prompts ----------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return PromptInput(self.tokenizer.encode(prompt), prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise InvalidRequestError("a token-id prompt must be a list of integers")
+            self.check_token_ids(prompt)
+            return PromptInput(list(prompt))
+        raise InvalidRequestError("the prompt must be a string or a list of token ids")
+
+    def check_token_ids(self, token_ids: list[int], param: str | None = None) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} tokens",
+                param,
+            )
+
+    def fit_prompt(
+        self, token_ids: list[int], max_tokens: int | None, truncate: int | None = None
+    ) -> list[int]:
+        """The prompt as the model will see it: its last `truncate` tokens (when set), checked
+        to be non-empty and to leave room for `max_tokens` (or at least one token) within
+        max_model_len. ContextLengthError when it does not fit."""
+        if truncate is not None and len(token_ids) > truncate:
+            token_ids = token_ids[-truncate:]
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty (it encodes to no tokens)")
+        limit = self.max_model_len
+        if (max_tokens is None and n >= limit) or (
+            max_tokens is not None and n + max_tokens > limit
+        ):
+            raise ContextLengthError(n, max_tokens, limit)
+        return token_ids
+
+    # -- grammars ---------------------------------------------------------------------------
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """One per tokenizer, made on first use (it builds the tokenizer's grammar tables)."""
+        if self._grammar_compiler is None:
+            with self._grammar_lock:
+                if self._grammar_compiler is None:
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer,
+                        vocab_size=self.vocab_size,
+                        stop_token_ids=sorted(self.eos_token_ids),
+                    )
+        return self._grammar_compiler
+
+    def compile_grammar(self, spec: StructuredOutputSpec) -> Future[CompiledGrammar]:
+        """Starts compiling a spec off the caller's thread (a cache hit resolves at once). The
+        future fails with InvalidRequestError, naming the field, when the schema, regex or
+        grammar is invalid. Every grammar of the engine is compiled through here."""
+        done: Future[CompiledGrammar] = Future()
+
+        def settle(f: Future[CompiledGrammar]) -> None:
+            e = f.exception()
+            if isinstance(e, StructuredOutputError):
+                done.set_exception(structured_error(e))
+            elif e is not None:
+                done.set_exception(e)
+            else:
+                done.set_result(f.result())
+
+        self.grammar_compiler.compile_async(spec).add_done_callback(settle)
+        return done
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        compiled_grammar: CompiledGrammar | None = None,
+    ) -> Request:
+        """Validates and builds a request. The request runs one sequence: `n` and `best_of`
+        are for whoever fans a prompt out (see sequence_params), except with beam search, where
+        the request runs best_of (else n) beams and returns n (the caller makes its group)."""
+        if params.num_sequences > 1 and not params.use_beam_search:
+            raise InvalidRequestError(
+                "an engine request runs one sequence: fan n / best_of out with "
+                "sequence_params (LLM.generate and the API routes do)",
+                "n",
+            )
+        prompt_input = self.tokenize_prompt(prompt)
+        try:
+            params.check_vocab(self.vocab_size)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), e.param) from None
+        self._check_min_tokens(params)
+        token_ids = self.fit_prompt(
+            prompt_input.token_ids, params.max_tokens, params.truncate_prompt_tokens
+        )
+        n = len(token_ids)
+        max_total = self.max_model_len if params.max_tokens is None else n + params.max_tokens
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        req = Request(request_id, token_ids, params, max_total_tokens=max_total)
+        if len(token_ids) == len(prompt_input.token_ids):
+            req.prompt_text = prompt_input.text
+        if params.use_beam_search:
+            return req
+        req.sampling = RequestSamplingState(params, token_ids, self.eos_token_ids)
+        if params.structured is not None:
+            if compiled_grammar is None:
+                compiled_grammar = self.compile_grammar(params.structured).result()
+            req.grammar = compiled_grammar.matcher(extra_stop_token_ids=params.stop_token_ids)
+        req.detokenizer = self.detokenizer(token_ids, params)
+        if params.stop:
+            req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        if params.logprobs is not None:
+            req.logprobs = []
+            req.cumulative_logprob = 0.0
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        return req
+
+    def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+
+    def _check_min_tokens(self, params: SamplingParams) -> None:
+        if not (params.min_tokens and params.allowed_token_ids):
+            return
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if set(params.allowed_token_ids) <= stops:
+            raise InvalidRequestError(
+                "allowed_token_ids holds only end-of-sequence and stop tokens, which "
+                "min_tokens forbids: nothing could be sampled",
+                "allowed_token_ids",
+            )
