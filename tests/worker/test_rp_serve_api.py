@@ -27,7 +27,7 @@ def rp_server(worker_env, tmp_path):
     env = {
         k: v
         for k, v in os.environ.items()
-        if k.upper() not in settings_module._ENV_TO_FIELD and not k.startswith("RUNPOD_")
+        if k.upper() not in settings_module.ENV_TO_FIELD and not k.startswith("RUNPOD_")
     }
     env.update(
         worker_env,

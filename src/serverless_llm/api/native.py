@@ -72,7 +72,7 @@ class ChatMessage(BaseModel):
 
 class NativeRequest(BaseModel):
     """A native job's input, without the stream batch knobs (those are shared with OpenAI jobs
-    and parsed by `worker.jobs`)."""
+    and parsed by `worker.job_input`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 

@@ -40,9 +40,6 @@ from .limits import Limitation
 from .loader import Settings, load_settings_or_exit
 from .validation import SettingsError
 
-# The old private name, still read by tests/worker/test_rp_serve_api.py.
-_ENV_TO_FIELD = ENV_TO_FIELD
-
 __all__ = [
     "CATEGORIES",
     "DEFAULT_BASE_PATH",
