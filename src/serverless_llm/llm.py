@@ -74,7 +74,7 @@ class LLM:
             children = sequence_params(p)
             for i, child in enumerate(children):
                 rid = f"llm-{self._counter}" + (f".{i}" if len(children) > 1 else "")
-                group.append(engine.make_request(prompt, child, request_id=rid))
+                group.append(engine.inputs.make_request(prompt, child, request_id=rid))
             self._counter += 1
             groups.append(group)
         requests = [req for group in groups for req in group]

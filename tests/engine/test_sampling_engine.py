@@ -343,5 +343,5 @@ def test_token_ids_out_of_the_vocabulary_are_rejected(llm):
 
 def test_an_engine_request_runs_one_sequence(llm):
     with pytest.raises(InvalidRequestError) as info:
-        llm.engine.make_request([5, 6], SamplingParams(n=2))
+        llm.engine.inputs.make_request([5, 6], SamplingParams(n=2))
     assert info.value.param == "n"

@@ -140,7 +140,7 @@ class AsyncEngine:
             compiled = await self.compile_grammar(params.structured)
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = self.core.make_request(prompt, params, request_id, compiled_grammar=compiled)
+        req = self.core.inputs.make_request(prompt, params, request_id, compiled_grammar=compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)

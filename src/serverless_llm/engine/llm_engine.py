@@ -23,7 +23,7 @@ from .outputs import EngineOutput, EngineStats
 from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
-from .sampling.structured import CompiledGrammar, allocate_bitmask, fill_bitmasks
+from .sampling.structured import allocate_bitmask, fill_bitmasks
 from .scheduler import Scheduler
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
 
@@ -118,17 +118,6 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
         return self.inputs.tokenize_prompt(prompt)
 
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        compiled_grammar: CompiledGrammar | None = None,
-    ) -> Request:
-        """Validates and builds a request without touching the scheduler (see
-        InputProcessor.make_request)."""
-        return self.inputs.make_request(prompt, params, request_id, compiled_grammar)
-
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
@@ -144,7 +133,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> Request:
-        req = self.make_request(prompt, params or SamplingParams(), request_id)
+        req = self.inputs.make_request(prompt, params or SamplingParams(), request_id)
         self.add(req)
         return req
 
