@@ -24,6 +24,31 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# transformers' activation names (config.hidden_act / hidden_activation) -> torch functions.
+# gelu_new and gelu_fast are the tanh approximation written out; F.gelu(approximate="tanh")
+# computes the same function.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation_reference(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(x), the plain (ungated) MLP's activation."""
+    return ACTIVATIONS[act](x)
+
+
+def act_and_mul_reference(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x: [..., gate | up] -> act(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return ACTIVATIONS[act](gate) * up
+
+
 @jit
 def _silu_and_mul_kernel(
     x_ptr,

@@ -1,11 +1,14 @@
-"""RMSNorm, optionally fused with the residual add that precedes it: the Triton kernel or its
-torch reference, as the model was built (see kernels/rms_norm.py)."""
+"""RMSNorm and LayerNorm, each optionally fused with the residual add that precedes it: the
+Triton kernel or its torch reference, as the model was built (see kernels/rms_norm.py and
+kernels/layer_norm.py). Both share one contract: norm(x), or with `residual` the pair
+(norm(x + residual), x + residual) a pre-norm decoder layer needs."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..kernels.layer_norm import layer_norm_reference
 from ..kernels.rms_norm import rms_norm, rms_norm_reference
 
 
@@ -19,7 +22,29 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pair a
-        pre-norm decoder layer needs, so the add and the norm can be one kernel."""
         norm = rms_norm if self.use_kernels else rms_norm_reference
         return norm(x, self.weight, self.eps, residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and bias (GPT-2, Falcon, ...), a weight only (Cohere, OLMo 1.7's
+    configs) or neither (OLMo's non-parametric norm)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        weight: bool = True,
+        bias: bool = True,
+        use_kernels: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if weight else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.eps = eps
+        self.use_kernels = use_kernels
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return layer_norm_reference(x, self.weight, self.bias, self.eps, residual)
