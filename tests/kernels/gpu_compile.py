@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from serverless_llm.engine.kernels import activation, kv_write, rms_norm, rotary
+from serverless_llm.engine.kernels import activation, kv_write, layer_norm, rms_norm, rotary
 from serverless_llm.engine.kernels import paged_attention as pa
 from serverless_llm.engine.kernels.triton_lazy import LazyKernel
 
@@ -157,6 +157,18 @@ def main(quick: bool = False) -> int:
                 attempt(
                     f"rms_norm {dtype} res={res}",
                     rms_norm._rms_norm_kernel,
+                    dtype,
+                    ce,
+                    arch,
+                    warps,
+                    1,
+                )
+            for res, affine in ((False, False), (True, True)):
+                block, warps = layer_norm._launch_shape(4096)
+                ce = dict(HAS_RESIDUAL=res, HAS_WEIGHT=affine, HAS_BIAS=affine, BLOCK=block)
+                attempt(
+                    f"layer_norm {dtype} res={res} affine={affine}",
+                    layer_norm._layer_norm_kernel,
                     dtype,
                     ce,
                     arch,

@@ -1,9 +1,11 @@
 """LayerNorm (with or without weight and bias), optionally fused with the residual add before
-it; and its torch reference.
+it: one read of x (and the residual), one write of the output (and the new residual); and its
+torch reference.
 
 The statistics and the affine step run in float32 and the result is rounded once to the input
 dtype, as transformers' LayerNorms do in half precision (nn.LayerNorm's CPU and CUDA kernels,
-Cohere's and OLMo's own). Triton is imported at the kernel's first launch, never for the
+Cohere's and OLMo's own); the kernel does the same, with the residual sum rounded to the input
+dtype first (as the torch add is). Triton is imported at the kernel's first launch, never for the
 reference (see `triton_lazy`).
 """
 
@@ -11,6 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .triton_lazy import jit, next_power_of_2
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 
 def layer_norm_reference(
@@ -27,3 +33,98 @@ def layer_norm_reference(
     b = None if bias is None else bias.float()
     out = F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
     return out if residual is None else (out, residual)
+
+
+@jit
+def _layer_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    mean = tl.sum(h, axis=0) / n_cols
+    centered = tl.where(mask, h - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+    y = centered * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_shape(n_cols: int) -> tuple[int, int]:
+    block = next_power_of_2(n_cols)
+    # About 8-16 elements per thread: wide rows get more warps instead of more registers.
+    num_warps = max(1, min(16, block // 512))
+    return block, num_warps
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) or, with `residual`, (norm(x + residual), x + residual); x: [..., hidden]. The
+    output has the input's dtype, as `layer_norm_reference`."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block, num_warps = _launch_shape(n)
+    if residual is None:
+        res2 = res_out = x2  # unused by the kernel
+    else:
+        res2 = residual.reshape(-1, n)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        res_out = torch.empty_like(x2)
+    if rows:
+        _layer_norm_kernel[(rows,)](
+            x2,
+            res2,
+            x2 if weight is None else weight,  # unused when None
+            x2 if bias is None else bias,
+            out,
+            res_out,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)

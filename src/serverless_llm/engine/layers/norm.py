@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.layer_norm import layer_norm_reference
+from ..kernels.layer_norm import layer_norm, layer_norm_reference
 from ..kernels.rms_norm import rms_norm, rms_norm_reference
 
 
@@ -47,4 +47,5 @@ class LayerNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return layer_norm_reference(x, self.weight, self.bias, self.eps, residual)
+        norm = layer_norm if self.use_kernels else layer_norm_reference
+        return norm(x, self.weight, self.bias, self.eps, residual)
