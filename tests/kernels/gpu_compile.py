@@ -175,8 +175,12 @@ def main(quick: bool = False) -> int:
                     warps,
                     1,
                 )
-            ce = dict(BLOCK=activation.SILU_BLOCK)
-            attempt(f"silu_and_mul {dtype}", activation._silu_and_mul_kernel, dtype, ce, arch, 4, 1)
+            for act in ("silu", "gelu", "gelu_new", "relu"):
+                ce = dict(ACT=activation.ACT_CODES[act], BLOCK=activation.ACT_BLOCK)
+                kernel = activation._act_and_mul_kernel
+                attempt(f"act_and_mul {act} {dtype}", kernel, dtype, ce, arch, 4, 1)
+                kernel = activation._activation_kernel
+                attempt(f"activation {act} {dtype}", kernel, dtype, ce, arch, 4, 1)
             for neox in (True, False):
                 ce = dict(IS_NEOX=neox, QH_PAD=32, KH_PAD=8, HALF_PAD=64)
                 attempt(f"rotary {dtype} neox={neox}", rotary._rotary_kernel, dtype, ce, arch, 8, 1)

@@ -1,9 +1,12 @@
-"""SiLU-and-mul over the fused [gate | up] projection: out = silu(gate) * up, one pass, and its
-torch reference.
+"""The MLP's activations, gated over the fused [gate | up] projection (out = act(gate) * up, one
+pass) or plain (act(x)), as Triton kernels with the activation a constexpr, and their torch
+references.
 
-The kernel's numerics follow `silu_and_mul_reference`: silu is computed in float32 and rounded to
-the input dtype, then the product is rounded again, as the two torch ops do. Triton is imported
-at the kernel's first launch, never for the reference (see `triton_lazy`).
+The kernels' numerics follow the references: the activation is computed in float32 and rounded
+to the input dtype, then (gated) the product is rounded again, as the two torch ops do. Every
+name of `ACTIVATIONS` has a kernel code in `ACT_CODES`: gelu is the erf form; gelu_new,
+gelu_fast and gelu_pytorch_tanh are one tanh approximation (tanh computed from exp). Triton is
+imported at the kernel's first launch, never for the reference (see `triton_lazy`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
-SILU_BLOCK = 1024
+ACT_BLOCK = 1024
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -49,13 +52,48 @@ def act_and_mul_reference(x: torch.Tensor, act: str) -> torch.Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
+# The kernels' activation codes (a constexpr each kernel is specialised on).
+ACT_CODES = {
+    "silu": 0,
+    "swish": 0,
+    "gelu": 1,
+    "gelu_pytorch_tanh": 2,
+    "gelu_new": 2,
+    "gelu_fast": 2,
+    "relu": 3,
+}
+
+
 @jit
-def _silu_and_mul_kernel(
+def _tanh(x):
+    """tanh from exp (not every Triton has one in tl): exp(-2|x|) never overflows."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@jit
+def _act(x, ACT: tl.constexpr):
+    """The activation of code ACT on float32 x."""
+    if ACT == 0:  # silu
+        y = x / (1.0 + tl.exp(-x))
+    elif ACT == 1:  # gelu, erf form
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:  # gelu, tanh approximation: sqrt(2 / pi) * (x + 0.044715 x^3)
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    else:  # relu
+        y = tl.maximum(x, 0.0)
+    return y
+
+
+@jit
+def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
     stride_x,
     stride_out,
     n_cols,
+    ACT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -63,27 +101,69 @@ def _silu_and_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    y = silu * up.to(tl.float32)
+    a = _act(gate.to(tl.float32), ACT).to(gate.dtype).to(tl.float32)
+    y = a * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _activation_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    n_cols,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    y = _act(x.to(tl.float32), ACT)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x: [..., 2 * I] = [..., gate | up] -> act(gate) * up, [..., I]."""
+    code = ACT_CODES[act]
+    two_i = x.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"act_and_mul needs an even last dimension, got {two_i}")
+    n = two_i // 2
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows and n:
+        block = min(ACT_BLOCK, next_power_of_2(n))
+        grid = (rows, cdiv(n, block))
+        _act_and_mul_kernel[grid](
+            x2, out, x2.stride(0), out.stride(0), n, ACT=code, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], n)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * I] -> [..., I]."""
-    two_i = x.shape[-1]
-    if two_i % 2:
-        raise ValueError(f"silu_and_mul needs an even last dimension, got {two_i}")
-    n = two_i // 2
-    x2 = x.reshape(-1, two_i)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return act_and_mul(x, "silu")
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(x), elementwise, in the input's dtype."""
+    code = ACT_CODES[act]
+    n = x.shape[-1]
+    x2 = _rows(x)
     rows = x2.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows and n:
-        block = min(SILU_BLOCK, next_power_of_2(n))
+        block = min(ACT_BLOCK, next_power_of_2(n))
         grid = (rows, cdiv(n, block))
-        _silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        _activation_kernel[grid](
+            x2, out, x2.stride(0), out.stride(0), n, ACT=code, BLOCK=block, num_warps=4
         )
-    return out.view(*x.shape[:-1], n)
+    return out.view(x.shape)

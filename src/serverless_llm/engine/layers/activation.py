@@ -9,7 +9,9 @@ from torch import nn
 
 from ..kernels.activation import (
     ACTIVATIONS,
+    act_and_mul,
     act_and_mul_reference,
+    activation,
     activation_reference,
     silu_and_mul,
     silu_and_mul_reference,
@@ -48,6 +50,8 @@ class ActAndMul(nn.Module):
         self.use_kernels = use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return act_and_mul(x, self.act)
         return act_and_mul_reference(x, self.act)
 
 
@@ -60,6 +64,8 @@ class Activation(nn.Module):
         self.use_kernels = use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return activation(x, self.act)
         return activation_reference(x, self.act)
 
 
