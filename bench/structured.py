@@ -99,7 +99,8 @@ def compile_specs() -> list[tuple[str, dict[str, Any]]]:
 
 
 def measure_compile(tokenizer, vocab_size: int, stops: list[int], rounds: int) -> list[dict]:
-    from serverless_llm.engine.sampling.structured import GrammarCompiler, StructuredOutputSpec
+    from serverless_llm.engine.sampling.structured.grammar import GrammarCompiler
+    from serverless_llm.engine.sampling.structured.spec import StructuredOutputSpec
 
     results = []
     for name, fields in compile_specs():
@@ -128,13 +129,13 @@ def measure_compile(tokenizer, vocab_size: int, stops: list[int], rounds: int) -
 def measure_mask_steps(
     tokenizer, vocab_size: int, stops: list[int], batch: int, steps: int, fill_threads: int
 ) -> dict[str, float]:
-    from serverless_llm.engine.sampling.structured import (
-        GrammarCompiler,
-        StructuredOutputSpec,
+    from serverless_llm.engine.sampling.structured.bitmask import (
         allocate_bitmask,
         apply_bitmask,
         fill_bitmasks,
     )
+    from serverless_llm.engine.sampling.structured.grammar import GrammarCompiler
+    from serverless_llm.engine.sampling.structured.spec import StructuredOutputSpec
 
     compiler = GrammarCompiler(tokenizer, vocab_size, stops)
     compiled = compiler.compile(
@@ -183,7 +184,7 @@ def measure_mask_steps(
 
 
 def _advance(matcher, bitmask, row: int, vocab_size: int, gen: torch.Generator) -> None:
-    from serverless_llm.engine.sampling.structured import apply_bitmask
+    from serverless_llm.engine.sampling.structured.bitmask import apply_bitmask
 
     if matcher.is_terminated():
         matcher.reset()

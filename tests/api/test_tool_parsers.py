@@ -31,11 +31,8 @@ from serverless_llm.api.openai.tool_parsers import (
     tool_parser_names,
     validate_tools,
 )
-from serverless_llm.engine.sampling.structured import (
-    GrammarCompiler,
-    allocate_bitmask,
-    apply_bitmask,
-)
+from serverless_llm.engine.sampling.structured.bitmask import allocate_bitmask, apply_bitmask
+from serverless_llm.engine.sampling.structured.grammar import GrammarCompiler
 from tests.tiny_models import build_tokenizer
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'

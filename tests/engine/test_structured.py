@@ -13,14 +13,16 @@ import jsonschema
 import pytest
 import torch
 
-from serverless_llm.engine.sampling.structured import (
-    BACKEND_NAMES,
-    GrammarCompiler,
-    StructuredOutputError,
-    StructuredOutputSpec,
+from serverless_llm.engine.sampling.structured.bitmask import (
     allocate_bitmask,
     apply_bitmask,
     fill_bitmasks,
+)
+from serverless_llm.engine.sampling.structured.grammar import GrammarCompiler
+from serverless_llm.engine.sampling.structured.spec import (
+    BACKEND_NAMES,
+    StructuredOutputError,
+    StructuredOutputSpec,
     resolve_backend,
 )
 from tests.tiny_models import build_tokenizer

@@ -23,7 +23,7 @@ from .sampling.params import (
     choose_sequences,
     sequence_params,
 )
-from .sampling.structured import StructuredOutputError, StructuredOutputSpec, resolve_backend
+from .sampling.structured.spec import StructuredOutputError, StructuredOutputSpec, resolve_backend
 from .tokenizer import ChatTemplateError, apply_chat_template
 
 __all__ = [

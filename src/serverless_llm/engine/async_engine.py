@@ -28,7 +28,8 @@ from .input_processor import InvalidRequestError, PromptInput
 from .llm_engine import LLMEngine
 from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
-from .sampling.structured import CompiledGrammar, StructuredOutputSpec
+from .sampling.structured.grammar import CompiledGrammar
+from .sampling.structured.spec import StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 from .input_processor import PromptInput
 from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
-from .sampling.structured import CompiledGrammar, StructuredOutputSpec
+from .sampling.structured.grammar import CompiledGrammar
+from .sampling.structured.spec import StructuredOutputSpec
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 from .request import Request
 from .sampling.logits_processors import RequestSamplingState
 from .sampling.params import SamplingParams, SamplingParamsError
-from .sampling.structured import (
-    CompiledGrammar,
-    GrammarCompiler,
-    StructuredOutputError,
-    StructuredOutputSpec,
-)
+from .sampling.structured.grammar import CompiledGrammar, GrammarCompiler
+from .sampling.structured.spec import StructuredOutputError, StructuredOutputSpec
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 

@@ -23,7 +23,7 @@ from .outputs import EngineOutput, EngineStats
 from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
-from .sampling.structured import allocate_bitmask, fill_bitmasks
+from .sampling.structured.bitmask import allocate_bitmask, fill_bitmasks
 from .scheduler import Scheduler
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
 

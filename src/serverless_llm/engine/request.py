@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .beam_search import BeamGroup
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
-    from .sampling.structured import GrammarMatcher
+    from .sampling.structured.grammar import GrammarMatcher
     from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 

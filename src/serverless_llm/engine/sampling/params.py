@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .structured import StructuredOutputError, StructuredOutputSpec
+from .structured.spec import StructuredOutputError, StructuredOutputSpec
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from ..request import Request
 from .logits_processors import SparseRows, apply_processors
 from .logprobs import TokenLogprob, finish_logprobs, prepare_logprobs
 from .ops import block_argmax
-from .structured import apply_bitmask
+from .structured.bitmask import apply_bitmask
 from .truncation import TruncationParams, sample_plain, sample_truncated
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch"]
