@@ -36,9 +36,13 @@ POINTER_TYPES = {
     "slot_ptr": "*i64",
     "pos_ptr": "*i64",
     "cache_ptr": "*fp32",
+    "alibi_ptr": "*fp32",
 }
-FLOAT_ARGS = {"scale_log2e", "eps"}
+FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps"}
 # Integer arguments that are multiples of 16 at real shapes (Triton specialises on that).
+# (split, window, soft-cap and ALiBi) of the attention kernel: plain, split with a window, and
+# with a window, soft-cap and ALiBi (Gemma 2, BLOOM).
+OPTION_SETS = ((False, False, False), (True, True, False), (False, True, True))
 ALIGNED = re.compile(r"^stride_(q|o|k|v|c)|^num_heads$")
 
 
@@ -92,6 +96,8 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         D_PAD=triton.next_power_of_2(head_dim),
         CACHE_BLOCK=16,
         HAS_WINDOW=flags.get("window", False),
+        HAS_SOFTCAP=flags.get("softcap", False),
+        HAS_ALIBI=flags.get("alibi", False),
         SPLIT=flags.get("split", False),
         IEEE=dtype == "fp32",
     )
@@ -131,10 +137,20 @@ def main(quick: bool = False) -> int:
                         if kind == "decode"
                         else pa.prefill_tiles(group, d, 2048, tdt)
                     )
-                    for split, window in ((False, False), (True, True)):
-                        ce = attention_constexprs(group, cfg, d, dtype, split=split, window=window)
+                    for split, window, opts in OPTION_SETS:
+                        ce = attention_constexprs(
+                            group,
+                            cfg,
+                            d,
+                            dtype,
+                            split=split,
+                            window=window,
+                            softcap=opts,
+                            alibi=opts,
+                        )
                         label = (
-                            f"attention {dtype} {kind} g{group} d{d} split={split} window={window}"
+                            f"attention {dtype} {kind} g{group} d{d} split={split} "
+                            f"window={window} softcap_alibi={opts}"
                         )
                         no_spill = arch == 90 and dtype == "bf16" and group == 4 and not split
                         attempt(

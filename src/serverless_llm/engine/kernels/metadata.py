@@ -37,10 +37,50 @@ class AttentionMetadata:
         return len(self.seq_lens_host)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionSpec:
+    """One attention layer's shape and score options. A score is q.k * scale, then
+    `logit_softcap` * tanh(score / `logit_softcap`) when set (Gemma 2), then
+    + alibi_slopes[h] * (j - p) for the query at position p and key j when `alibi_slopes` is
+    set (float32 [num_heads], already scaled as the model family needs; on the model's device,
+    or each layer copies it there), then the causal and window mask."""
+
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
     sliding_window: int | None = None  # a query attends to the last `sliding_window` keys
+    logit_softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        slopes = self.alibi_slopes
+        if slopes is not None and tuple(slopes.shape) != (self.num_heads,):
+            raise ValueError(f"alibi_slopes is {tuple(slopes.shape)}, expected ({self.num_heads},)")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+
+    # Written out, since dataclass's would compare the slopes tensor with `==` (a tensor, not a
+    # bool) and hash it by identity: equal specs have equal slopes by value.
+    def _plain(self) -> tuple:
+        return (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            self.sliding_window,
+            self.logit_softcap,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AttentionSpec):
+            return NotImplemented
+        if self._plain() != other._plain():
+            return False
+        a, b = self.alibi_slopes, other.alibi_slopes
+        if a is None or b is None:
+            return a is b
+        return a is b or (a.device == b.device and torch.equal(a, b))
+
+    def __hash__(self) -> int:
+        return hash((*self._plain(), self.alibi_slopes is None))

@@ -6,7 +6,10 @@ are (token, head-in-group) pairs, BLOCK_M = BLOCK_Q * G_PAD of them, so a decode
 heads per KV head still feeds `tl.dot` a 16-row operand and reads each K/V tile once for the
 whole group. Keys are read through the block table in tiles of BLOCK_N (independent of the cache
 block size: a tile may span several cache blocks or part of one). A query at absolute position
-p = context_len + i attends key j when j <= p and, with a sliding window W, p - j < W.
+p = context_len + i attends key j when j <= p and, with a sliding window W, p - j < W. Its score
+is q.k * scale, soft-capped (cap * tanh(score / cap)) when the spec has a `logit_softcap`, plus
+slope[h] * (j - p) when it has `alibi_slopes`; the kernel works in log2 units (scores times
+log2(e), for exp2), so the cap and the slopes are scaled by log2(e) too.
 
 Two launches of the same kernel per step: the decode tokens (which the model runner puts first)
 with a small row tile, then everything else with a large one; each launch may split the key
@@ -39,6 +42,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
 REDUCE_TILE = 4096  # partial-accumulator elements one reduce program merges
+SCORE_BUDGET = 1 << 24  # float32 scores the torch path materialises at once (soft-cap)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,14 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+
+
+@jit
+def _tanh(x):
+    """tanh from exp (not every Triton has one in tl): exp(-2|x|) never overflows."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
 
 
 @jit
@@ -76,8 +88,10 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     tile_req_ptr,
     tile_q0_ptr,
+    alibi_ptr,
     tok_base,
     scale_log2e,
+    softcap_log2e,
     window,
     num_splits,
     stride_qt,
@@ -101,6 +115,8 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -130,6 +146,9 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dmask[None, :],
         other=0.0,
     )
+    if HAS_ALIBI:
+        # Slopes in log2 units (times log2(e)), like the scores.
+        slope = tl.load(alibi_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
 
     # Keys this tile can see: up to its last query's position, from its first query's window.
     hi = tl.minimum(ctx + q0 + BLOCK_Q, seq_len)
@@ -165,6 +184,10 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2e
+        if HAS_SOFTCAP:
+            s = softcap_log2e * _tanh(s / softcap_log2e)
+        if HAS_ALIBI:
+            s += slope[:, None] * (keys[None, :] - pos[:, None]).to(tl.float32)
         allowed = (keys[None, :] <= pos[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             allowed = allowed & (pos[:, None] - keys[None, :] < window)
@@ -403,6 +426,10 @@ def _launch(
     else:
         part_acc = part_ml = out3  # unused
     window = spec.sliding_window or 0
+    softcap = spec.logit_softcap
+    slopes = spec.alibi_slopes
+    if slopes is not None:
+        slopes = slopes.to(q.device, torch.float32)  # a no-op when the model put them there
     key_cache_block = key_cache.shape[1]
     _paged_attention_kernel[(n_tiles, kvh, num_splits)](
         q,
@@ -416,8 +443,10 @@ def _launch(
         meta.query_start_loc,
         tile_req,
         tile_q0,
+        slopes if slopes is not None else tile_req,  # unused without ALiBi
         tok_base,
         spec.scale * LOG2E,
+        (softcap or 1.0) * LOG2E,
         window,
         num_splits,
         q.stride(0),
@@ -441,6 +470,8 @@ def _launch(
         D_PAD=d_pad,
         CACHE_BLOCK=key_cache_block,
         HAS_WINDOW=spec.sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_ALIBI=slopes is not None,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps,
@@ -524,7 +555,8 @@ def paged_attention_torch(
     """What `paged_attention` computes, in torch (the new tokens' K/V already written; k and v
     are still read directly by a prefill with no context). Decodes run as one batched
     gather-and-matmul over padded key lists (planned by `plan_torch_decodes`); prefills run one
-    request at a time through scaled_dot_product_attention."""
+    request at a time through scaled_dot_product_attention (ALiBi as its additive float mask),
+    or with a soft-cap through `_attend_explicit`, which materialises the scores."""
     T = q.shape[0]
     out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
@@ -553,6 +585,11 @@ def _decode_torch(q, kv_cache, meta, spec):
     values = flat[1].index_select(0, index).view(nd, L, kvh, d)
     qg = q.view(nd, kvh, g, d)
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * spec.scale  # [nd, KVH, G, L]
+    if spec.logit_softcap is not None or spec.alibi_slopes is not None:
+        scores = _softcap(scores.float(), spec)
+        if spec.alibi_slopes is not None:
+            rel = st["decode_pos"][None, :] - st["decode_last"][:, None]  # [nd, L]: j - p
+            scores = scores + _slopes(spec, q.device, kvh, g, 1) * rel[:, None, None, :]
     mask = valid
     if spec.sliding_window is not None:
         mask = mask & (st["decode_last"][:, None] - st["decode_pos"][None, :] < spec.sliding_window)
@@ -570,26 +607,77 @@ def _prefill_torch(q, k, v, kv_cache, meta, spec, i):
         slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
         flat = kv_cache.view(2, -1, spec.num_kv_heads, spec.head_dim)
         k, v = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+    if spec.logit_softcap is not None:
+        # tanh between the scores and the softmax: no fused kernel has room for it.
+        return _attend_explicit(q, k, v, ctx, spec)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
-    if ctx == 0 and spec.sliding_window is None:
+    if ctx == 0 and spec.sliding_window is None and spec.alibi_slopes is None:
         o = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=spec.scale, enable_gqa=gqa
         )
     else:
         positions = torch.arange(ctx, seq_len, device=q.device)
         mask = attention_mask(positions, seq_len, spec.sliding_window)
+        if spec.alibi_slopes is not None:
+            # ALiBi as an additive float32 mask [H, n, L]: SDPA adds it to the scaled scores.
+            rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]
+            bias = _slopes(spec, q.device, -1, 1, 1) * rel[None]
+            mask = bias.masked_fill(~mask[None], float("-inf"))
         o = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=spec.scale, enable_gqa=gqa
         )
     return o.transpose(0, 1).reshape(n, spec.num_heads * spec.head_dim)
 
 
+def _softcap(scores: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    cap = spec.logit_softcap
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _slopes(spec: AttentionSpec, device: torch.device, *shape: int) -> torch.Tensor:
+    """The ALiBi slopes in float32, viewed as `shape` to broadcast against a score layout."""
+    return spec.alibi_slopes.to(device, torch.float32).view(*shape)
+
+
+def _attend_explicit(q, k, v, ctx, spec):
+    """Attention with the scores materialised (for the soft-cap's tanh): q [n, H, D] at
+    positions ctx.., over keys k, v [L, KVH, D]; float32 scores, a block of query rows at a
+    time so a long prompt's scores stay within SCORE_BUDGET elements."""
+    n, L = q.shape[0], k.shape[0]
+    kvh, d = spec.num_kv_heads, spec.head_dim
+    g = spec.num_heads // kvh
+    kt = k.permute(1, 2, 0)  # [KVH, D, L]
+    vv = v.transpose(0, 1)  # [KVH, L, D]
+    keys = torch.arange(L, device=q.device)
+    slopes = _slopes(spec, q.device, kvh, 1, g, 1) if spec.alibi_slopes is not None else None
+    out = torch.empty(n, spec.num_heads * d, dtype=q.dtype, device=q.device)
+    step = max(1, SCORE_BUDGET // (spec.num_heads * L))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        m = b - a
+        qa = q[a:b].view(m, kvh, g, d).transpose(0, 1).reshape(kvh, m * g, d)
+        scores = torch.matmul(qa, kt).view(kvh, m, g, L).float() * spec.scale
+        scores = _softcap(scores, spec)
+        rel = keys[None, :] - torch.arange(ctx + a, ctx + b, device=q.device)[:, None]  # j - p
+        if slopes is not None:
+            scores = scores + slopes * rel[:, None, :]
+        allowed = rel <= 0
+        if spec.sliding_window is not None:
+            allowed &= rel > -spec.sliding_window
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh, m * g, L)
+        o = torch.matmul(probs, vv).view(kvh, m, g, d)  # [KVH, m, G, D]
+        out[a:b] = o.transpose(0, 1).reshape(m, -1)
+    return out
+
+
 def paged_attention_reference(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
 ) -> torch.Tensor:
-    """Request by request: gather the keys through the block table, mask causally (and by the
-    window), softmax in float32. Slow and obvious on purpose."""
+    """Request by request: gather the keys through the block table, scale, soft-cap and add
+    the ALiBi bias (when the spec has them), mask causally (and by the window), softmax in
+    float32. Slow and obvious on purpose."""
     T = q.shape[0]
     kvh, d = spec.num_kv_heads, spec.head_dim
     group = spec.num_heads // kvh
@@ -605,7 +693,12 @@ def paged_attention_reference(
         values = flat[1][slots].float().repeat_interleave(group, dim=1)
         qi = q[s:e].float()  # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", qi, keys) * spec.scale
+        if spec.logit_softcap is not None:
+            scores = spec.logit_softcap * torch.tanh(scores / spec.logit_softcap)
         positions = torch.arange(ctx, seq_len, device=q.device)
+        if spec.alibi_slopes is not None:
+            rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]  # j - p
+            scores = scores + spec.alibi_slopes.float().to(q.device)[:, None, None] * rel[None]
         mask = attention_mask(positions, seq_len, spec.sliding_window)
         scores = scores.masked_fill(~mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
