@@ -51,6 +51,22 @@ def test_rms_norm_strided_rows_and_3d():
     torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
 
 
+@DTYPES
+def test_rms_norm_per_head_on_a_fused_qkv_split(dtype):
+    """Per-head q/k RMSNorm (Qwen3, OLMo 2, Gemma 3): q and k are non-contiguous views of the
+    fused QKV projection's output, normalised over head_dim as [T * H, D] rows or as the
+    [T, H, D] view itself; odd row counts and a head_dim that is not a power of two."""
+    T, H, KVH, D = 5, 3, 1, 24
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(T, (H + 2 * KVH) * D, generator=g) * 2).to(DEVICE, dtype)
+    q, k, _ = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE, dtype)
+    for x in (q.view(T, H, D), q.reshape(T * H, D), k.view(T, KVH, D)):
+        got = rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, rms_norm_reference(x, w, 1e-6), **TOL[dtype])
+
+
 @pytest.mark.parametrize("inter", [64, 1000, 2048 + 16], ids=lambda i: f"i{i}")
 @DTYPES
 def test_silu_and_mul(dtype, inter):
