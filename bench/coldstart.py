@@ -105,7 +105,7 @@ def child_engine(model_dir: str, kv_gib: str, kv_alloc: str) -> None:
     phases.lap("import torch")
     from serverless_llm.engine import llm_engine as engine_mod
     from serverless_llm.engine import model_builder
-    from serverless_llm.engine.models import MODEL_REGISTRY
+    from serverless_llm.engine.models import DecoderModel
     from serverless_llm.worker.handler import Worker
     from serverless_llm.worker.settings import Settings
 
@@ -116,9 +116,8 @@ def child_engine(model_dir: str, kv_gib: str, kv_alloc: str) -> None:
     phases.wrap(model_builder, "load_hf_config", "resolve + config")
     phases.wrap(engine_mod, "load_tokenizer", "tokenizer")
     phases.wrap(engine_mod, "allocate_kv_cache", "KV cache allocation")
-    for cls in set(MODEL_REGISTRY.values()):
-        phases.wrap(cls, "load_weights", "weights: read + copy")
-        phases.wrap(cls, "optimize_for_cpu", "weights: pack for oneDNN")
+    phases.wrap(DecoderModel, "load_weights", "weights: read + copy")
+    phases.wrap(DecoderModel, "optimize_for_cpu", "weights: pack for oneDNN")
     worker = Worker(Settings.from_env())
     job = {
         "id": "coldstart",

@@ -39,7 +39,7 @@ from serverless_llm.engine.layers.rotary import apply_rotary, cos_sin_cache, rot
 import serverless_llm.engine.kernels.activation, serverless_llm.engine.kernels.kv_write
 import serverless_llm.engine.kernels.paged_attention, serverless_llm.engine.kernels.rms_norm
 import serverless_llm.engine.kernels.rotary
-import serverless_llm.engine.models.llama
+import serverless_llm.engine.models.decoder
 backend = make_attention_backend("auto", torch.device("cpu"))
 assert backend.name == "torch" and not backend.use_kernels
 x = torch.randn(3, 8)

@@ -19,7 +19,7 @@ from .layers.attention import (
     TritonAttentionBackend,
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
-from .models import model_class_for
+from .models import DecoderModel, describe_model
 
 
 @dataclass
@@ -49,9 +49,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         tune_allocator()
     torch.manual_seed(config.seed)
     backend = make_attention_backend(config.attention_backend, device)
-    model_cls = model_class_for(hf_config)
+    spec = describe_model(hf_config)
     with torch.device("meta"):
-        model = model_cls(hf_config, backend, max_position=max_model_len)
+        model = DecoderModel(spec, hf_config, backend, max_position=max_model_len)
     model = model.materialize(device)
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.rotary import gather_cos_sin, rotary_embedding, rotary_embedding_reference
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "su")
 
 
 class RopeConfigError(ValueError):
@@ -33,6 +33,38 @@ def rope_parameters(config) -> dict:
         params["rope_type"] = params.get("type", "default")
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
+
+
+def rope_table(params: dict, rot_dim: int, max_position: int, max_position_embeddings: int):
+    """The cos/sin table of one rope configuration over the first `rot_dim` dims of a head:
+    [max_position, rot_dim] float32.
+
+    LongRoPE (Phi-3) rescales each frequency by a short factor within the original context and
+    a long factor past it, and scales cos and sin by an attention factor. transformers picks the
+    factor set per forward pass from the whole sequence's length; a paged cache keeps keys once
+    computed, so here the choice is per position: short below `original_max_position_embeddings`,
+    long from there on (what transformers' own incremental decoding gives for a sequence that
+    starts short and grows past it)."""
+    rope_type = params["rope_type"]
+    if rope_type not in ("longrope", "su"):
+        return cos_sin_cache(inv_frequencies(params, rot_dim, max_position), max_position)
+    base = float(params["rope_theta"])
+    orig = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_position_embeddings / orig
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        )
+    shape = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    tables = [
+        cos_sin_cache(
+            1.0 / (torch.tensor(params[key], dtype=torch.float32) * base**shape), max_position
+        )
+        for key in ("short_factor", "long_factor")
+    ]
+    table = torch.cat([tables[0][:orig], tables[1][orig:]]) if max_position > orig else tables[0]
+    return table * attention_factor
 
 
 def inv_frequencies(params: dict, head_dim: int, max_position: int) -> torch.Tensor:
@@ -90,11 +122,16 @@ class RotaryStep:
 
 
 def rotary_step(
-    cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, use_kernels: bool = False
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    use_kernels: bool = False,
+    gather: bool = True,
 ) -> RotaryStep:
     """The step's rotary inputs, for the Triton kernel when `use_kernels`, else for the torch
-    reference."""
-    if use_kernels:
+    reference. `gather`: the cos/sin rows the torch path of a full-width neox rotation uses
+    (other layouts read the table in each layer)."""
+    if use_kernels or not gather:
         return RotaryStep(positions, cache)
     cos, sin = gather_cos_sin(cache, positions, dtype)
     return RotaryStep(positions, cache, cos, sin)

@@ -1,26 +1,29 @@
-"""Model classes keyed by `config.architectures`."""
+"""From a transformers config to the description of its decoder, by `config.architectures`."""
 
 from __future__ import annotations
 
-from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from .decoder import DecoderSpec
+from .families import FAMILIES
 
-MODEL_REGISTRY: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
+MODEL_REGISTRY = FAMILIES  # architecture name -> description function
 
 
 class UnsupportedModelError(ValueError):
     pass
 
 
-def model_class_for(config) -> type:
+def describe_model(config) -> DecoderSpec:
+    """The decoder description of the first architecture in `config.architectures` that a
+    family serves; UnsupportedModelError naming every supported one otherwise."""
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+            spec = MODEL_REGISTRY[arch](config)
+            spec.arch = arch
+            return spec
     raise UnsupportedModelError(
-        f"architecture {archs or '(none in config)'} is not supported; supported: "
-        f"{', '.join(sorted(MODEL_REGISTRY))}"
+        f"architecture {archs or '(none in config)'} is not supported. Supported architectures: "
+        f"{', '.join(sorted(MODEL_REGISTRY))}. docs/models.md lists them with example "
+        "repositories; a model whose code lives only in its repository (trust_remote_code) is "
+        "served when its architecture is one of these."
     )
