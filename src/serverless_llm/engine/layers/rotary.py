@@ -117,8 +117,9 @@ class RotaryStep:
 
     positions: torch.Tensor  # [T]
     cache: torch.Tensor  # [max_position, rot_dim] float32
-    cos: torch.Tensor | None = None  # [T, 1, D] in the model dtype; None on the Triton path
-    sin: torch.Tensor | None = None
+    use_kernels: bool = False
+    cos: torch.Tensor | None = None  # [T, 1, D] in the model dtype, for a full-width neox
+    sin: torch.Tensor | None = None  # rotation on the torch path; else None
 
 
 def rotary_step(
@@ -132,9 +133,9 @@ def rotary_step(
     reference. `gather`: the cos/sin rows the torch path of a full-width neox rotation uses
     (other layouts read the table in each layer)."""
     if use_kernels or not gather:
-        return RotaryStep(positions, cache)
+        return RotaryStep(positions, cache, use_kernels)
     cos, sin = gather_cos_sin(cache, positions, dtype)
-    return RotaryStep(positions, cache, cos, sin)
+    return RotaryStep(positions, cache, False, cos, sin)
 
 
 def apply_rotary(
@@ -143,8 +144,7 @@ def apply_rotary(
     """Rotates q [T, H, D] and k [T, KVH, D]. The Triton path rotates in place (q and k are
     views into the fresh QKV projection, so nobody else sees them); the torch path returns new
     tensors."""
-    if step.cos is None:
+    if step.use_kernels:
         return rotary_embedding(step.positions, q, k, step.cache, is_neox)
-    return rotary_embedding_reference(
-        step.positions, q, k, step.cache, is_neox, cos_sin=(step.cos, step.sin)
-    )
+    cos_sin = None if step.cos is None else (step.cos, step.sin)
+    return rotary_embedding_reference(step.positions, q, k, step.cache, is_neox, cos_sin=cos_sin)

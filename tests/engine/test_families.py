@@ -1,0 +1,109 @@
+"""Every Llama-shaped family against transformers: a tiny random model from the family's own
+config class with its characteristic options on (sliding windows shorter than the prompts,
+soft-caps, partial rotary, parallel residual, multipliers, q/k norms), 8 prompts of different
+lengths batched together, 48 greedy tokens each."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from tests.engine.family_check import assert_matches_transformers, save_family_model, tiny_dims
+from tests.tiny_models import build_tokenizer
+
+
+def _config(name: str, tok):
+    """The family's config with its twists switched on."""
+    if name == "qwen3":
+        return transformers.Qwen3Config(
+            **tiny_dims(tok, head_dim=24), attention_bias=True, tie_word_embeddings=False
+        )
+    if name == "qwen3_window":
+        return transformers.Qwen3Config(
+            **tiny_dims(tok, num_hidden_layers=3),
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+        )
+    if name == "gemma":
+        return transformers.GemmaConfig(**tiny_dims(tok, head_dim=16))
+    if name == "gemma2":
+        return transformers.Gemma2Config(
+            **tiny_dims(tok, head_dim=16, num_hidden_layers=3),
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        )
+    if name == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **tiny_dims(tok, head_dim=16, num_hidden_layers=3),
+            sliding_window=16,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+            },
+            architectures=["Gemma3ForCausalLM"],
+        )
+    if name == "phi3":
+        return transformers.Phi3Config(
+            **tiny_dims(tok, max_position_embeddings=4096),
+            original_max_position_embeddings=1024,
+            partial_rotary_factor=0.5,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                "long_factor": [2.0 + 0.2 * i for i in range(4)],
+            },
+            sliding_window=20,
+        )
+    if name == "olmo":
+        return transformers.OlmoConfig(**tiny_dims(tok), clip_qkv=0.5)
+    if name == "olmo2":
+        return transformers.Olmo2Config(**tiny_dims(tok))
+    if name == "granite":
+        return transformers.GraniteConfig(
+            **tiny_dims(tok),
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        )
+    if name == "cohere":
+        return transformers.CohereConfig(**tiny_dims(tok), use_qk_norm=True, logit_scale=0.5)
+    if name == "stablelm":
+        return transformers.StableLmConfig(
+            **tiny_dims(tok), qk_layernorm=True, use_qkv_bias=True, partial_rotary_factor=0.25
+        )
+    if name == "stablelm_parallel":
+        return transformers.StableLmConfig(**tiny_dims(tok), use_parallel_residual=True)
+    if name == "starcoder2":
+        return transformers.Starcoder2Config(**tiny_dims(tok), sliding_window=16)
+    raise ValueError(name)
+
+
+FAMILIES = [
+    "qwen3",
+    "qwen3_window",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo",
+    "olmo2",
+    "granite",
+    "cohere",
+    "stablelm",
+    "stablelm_parallel",
+    "starcoder2",
+]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_greedy_equals_transformers(tmp_path, name):
+    config = _config(name, build_tokenizer())
+    path = save_family_model(str(tmp_path / name), config)
+    assert_matches_transformers(path)
