@@ -1,0 +1,523 @@
+"""One decoder for every dense family, built from a `DecoderSpec`.
+
+A family (families.py) is a function from its transformers config to a `DecoderSpec`: the
+norm kind, the positions (rope full or partial in either layout, learned, ALiBi, none on some
+layers), the attention options (q/k norm, biases, soft-cap, windows, scale), the MLP kind, the
+residual shape and the multipliers, plus the names its checkpoint gives each weight
+(`WeightNames`). This module turns that description into modules and runs them on the step's
+flat ragged batch: `input_ids` and `positions` are [T], and attention reads the paged cache
+through `meta`.
+
+Inside, every family has the same parameter names: Q/K/V are one fused `qkv_proj` ([q | k | v]
+rows) and a gated MLP's gate and up one `gate_up_proj` ([gate | up]), so one matmul serves each;
+the loader puts each checkpoint tensor into its place (`load_weights`).
+
+The residual stream travels as the pair (x, residual): the last sublayer's output, not yet
+added, and the stream before it. A norm with `residual` adds the two and normalises in one
+kernel; `residual is None` means the stream is x itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.activation import Activation, check_activation, gated_activation
+from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from ..layers.linear import PackedLinear, pack_linears_for_cpu
+from ..layers.norm import LayerNorm, RMSNorm
+from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step
+
+# -- the description ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    kind: str = "rms"  # "rms" | "layer"
+    eps: float = 1e-6
+    weight: bool = True
+    bias: bool = False  # LayerNorm only
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rope table: its settings (rope_parameters as transformers normalises them), how many
+    of a head's dims it rotates, and the layout (neox: halves; gpt-j: interleaved pairs)."""
+
+    params: tuple  # sorted (key, value) items, lists as tuples, so specs compare and hash
+    rot_dim: int
+    is_neox: bool = True
+
+    @staticmethod
+    def of(params: dict, rot_dim: int, is_neox: bool = True) -> RopeSpec:
+        items = tuple(
+            sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
+        )
+        return RopeSpec(items, rot_dim, is_neox)
+
+    def params_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
+
+
+@dataclass
+class WeightNames:
+    """Where each checkpoint tensor goes. `layer` maps a module path inside decoder layer i
+    (under `layers_prefix`.i.) to an internal module path, or to (internal path, how); `top`
+    does the same for modules outside the layers. `how` is one of:
+
+    - "q", "k", "v": that part of the fused qkv_proj; "gate", "up": that half of gate_up_proj;
+    - "qkv_heads": a fused qkv stored per head as [heads, 3, head_dim] rows (GPT-NeoX, Bloom);
+    - "qkv_grouped": [kv_heads, group + 2, head_dim] rows (Falcon's new decoder);
+    - "t": a GPT-2 Conv1D weight, stored [in, out];
+    - "head:<h>": the row h of a per-head norm weight [heads, head_dim] (StableLM).
+
+    Tensors whose name contains one of `ignore` are buffers a checkpoint may carry (rotary
+    tables, causal masks) and are skipped."""
+
+    layers_prefix: str
+    layer: dict
+    top: dict
+    ignore: tuple[str, ...] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+@dataclass
+class DecoderSpec:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    names: WeightNames
+    norm: NormSpec = field(default_factory=NormSpec)
+    # Which norms a layer has: "in" (before attention), "post_attn" (on the attention output),
+    # "mlp" (before the MLP), "post_mlp" (on the MLP output).
+    layer_norms: tuple[str, ...] = ("in", "mlp")
+    final_norm: bool = True
+    norm_weight_offset: float = 0.0  # Gemma stores norm weights as w - 1
+    parallel: bool = False  # attention and MLP both read the layer's input stream
+    post_ln: bool = False  # norms after each residual add (OPT-350m), not before the sublayer
+    # attention
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "rms_head" | "rms_full" | "layer_head"
+    qk_norm_eps: float | None = None  # default: norm.eps
+    scale: float | None = None  # default: head_dim ** -0.5
+    attn_softcap: float | None = None
+    windows: tuple[int | None, ...] | None = None  # per layer; None: no sliding window
+    clip_qkv: float | None = None
+    alibi_scale: float | None = None  # ALiBi, slopes times this (Falcon scales them by `scale`)
+    # positions
+    rope: tuple[RopeSpec | None, ...] | None = None  # per layer; None everywhere: no rope
+    learned_positions: int = 0  # table size of learned absolute positions (GPT-2, OPT)
+    position_offset: int = 0  # OPT's table starts at 2
+    # MLP
+    gated: bool = True
+    act: str = "silu"
+    mlp_bias: bool = False
+    # embeddings and head
+    embed_scale: float | None = None  # Gemma: sqrt(hidden), rounded to the model dtype
+    embed_norm: bool = False  # Bloom: a LayerNorm right after the embedding
+    project_dim: int | None = None  # OPT: embeddings narrower than the model
+    residual_scale: float = 1.0  # Granite: each sublayer's output scaled before the add
+    logit_scale: float = 1.0  # Cohere multiplies the logits; Granite divides
+    final_softcap: float | None = None
+    tied: bool = False
+    lm_head_bias: bool = False
+
+    def __post_init__(self):
+        check_activation(self.act)
+        n = self.num_layers
+        if self.windows is None:
+            self.windows = (None,) * n
+        if self.rope is None:
+            self.rope = (None,) * n
+        if len(self.windows) != n or len(self.rope) != n:
+            raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
+
+
+# -- modules -----------------------------------------------------------------------------------
+
+
+def make_norm(spec: NormSpec, size: int, use_kernels: bool) -> nn.Module:
+    if spec.kind == "rms":
+        return RMSNorm(size, spec.eps, use_kernels)
+    return LayerNorm(size, spec.eps, spec.weight, spec.bias, use_kernels)
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm over each head's dims with a weight per head, [heads, head_dim] (Cohere's and
+    StableLM's q/k norms); statistics and weight in float32."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, D]
+        h = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi slopes of Press et al. (Bloom's, MPT's with the default max bias of 8, Falcon's):
+    a geometric sequence from the nearest power of two, interleaved past it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** (i + 1) for i in range(0, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: DecoderSpec, attn: AttentionSpec, backend: AttentionBackend, rope):
+        super().__init__()
+        self.spec = attn
+        self.backend = backend
+        self.rope = rope  # the RopeSpec of this layer, or None
+        h, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.q_size, self.kv_size = h * d, kvh * d
+        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
+        self.clip_qkv = s.clip_qkv
+        self.qk_norm = s.qk_norm
+        eps = s.qk_norm_eps if s.qk_norm_eps is not None else s.norm.eps
+        if s.qk_norm == "rms_head":
+            self.q_norm = RMSNorm(d, eps, backend.use_kernels)
+            self.k_norm = RMSNorm(d, eps, backend.use_kernels)
+        elif s.qk_norm == "rms_full":
+            self.q_norm = RMSNorm(self.q_size, eps, backend.use_kernels)
+            self.k_norm = RMSNorm(self.kv_size, eps, backend.use_kernels)
+        elif s.qk_norm == "layer_head":
+            self.q_norm = HeadLayerNorm(h, d, eps)
+            self.k_norm = HeadLayerNorm(kvh, d, eps)
+        elif s.qk_norm is not None:
+            raise ValueError(f"unknown q/k norm {s.qk_norm!r}")
+
+    def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "rms_full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "rms_head":
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        elif self.qk_norm == "layer_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, k, rope, self.rope.is_neox)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: DecoderSpec, use_kernels: bool):
+        super().__init__()
+        self.gated = s.gated
+        if s.gated:
+            self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+            self.act_fn = gated_activation(s.act, use_kernels)
+        else:
+            self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+            self.act_fn = Activation(s.act, use_kernels)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+
+    def forward(self, x):
+        up = self.gate_up_proj(x) if self.gated else self.up_proj(x)
+        return self.down_proj(self.act_fn(up))
+
+
+def _add_norm(norm, x, residual):
+    """(norm(stream), stream) where stream = x + residual (or x when residual is None)."""
+    if residual is None:
+        return (norm(x) if norm is not None else x), x
+    if norm is not None:
+        return norm(x, residual)
+    stream = x + residual
+    return stream, stream
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: DecoderSpec, attn: AttentionSpec, backend: AttentionBackend, rope):
+        super().__init__()
+        uk = backend.use_kernels
+        self.self_attn = Attention(s, attn, backend, rope)
+        self.mlp = MLP(s, uk)
+        for slot in ("in", "post_attn", "mlp", "post_mlp"):
+            norm = make_norm(s.norm, s.hidden_size, uk) if slot in s.layer_norms else None
+            setattr(self, f"{slot}_norm", norm)
+        self.parallel = s.parallel
+        self.post_ln = s.post_ln
+        self.residual_scale = s.residual_scale
+
+    def forward(self, x, residual, rope, kv_cache, meta):
+        if self.post_ln:  # OPT-350m: stream = norm(stream + sublayer(stream))
+            stream = x if residual is None else x + residual
+            h = self.self_attn(stream, rope, kv_cache, meta)
+            stream, _ = self.in_norm(h, stream)
+            stream, _ = self.mlp_norm(self.mlp(stream), stream)
+            return stream, None
+        h, residual = _add_norm(self.in_norm, x, residual)
+        if self.parallel:
+            # GPT-J, Phi, Cohere: one norm feeds both; GPT-NeoX, Falcon's new decoder: two.
+            m = self.mlp(self.mlp_norm(residual) if self.mlp_norm is not None else h)
+            return self.self_attn(h, rope, kv_cache, meta) + m, residual
+        h = self.self_attn(h, rope, kv_cache, meta)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
+        h, residual = _add_norm(self.mlp_norm, h, residual)
+        h = self.mlp(h)
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
+        return h, residual
+
+
+class DecoderModel(nn.Module):
+    """A causal LM of any described family. Built on the meta device by the model builder,
+    then `materialize`d and loaded."""
+
+    def __init__(self, spec: DecoderSpec, config, backend: AttentionBackend, max_position: int):
+        super().__init__()
+        self.spec = spec
+        self.config = config
+        self.max_position = max_position
+        self.use_kernels = backend.use_kernels
+        s = spec
+        self.num_layers = s.num_layers
+        self.num_kv_heads = s.num_kv_heads
+        self.head_dim = s.head_dim
+        embed_dim = s.project_dim or s.hidden_size
+        self.embed_tokens = nn.Embedding(s.vocab_size, embed_dim)
+        self.project_in = nn.Linear(embed_dim, s.hidden_size, bias=False) if s.project_dim else None
+        self.embed_positions = (
+            nn.Embedding(s.learned_positions, s.hidden_size) if s.learned_positions else None
+        )
+        uk = backend.use_kernels
+        self.embed_norm = make_norm(s.norm, s.hidden_size, uk) if s.embed_norm else None
+        # The rope tables: one per distinct RopeSpec (Gemma 3: local and global), computed by
+        # `materialize` from the config, never read from the checkpoint.
+        self.rope_specs: list[RopeSpec] = sorted(
+            {r for r in s.rope if r is not None}, key=lambda r: repr(r)
+        )
+        self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in s.rope]
+        self.rope_caches: list[torch.Tensor] = []
+        self.alibi_slopes: torch.Tensor | None = None  # set by materialize
+        self.layers = nn.ModuleList(
+            DecoderLayer(s, self._attention_spec(i), backend, s.rope[i])
+            for i in range(s.num_layers)
+        )
+        self.norm = make_norm(s.norm, s.hidden_size, uk) if s.final_norm else None
+        self.project_out = (
+            nn.Linear(s.hidden_size, embed_dim, bias=False) if s.project_dim else None
+        )
+        self.tied = s.tied
+        if not self.tied:
+            self.lm_head = nn.Linear(embed_dim, s.vocab_size, bias=s.lm_head_bias)
+        elif s.lm_head_bias:
+            self.lm_head_bias = nn.Parameter(torch.zeros(s.vocab_size))
+        self.packed_lm_head = None
+
+    def _attention_spec(self, i: int, slopes: torch.Tensor | None = None) -> AttentionSpec:
+        s = self.spec
+        return AttentionSpec(
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            scale=s.scale if s.scale is not None else s.head_dim**-0.5,
+            sliding_window=s.windows[i],
+            **({"logit_softcap": s.attn_softcap} if s.attn_softcap is not None else {}),
+            **({"alibi_slopes": slopes} if slopes is not None else {}),
+        )
+
+    def materialize(self, device: torch.device) -> DecoderModel:
+        """Storage on `device` for a model built on the meta device: the weights uninitialised
+        (`load_weights` or `init_dummy_weights` fills them), the rope tables and ALiBi slopes
+        computed."""
+        self.to_empty(device=device)
+        orig_max = getattr(self.config, "max_position_embeddings", None) or self.max_position
+        self.rope_caches = [
+            rope_table(r.params_dict(), r.rot_dim, self.max_position, orig_max).to(device)
+            for r in self.rope_specs
+        ]
+        if self.spec.alibi_scale is not None:
+            slopes = (alibi_slopes(self.spec.num_heads) * self.spec.alibi_scale).to(device)
+            self.alibi_slopes = slopes
+            for i, layer in enumerate(self.layers):
+                layer.self_attn.spec = self._attention_spec(i, slopes)
+        return self
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states of every token, after the final norm: [T, hidden]."""
+        s = self.spec
+        x = self.embed_tokens(input_ids)
+        if s.embed_scale is not None:
+            x = x * torch.tensor(s.embed_scale, dtype=x.dtype)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions + s.position_offset)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        steps = [
+            rotary_step(
+                cache,
+                positions,
+                x.dtype,
+                self.use_kernels,
+                gather=r.is_neox and r.rot_dim == s.head_dim,
+            )
+            for cache, r in zip(self.rope_caches, self.rope_specs)
+        ]
+        residual = None
+        for layer, cache, r in zip(self.layers, kv_caches, self.rope_of_layer):
+            x, residual = layer(x, residual, None if r is None else steps[r], cache, meta)
+        x, _ = _add_norm(self.norm, x, residual)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if self.packed_lm_head is not None:
+            logits = self.packed_lm_head(hidden)
+        elif self.tied:
+            logits = F.linear(hidden, self.embed_tokens.weight, getattr(self, "lm_head_bias", None))
+        else:
+            logits = self.lm_head(hidden)
+        if s.logit_scale != 1.0:
+            logits = logits * s.logit_scale
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return logits
+
+    def optimize_for_cpu(self) -> None:
+        """Packs the linear layers for oneDNN (after weights are loaded, float32 only)."""
+        if self.embed_tokens.weight.dtype != torch.float32 or not pack_linears_for_cpu(self):
+            return
+        if self.tied:  # the embedding itself stays plain for the lookup
+            bias = getattr(self, "lm_head_bias", None)
+            self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight)
+            self.packed_lm_head.bias = None if bias is None else bias.detach()
+        else:
+            self.packed_lm_head = self.lm_head
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies each checkpoint tensor into its place (see `WeightNames`); raises KeyError for
+        a tensor with no place and for parameters the checkpoint leaves unset."""
+        names = self.spec.names
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        layer_prefix = names.layers_prefix + "."
+        for name, tensor in weights:
+            if any(part in name for part in names.ignore):
+                continue
+            module, _, kind = name.rpartition(".")
+            if module.startswith(layer_prefix):
+                idx, _, local = module[len(layer_prefix) :].partition(".")
+                target = names.layer.get(local)
+                prefix = f"layers.{idx}."
+            else:
+                target = names.top.get(module)
+                prefix = ""
+            if target is None:
+                if module in ("lm_head",) and self.tied:
+                    continue  # a tied checkpoint may still save the head
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
+            internal, how = (target, None) if isinstance(target, str) else target
+            pname = f"{prefix}{internal}.{kind}"
+            if pname not in params:
+                raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {pname!r}")
+            self._place(params[pname], pname, how, tensor, loaded)
+        missing = [p for p, t in params.items() if not self._complete(p, t, loaded)]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @staticmethod
+    def _complete(pname: str, param: torch.Tensor, loaded: set[str]) -> bool:
+        """Whether the checkpoint filled `pname`: whole, or every one of its parts (the three
+        of a qkv_proj, the two of a gate_up_proj, each head of a per-head norm)."""
+        if pname in loaded:
+            return True
+        parts = sum(1 for name in loaded if name.startswith(pname + "#"))
+        target = pname.rsplit(".", 2)[-2]
+        need = {"qkv_proj": 3, "gate_up_proj": 2}.get(target, param.shape[0])
+        return parts > 0 and parts == need
+
+    _SHARDS = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+
+    def _place(self, param, pname, how, tensor, loaded: set[str]) -> None:
+        s = self.spec
+        data = param.data
+        if how in self._SHARDS:
+            i = self._SHARDS[how]
+            if how in ("q", "k", "v"):
+                sizes = [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2
+            else:
+                sizes = [data.shape[0] // 2] * 2
+            data.narrow(0, sum(sizes[:i]), sizes[i]).copy_(tensor)
+            loaded.add(f"{pname}#{i}")
+            return
+        if how == "t":
+            tensor = tensor.t()
+        elif how == "qkv_heads":  # [H, 3, D, ...] -> [3, H, D, ...]
+            h, d = s.num_heads, s.head_dim
+            tensor = tensor.reshape(h, 3, d, *tensor.shape[1:]).transpose(0, 1)
+        elif how == "qkv_grouped":  # [KVH, G + 2, D, ...] -> q rows, then k, then v
+            kvh, d = s.num_kv_heads, s.head_dim
+            g = s.num_heads // kvh
+            t = tensor.reshape(kvh, g + 2, d, *tensor.shape[1:])
+            tensor = torch.cat(
+                [t[:, :g].flatten(0, 2), t[:, g].flatten(0, 1), t[:, g + 1].flatten(0, 1)]
+            )
+        elif how is not None and how.startswith("head:"):
+            data[int(how[5:])].copy_(tensor)
+            loaded.add(f"{pname}#{how}")
+            return
+        elif how is not None:
+            raise ValueError(f"unknown weight placement {how!r}")
+        if s.norm_weight_offset and pname.endswith("norm.weight"):
+            tensor = tensor.float() + s.norm_weight_offset
+        data.copy_(tensor.reshape(data.shape))
+        loaded.add(pname)
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights from the config alone (LOAD_FORMAT=dummy), for benchmarks."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            elif name.endswith("norm.bias") or name.endswith(".bias"):
+                p.data.zero_()
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
