@@ -82,6 +82,18 @@ def _config(name: str, tok):
         return transformers.StableLmConfig(**tiny_dims(tok), use_parallel_residual=True)
     if name == "starcoder2":
         return transformers.Starcoder2Config(**tiny_dims(tok), sliding_window=16)
+    if name == "smollm3":
+        return transformers.SmolLM3Config(
+            **tiny_dims(tok, num_hidden_layers=4), no_rope_layer_interval=2
+        )
+    if name == "glm":
+        return transformers.GlmConfig(**tiny_dims(tok, head_dim=16), attention_bias=True)
+    if name == "glm4":
+        return transformers.Glm4Config(**tiny_dims(tok, head_dim=16), attention_bias=True)
+    if name == "exaone4":
+        return transformers.Exaone4Config(
+            **tiny_dims(tok, num_hidden_layers=4), sliding_window=16, sliding_window_pattern=2
+        )
     raise ValueError(name)
 
 
@@ -99,6 +111,10 @@ FAMILIES = [
     "stablelm",
     "stablelm_parallel",
     "starcoder2",
+    "smollm3",
+    "glm",
+    "glm4",
+    "exaone4",
 ]
 
 
@@ -107,3 +123,21 @@ def test_family_greedy_equals_transformers(tmp_path, name):
     config = _config(name, build_tokenizer())
     path = save_family_model(str(tmp_path / name), config)
     assert_matches_transformers(path)
+
+
+def test_unsupported_architecture_names_every_family(tmp_path):
+    from serverless_llm import LLM
+    from serverless_llm.engine import UnsupportedModelError
+
+    config = transformers.LlamaConfig(**tiny_dims(build_tokenizer()))
+    path = save_family_model(str(tmp_path / "fancy"), config)
+    import json
+
+    cfg_path = tmp_path / "fancy" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError) as e:
+        LLM(path, num_kv_blocks=16, max_model_len=64)
+    for arch in ("FancyNewForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "docs/models.md"):
+        assert arch in str(e.value)

@@ -305,3 +305,69 @@ def starcoder2(config) -> DecoderSpec:
         gated=False,
         mlp_bias=bias,
     )
+
+
+# -- plain variants of the above (transformers' modular files derive them in a few lines) -------
+
+
+@family("SmolLM3ForCausalLM")
+def smollm3(config) -> DecoderSpec:
+    # Every n-th layer has no rotary at all (no_rope_layers[i] == 0).
+    rope = rope_of(config, head_dim_of(config))
+    use = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
+    return llama_like(config, rope=tuple(r if u else None for r, u in zip(rope, use)))
+
+
+GLM_FUSED = {"mlp.gate_up_proj": "mlp.gate_up_proj"}
+
+
+@family("GlmForCausalLM")
+def glm(config) -> DecoderSpec:
+    # Phi-3's fused gate_up_proj, q/k/v bias without o bias, partial rotary in the gpt-j layout.
+    d = head_dim_of(config)
+    return llama_like(
+        config,
+        names=llama_names(**GLM_FUSED),
+        o_bias=False,
+        rope=rope_of(config, d, is_neox=False),
+    )
+
+
+@family("Glm4ForCausalLM")
+def glm4(config) -> DecoderSpec:
+    names = llama_names(
+        **GLM_FUSED,
+        post_self_attn_layernorm="post_attn_norm",
+        post_attention_layernorm="mlp_norm",
+        post_mlp_layernorm="post_mlp_norm",
+    )
+    return llama_like(
+        config,
+        names=names,
+        layer_norms=("in", "post_attn", "mlp", "post_mlp"),
+        o_bias=False,
+        rope=rope_of(config, head_dim_of(config), is_neox=False),
+    )
+
+
+@family("Exaone4ForCausalLM")
+def exaone4(config) -> DecoderSpec:
+    # OLMo 2's post-norms and Qwen 3's per-head q/k norms; with sliding layers, the global
+    # layers have no rotary.
+    windows = sliding_windows(config)
+    rope = rope_of(config, head_dim_of(config))
+    if any(w is not None for w in windows):
+        rope = tuple(r if w is not None else None for r, w in zip(rope, windows))
+    names = llama_names(
+        post_attention_layernorm="post_attn_norm",
+        post_feedforward_layernorm="post_mlp_norm",
+        **{"self_attn.q_norm": "self_attn.q_norm", "self_attn.k_norm": "self_attn.k_norm"},
+    )
+    return llama_like(
+        config,
+        names=names,
+        layer_norms=("post_attn", "post_mlp"),
+        qk_norm="rms_head",
+        windows=windows,
+        rope=rope,
+    )
