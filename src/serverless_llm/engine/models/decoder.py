@@ -77,12 +77,15 @@ class WeightNames:
     - "head:<h>": the row h of a per-head norm weight [heads, head_dim] (StableLM).
 
     Tensors whose name contains one of `ignore` are buffers a checkpoint may carry (rotary
-    tables, causal masks) and are skipped."""
+    tables, causal masks) and are skipped. A checkpoint saved from the bare base model (GPT-2's
+    and OPT's own) names its tensors without the head model's prefix: a name that starts
+    neither with `base_prefix` nor with one of `top`'s is read with `base_prefix` before it."""
 
     layers_prefix: str
     layer: dict
     top: dict
     ignore: tuple[str, ...] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+    base_prefix: str = ""
 
 
 @dataclass
@@ -107,7 +110,10 @@ class DecoderSpec:
     # attention
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: str | None = None  # "rms_head" | "rms_full" | "layer_head"
+    # "rms_head" (RMSNorm over head_dim, shared by the heads) | "rms_full" (over all heads) |
+    # "layer_head" (LayerNorm, a weight per head) | "layer_head_shared" (LayerNorm with weight
+    # and bias over head_dim, shared by the heads: Phi)
+    qk_norm: str | None = None
     qk_norm_eps: float | None = None  # default: norm.eps
     scale: float | None = None  # default: head_dim ** -0.5
     attn_softcap: float | None = None
@@ -201,6 +207,9 @@ class Attention(nn.Module):
         elif s.qk_norm == "layer_head":
             self.q_norm = HeadLayerNorm(h, d, eps)
             self.k_norm = HeadLayerNorm(kvh, d, eps)
+        elif s.qk_norm == "layer_head_shared":
+            self.q_norm = LayerNorm(d, eps, use_kernels=backend.use_kernels)
+            self.k_norm = LayerNorm(d, eps, use_kernels=backend.use_kernels)
         elif s.qk_norm is not None:
             raise ValueError(f"unknown q/k norm {s.qk_norm!r}")
 
@@ -215,7 +224,7 @@ class Attention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "rms_head":
+        if self.qk_norm in ("rms_head", "layer_head_shared"):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         elif self.qk_norm == "layer_head":
@@ -443,6 +452,13 @@ class DecoderModel(nn.Module):
             if any(part in name for part in names.ignore):
                 continue
             module, _, kind = name.rpartition(".")
+            if module == "lm_head" and self.tied:  # a tied checkpoint may still save the head
+                if kind == "bias" and "lm_head_bias" in params:
+                    self._place(params["lm_head_bias"], "lm_head_bias", None, tensor, loaded)
+                continue
+            if names.base_prefix and not module.startswith(names.base_prefix):
+                if not any(module == t or module.startswith(t + ".") for t in names.top):
+                    module = names.base_prefix + module
             if module.startswith(layer_prefix):
                 idx, _, local = module[len(layer_prefix) :].partition(".")
                 target = names.layer.get(local)
@@ -451,8 +467,6 @@ class DecoderModel(nn.Module):
                 target = names.top.get(module)
                 prefix = ""
             if target is None:
-                if module in ("lm_head",) and self.tied:
-                    continue  # a tied checkpoint may still save the head
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
             internal, how = (target, None) if isinstance(target, str) else target
             pname = f"{prefix}{internal}.{kind}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import families_gpt  # noqa: F401  (registers its families)
 from .decoder import DecoderSpec
 from .families import FAMILIES
 
