@@ -28,3 +28,15 @@ def test_endpoint_tiny(tiny_llama, tmp_path):
     report = run.report
     assert report["offline_tok_s"] > 0 and report["endpoint_tok_s"] > 0
     assert len(report["rounds"]) == 1 and report["rounds"][0]["endpoint_s"] > 0
+
+
+def test_families_tiny(tiny_llama, tmp_path):
+    """The families benchmark: tiny models of two families (the Llama reference and Gemma 2),
+    the engine and generate_batch each in its own process."""
+    run = run_bench("families.py", tiny_llama, tmp_path, timeout=400)
+    assert run.summary.startswith("SUMMARY families=2 "), run.stdout[-4000:]
+    results = run.report["results"]
+    assert set(results) == {"llama", "gemma2"}
+    for r in results.values():
+        assert r["engine"]["tok_s"] > 0 and r["generate_batch"]["tok_s"] > 0
+    assert results["llama"]["vs_llama"] == 1.0

@@ -1,0 +1,423 @@
+"""Families: no model family falls to a slow path. For each family, a dummy-weight model of about
+100M parameters in that family's shape (its own transformers config class, its characteristic
+options on), N chat prompts x M greedy tokens (EOS ignored): this engine (`LLM.generate`, all at
+once) against transformers' `generate_batch` (its continuous batching), each system in its own
+process, one family after the other. The ratio engine / generate_batch of each family is then
+compared with the Llama shape's ratio in the same run.
+
+Bars (issue 12): every family's ratio >= 0.9 x the Llama shape's, and >= 2x.
+
+    .venv/bin/python bench/families.py                       # every family, 32 x 64 tokens
+    .venv/bin/python bench/families.py --families llama,gemma2,gpt2 --json out.json
+    .venv/bin/python bench/families.py --tiny                # CI smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
+    chat_prompt_ids,
+    cpu_model_name,
+    default_model_dir,
+    format_table,
+    load_average,
+    machine_info,
+    set_threads,
+)
+
+BAR_VS_LLAMA = 0.9
+BAR_VS_GENERATE_BATCH = 2.0
+
+# The shared shape: ~85M parameters in the layers plus the embedding (vocab of the SmolLM2
+# tokenizer): hidden 768, 12 layers, 12 heads of 64. Gated MLPs are 2048 wide, plain ones 3072,
+# so both cost the same.
+DIMS = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12)
+TINY_DIMS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def family_configs(tokenizer, tiny: bool) -> dict[str, Any]:
+    """name -> a transformers config in that family's shape, its twists on."""
+    import transformers as t
+
+    d = TINY_DIMS if tiny else DIMS
+    h, n, heads = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
+    gated, plain = (128, 256) if tiny else (2048, 3072)
+    kvh = max(1, heads // 3)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    llama = dict(
+        hidden_size=h,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=kvh,
+        intermediate_size=gated,
+        max_position_embeddings=2048,
+        **ids,
+    )
+    window = 64
+    cfgs = {
+        "llama": t.LlamaConfig(**llama),
+        "mistral": t.MistralConfig(**llama, sliding_window=window),
+        "qwen2": t.Qwen2Config(**llama, tie_word_embeddings=True),
+        "qwen3": t.Qwen3Config(**llama, head_dim=h // heads),
+        "gemma": t.GemmaConfig(**llama, head_dim=h // heads),
+        "gemma2": t.Gemma2Config(
+            **llama,
+            head_dim=h // heads,
+            sliding_window=window,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        ),
+        "gemma3": t.Gemma3TextConfig(
+            **llama, head_dim=h // heads, sliding_window=window, architectures=["Gemma3ForCausalLM"]
+        ),
+        "phi3": t.Phi3Config(**llama),
+        "olmo": t.OlmoConfig(**llama, clip_qkv=8.0),
+        "olmo2": t.Olmo2Config(**llama),
+        "granite": t.GraniteConfig(
+            **llama,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.015625,
+            logits_scaling=8.0,
+        ),
+        "cohere": t.CohereConfig(**llama, use_qk_norm=True),
+        "stablelm": t.StableLmConfig(**llama, qk_layernorm=True),
+        "starcoder2": t.Starcoder2Config(**{**llama, "intermediate_size": plain}),
+        "smollm3": t.SmolLM3Config(**llama),
+        "glm4": t.Glm4Config(**llama, head_dim=h // heads),
+        "exaone4": t.Exaone4Config(**llama, sliding_window=window, sliding_window_pattern=4),
+    }
+    gpt = dict(n_embd=h, n_layer=n, n_head=heads, n_inner=plain, n_positions=2048, **ids)
+    optional = {
+        "gpt2": lambda: t.GPT2Config(**gpt),
+        "gpt_bigcode": lambda: t.GPTBigCodeConfig(**gpt, multi_query=True),
+        "gptj": lambda: t.GPTJConfig(**gpt, rotary_dim=(h // heads) // 2),
+        "gpt_neox": lambda: t.GPTNeoXConfig(
+            **{**llama, "intermediate_size": plain}, rotary_pct=0.25
+        ),
+        "opt": lambda: t.OPTConfig(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            ffn_dim=plain,
+            max_position_embeddings=2048,
+            word_embed_proj_dim=h,
+            **ids,
+        ),
+        "phi": lambda: t.PhiConfig(**{**llama, "intermediate_size": plain}),
+        "bloom": lambda: t.BloomConfig(hidden_size=h, n_layer=n, n_head=heads, **ids),
+        "mpt": lambda: t.MptConfig(
+            d_model=h, n_layers=n, n_heads=heads, max_seq_len=2048, expansion_ratio=4, **ids
+        ),
+        "falcon": lambda: t.FalconConfig(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_kv_heads=kvh,
+            new_decoder_architecture=True,
+            **ids,
+        ),
+    }
+    for name, make in optional.items():
+        cfgs[name] = make()
+    return cfgs
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_model(config, tokenizer_dir: str, path: str, seed: int = 0) -> None:
+    """Random weights in the family's shape (the dummy load of both systems, made once so both
+    read the same file), the SmolLM2 tokenizer beside them."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+
+
+# -- one system, in its own process -----------------------------------------------------------
+
+
+def run_system(system: str, model_dir: str, num_prompts: int, max_tokens: int, tiny: bool) -> dict:
+    import torch
+
+    from bench.throughput import (
+        BATCH_TOKENS,
+        PAGE_SIZE,
+        Settings,
+        check_lengths,
+        load_hf_model,
+        run_hf_generate_batch,
+    )
+    from serverless_llm.engine.tokenizer import load_tokenizer
+
+    set_threads()
+    tokenizer = load_tokenizer(model_dir)
+    prompts = chat_prompt_ids(tokenizer, num_prompts)
+    warmup = chat_prompt_ids(tokenizer, num_prompts, lead="Warm-up. ")
+    need = max(map(len, prompts + warmup)) + max_tokens
+    blocks = num_prompts * (-(-need // PAGE_SIZE)) + 8
+    settings = Settings(max_tokens, repeats=1, retries=0 if tiny else 1, settle=0 if tiny else 30)
+    if system == "engine":
+        from serverless_llm import LLM, SamplingParams
+
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=-(-need // PAGE_SIZE) * PAGE_SIZE,
+            block_size=PAGE_SIZE,
+            num_kv_blocks=blocks,
+            max_num_batched_tokens=BATCH_TOKENS,
+        )
+
+        def params(n):
+            return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+
+        def prepare():
+            llm.generate(warmup, params(min(8, max_tokens)))
+
+        def timed():
+            t0 = time.perf_counter()
+            out = llm.generate(prompts, params(max_tokens))
+            return time.perf_counter() - t0, [o.outputs[0].token_ids for o in out]
+
+        run = settings.measure(timed, prepare)
+        seconds, outputs = run.value
+        check_lengths("engine", outputs, num_prompts, max_tokens)
+        other = run.other_cores
+    else:
+        model = load_hf_model(model_dir)
+        result, outputs = run_hf_generate_batch(model, prompts, warmup, blocks, settings)
+        seconds, other = result.seconds, result.other_cores
+    del torch
+    return {
+        "seconds": seconds,
+        "tokens": sum(map(len, outputs)),
+        "tok_s": sum(map(len, outputs)) / seconds,
+        "other_cores": other,
+    }
+
+
+def in_process(system: str, model_dir: str, args) -> dict:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--system",
+        system,
+        "--model-dir",
+        model_dir,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-tokens",
+        str(args.max_tokens),
+        *(["--tiny"] if args.tiny else []),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{system} on {model_dir} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the whole run ----------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--families", default=None, help="comma-separated names, or all (default; --tiny: 2)"
+    )
+    p.add_argument(
+        "--model", help="the tokenizer's model directory (default: the embedded SmolLM2)"
+    )
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--tiny", action="store_true", help="CI smoke size: tiny models, 4 x 8")
+    p.add_argument("--skip-hf", action="store_true", help="the engine only (no ratios)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.num_prompts, args.max_tokens = 4, 8
+    if args.system:
+        return args
+    if args.families is None:
+        args.families = "llama,gemma2" if args.tiny else "all"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.system:
+        print(
+            json.dumps(
+                run_system(
+                    args.system, args.model_dir, args.num_prompts, args.max_tokens, args.tiny
+                )
+            )
+        )
+        return 0
+    from serverless_llm.engine.models import MODEL_REGISTRY
+    from serverless_llm.engine.tokenizer import load_tokenizer
+
+    tok_dir = args.model or default_model_dir()
+    configs = family_configs(load_tokenizer(tok_dir), args.tiny)
+    names = list(configs) if args.families == "all" else args.families.split(",")
+    if "llama" not in names:
+        names.insert(0, "llama")  # the reference shape of every ratio
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; known: {', '.join(configs)}")
+    load_before = load_average()
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench-families-") as root:
+        for name in names:
+            config = configs[name]
+            path = os.path.join(root, name)
+            log(f"{name}: building the model")
+            build_model(config, tok_dir, path)
+            arch = json.loads(Path(path, "config.json").read_text())["architectures"][0]
+            if arch not in MODEL_REGISTRY:
+                log(f"{name}: {arch} is not served by the engine; skipped")
+                continue
+            params = sum(_param_count(path).values())
+            log(f"{name}: engine")
+            engine = in_process("engine", path, args)
+            hf = None
+            if not args.skip_hf:
+                log(f"{name}: transformers generate_batch")
+                hf = in_process("generate_batch", path, args)
+            results[name] = {"arch": arch, "params": params, "engine": engine, "generate_batch": hf}
+            shutil.rmtree(path, ignore_errors=True)
+    base = _ratio(results.get("llama"))
+    for name, r in results.items():
+        ratio = _ratio(r)
+        rel = None if ratio is None or base is None else ratio / base
+        r["ratio"], r["vs_llama"] = ratio, rel
+        rows.append(
+            [
+                name,
+                r["arch"],
+                f"{r['params'] / 1e6:.0f}M",
+                f"{r['engine']['tok_s']:.1f}",
+                "-" if r["generate_batch"] is None else f"{r['generate_batch']['tok_s']:.1f}",
+                "-" if ratio is None else f"{ratio:.2f}x",
+                "-" if rel is None else f"{rel:.2f}",
+                " / ".join(
+                    _cores(r[k]["other_cores"])
+                    for k in ("engine", "generate_batch")
+                    if r[k] is not None
+                ),
+            ]
+        )
+    info = machine_info()
+    print(
+        f"{cpu_model_name()}, {info.get('cores')} cores, SIMD: {cpu_simd_flags()}; "
+        f"{args.num_prompts} prompts x {args.max_tokens} tokens; load before {load_before}, "
+        f"after {load_average()}"
+    )
+    print(
+        format_table(
+            [
+                "family",
+                "architecture",
+                "params",
+                "engine tok/s",
+                "generate_batch tok/s",
+                "ratio",
+                "vs llama",
+                "others' cores",
+            ],
+            rows,
+        )
+    )
+    ratios = {n: r["ratio"] for n, r in results.items() if r["ratio"] is not None}
+    rels = {n: r["vs_llama"] for n, r in results.items() if r["vs_llama"] is not None}
+    if ratios:
+        worst = min(ratios, key=ratios.get)
+        worst_rel = min(rels, key=rels.get)
+        meets = ratios[worst] >= BAR_VS_GENERATE_BATCH and rels[worst_rel] >= BAR_VS_LLAMA
+        print(
+            f"lowest ratio {worst} {ratios[worst]:.2f}x (bar >= {BAR_VS_GENERATE_BATCH}x); "
+            f"lowest vs llama {worst_rel} {rels[worst_rel]:.2f} (bar >= {BAR_VS_LLAMA}): "
+            + ("meets" if meets else "misses")
+        )
+        print(
+            f"SUMMARY families={len(ratios)} min_ratio={ratios[worst]:.2f} ({worst}) "
+            f"min_vs_llama={rels[worst_rel]:.2f} ({worst_rel})"
+        )
+    else:
+        print(f"SUMMARY families={len(results)} (engine only)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "results": results}, indent=2))
+    return 0
+
+
+def _param_count(path: str) -> dict[str, int]:
+    from safetensors import safe_open
+
+    counts = {}
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            counts[key] = f.get_slice(key).get_shape()
+    out = {}
+    for key, shape in counts.items():
+        n = 1
+        for s in shape:
+            n *= s
+        out[key] = n
+    return out
+
+
+def _cores(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
+def cpu_simd_flags() -> str:
+    """The vector extensions of this CPU that matter to matmul speed (printed with every run:
+    machines differ from session to session)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(w for w in wanted if w in have) or "none of avx2/avx512"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _ratio(r: dict | None) -> float | None:
+    if r is None or r.get("generate_batch") is None:
+        return None
+    return r["engine"]["tok_s"] / r["generate_batch"]["tok_s"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
