@@ -120,6 +120,7 @@ class DecoderSpec:
     windows: tuple[int | None, ...] | None = None  # per layer; None: no sliding window
     clip_qkv: float | None = None
     alibi_scale: float | None = None  # ALiBi, slopes times this (Falcon scales them by `scale`)
+    alibi_bias_max: float = 8.0  # the slopes' geometric sequence ends at 2 ** -this (MPT's)
     # positions
     rope: tuple[RopeSpec | None, ...] | None = None  # per layer; None everywhere: no rope
     learned_positions: int = 0  # table size of learned absolute positions (GPT-2, OPT)
@@ -172,15 +173,15 @@ class HeadLayerNorm(nn.Module):
         return (h * self.weight.float()).to(x.dtype)
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The ALiBi slopes of Press et al. (Bloom's, MPT's with the default max bias of 8, Falcon's):
-    a geometric sequence from the nearest power of two, interleaved past it."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
-    slopes = [base ** (i + 1) for i in range(closest)]
-    if closest != num_heads:
-        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
-        slopes += [extra ** (i + 1) for i in range(0, 2 * (num_heads - closest), 2)]
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
+    """The ALiBi slopes of Press et al., in MPT's general form: over n2, the power of two at or
+    above num_heads, 2 ** (-bias_max * i / n2) for i = 1..n2; past a power of two the even i
+    first, then the odd ones, the first num_heads of them. With bias_max 8 these are Bloom's and
+    Falcon's slopes (a sequence from the power of two below, interleaved past it)."""
+    n2 = 2 ** math.ceil(math.log2(num_heads))
+    slopes = [2.0 ** (-bias_max * (i + 1) / n2) for i in range(n2)]
+    if n2 != num_heads:
+        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
     return torch.tensor(slopes, dtype=torch.float32)
 
 
@@ -368,7 +369,8 @@ class DecoderModel(nn.Module):
             for r in self.rope_specs
         ]
         if self.spec.alibi_scale is not None:
-            slopes = (alibi_slopes(self.spec.num_heads) * self.spec.alibi_scale).to(device)
+            slopes = alibi_slopes(self.spec.num_heads, self.spec.alibi_bias_max)
+            slopes = (slopes * self.spec.alibi_scale).to(device)
             self.alibi_slopes = slopes
             for i, layer in enumerate(self.layers):
                 layer.self_attn.spec = self._attention_spec(i, slopes)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import families_gpt  # noqa: F401  (registers its families)
+from . import families_alibi, families_gpt  # noqa: F401  (they register their families)
 from .decoder import DecoderSpec
 from .families import FAMILIES
 
