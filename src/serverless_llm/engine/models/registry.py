@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import families_alibi, families_gpt  # noqa: F401  (they register their families)
+from . import families_alibi, families_gpt, families_remote  # noqa: F401  (they register)
 from .decoder import DecoderSpec
 from .families import FAMILIES
 
@@ -19,7 +19,12 @@ def describe_model(config) -> DecoderSpec:
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:
-            spec = MODEL_REGISTRY[arch](config)
+            try:
+                spec = MODEL_REGISTRY[arch](config)
+            except (ValueError, KeyError, AttributeError, TypeError) as e:
+                # An option the engine does not implement, or a config without a field the
+                # family needs: a load error naming both, not a crash.
+                raise UnsupportedModelError(f"{arch}: {e}") from e
             spec.arch = arch
             return spec
     raise UnsupportedModelError(
