@@ -236,3 +236,13 @@ def test_prefix_caching_changes_no_token(engine_model):
     assert llm.engine.block_pool.hits >= 5 * (len(prompts) - 1)
     assert first[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in rest] == expected
+
+
+def test_config_without_a_length_serves_the_default(tmp_path):
+    """Bloom's config names no maximum length: the engine serves 2048 tokens (vLLM's default)
+    instead of refusing to start."""
+    from serverless_llm.engine.model_builder import DEFAULT_MAX_MODEL_LEN
+
+    path = save_family_model(str(tmp_path / "bloom"), _config("bloom", build_tokenizer()))
+    llm = LLM(path, num_kv_blocks=2048 // 16 + 1)
+    assert llm.engine.max_model_len == DEFAULT_MAX_MODEL_LEN

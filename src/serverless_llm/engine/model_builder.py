@@ -4,6 +4,7 @@ and the number of KV cache blocks the memory left can hold."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,10 @@ from .layers.attention import (
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
 from .models import DecoderModel, describe_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048  # for a config that names no maximum length
 
 
 @dataclass
@@ -109,7 +114,12 @@ def max_model_len_of(hf_config, requested: int | None) -> int:
             break
     if requested is None:
         if limit is None:
-            raise ConfigError("the model config gives no maximum length: set max_model_len")
+            # Bloom's config names no length (ALiBi has no table to run out of): vLLM's default.
+            logger.warning(
+                "the model config gives no maximum length; serving %d tokens (set max_model_len)",
+                DEFAULT_MAX_MODEL_LEN,
+            )
+            return DEFAULT_MAX_MODEL_LEN
         return limit
     if limit is not None and requested > limit:
         raise ConfigError(f"max_model_len={requested} exceeds the model's maximum length {limit}")
