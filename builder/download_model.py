@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serverless_llm.engine.config import ConfigError
     from serverless_llm.engine.loader import ModelLoadError, load_hf_config, resolve_model
-    from serverless_llm.engine.models import model_class_for
+    from serverless_llm.engine.models import describe_model
     from serverless_llm.engine.tokenizer import load_tokenizer
     from serverless_llm.worker.settings import Settings, SettingsError
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         resolved = resolve_model(cfg)
         # What the worker will do at start, so a model it cannot serve fails the build instead.
         hf_config = load_hf_config(resolved, trust_remote_code=cfg.trust_remote_code)
-        model_class_for(hf_config)
+        describe_model(hf_config)
         load_tokenizer(resolved.tokenizer_dir, trust_remote_code=cfg.trust_remote_code)
     except (ModelLoadError, ConfigError) as e:
         return fail(str(e), 1)

@@ -13,9 +13,8 @@ import torch
 import transformers
 
 from serverless_llm import LLM, SamplingParams
-from serverless_llm.engine.models import describe_model
+from serverless_llm.engine.models import UnsupportedModelError, describe_model
 from serverless_llm.engine.models.decoder import alibi_slopes
-from serverless_llm.engine.models.families_alibi import UnsupportedConfigError
 from tests.engine.family_check import assert_matches_transformers, save_family_model, tiny_dims
 from tests.tiny_models import build_tokenizer
 
@@ -150,7 +149,7 @@ def test_unsupported_options_are_refused_by_name(name, change, words):
             value = transformers.models.mpt.configuration_mpt.MptAttentionConfig(**value)
         setattr(config, key, value)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
-    with pytest.raises(UnsupportedConfigError, match=words):
+    with pytest.raises(UnsupportedModelError, match=words):
         describe_model(config)
 
 
