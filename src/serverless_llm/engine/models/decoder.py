@@ -330,7 +330,6 @@ class DecoderModel(nn.Module):
         )
         self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in s.rope]
         self.rope_caches: list[torch.Tensor] = []
-        self.alibi_slopes: torch.Tensor | None = None  # set by materialize
         self.layers = nn.ModuleList(
             DecoderLayer(s, self._attention_spec(i), backend, s.rope[i])
             for i in range(s.num_layers)
@@ -354,8 +353,8 @@ class DecoderModel(nn.Module):
             head_dim=s.head_dim,
             scale=s.scale if s.scale is not None else s.head_dim**-0.5,
             sliding_window=s.windows[i],
-            **({"logit_softcap": s.attn_softcap} if s.attn_softcap is not None else {}),
-            **({"alibi_slopes": slopes} if slopes is not None else {}),
+            logit_softcap=s.attn_softcap,
+            alibi_slopes=slopes,
         )
 
     def materialize(self, device: torch.device) -> DecoderModel:
@@ -371,7 +370,6 @@ class DecoderModel(nn.Module):
         if self.spec.alibi_scale is not None:
             slopes = alibi_slopes(self.spec.num_heads, self.spec.alibi_bias_max)
             slopes = (slopes * self.spec.alibi_scale).to(device)
-            self.alibi_slopes = slopes
             for i, layer in enumerate(self.layers):
                 layer.self_attn.spec = self._attention_spec(i, slopes)
         return self
