@@ -44,6 +44,20 @@ def num_kv_heads_of(config) -> int:
     return _get(config, "num_key_value_heads") or config.num_attention_heads
 
 
+def base_shape(config, head_dim: int | None = None) -> dict:
+    """The DecoderSpec fields every family reads the same way (the KV heads, MLP width and
+    everything else are the family's own)."""
+    heads = config.num_attention_heads
+    return dict(
+        arch=(config.architectures or ["?"])[0],
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        head_dim=head_dim or config.hidden_size // heads,
+    )
+
+
 def sliding_windows(config) -> tuple[int | None, ...]:
     """The window of each layer: transformers 5 names layer kinds in `layer_types`; older
     configs put one `sliding_window` on every layer (Qwen2/3 only with use_sliding_window)."""
@@ -102,13 +116,8 @@ def llama_like(config, **overrides) -> DecoderSpec:
     d = head_dim_of(config)
     bias = bool(getattr(config, "attention_bias", False))
     kw = dict(
-        arch=(config.architectures or ["?"])[0],
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
+        **base_shape(config, d),
         num_kv_heads=num_kv_heads_of(config),
-        head_dim=d,
         intermediate_size=config.intermediate_size,
         names=llama_names(),
         norm=NormSpec("rms", _get(config, "rms_norm_eps", default=1e-6)),

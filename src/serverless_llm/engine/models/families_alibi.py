@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from .decoder import DecoderSpec, NormSpec, WeightNames
-from .families import _get, family, rope_of
+from .families import _get, base_shape, family, rope_of
 
 
 class UnsupportedConfigError(ValueError):
@@ -26,14 +26,8 @@ def _refuse(arch: str, what: str) -> UnsupportedConfigError:
 
 def _common(config, **kw) -> dict:
     """What every family here reads the same way."""
-    h = config.num_attention_heads
     return dict(
-        arch=(config.architectures or ["?"])[0],
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=h,
-        head_dim=config.hidden_size // h,
+        **base_shape(config),
         tied=bool(getattr(config, "tie_word_embeddings", True)),
         gated=False,
         **kw,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..layers.rotary import rope_parameters
 from .decoder import DecoderSpec, NormSpec, RopeSpec, WeightNames
-from .families import _get, family, num_kv_heads_of, rope_of
+from .families import _get, base_shape, family, num_kv_heads_of, rope_of
 
 
 def _arch(config) -> str:
@@ -58,13 +58,8 @@ def _gpt2_common(config, num_kv_heads: int, names: WeightNames) -> DecoderSpec:
     hidden, heads = config.hidden_size, config.num_attention_heads
     d = hidden // heads
     return DecoderSpec(
-        arch=_arch(config),
-        vocab_size=config.vocab_size,
-        hidden_size=hidden,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
+        **base_shape(config, d),
         num_kv_heads=num_kv_heads,
-        head_dim=d,
         intermediate_size=config.n_inner or 4 * hidden,
         names=names,
         norm=NormSpec("layer", config.layer_norm_epsilon, bias=True),
@@ -119,13 +114,8 @@ def gptj(config) -> DecoderSpec:
     }
     top = {"transformer.wte": "embed_tokens", "transformer.ln_f": "norm", "lm_head": "lm_head"}
     return DecoderSpec(
-        arch=_arch(config),
-        vocab_size=config.vocab_size,
-        hidden_size=hidden,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
+        **base_shape(config, d),
         num_kv_heads=heads,
-        head_dim=d,
         intermediate_size=config.n_inner or 4 * hidden,
         names=WeightNames("transformer.h", layer, top, base_prefix="transformer."),
         norm=NormSpec("layer", config.layer_norm_epsilon, bias=True),
@@ -170,13 +160,8 @@ def gpt_neox(config) -> DecoderSpec:
     }
     ignore = WeightNames.ignore + (".attention.bias", ".attention.masked_bias")
     return DecoderSpec(
-        arch=_arch(config),
-        vocab_size=config.vocab_size,
-        hidden_size=hidden,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
+        **base_shape(config, d),
         num_kv_heads=heads,
-        head_dim=d,
         intermediate_size=config.intermediate_size,
         names=WeightNames("gpt_neox.layers", layer, top, ignore, base_prefix="gpt_neox."),
         norm=NormSpec("layer", config.layer_norm_eps, bias=True),
@@ -224,13 +209,8 @@ def opt(config) -> DecoderSpec:
         "lm_head": "lm_head",
     }
     return DecoderSpec(
-        arch=_arch(config),
-        vocab_size=config.vocab_size,
-        hidden_size=hidden,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
+        **base_shape(config, d),
         num_kv_heads=heads,
-        head_dim=d,
         intermediate_size=config.ffn_dim,
         names=WeightNames("model.decoder.layers", layer, top, base_prefix="model."),
         # nn.LayerNorm's default eps; without elementwise_affine neither weight nor bias.
@@ -276,13 +256,8 @@ def phi(config) -> DecoderSpec:
         "lm_head": "lm_head",
     }
     return DecoderSpec(
-        arch=_arch(config),
-        vocab_size=config.vocab_size,
-        hidden_size=hidden,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
+        **base_shape(config, d),
         num_kv_heads=num_kv_heads_of(config),
-        head_dim=d,
         intermediate_size=config.intermediate_size,
         names=WeightNames("model.layers", layer, top),
         norm=NormSpec("layer", config.layer_norm_eps, bias=True),
