@@ -25,7 +25,7 @@ class Batch:
     q: torch.Tensor  # [T, H, D]
     k: torch.Tensor  # [T, KVH, D]
     v: torch.Tensor
-    kv_cache: torch.Tensor  # [2, NB, bs, KVH, D], context already written
+    kv_cache: torch.Tensor  # [2, NB, bs, KVH, D] (logical), context already written
     meta: AttentionMetadata
     spec: AttentionSpec
 
@@ -42,8 +42,11 @@ def make_batch(
     num_padding: int = 0,
     seed: int = 0,
     device: str | torch.device = DEVICE,
+    head_major: bool = False,
 ) -> Batch:
-    """`requests`: (context_len, query_len) pairs; decodes (query_len 1) are moved first."""
+    """`requests`: (context_len, query_len) pairs; decodes (query_len 1) are moved first.
+    `head_major`: the cache's memory laid out as the torch backend allocates it (same values,
+    same logical shape; see `allocate_kv_cache`)."""
     g = torch.Generator().manual_seed(seed)
     reqs = sorted(requests, key=lambda r: r[1] != 1)
     seq_lens = [c + n for c, n in reqs]
@@ -67,6 +70,8 @@ def make_batch(
         return torch.randn(*shape, generator=g).to(dtype)
 
     kv_cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
+    if head_major:
+        kv_cache = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
     q, k, v = (
         rand(T, num_heads, head_dim),
         rand(T, num_kv_heads, head_dim),

@@ -52,6 +52,7 @@ def _batch(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     seed: int = 0,
+    head_major: bool = False,
 ) -> Batch:
     softcap, alibi, window = OPTIONS[option]
     batch = make_batch(
@@ -64,6 +65,7 @@ def _batch(
         sliding_window=window,
         num_padding=2,
         seed=seed,
+        head_major=head_major,
     )
     batch.spec = dataclasses.replace(
         batch.spec,
@@ -159,13 +161,49 @@ def test_kernel_split_kv_and_odd_group(dtype):
     _check(batch, out, dtype)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 @DTYPES
-def test_torch_path_matches_reference(dtype, option):
-    batch = _batch(option, dtype, seed=4)
+def test_torch_path_matches_reference(dtype, option, head_major):
+    """On both cache layouts: the torch backend allocates head-major (one gather per layer),
+    the Triton backend token-major (the torch code then gathers by logical index)."""
+    batch = _batch(option, dtype, seed=4, head_major=head_major)
     plan_torch_decodes(batch.meta)
     out = paged_attention_torch(batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, batch.spec)
     _check(batch, out, dtype)
+
+
+def test_gather_blocks_is_layout_free():
+    """The head-major fast path (one index_select of (block, head) rows) and the logical gather
+    of any other layout read the same keys in the same order."""
+    batch = _batch("alibi", torch.float32, num_heads=6, num_kv_heads=3, seed=6)
+    head_major = batch.kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+    blocks = batch.meta.block_tables[:3]
+    a = pa.gather_blocks(batch.kv_cache[1], blocks)
+    b = pa.gather_blocks(head_major[1], blocks)
+    assert a.shape == (3, 3, blocks.shape[1] * 16, 64)
+    assert torch.equal(a, b)
+    # key j of request 0, head h, is cache slot (table[j // bs], j % bs)
+    j = 37
+    assert torch.equal(a[0, :, j], batch.kv_cache[1, blocks[0, j // 16], j % 16])
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_torch_decode_never_reads_unwritten_values(option):
+    """The torch decode gathers whole blocks; every slot a request has not written (the tail of
+    its last block, table padding past block 0, every other block) is poisoned with NaN, and
+    the output stays equal to the reference's, which reads only written slots."""
+    batch = _batch(option, torch.float32, num_heads=4, num_kv_heads=4, seed=8, head_major=True)
+    written = torch.zeros(batch.kv_cache.shape[1] * 16, dtype=torch.bool)
+    for i, seq_len in enumerate(batch.meta.seq_lens_host):
+        written[pa.key_slots(batch.meta.block_tables[i], seq_len, 16)] = True
+    written[:16] = True  # block 0: zeroed at allocation, the tables' padding
+    poison = (~written).view(-1, 16)
+    batch.kv_cache[:, poison] = float("nan")
+    plan_torch_decodes(batch.meta)
+    out = paged_attention_torch(batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, batch.spec)
+    assert not out.isnan().any()
+    _check(batch, out, torch.float32)
 
 
 def test_torch_explicit_scores_in_row_blocks(monkeypatch):

@@ -20,6 +20,19 @@ from tests.kernels.batch import DEVICE, make_batch  # noqa: E402
 @pytest.mark.parametrize("block_size", [8, 16, 32], ids=lambda b: f"bs{b}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_matches_reference(dtype, block_size, head_dim):
+    _write_both(dtype, block_size, head_dim, head_major=False)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80], ids=lambda d: f"d{d}")
+def test_head_major_cache(head_dim):
+    """The torch backend's cache layout: both writers fill the same logical slots, and the
+    kernel's result equals the token-major write read back logically."""
+    got = _write_both(torch.float32, 16, head_dim, head_major=True)
+    token_major = _write_both(torch.float32, 16, head_dim, head_major=False)
+    assert torch.equal(got, token_major)
+
+
+def _write_both(dtype, block_size, head_dim, head_major):
     batch = make_batch(
         [(45, 1), (0, 1), (50, 2), (19, 7), (40, 33)],
         block_size=block_size,
@@ -29,11 +42,14 @@ def test_matches_reference(dtype, block_size, head_dim):
         dtype=dtype,
         num_padding=3,
         seed=block_size + head_dim,
+        head_major=head_major,
     )
+    assert batch.kv_cache.transpose(2, 3).is_contiguous() == head_major
     expected = batch.kv_cache.clone()
     reshape_and_cache_reference(batch.k, batch.v, expected, batch.meta.slot_mapping)
     reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
     assert torch.equal(batch.kv_cache, expected)
+    return batch.kv_cache
 
 
 def test_strided_inputs_and_interleaved_padding():

@@ -163,9 +163,11 @@ def test_odd_head_dim_and_group(dtype):
     _check(batch, _run(batch, num_splits=3), dtype)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("window", [None, 16], ids=["full", "window16"])
-def test_backend_matches_torch_backend(window):
-    """The engine contract: same inputs, same cache after the write, same output."""
+def test_backend_matches_torch_backend(window, head_major):
+    """The engine contract: same inputs, same cache after the write, same output; on either
+    cache layout (the kernels take the cache's strides)."""
     batch = make_batch(
         MIXED,
         block_size=16,
@@ -175,6 +177,7 @@ def test_backend_matches_torch_backend(window):
         dtype=torch.float32,
         sliding_window=window,
         num_padding=2,
+        head_major=head_major,
     )
     cache_t = batch.kv_cache.clone()
     torch_backend = TorchAttentionBackend()

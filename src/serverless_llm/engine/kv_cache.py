@@ -130,16 +130,33 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    head_major: bool = False,
 ) -> list[torch.Tensor]:
-    """On CPU the cache is left uninitialised: zero-filling gigabytes at start-up cost ~13 s of
+    """One cache per layer, each of logical shape [2, num_blocks, block_size, KVH, D] (K, V).
+
+    `head_major` lays the memory out as [2, num_blocks, KVH, block_size, D] under that same
+    logical shape (a transposed view): each (block, head) pair is then one contiguous row, which
+    the torch backend's decode attention gathers straight into the [heads, keys, dim] order of
+    its matmuls (see `paged_attention.gather_blocks`). The Triton kernels take the strides they
+    are given and work on either layout; the token-major default is what they are tuned for.
+
+    On CPU the cache is left uninitialised: zero-filling gigabytes at start-up cost ~13 s of
     cold start for a 4 GiB cache, while untouched pages cost nothing until a block is first
-    used. Every slot a request reads was written by it first, except that padded keys of the
-    torch backend read slot 0 (masked, but multiplied by a zero probability, so it must hold
-    finite values): block 0 is zeroed."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    used. A request reads only slots it wrote first, except where the torch backend's decode
+    reads whole blocks (its padding, and the unwritten tail of a last block, are masked out and
+    their values zeroed after the gather) and the padding of block tables, block 0, which is
+    zeroed here so it always holds finite values."""
+    physical = (2, num_blocks, num_kv_heads, block_size, head_dim)
+    if not head_major:
+        physical = (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def one(make):
+        cache = make(physical, dtype=dtype, device=device)
+        return cache.transpose(2, 3) if head_major else cache
+
     if device.type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return [one(torch.zeros) for _ in range(num_layers)]
+    caches = [one(torch.empty) for _ in range(num_layers)]
     for cache in caches:
         cache[:, 0].zero_()
     return caches

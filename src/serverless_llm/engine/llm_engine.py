@@ -73,6 +73,7 @@ class LLMEngine:
             model.head_dim,
             self.dtype,
             self.device,
+            head_major=self.backend.head_major_cache,
         )
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -156,7 +156,14 @@ def _profile_cuda_blocks(
     n = min(max_num_batched_tokens, loaded.max_model_len)
     m = loaded.model
     dummy = allocate_kv_cache(
-        m.num_layers, 1, block_size, m.num_kv_heads, m.head_dim, loaded.dtype, dev
+        m.num_layers,
+        1,
+        block_size,
+        m.num_kv_heads,
+        m.head_dim,
+        loaded.dtype,
+        dev,
+        head_major=loaded.backend.head_major_cache,
     )
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),

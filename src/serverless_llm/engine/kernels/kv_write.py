@@ -1,7 +1,8 @@
 """KV cache write (reshape_and_cache): each new token's K and V into its cache slot, as a Triton
 kernel and as its torch reference.
 
-The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is offset
+The cache of a layer is [2, num_blocks, block_size, num_kv_heads, head_dim] (its logical shape;
+the memory may be head-major inside each block, see `allocate_kv_cache`); slot s is offset
 s % block_size of block s // block_size. A negative slot marks a padding token and is skipped.
 A program of the kernel copies a few whole tokens (all their heads), so each row it moves is
 contiguous. Triton is imported at the kernel's first launch, never for the reference (see
@@ -21,14 +22,15 @@ def reshape_and_cache_reference(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """The torch reference (what the torch backend runs): each token's K and V at its slot;
-    padding slots (< 0) are skipped."""
-    kvh, d = k.shape[1], k.shape[2]
-    flat = kv_cache.view(2, -1, kvh, d)
+    padding slots (< 0) are skipped. Indexed by (block, offset), so it writes any cache layout
+    (the torch backend's is head-major, see `allocate_kv_cache`)."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    block_size = kv_cache.shape[2]
+    at = (slot_mapping // block_size, slot_mapping % block_size)
+    kv_cache[0].index_put_(at, k)
+    kv_cache[1].index_put_(at, v)
 
 
 @jit

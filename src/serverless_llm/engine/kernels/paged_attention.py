@@ -518,30 +518,57 @@ def attention_mask(
     return allowed
 
 
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, rows=None) -> torch.Tensor:
+    """One half of a layer's cache (logical [num_blocks, block_size, KVH, D], any layout) read at
+    `blocks` ([..., n] block ids): [..., KVH, n * block_size, D], contiguous, keys in order.
+
+    On a head-major cache (`allocate_kv_cache(head_major=True)`, the torch backend's) each
+    (block, head) pair is one contiguous row of block_size x D, so this is one index_select of
+    those rows: the result is already in the [heads, keys, dim] order `matmul` wants, with no
+    second copy. `rows` is that row index when the caller has it (`head_rows`). Any other layout
+    is gathered by logical indexing, then reordered (two copies: tests and references only)."""
+    nb, bs, kvh, d = cache.shape
+    lead, n = blocks.shape[:-1], blocks.shape[-1]
+    physical = cache.transpose(1, 2)  # [nb, KVH, bs, D]
+    if physical.is_contiguous():
+        if rows is None:
+            rows = head_rows(blocks, kvh)
+        return physical.view(nb * kvh, bs, d).index_select(0, rows).view(*lead, kvh, n * bs, d)
+    picked = cache[blocks.long()]  # [..., n, bs, KVH, D]
+    return picked.movedim(-2, -4).reshape(*lead, kvh, n * bs, d)
+
+
+def head_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """The head-major cache's (block, head) rows for `blocks` [..., n], flattened in the order
+    [..., head, block]."""
+    heads = torch.arange(num_kv_heads, device=blocks.device)[:, None]
+    return (blocks.long().unsqueeze(-2) * num_kv_heads + heads).reshape(-1)
+
+
 def plan_torch_decodes(meta: AttentionMetadata) -> None:
-    """Once a step, for `paged_attention_torch` in every layer: the decodes' key slots padded to
-    the longest, into meta.backend_state."""
+    """Once a step, for `paged_attention_torch` in every layer: the decodes' blocks (their block
+    table rows cut to the longest decode's blocks) and which key positions of the gathered
+    blocks are real, into meta.backend_state."""
     nd = meta.num_decodes
     if nd == 0:
         return
     device = meta.block_tables.device
     lens = meta.seq_lens[:nd].long()
-    max_len = max(meta.seq_lens_host[:nd])
-    pos = torch.arange(max_len, device=device)
-    blocks = (
-        meta.block_tables[:nd]
-        .long()
-        .gather(
-            1, (pos // meta.block_size).clamp(max=meta.block_tables.shape[1] - 1).expand(nd, -1)
-        )
-    )
-    slots = blocks * meta.block_size + pos % meta.block_size
+    bs = meta.block_size
+    num_blocks = -(-max(meta.seq_lens_host[:nd]) // bs)
+    pos = torch.arange(num_blocks * bs, device=device)
     valid = pos[None, :] < lens[:, None]
-    # Padded keys read slot 0 (always allocated memory) and are masked out.
-    meta.backend_state["decode_slots"] = torch.where(valid, slots, 0)
-    meta.backend_state["decode_valid"] = valid
-    meta.backend_state["decode_pos"] = pos
-    meta.backend_state["decode_last"] = lens - 1
+    st = meta.backend_state
+    # Table padding is block 0: real memory, masked out like every position past a decode's
+    # length.
+    st["decode_blocks"] = meta.block_tables[:nd, :num_blocks].long()
+    st["decode_valid"] = valid
+    st["decode_pos"] = pos
+    st["decode_last"] = lens - 1
+    # Positions past a decode's length in its last block may never have been written (the cache
+    # is not zero-filled): their values are zeroed after the gather, since a zero probability
+    # times NaN would still be NaN. (Their keys are harmless: the mask replaces their scores.)
+    st["decode_unwritten"] = (~valid).nonzero(as_tuple=True)
 
 
 def paged_attention_torch(
@@ -572,19 +599,21 @@ def paged_attention_torch(
 
 def _decode_torch(q, kv_cache, meta, spec):
     st = meta.backend_state
-    slots, valid = st["decode_slots"], st["decode_valid"]
-    nd, L = slots.shape
+    blocks, valid = st["decode_blocks"], st["decode_valid"]
+    nd, L = valid.shape
     kvh, g, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-    flat = kv_cache.view(2, -1, kvh, d)
-    # index_select on the flattened slots takes half the time of `flat[0][slots]` on CPU.
-    # (The math below stays plain matmul + softmax: unlike SDPA's blocked kernel, it gives
-    # each request the same result whatever the padding, so outputs do not depend on what
-    # else is in the batch.)
-    index = slots.reshape(-1)
-    keys = flat[0].index_select(0, index).view(nd, L, kvh, d)
-    values = flat[1].index_select(0, index).view(nd, L, kvh, d)
+    rows = st.get(("decode_rows", kvh))
+    if rows is None:
+        rows = st[("decode_rows", kvh)] = head_rows(blocks, kvh)
+    # (The math below stays plain matmul + softmax: unlike SDPA's blocked kernel, it gives each
+    # request the same result whatever the padding, so outputs do not depend on what else is in
+    # the batch.)
+    keys = gather_blocks(kv_cache[0], blocks, rows)  # [nd, KVH, L, D]
+    values = gather_blocks(kv_cache[1], blocks, rows)
+    n_idx, p_idx = st["decode_unwritten"]
+    values[n_idx, :, p_idx] = 0
     qg = q.view(nd, kvh, g, d)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * spec.scale  # [nd, KVH, G, L]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * spec.scale  # [nd, KVH, G, L]
     if spec.logit_softcap is not None or spec.alibi_slopes is not None:
         scores = _softcap(scores.float(), spec)
         if spec.alibi_slopes is not None:
@@ -595,7 +624,7 @@ def _decode_torch(q, kv_cache, meta, spec):
         mask = mask & (st["decode_last"][:, None] - st["decode_pos"][None, :] < spec.sliding_window)
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    o = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [nd, KVH, G, D]
+    o = torch.matmul(probs, values)  # [nd, KVH, G, D]
     return o.reshape(nd, kvh * g * d)
 
 
@@ -603,14 +632,15 @@ def _prefill_torch(q, k, v, kv_cache, meta, spec, i):
     n = q.shape[0]
     seq_len = meta.seq_lens_host[i]
     ctx = seq_len - n
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, n, D]
     if ctx > 0:
-        slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
-        flat = kv_cache.view(2, -1, spec.num_kv_heads, spec.head_dim)
-        k, v = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+        blocks = meta.block_tables[i, : -(-seq_len // meta.block_size)]
+        kh = gather_blocks(kv_cache[0], blocks)[:, :seq_len]
+        vh = gather_blocks(kv_cache[1], blocks)[:, :seq_len]
     if spec.logit_softcap is not None:
         # tanh between the scores and the softmax: no fused kernel has room for it.
-        return _attend_explicit(q, k, v, ctx, spec)
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return _attend_explicit(q, kh, vh, ctx, spec)
+    qh = q.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
     if ctx == 0 and spec.sliding_window is None and spec.alibi_slopes is None:
         o = F.scaled_dot_product_attention(
@@ -642,13 +672,13 @@ def _slopes(spec: AttentionSpec, device: torch.device, *shape: int) -> torch.Ten
 
 def _attend_explicit(q, k, v, ctx, spec):
     """Attention with the scores materialised (for the soft-cap's tanh): q [n, H, D] at
-    positions ctx.., over keys k, v [L, KVH, D]; float32 scores, a block of query rows at a
+    positions ctx.., over keys k, v [KVH, L, D]; float32 scores, a block of query rows at a
     time so a long prompt's scores stay within SCORE_BUDGET elements."""
-    n, L = q.shape[0], k.shape[0]
+    n, L = q.shape[0], k.shape[1]
     kvh, d = spec.num_kv_heads, spec.head_dim
     g = spec.num_heads // kvh
-    kt = k.permute(1, 2, 0)  # [KVH, D, L]
-    vv = v.transpose(0, 1)  # [KVH, L, D]
+    kt = k.transpose(1, 2)  # [KVH, D, L]
+    vv = v  # [KVH, L, D]
     keys = torch.arange(L, device=q.device)
     slopes = _slopes(spec, q.device, kvh, 1, g, 1) if spec.alibi_slopes is not None else None
     out = torch.empty(n, spec.num_heads * d, dtype=q.dtype, device=q.device)
@@ -682,15 +712,15 @@ def paged_attention_reference(
     kvh, d = spec.num_kv_heads, spec.head_dim
     group = spec.num_heads // kvh
     out = torch.zeros(T, spec.num_heads * d, dtype=q.dtype, device=q.device)
-    flat = kv_cache.view(2, -1, kvh, d)
     qsl = meta.query_start_loc.tolist()
     for i in range(meta.num_requests):
         s, e = qsl[i], qsl[i + 1]
         seq_len = meta.seq_lens_host[i]
         ctx = seq_len - (e - s)
         slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
-        keys = flat[0][slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        values = flat[1][slots].float().repeat_interleave(group, dim=1)
+        at = (slots // meta.block_size, slots % meta.block_size)  # logical: any cache layout
+        keys = kv_cache[0][at].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        values = kv_cache[1][at].float().repeat_interleave(group, dim=1)
         qi = q[s:e].float()  # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", qi, keys) * spec.scale
         if spec.logit_softcap is not None:

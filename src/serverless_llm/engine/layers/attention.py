@@ -36,6 +36,7 @@ __all__ = [
 class AttentionBackend(ABC):
     name: str
     use_kernels: bool = False  # whether the model's other layers run their Triton kernels too
+    head_major_cache: bool = False  # the cache layout it is fastest on (`allocate_kv_cache`)
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step work shared by all layers (index tensors, split plans...)."""
@@ -58,6 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
     kernels/paged_attention.py."""
 
     name = "torch"
+    head_major_cache = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         plan_torch_decodes(meta)
