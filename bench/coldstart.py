@@ -78,15 +78,22 @@ class Phases:
         print(MARK + json.dumps(token), flush=True)
 
 
-def lazy_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-    """The proposed fix, tried without editing the engine: torch.empty instead of torch.zeros, so
-    pages are faulted in as blocks are first used rather than all at start-up. Every slot is
-    written before attention reads it, except slot 0, which the torch decode path reads (masked)
-    for padded keys: it is zeroed so a 0-weight times garbage can never make a NaN."""
+def lazy_kv_cache(
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, head_major=False
+):
+    """The proposed fix, tried without editing the engine (which has since adopted it, so this
+    row now measures the same allocation as the default one): torch.empty instead of
+    torch.zeros, so pages are faulted in as blocks are first used rather than all at start-up.
+    Block 0 is zeroed: the torch decode path reads it (masked) for table padding."""
     import torch
 
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    if head_major:
+        shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
+    else:
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    if head_major:
+        caches = [c.transpose(2, 3) for c in caches]
     for cache in caches:
         cache[:, 0].zero_()
     return caches

@@ -39,4 +39,15 @@ def test_families_tiny(tiny_llama, tmp_path):
     assert set(results) == {"llama", "gemma2"}
     for r in results.values():
         assert r["engine"]["tok_s"] > 0 and r["generate_batch"]["tok_s"] > 0
+        assert r["rounds"] == [
+            {"engine": r["engine"]["tok_s"], "generate_batch": r["generate_batch"]["tok_s"]}
+        ]
     assert results["llama"]["vs_llama"] == 1.0
+
+
+def test_families_rounds_keep_each_systems_best():
+    from bench.families import _best
+
+    slow, fast = {"tok_s": 10.0}, {"tok_s": 12.0}
+    assert _best(slow, fast) is fast and _best(fast, slow) is fast
+    assert _best(None, slow) is slow and _best(slow, None) is slow and _best(None, None) is None

@@ -1,9 +1,11 @@
 """The paged KV cache: a pool of fixed-size blocks, the prefix cache over them, and the
 tensors that hold them.
 
-Layout, shared by every attention backend: one tensor per layer of shape
-`[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys, 1 values). Token `t` of a
-request lives in slot `block_ids[t // block_size] * block_size + t % block_size`.
+Layout, shared by every attention backend: one tensor per layer of logical shape
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys, 1 values); its memory is
+token-major (that order) for the Triton backend and head-major inside each block for the torch
+backend (`allocate_kv_cache`). Token `t` of a request lives in slot
+`block_ids[t // block_size] * block_size + t % block_size`.
 
 Prefix caching: a block whose `block_size` tokens are all computed is keyed by a chained hash of
 (parent block's hash, its token ids), so the key names the whole prefix up to it. Blocks are
