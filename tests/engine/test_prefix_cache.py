@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from serverless_llm import LLM, SamplingParams
-from serverless_llm.engine.kv_cache import BlockPool
+from serverless_llm.engine.kv_cache import BlockPool, block_hash
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -53,16 +55,14 @@ def test_a_repeated_prompt_recomputes_only_its_last_token(tiny_llama):
 def test_block_pool_reference_counts_and_lru():
     pool = BlockPool(4)
     a = pool.allocate(2)
-    pool.register(a[0], 111)
+    pool.register(a[0], b"some other prefix", [7, 8])
     pool.free(a)
     assert pool.num_free == 4
     blocks, hashes = pool.lookup([1, 2], block_size=2, max_blocks=1)
     assert blocks == [] and hashes == []  # different tokens, different hash
-    from serverless_llm.engine.kv_cache import block_hash
-
     h = block_hash(None, [1, 2])
     b = pool.allocate(1)
-    pool.register(b[0], h)
+    pool.register(b[0], h, [1, 2])
     pool.free(b)
     got, hashes = pool.lookup([1, 2, 3, 4], block_size=2, max_blocks=2)
     assert got == b and hashes == [h] and pool.num_free == 3
@@ -76,3 +76,65 @@ def test_block_pool_reference_counts_and_lru():
     pool.allocate(4)
     pool.free(list(range(4)))
     assert pool.lookup([1, 2], block_size=2, max_blocks=1) == ([], [])
+
+
+# Two 16-token blocks whose Python `hash((None, tuple(block)))` is equal (found by a birthday
+# search): with that as the key, the second prompt was served the first's KV.
+COLLIDING = (
+    [504, 3512, 1002, 77, 9000, 12, 4242, 31337, 48000, 5, 1, 5406, 3184, 5351, 2209, 3408],
+    [504, 3512, 1002, 77, 9000, 12, 4242, 31337, 48000, 5, 1, 3819, 1718, 3382, 1059, 2441],
+)
+
+
+def test_known_hash_collision_gets_distinct_digests():
+    a, b = COLLIDING
+    assert hash((None, tuple(a))) == hash((None, tuple(b)))  # the old key: equal
+    assert block_hash(None, a) != block_hash(None, b)
+    assert block_hash(None, a) == block_hash(None, list(a))  # a key, not a nonce
+    # The chain and the extra inputs are part of the key; token boundaries are unambiguous.
+    assert block_hash(block_hash(None, a), b) != block_hash(block_hash(None, b), b)
+    assert block_hash(None, a, b"adapter-1") != block_hash(None, a)
+    assert block_hash(None, [1, 2]) != block_hash(None, [1 + (2 << 32)])
+
+
+def test_equal_digests_never_share_a_block():
+    """Even if two blocks' digests were equal, a hit is checked against the block's tokens."""
+    a, b = COLLIDING
+    pool = BlockPool(4)
+    blk = pool.allocate(1)
+    pool.register(blk[0], block_hash(None, a), a)
+    pool.free(blk)
+    assert pool.lookup(a, 16, 1)[0] == blk
+    pool.free(blk)
+    forged = {**pool._cached, block_hash(None, b): blk[0]}  # b's digest points at a's block
+    pool._cached = forged
+    assert pool.lookup(b, 16, 1) == ([], [])
+
+
+@pytest.mark.parametrize("collide", [False, True], ids=["blake2b", "forced-collision"])
+def test_colliding_prompts_each_get_their_own_output(tiny_llama, monkeypatch, collide):
+    """End to end: the first prompt fills the cache, then the second, whose first block
+    collided under the old key, must produce what it produces on a fresh engine. With the
+    digest forced to collide (every first block keyed alike), the token check keeps them
+    apart."""
+    from serverless_llm.engine import kv_cache, scheduler
+
+    if collide:
+        real = kv_cache.block_hash
+
+        def forged(parent, tokens, extra=b""):
+            return real(parent, [0] * len(tokens), extra)
+
+        monkeypatch.setattr(kv_cache, "block_hash", forged)
+        monkeypatch.setattr(scheduler, "block_hash", forged)
+    tail = [11, 12, 13, 14, 15]
+    llm = LLM(tiny_llama, block_size=16, num_kv_blocks=32, max_model_len=128)
+    vocab = llm.engine.vocab_size
+    first, second = ([t % vocab for t in block] + tail for block in COLLIDING)
+    llm.generate([first], GREEDY)
+    got = llm.generate([second], GREEDY)[0].outputs[0].token_ids
+    fresh = LLM(
+        tiny_llama, block_size=16, num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False
+    )
+    assert got == fresh.generate([second], GREEDY)[0].outputs[0].token_ids
+    assert llm.engine.block_pool.hits == 0

@@ -32,7 +32,7 @@ class HeldKV:
     """The blocks of a beam that has reported, kept for the beams that extend it."""
 
     block_ids: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     num_computed_tokens: int
 
 

@@ -7,23 +7,46 @@ token-major (that order) for the Triton backend and head-major inside each block
 backend (`allocate_kv_cache`). Token `t` of a request lives in slot
 `block_ids[t // block_size] * block_size + t % block_size`.
 
-Prefix caching: a block whose `block_size` tokens are all computed is keyed by a chained hash of
-(parent block's hash, its token ids), so the key names the whole prefix up to it. Blocks are
+Prefix caching: a block whose `block_size` tokens are all computed is keyed by a chained digest
+of (parent block's digest, its token ids), so the key names the whole prefix up to it. Blocks are
 reference-counted; a block nobody holds goes back to the free list but keeps its key, so a later
 request with the same prefix takes it back instead of recomputing it. Free blocks are reused
 least recently freed first, and a reused block loses its key.
+
+The digest is cryptographic (BLAKE2b, 32 bytes), not Python's 64-bit `hash`: two different
+blocks with equal `hash((parent, tokens))` can be found in seconds, and the second prompt would
+then be served the first's KV, i.e. another user's text. A hit is also checked against the
+block's own tokens, so even equal digests could never share a block with different tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 
 import torch
 
+# The root every chain starts from. A version tag: a change to what a digest covers changes it.
+_ROOT = b"serverless-llm prefix-cache v1"
 
-def block_hash(parent: int | None, tokens: list[int] | tuple[int, ...]) -> int:
-    return hash((parent, tuple(tokens)))
+
+def block_hash(
+    parent: bytes | None, tokens: list[int] | tuple[int, ...], extra: bytes = b""
+) -> bytes:
+    """The key of a full block: BLAKE2b-256 of the parent's key (or, for a first block, of the
+    root and `extra`: whatever else changes the KV of the whole chain, such as an adapter) and
+    the token ids as fixed-width 64-bit integers, so no two token lists encode alike."""
+    h = hashlib.blake2b(digest_size=32)
+    if parent is None:
+        h.update(_ROOT)
+        h.update(len(extra).to_bytes(8, "little"))
+        h.update(extra)
+    else:
+        h.update(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -35,8 +58,9 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # prefix digest -> block id
         self.hits = 0  # blocks taken from the prefix cache
         self.queries = 0  # blocks looked up
 
@@ -55,6 +79,7 @@ class BlockPool:
                 if self._cached.get(h) == block:
                     del self._cached[h]
                 self._hash_of[block] = None
+                self._tokens_of[block] = None
             self._refs[block] = 1
             out.append(block)
         return out
@@ -77,20 +102,22 @@ class BlockPool:
     # -- prefix cache -----------------------------------------------------------------------
 
     def lookup(
-        self, tokens: list[int], block_size: int, max_blocks: int
-    ) -> tuple[list[int], list[int]]:
+        self, tokens: list[int], block_size: int, max_blocks: int, extra: bytes = b""
+    ) -> tuple[list[int], list[bytes]]:
         """Takes (refs) the cached blocks holding the longest full-block prefix of `tokens`, at
-        most `max_blocks` of them; returns their ids and prefix hashes."""
+        most `max_blocks` of them; returns their ids and prefix digests. A block is taken only
+        if its digest matches and its tokens are the request's own."""
         if not self.enable_prefix_caching:
             return [], []
         found: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         parent = None
         for i in range(max_blocks):
             self.queries += 1
-            parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size])
+            chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
+            parent = block_hash(parent, chunk, extra)
             block = self._cached.get(parent)
-            if block is None:
+            if block is None or self._tokens_of[block] != chunk:
                 break
             found.append(block)
             hashes.append(parent)
@@ -101,16 +128,18 @@ class BlockPool:
         self.hits += len(found)
         return found, hashes
 
-    def register(self, block: int, h: int) -> None:
-        """Marks a full, computed block as holding the prefix `h`."""
+    def register(self, block: int, h: bytes, tokens: list[int] | tuple[int, ...]) -> None:
+        """Marks a full, computed block holding `tokens` as the end of the prefix `h`."""
         if not self.enable_prefix_caching or self._hash_of[block] is not None:
             return
         self._hash_of[block] = h
+        self._tokens_of[block] = tuple(tokens)
         self._cached.setdefault(h, block)
 
     def reset_prefix_cache(self) -> None:
         self._cached.clear()
         self._hash_of = [None] * self.num_blocks
+        self._tokens_of = [None] * self.num_blocks
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -175,8 +175,9 @@ class Scheduler:
         full = req.num_computed_tokens // bs
         parent = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), full):
-            parent = block_hash(parent, req.token_slice(i * bs, (i + 1) * bs))
-            self.pool.register(req.block_ids[i], parent)
+            tokens = req.token_slice(i * bs, (i + 1) * bs)
+            parent = block_hash(parent, tokens)
+            self.pool.register(req.block_ids[i], parent, tokens)
             req.block_hashes.append(parent)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
