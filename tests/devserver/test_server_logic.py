@@ -206,6 +206,44 @@ def test_client_disconnect_closes_the_handler(fake_server: ServerThread, fake_wo
     assert health["jobs"]["inProgress"] == 0 and health["jobs"]["cancelled"] == 2
 
 
+def test_health_counts_each_request_as_it_ended():
+    """/health's terminal counts: a listing, a plain and a streamed completion and a native job
+    completed; an OpenAI error and a failed native job failed; a stream the client dropped was
+    cancelled (a plain response used to count as cancelled: its handler was closed, not run to
+    its end)."""
+    worker = FakeWorker()
+    with serve(create_app(worker)) as server:
+        oai = f"{server.base_url}/openai/v1"
+        with httpx.Client(timeout=10) as client:
+            assert client.get(f"{oai}/models").status_code == 200
+            assert client.get(f"{oai}/models/{MODEL}").status_code == 200
+            plain = client.post(f"{oai}/completions", json={"model": MODEL, "prompt": "x"})
+            assert plain.status_code == 200
+            body = {"model": MODEL, "prompt": "x", "stream": True}
+            with client.stream("POST", f"{oai}/completions", json=body) as resp:
+                assert resp.read().decode().endswith("data: [DONE]\n\n")
+            ok = client.post(f"{server.base_url}/runsync", json={"input": {"items": 2}})
+            assert ok.json()["status"] == "COMPLETED"
+            wrong = client.post(f"{oai}/completions", json={"model": "nope", "prompt": "x"})
+            assert wrong.status_code == 404
+            bad = client.post(f"{server.base_url}/runsync", json={"input": {"fail_at": 0}})
+            assert bad.json()["status"] == "FAILED"
+        body = {"model": MODEL, "prompt": "x", "stream": True, "fake_items": 1000}
+        body["fake_delay"] = 0.02
+        with httpx.stream("POST", f"{oai}/completions", json=body, timeout=10) as resp:
+            for _ in resp.iter_raw():
+                break  # dropped
+        assert wait_until(lambda: not worker.open)
+
+        def jobs():
+            return httpx.get(f"{server.base_url}/health").json()["jobs"]
+
+        assert wait_until(lambda: jobs()["inProgress"] == 0)
+        health = jobs()
+        assert (health["completed"], health["failed"], health["cancelled"]) == (5, 2, 1), health
+        assert health["inQueue"] == 0
+
+
 def test_api_key_on_every_route(fake_worker: FakeWorker):
     with serve(create_app(fake_worker, api_key="sekret")) as server:
         base = server.base_url

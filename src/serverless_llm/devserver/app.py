@@ -272,8 +272,14 @@ def create_app(
             await items.aclose()
             raise
         if first is None or isinstance(first, dict):
-            # Not a stream: one response object or one error object.
-            await items.aclose()
+            # Not a stream: one response object or one error object. The handler ends after it;
+            # it is run to that end rather than closed, so the request counts as completed (or
+            # failed), not cancelled.
+            try:
+                async for _ in items:
+                    pass
+            finally:
+                await items.aclose()
             if first is None:
                 raise ApiError(500, "the worker produced no output")
             if "error" in first:
