@@ -183,9 +183,15 @@ def test_whitespace_pattern_replaces_free_whitespace(compiler, tokenizer):
         assert not re.search(r"[ \n]{3}", outside_strings), text
 
 
-def test_disable_any_whitespace_gives_compact_json(compiler, tokenizer):
+@pytest.mark.parametrize(
+    "backend",
+    [None, "xgrammar:disable-any-whitespace", "xgrammar:any-whitespace,disable-any-whitespace"],
+)
+def test_compact_json_by_default_and_when_disabled(compiler, tokenizer, backend):
+    """Free whitespace is off unless asked for (unlike vLLM; issue 14): JSON comes out with
+    json.dumps's separators only."""
     spec = StructuredOutputSpec.from_request(
-        guided_json=PERSON_SCHEMA, guided_decoding_backend="xgrammar:disable-any-whitespace"
+        guided_json=PERSON_SCHEMA, guided_decoding_backend=backend
     )
     assert not spec.any_whitespace
     for seed in range(10):
@@ -193,6 +199,20 @@ def test_disable_any_whitespace_gives_compact_json(compiler, tokenizer):
         value = json.loads(text)
         jsonschema.validate(value, PERSON_SCHEMA)
         assert "\n" not in re.sub(r'"(\\.|[^"\\])*"', "", text)
+        outside = re.sub(r'"(\\.|[^"\\])*"', '""', text)
+        assert not re.search(r"\s", outside.replace(", ", ",").replace(": ", ":")), text
+
+
+def test_any_whitespace_is_asked_for():
+    free = StructuredOutputSpec.from_request(
+        guided_json=PERSON_SCHEMA, guided_decoding_backend="xgrammar:any-whitespace"
+    )
+    assert free.any_whitespace
+    assert free != StructuredOutputSpec.from_request(guided_json=PERSON_SCHEMA)
+    so = StructuredOutputSpec.from_request(
+        structured_outputs={"json": PERSON_SCHEMA, "backend": "xgrammar:any-whitespace"}
+    )
+    assert so.any_whitespace
 
 
 REGEXES = [

@@ -23,7 +23,12 @@ from .sampling.params import (
     choose_sequences,
     sequence_params,
 )
-from .sampling.structured.spec import StructuredOutputError, StructuredOutputSpec, resolve_backend
+from .sampling.structured.spec import (
+    StructuredOutputError,
+    StructuredOutputSpec,
+    any_whitespace_of,
+    resolve_backend,
+)
 from .tokenizer import ChatTemplateError, apply_chat_template
 
 __all__ = [
@@ -50,6 +55,7 @@ __all__ = [
     "StructuredOutputSpec",
     "TokenLogprob",
     "UnsupportedModelError",
+    "any_whitespace_of",
     "apply_chat_template",
     "choose_sequences",
     "resolve_backend",

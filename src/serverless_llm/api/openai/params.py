@@ -19,6 +19,7 @@ from serverless_llm.engine import (
     SamplingParams,
     SamplingParamsError,
     StructuredOutputError,
+    any_whitespace_of,
     resolve_backend,
 )
 
@@ -177,8 +178,7 @@ def _structured_fields(request: Any, structured: Any) -> dict[str, Any]:
                 structured = dataclasses.replace(
                     structured,
                     backend=name,
-                    any_whitespace=structured.any_whitespace
-                    and "disable-any-whitespace" not in options,
+                    any_whitespace=any_whitespace_of(options),
                     whitespace_pattern=fields["guided_whitespace_pattern"],
                 )
             except StructuredOutputError as e:

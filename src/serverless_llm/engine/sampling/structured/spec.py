@@ -48,10 +48,24 @@ BACKEND_NAMES: dict[str, str] = {
     "guidance": "xgrammar",
     "llguidance": "xgrammar",
 }
-# vLLM's backend options (`"xgrammar:disable-any-whitespace,no-fallback"`).
+# vLLM's backend options (`"xgrammar:disable-any-whitespace,no-fallback"`), and ours:
+# `any-whitespace` asks for free whitespace between JSON tokens (vLLM's default; see
+# `any_whitespace` below).
 BACKEND_OPTIONS = frozenset(
-    {"disable-any-whitespace", "no-fallback", "no-additional-properties", "disable-fallback"}
+    {
+        "disable-any-whitespace",
+        "any-whitespace",
+        "no-fallback",
+        "no-additional-properties",
+        "disable-fallback",
+    }
 )
+
+
+def any_whitespace_of(options: frozenset[str]) -> bool:
+    """Whether backend options ask for free whitespace between JSON tokens (only when asked,
+    and never with `disable-any-whitespace`)."""
+    return "any-whitespace" in options and "disable-any-whitespace" not in options
 
 
 def resolve_backend(name: str | None) -> tuple[str, frozenset[str]]:
@@ -121,7 +135,13 @@ class StructuredOutputSpec:
     grammar: str | None = None
     json_object: bool = False
     whitespace_pattern: str | None = None
-    any_whitespace: bool = True
+    # Free whitespace between JSON tokens. Off by default, unlike vLLM: a weak or small model
+    # given free whitespace can spend all of max_tokens on newlines and return truncated JSON
+    # (10 of 10 guided_json requests on a tiny random model). Without it, JSON comes out as
+    # Python's json.dumps writes it: ", " and ": " between tokens, nothing else. A request gets
+    # free whitespace with the backend option `any-whitespace`, or whitespace of its own with
+    # `guided_whitespace_pattern`.
+    any_whitespace: bool = False
     backend: str = "xgrammar"
     param: str = field(default="", compare=False)
 
@@ -243,7 +263,8 @@ class StructuredOutputSpec:
         ws = fields.pop("whitespace_pattern", None) or guided_whitespace_pattern
         if ws is not None and not isinstance(ws, str):
             raise StructuredOutputError("guided_whitespace_pattern", "must be a string")
-        any_ws = fields.pop("any_whitespace", True) and "disable-any-whitespace" not in options
+        disabled = not fields.pop("any_whitespace", True)  # disable_any_whitespace in a dict
+        any_ws = any_whitespace_of(options) and not disabled
         return cls(
             **fields,
             whitespace_pattern=ws or None,
