@@ -87,6 +87,11 @@ class LLM:
             for req in requests:
                 engine.abort_request(req.request_id)
             raise
+        failed = [engine.failed.pop(req.request_id, None) for req in requests]
+        if exc := next((e for e in failed if e is not None), None):
+            # The others finished (the engine isolates a failure), but a batch call has one
+            # result: the failure.
+            raise RuntimeError(f"a request failed in output processing: {exc}") from exc
         return [self._result(group, p) for group, p in zip(groups, params)]
 
     def beam_search(

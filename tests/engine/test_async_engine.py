@@ -119,6 +119,56 @@ def test_failed_step_fails_its_requests_only(setup, monkeypatch):
     assert llm.engine.block_pool.num_free == 64
 
 
+def test_a_request_whose_output_processing_fails_fails_alone(setup, monkeypatch):
+    """Issue 14: detokenizing (here, a fault injected there) raises for one request in its third
+    step; that request gets the error, the other five in the same steps finish with the tokens
+    they have alone, nothing leaks, and the engine serves on. Offline, LLM.generate raises."""
+    from serverless_llm.engine import llm_engine
+    from serverless_llm.engine.async_engine import RequestFailedError
+
+    llm, aengine = setup
+    prompts = random_prompts(6, llm.engine.vocab_size, seed=31)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    real = llm_engine.process_token
+    bad = {"id": None}
+
+    def faulty(req, tok, lp, eos):
+        if req.request_id == bad["id"] and len(req.output_token_ids) == 2:
+            raise ValueError("injected detokenizer fault")
+        return real(req, tok, lp, eos)
+
+    monkeypatch.setattr(llm_engine, "process_token", faulty)
+
+    async def one(i):
+        rid = f"req-{i}"
+        if i == 2:
+            bad["id"] = rid
+        ids = []
+        async for out in aengine.generate(prompts[i], params, request_id=rid):
+            ids += out.new_token_ids
+        return ids
+
+    async def main():
+        results = await asyncio.gather(*(one(i) for i in range(6)), return_exceptions=True)
+        again = await one(0)
+        await aengine.shutdown()
+        return results, again
+
+    results, again = asyncio.run(main())
+    assert isinstance(results[2], RequestFailedError) and "injected" in str(results[2])
+    assert [r for i, r in enumerate(results) if i != 2] == expected[:2] + expected[3:]
+    assert again == expected[0]
+    assert llm.engine.block_pool.num_free == 64 and not llm.engine.requests
+    assert not llm.engine.failed
+
+    bad["id"] = "llm-99"  # the offline call's request id
+    llm._counter = 99
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(prompts[:3], params)
+    assert llm.engine.block_pool.num_free == 64 and not llm.engine.failed
+
+
 def test_engine_is_built_and_stepped_on_one_thread(tiny_llama, monkeypatch):
     """All torch work of a served engine happens on its step thread: a second thread running
     OpenMP regions (here, the model load) gives libgomp a second worker pool, and on a small

@@ -2,7 +2,7 @@
 nothing else: the async engine's public face (`EngineClient`, implemented by `AsyncEngine`), the
 request and output types, and the few helpers the routes share with the engine."""
 
-from .async_engine import AsyncEngine, EngineDeadError
+from .async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from .client import EngineClient, ModelInfo
 from .config import (
     ATTENTION_BACKENDS,
@@ -49,6 +49,7 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError",
     "PromptInput",
+    "RequestFailedError",
     "SamplingParams",
     "SamplingParamsError",
     "StructuredOutputError",

@@ -38,6 +38,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(EngineDeadError):
+    """One request failed on its own (its output processing raised); the engine serves on."""
+
+
 def _step_executor() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
 
@@ -225,6 +229,11 @@ class AsyncEngine:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            failed, self.core.failed = self.core.failed, {}
+            for rid, exc in failed.items():
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(RequestFailedError(f"generation failed: {exc}"))
             # No yield here: the next step starts at once and the consumers turn these outputs
             # into responses while it computes (its tensor work releases the GIL). What they add
             # or abort meanwhile is applied at the following step boundary.

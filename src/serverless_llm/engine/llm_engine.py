@@ -86,6 +86,9 @@ class LLMEngine:
         self.beams = BeamSearchRunner(self.scheduler, self.block_pool, self.kv_caches, self.inputs)
         self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps
         self.requests: dict[str, Request] = {}
+        # Requests that failed alone in a step (their output processing raised): aborted, the
+        # others in the step went on. The caller takes them from here after each step.
+        self.failed: dict[str, Exception] = {}
         self._bitmask = None
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s device=%s backend=%s max_model_len=%d "
@@ -190,11 +193,23 @@ class LLMEngine:
         logprobs = sampled.logprobs or [None] * len(sample_reqs)
         outputs = []
         for req, tok, lp in zip(sample_reqs, sampled.token_ids, logprobs):
-            out = self._postprocess(req, tok, lp)
+            try:
+                out = self._postprocess(req, tok, lp)
+            except Exception as exc:  # this request's own fault: it fails, the others go on
+                self._fail_request(req, exc)
+                continue
             if out is not None:
                 outputs.append(out)
         self.beams.end_step()
         return outputs
+
+    def _fail_request(self, req: Request, exc: Exception) -> None:
+        """Aborts the request that `req` serves (a beam search as a whole) and records why."""
+        rid = req.beam.root.request_id if req.beam is not None else req.request_id
+        logger.exception("request %s failed in output processing; the others go on", rid)
+        if self.abort_request(rid) is None and req.beam is None and not req.finished:
+            self.scheduler.finish(req, FinishReason.ABORT)  # not in self.requests: still free it
+        self.failed[rid] = exc
 
     def _postprocess(self, req: Request, tok: int, lp) -> EngineOutput | None:
         if req.beam is not None:
