@@ -10,22 +10,30 @@ MAX_MODEL_LEN, MAX_CONCURRENCY, ...; see docs/settings.md), plus:
   endpoint is open (it listens on 127.0.0.1 by default).
 - DEVSERVER_HOST, DEVSERVER_PORT: defaults for --host (127.0.0.1) and --port (8000).
 
+SIGTERM or SIGINT shuts it down gracefully (`GracefulServer`): new requests get 503, running
+ones get SHUTDOWN_GRACE_SECONDS to finish, the rest end with an error, and it exits 0; a second
+signal exits at once.
+
 A bad environment value stops start-up with a one-line message and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 
 from ..worker.handler import LOAD_ERRORS, Worker
 from ..worker.settings import load_settings_or_exit
 from .app import create_app
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -65,6 +73,51 @@ def banner(host: str, port: int, model: str, api_key_set: bool) -> str:
             f"  Health: curl -s {base}/health{auth}",
         ]
     )
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with the shutdown the platform's workers need. On the first SIGTERM or SIGINT
+    the app drains (`app.state.drain`: new requests get 503, running ones get `grace_s` seconds
+    to finish, the rest end with an error), then the server closes and the process exits 0;
+    uvicorn's own handling would refuse new connections at once, cut open streams after a
+    fixed 5 s without an error, and re-raise the signal (exit status -15). A second signal
+    exits at once."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Callable[[float], Awaitable[None]],
+        grace_s: float,
+    ) -> None:
+        super().__init__(config)
+        self.drain, self.grace_s = drain, grace_s
+        self._signalled = False
+        self._draining: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._signalled or self._loop is None or not self.started:
+            logger.warning("signal %d again: exiting now", sig)
+            os._exit(128 + sig)
+        self._signalled = True
+        logger.info("signal %d: finishing running requests (up to %gs)", sig, self.grace_s)
+        # A signal handler runs between two bytecodes of the loop's thread: hand over safely.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._draining = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.drain(self.grace_s)
+        except Exception:
+            logger.exception("draining failed; exiting")
+        finally:
+            self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(
         app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5
     )
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, app.state.drain, grace_s=settings.shutdown_grace_seconds)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught, after a clean shutdown

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..worker.handler import http_status, openai_error
-from .job_store import COMPLETED, FAILED, Job, JobManager
+from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,18 @@ def create_app(
             raise ApiError(503, "the worker is not started yet")
         return jobs
 
+    def taking_work() -> JobManager:
+        """The job manager, for a route that starts work: refused once shutdown has begun."""
+        jm = job_manager()
+        if jm.draining:
+            raise ApiError(503, "the worker is shutting down", code="shutting_down")
+        return jm
+
+    async def drain(grace_s: float) -> None:
+        """Graceful shutdown (see JobManager.drain); the server calls it on SIGTERM/SIGINT."""
+        if jobs is not None:
+            await jobs.drain(grace_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal jobs
@@ -239,6 +251,7 @@ def create_app(
         openapi_url=None,
     )
     app.state.worker = worker
+    app.state.drain = drain
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -257,11 +270,12 @@ def create_app(
     # -- OpenAI -------------------------------------------------------------------------------
 
     async def relay(request: Request, route: str, body: dict[str, Any]) -> Response:
-        items = job_manager().run_direct(
+        items = taking_work().run_direct(
             {
                 "id": f"oai-{uuid.uuid4().hex}",
                 "input": {"openai_route": route, "openai_input": body},
-            }
+            },
+            on_shutdown=openai_error(SHUTDOWN_MESSAGE, type="server_error", status=503),
         )
         try:
             first = await _unless_disconnected(_first(items), request.receive)
@@ -357,14 +371,14 @@ def create_app(
 
     @router.post("/run")
     async def run(request: Request) -> dict[str, Any]:
-        job = job_manager().submit(await read_job_input(request))
+        job = taking_work().submit(await read_job_input(request))
         return {"id": job.id, "status": job.status}
 
     @router.post("/runsync")
     async def runsync(request: Request, wait: int | None = None) -> dict[str, Any]:
         """Waits for the job (up to `wait` ms, 90 s by default); a job still running answers
         with its status, to be polled with /status or /stream, as on the platform."""
-        jm = job_manager()
+        jm = taking_work()
         job = jm.submit(await read_job_input(request))
         wait_ms = RUNSYNC_WAIT_MS if wait is None else min(max(wait, 0), RUNSYNC_MAX_WAIT_MS)
         await jm.wait_done(job, wait_ms / 1000)
@@ -399,7 +413,7 @@ def create_app(
         counts = jm.health_counts()
         busy = counts["inProgress"] > 0
         out: dict[str, Any] = {
-            "ok": True,
+            "ok": not jm.draining,
             "jobs": counts,
             "workers": {
                 "ready": 1,

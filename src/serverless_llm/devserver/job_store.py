@@ -32,6 +32,10 @@ TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 
 Handle = Callable[[dict[str, Any]], AsyncIterator[Any]]
 
+SHUTDOWN_MESSAGE = "the worker shut down before this request finished"
+_END = object()  # the handler has no more items
+_ABORTED = object()  # the shutdown grace period ran out first
+
 
 def error_of(item: Any) -> Any:
     """The error an item carries, or None. Like the runpod SDK, a yielded dict with a truthy
@@ -107,6 +111,8 @@ class JobManager:
         self.counts: dict[str, int] = dict.fromkeys(
             (IN_QUEUE, IN_PROGRESS, COMPLETED, FAILED, CANCELLED), 0
         )
+        self.draining = False  # shutting down: new work is refused (see `drain`)
+        self._abort: asyncio.Event | None = None  # set when the grace period has run out
 
     # -- jobs of /run and /runsync ----------------------------------------------------------
 
@@ -152,6 +158,37 @@ class JobManager:
         # A task cancelled before it first ran never reaches its own bookkeeping.
         self._finish(job, CANCELLED)
 
+    @property
+    def busy(self) -> int:
+        """Jobs and OpenAI requests queued or running."""
+        return self.counts[IN_QUEUE] + self.counts[IN_PROGRESS]
+
+    async def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: from now on `draining` is set (the routes refuse new work), what
+        is queued or running gets up to `grace_s` seconds to finish, then the rest ends with
+        SHUTDOWN_MESSAGE: jobs as FAILED, OpenAI requests with the error item they were given as
+        their last item. Returns when nothing is left running."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.busy and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(0.05, left))
+        if not self.busy:
+            return
+        logger.warning("shutdown grace period over: ending %d unfinished requests", self.busy)
+        self._abort_event().set()
+        for job in list(self._jobs.values()):
+            if not job.done and job.task is not None:
+                job.error = SHUTDOWN_MESSAGE
+                job.task.cancel()
+        deadline = time.monotonic() + 10.0
+        while self.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    def _abort_event(self) -> asyncio.Event:
+        if self._abort is None:
+            self._abort = asyncio.Event()
+        return self._abort
+
     async def shutdown(self) -> None:
         tasks = [job.task for job in self._jobs.values() if job.task and not job.task.done()]
         for task in tasks:
@@ -175,7 +212,8 @@ class JobManager:
                         job.notify()
             self._finish(job, COMPLETED)
         except asyncio.CancelledError:
-            self._finish(job, CANCELLED)
+            # Cancelled by /cancel, or ended by a shutdown (which sets the error first).
+            self._finish(job, FAILED if job.error else CANCELLED)
             raise
         except Exception as exc:  # the handler broke: the job fails, the server keeps serving
             logger.exception("job %s failed", job.id)
@@ -206,9 +244,10 @@ class JobManager:
 
     # -- OpenAI requests: a slot and the counts, but no stored output ---------------------------
 
-    async def run_direct(self, job: dict[str, Any]) -> AsyncIterator[Any]:
+    async def run_direct(self, job: dict[str, Any], on_shutdown: Any = None) -> AsyncIterator[Any]:
         """Yields what the handler yields for `job` while holding a concurrency slot. Closing
-        this generator closes the handler's, which aborts its engine request."""
+        this generator closes the handler's, which aborts its engine request. When a shutdown's
+        grace period runs out first, the handler is closed and `on_shutdown` is the last item."""
         self.counts[IN_QUEUE] += 1
         state = IN_QUEUE
         try:
@@ -216,17 +255,40 @@ class JobManager:
                 self._move(IN_QUEUE, IN_PROGRESS)
                 state = IN_PROGRESS
                 async with aclosing(self._handle(job)) as items:
-                    async for item in items:
-                        if error_of(item) is not None:
+                    while (item := await self._next_or_abort(items)) is not _END:
+                        aborted = item is _ABORTED
+                        if aborted:
+                            item = on_shutdown
+                        if error_of(item) is not None and state == IN_PROGRESS:
                             self._move(state, FAILED)
                             state = FAILED
                         yield item
+                        if aborted:
+                            break
             if state == IN_PROGRESS:
                 self._move(state, COMPLETED)
                 state = COMPLETED
         finally:
             if state in (IN_QUEUE, IN_PROGRESS):
                 self._move(state, CANCELLED)
+
+    async def _next_or_abort(self, items: AsyncIterator[Any]) -> Any:
+        """The handler's next item, _END, or _ABORTED if a shutdown ends it first."""
+        abort = self._abort_event()
+        if abort.is_set():
+            return _ABORTED
+        nxt = asyncio.ensure_future(anext(items, _END))
+        stop = asyncio.ensure_future(abort.wait())
+        try:
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.wait({nxt})
+        if nxt.cancelled():
+            return _ABORTED
+        return nxt.result()
 
     def _move(self, src: str, dst: str) -> None:
         self.counts[src] -= 1

@@ -471,6 +471,17 @@ class SettingsFields(BaseSettings):
         ),
         ge=1,
     )
+    shutdown_grace_seconds: float = _serverless(
+        30.0,
+        "SHUTDOWN_GRACE_SECONDS",
+        title="Shutdown Grace Seconds",
+        description=(
+            "On SIGTERM or SIGINT the local endpoint stops taking new requests (503) and lets "
+            "running ones finish for up to this long; then it ends the rest with an error and "
+            "exits 0. A second signal exits at once."
+        ),
+        ge=0,
+    )
     disable_log_stats: bool = _serverless(
         True,
         "DISABLE_LOG_STATS",
