@@ -244,6 +244,28 @@ def test_health_counts_each_request_as_it_ended():
         assert health["inQueue"] == 0
 
 
+def test_request_bodies_over_the_limit_get_413_in_the_route_shape():
+    worker = FakeWorker()
+    with serve(create_app(worker, max_body_bytes=1000)) as server:
+        base = server.base_url
+        big = {"model": MODEL, "prompt": "x" * 2000}
+        oai = httpx.post(f"{base}/openai/v1/completions", json=big)
+        assert oai.status_code == 413
+        assert oai.json()["error"]["code"] == "request_too_large"
+        job = httpx.post(f"{base}/runsync", json={"input": {"prompt": "x" * 2000}})
+        assert job.status_code == 413 and "larger than 1000 bytes" in job.json()["error"]
+
+        def chunks():  # no Content-Length: the limit is enforced while reading
+            for _ in range(20):
+                yield b" " * 100
+
+        unsized = httpx.post(f"{base}/run", content=chunks())
+        assert unsized.status_code == 413
+        small = httpx.post(f"{base}/openai/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert small.status_code == 200
+        assert not worker.open and httpx.get(f"{base}/health").json()["jobs"]["inQueue"] == 0
+
+
 def test_api_key_on_every_route(fake_worker: FakeWorker):
     with serve(create_app(fake_worker, api_key="sekret")) as server:
         base = server.base_url

@@ -7,47 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
-
-SERVER = """
-import sys
-from serverless_llm.devserver.__main__ import GracefulServer, bind_socket
-from serverless_llm.devserver.app import create_app
-from tests.devserver.fake_worker import FakeWorker
-import uvicorn
-
-grace = float(sys.argv[1])
-sock = bind_socket("127.0.0.1", 0)
-app = create_app(
-    FakeWorker(),
-    on_ready=lambda: print(f"PORT {sock.getsockname()[1]}", flush=True),
-)
-config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-server = GracefulServer(config, app.state.drain, grace_s=grace)
-server.run(sockets=[sock])
-print("EXITED CLEANLY", flush=True)
-"""
-
-
-def start(grace: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(grace)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    assert line.startswith("PORT "), line + proc.stdout.read()
-    return proc, f"http://127.0.0.1:{int(line.split()[1])}"
+from tests.devserver.fake_server_process import start_fake_server as start
 
 
 def stream_events(base: str, body: dict, results: list, first: threading.Event) -> None:

@@ -418,3 +418,42 @@ def test_cancelling_a_job_task_propagates_and_frees_blocks(make_worker, n):
 
     free, active = run(make_worker(), scenario)
     assert free and active == 0
+
+
+def test_prompts_are_prepared_off_the_event_loop(make_worker, monkeypatch):
+    """Template and tokenizer work never runs on the event loop (a huge prompt would stall
+    every stream): the native and the OpenAI routes prepare on api.offload's thread."""
+    import threading
+
+    from serverless_llm.api import native, offload
+    from serverless_llm.api.openai import serving
+
+    seen: list[str] = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        native.NativeServing, "_prompt_token_ids", spy(native.NativeServing._prompt_token_ids)
+    )
+    monkeypatch.setattr(serving, "render_chat_prompt", spy(serving.render_chat_prompt))
+    monkeypatch.setattr(serving, "tokenize_prompts", spy(serving.tokenize_prompts))
+
+    async def scenario(w):
+        await run_job(w, {"messages": MESSAGES, "sampling_params": {"max_tokens": 2}})
+        for route, body in (
+            ("/v1/chat/completions", {"messages": MESSAGES}),
+            ("/v1/completions", {"prompt": "Hello"}),
+        ):
+            body = {"model": w.settings.served_model_name, "max_tokens": 2, **body}
+            await run_job(w, {"openai_route": route, "openai_input": body})
+        return threading.current_thread().name
+
+    loop_thread = run(make_worker(), scenario)
+    assert len(seen) == 3
+    assert all(name.startswith(offload.THREAD_NAME) for name in seen), seen
+    assert loop_thread not in seen

@@ -49,6 +49,7 @@ from ..engine import (
 from .batching import BatchSizes, batch_stream
 from .errors import NativeJobError, describe_validation_error, native_error
 from .logprobs import TokenDecoder, native_logprobs
+from .offload import prepare
 from .results import SequenceResult, choice_outputs, gather_results
 from .sampling import SamplingParamError, VLLMSamplingParams, parse_sampling_params
 from .streams import merge_streams
@@ -144,6 +145,10 @@ class NativeServing:
 
     # -- the pieces -------------------------------------------------------------------------
 
+    def _prepare(self, request: NativeRequest) -> tuple[SamplingParams, list[int]]:
+        """Template, tokenizer and parameters: run off the event loop (see api.offload)."""
+        return self._sampling(request, self._prompt_token_ids(request))
+
     def _prompt_token_ids(self, request: NativeRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
         if request.messages is not None:
@@ -192,7 +197,7 @@ class NativeServing:
     async def _generate(
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
-        params, prompt_ids = self._sampling(request, self._prompt_token_ids(request))
+        params, prompt_ids = await prepare(self._prepare, request)
         num_input = len(prompt_ids)
         if self.log_requests:
             logger.info(

@@ -9,6 +9,8 @@ MAX_MODEL_LEN, MAX_CONCURRENCY, ...; see docs/settings.md), plus:
 - DEVSERVER_API_KEY: when set, every route requires `Authorization: Bearer <key>`; unset, the
   endpoint is open (it listens on 127.0.0.1 by default).
 - DEVSERVER_HOST, DEVSERVER_PORT: defaults for --host (127.0.0.1) and --port (8000).
+- DEVSERVER_MAX_BODY_BYTES: the largest request body taken (default 20 MiB, the hosted
+  platform's /runsync limit; /run's there is 10 MB); a bigger one gets 413.
 
 SIGTERM or SIGINT shuts it down gracefully (`GracefulServer`): new requests get 503, running
 ones get SHUTDOWN_GRACE_SECONDS to finish, the rest end with an error, and it exits 0; a second
@@ -31,7 +33,7 @@ import uvicorn
 
 from ..worker.handler import LOAD_ERRORS, Worker
 from ..worker.settings import load_settings_or_exit
-from .app import create_app
+from .app import MAX_BODY_BYTES, create_app
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     settings = load_settings_or_exit()  # a bad value: one line on stderr, exit status 2
+    raw_limit = os.environ.get("DEVSERVER_MAX_BODY_BYTES", "") or str(MAX_BODY_BYTES)
+    if not raw_limit.isdigit() or int(raw_limit) < 1:
+        print(
+            f"error: DEVSERVER_MAX_BODY_BYTES={raw_limit!r}: allowed an integer >= 1",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         sock = bind_socket(args.host, port)
@@ -159,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         worker,
         api_key=api_key,
         max_concurrency=settings.max_concurrency,
+        max_body_bytes=int(raw_limit),
         on_ready=lambda: print(
             banner(args.host, port, settings.served_model_name, api_key is not None), flush=True
         ),

@@ -44,6 +44,10 @@ SSE_DONE = "data: [DONE]\n\n"
 STREAM_POLL_WAIT_S = 2.0  # how long GET /stream waits for something new before answering
 RUNSYNC_WAIT_MS = 90_000  # /runsync's default wait, as on the platform; ?wait= overrides it
 RUNSYNC_MAX_WAIT_MS = 300_000
+# The largest request body taken (DEVSERVER_MAX_BODY_BYTES): the hosted platform's own payload
+# limits are 10 MB for /run and 20 MB for /runsync; bigger bodies get 413 before being read
+# whole, so a huge prompt never reaches the JSON parser, the tokenizer or memory.
+MAX_BODY_BYTES = 20 * 1024 * 1024
 
 
 class WorkerLike(Protocol):
@@ -193,6 +197,7 @@ def create_app(
     finished_job_ttl_s: float = 600.0,
     stream_poll_wait_s: float = STREAM_POLL_WAIT_S,
     on_ready: Callable[[], None] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app; its lifespan starts the worker (loads the model once) before serving and calls
     `on_ready` then, and shuts the worker down at exit."""
@@ -301,8 +306,27 @@ def create_app(
             return JSONResponse(first)
         return EventStream(first, items)
 
+    async def read_body(request: Request) -> bytes:
+        """The body, or 413 in the route's shape as soon as it is known to exceed the limit
+        (from Content-Length, or while reading a body sent without one)."""
+        too_big = ApiError(
+            413,
+            f"the request body is larger than {max_body_bytes} bytes",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def read_openai_body(request: Request) -> dict[str, Any]:
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -344,7 +368,7 @@ def create_app(
     # -- the platform's job API ---------------------------------------------------------------
 
     async def read_job_input(request: Request) -> Any:
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:

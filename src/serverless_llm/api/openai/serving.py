@@ -49,6 +49,7 @@ from serverless_llm.engine import (
 
 from ..batching import BatchSizes, batch_stream
 from ..logprobs import TokenDecoder, merge_completion_logprobs
+from ..offload import prepare
 from ..results import choice_outputs, gather_results
 from ..streams import merge_streams
 from .chat import ChatFormatter, echo_text, render_chat_prompt
@@ -282,7 +283,8 @@ class OpenAIServing:
             if kind == "model":
                 yield retrieve_model(arg or "", self.model_names, self.created, self.max_model_len)
                 return
-            plan = self._chat_plan(body) if kind == "chat" else self._completion_plan(body)
+            # Parsing, the chat template and the tokenizer run off the event loop.
+            plan = await prepare(self._chat_plan if kind == "chat" else self._completion_plan, body)
             await self._compile(plan.params)
         except Exception as exc:
             yield self._error_from(exc)
@@ -342,7 +344,9 @@ class OpenAIServing:
             return self.engine.fit_prompt(ids, max_tokens, truncate)
         except ContextLengthError as e:
             message = _context_length_message(e, "messages" if param == "messages" else "prompt")
-            raise OpenAIServingError.bad_request(message, param, "context_length_exceeded") from None
+            raise OpenAIServingError.bad_request(
+                message, param, "context_length_exceeded"
+            ) from None
         except InvalidRequestError:
             raise OpenAIServingError.bad_request(
                 f"Invalid value for '{param}': the prompt is empty (it encodes to no tokens).",
