@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..worker.handler import http_status, openai_error
-from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager
+from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager, unless
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +112,10 @@ async def _unless_disconnected(aw: Awaitable[T], receive: Receive) -> T:
     """Awaits `aw` unless the client disconnects first; then cancels it and raises ClientGone.
     (Starlette does not notice a disconnect until it writes, and a request waiting for a slot
     or for a long generation writes nothing.)"""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-    if task.cancelled():
+    gone, result = await unless(aw, _wait_disconnect(receive))
+    if gone:
         raise ClientGone()
-    return task.result()
+    return result  # type: ignore[return-value]
 
 
 class EventStream(StreamingResponse):

@@ -16,12 +16,14 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 IN_QUEUE = "IN_QUEUE"
 IN_PROGRESS = "IN_PROGRESS"
@@ -85,6 +87,23 @@ class Job:
         elif self.finished_at is not None:
             out["delayTime"] = round((self.finished_at - self.created_at) * 1000)
         return out
+
+
+async def unless(aw: Awaitable[T], stop: Awaitable[Any]) -> tuple[bool, T | None]:
+    """Awaits `aw` unless `stop` completes first, in which case `aw` is cancelled (and awaited,
+    so it is idle on return). (True, None) when stopped, else (False, the result)."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        return True, None
+    return False, task.result()
 
 
 class JobManager:
@@ -277,18 +296,8 @@ class JobManager:
         abort = self._abort_event()
         if abort.is_set():
             return _ABORTED
-        nxt = asyncio.ensure_future(anext(items, _END))
-        stop = asyncio.ensure_future(abort.wait())
-        try:
-            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not nxt.done():
-                nxt.cancel()
-                await asyncio.wait({nxt})
-        if nxt.cancelled():
-            return _ABORTED
-        return nxt.result()
+        stopped, item = await unless(anext(items, _END), abort.wait())
+        return _ABORTED if stopped else item
 
     def _move(self, src: str, dst: str) -> None:
         self.counts[src] -= 1
