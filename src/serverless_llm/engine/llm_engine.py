@@ -207,8 +207,7 @@ class LLMEngine:
         """Aborts the request that `req` serves (a beam search as a whole) and records why."""
         rid = req.beam.root.request_id if req.beam is not None else req.request_id
         logger.exception("request %s failed in output processing; the others go on", rid)
-        if self.abort_request(rid) is None and req.beam is None and not req.finished:
-            self.scheduler.finish(req, FinishReason.ABORT)  # not in self.requests: still free it
+        self.abort_request(rid)  # a no-op if _postprocess had already finished it
         self.failed[rid] = exc
 
     def _postprocess(self, req: Request, tok: int, lp) -> EngineOutput | None:
