@@ -4,7 +4,9 @@ With `openai_route` set, the job goes to the OpenAI layer with `openai_input` as
 body; otherwise it is a native job. Both may set the stream batch knobs (`max_batch_size`,
 `min_batch_size`, `batch_size_growth_factor`), which override the env defaults for this job.
 A job that cannot be parsed raises JobError, whose `payload` is the error in the shape of the
-job's route.
+job's route. Every string of the input (keys included) must be Unicode text that UTF-8 can carry:
+JSON's `\\ud800` escapes decode to lone surrogates, which the tokenizer, the templates and the
+grammar compiler cannot take, so such a job is refused here, naming the field.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..api.batching import BatchSizes
-from ..api.errors import NativeJobError, describe_validation_error, native_error, openai_bad_request
+from ..api.errors import (
+    NativeJobError,
+    describe_validation_error,
+    loc_to_path,
+    native_error,
+    openai_bad_request,
+)
 from ..api.native import NativeRequest
 
 __all__ = ["JobError", "NativeJob", "OpenAIJob", "parse_job"]
@@ -76,6 +84,44 @@ def _batch_sizes(data: dict[str, Any], defaults: BatchSizes, *, openai: bool) ->
     )
 
 
+def _lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """(path, repr of the character) of the first string in `data`, key or value, holding a lone
+    surrogate; None when every string is valid text. Iterative: inputs may nest deeply."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    # The path itself may hold it (a key's): escaped, so the error is text.
+                    return path.encode("utf-8", "backslashreplace").decode(), repr(value[e.start])
+        elif isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                key_path = loc_to_path((key,), path) if isinstance(key, str) else path
+                if isinstance(key, str):
+                    items.append((key_path, key))
+                items.append((key_path, item))
+            stack.extend(reversed(items))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((loc_to_path((i,), path), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def _check_text(data: Any, *, openai: bool) -> None:
+    found = _lone_surrogate(data)
+    if found is not None:
+        path, char = found
+        raise JobError(
+            f"'{path or 'openai_input'}' is not valid Unicode text: it holds a lone surrogate "
+            f"({char}); send UTF-8 text",
+            openai=openai,
+            param=path or None,
+        )
+
+
 def parse_job(job: Any, defaults: BatchSizes) -> OpenAIJob | NativeJob:
     """Parses a RunPod job (`{"id": ..., "input": {...}}`), raising JobError."""
     if not isinstance(job, dict):
@@ -105,9 +151,11 @@ def parse_job(job: Any, defaults: BatchSizes) -> OpenAIJob | NativeJob:
                 param=extra[0],
             )
         batch = _batch_sizes(data, defaults, openai=True)
+        _check_text(data.get("openai_input"), openai=True)  # param: a path in the body
         return OpenAIJob(route=route, body=data.get("openai_input"), batch=batch)
 
     batch = _batch_sizes(data, defaults, openai=False)
+    _check_text(data, openai=False)
     rest = {k: v for k, v in data.items() if k not in _BATCH_KEYS and k not in _OPENAI_KEYS}
     if "openai_input" in data:
         raise JobError("openai_input needs openai_route", openai=False)

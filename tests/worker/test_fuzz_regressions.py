@@ -1,0 +1,53 @@
+"""Inputs the job fuzzing (test_fuzz_jobs.py, issue 14 item 7) found breaking the worker, each
+pinned as a plain test: what was sent, and the documented answer it now gets."""
+
+from __future__ import annotations
+
+import asyncio
+
+from serverless_llm.api.openai import http_status
+from tests.worker.conftest import blocks_all_free, run, run_job
+
+CHAT = "/v1/chat/completions"
+
+
+def _openai(route: str, body: dict) -> dict:
+    return {"openai_route": route, "openai_input": body}
+
+
+def _chat(content: str, **body) -> dict:
+    return _openai(CHAT, {"messages": [{"role": "user", "content": content}], **body})
+
+
+def test_lone_surrogates_are_refused_in_the_routes_shape(make_worker):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which the tokenizer cannot take: it
+    was a TypeError out of the tokenizer, an internal error (a 500 on the OpenAI routes)."""
+    jobs = [
+        {"prompt": "a\ud800b", "sampling_params": {"max_tokens": 2}},
+        {"messages": [{"role": "user", "content": "\udfff"}]},
+        {"prompt": "hi", "sampling_params": {"stop": ["ok", "\ud800"], "max_tokens": 2}},
+        _openai("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}),
+        _chat("hi", max_tokens=2, metadata={"k\udc00": "v"}),
+        _chat("x\ud83d", max_tokens=2),
+    ]
+
+    async def scenario(w):
+        results = [await run_job(w, job) for job in jobs]
+        fine = await run_job(w, {"prompt": "Hello", "sampling_params": {"max_tokens": 2}})
+        await asyncio.sleep(0.05)
+        return results, fine, blocks_all_free(w)
+
+    results, fine, free = run(make_worker(), scenario)
+    native = [items[0]["error"] for items in results[:3]]
+    assert all("lone surrogate" in e and "not valid Unicode" in e for e in native), native
+    assert "'prompt'" in native[0] and "'messages[0].content'" in native[1]
+    assert "'sampling_params.stop[1]'" in native[2]
+    params = []
+    for items in results[3:]:
+        assert len(items) == 1 and http_status(items[0]) == 400, items
+        error = items[0]["error"]
+        assert error["type"] == "invalid_request_error" and "lone surrogate" in error["message"]
+        error["message"].encode("utf-8")  # the answer itself is valid text
+        params.append(error["param"])
+    assert params == ["prompt", "metadata.k\\udc00", "messages[0].content"]
+    assert fine[-1]["usage"]["output"] == 2 and free
