@@ -51,3 +51,26 @@ def test_lone_surrogates_are_refused_in_the_routes_shape(make_worker):
         params.append(error["param"])
     assert params == ["prompt", "metadata.k\\udc00", "messages[0].content"]
     assert fine[-1]["usage"]["output"] == 2 and free
+
+
+def test_huge_length_penalty_runs_the_beam_search(make_worker):
+    """use_beam_search with length_penalty 1e300: `length ** length_penalty` raised
+    OverflowError in the output processing, so the job failed with "generation failed" (a 500
+    on the OpenAI routes)."""
+    beam = {"use_beam_search": True, "n": 2, "max_tokens": 3, "length_penalty": 1e300}
+
+    async def scenario(w):
+        native = await run_job(w, {"prompt": "Hello", "sampling_params": beam})
+        never = await run_job(
+            w, {"prompt": "Hello", "sampling_params": {**beam, "early_stopping": "never"}}
+        )
+        chat = await run_job(w, _chat("Hello", **beam))
+        await asyncio.sleep(0.05)
+        return native, never, chat, blocks_all_free(w)
+
+    native, never, chat, free = run(make_worker(), scenario)
+    for items in (native, never):
+        assert "error" not in items[-1], items
+        assert len(items[-1]["choices"]) == 2
+    assert chat[0]["object"] == "chat.completion" and len(chat[0]["choices"]) == 2, chat
+    assert free

@@ -24,6 +24,7 @@ the same way. The results are the n best hypotheses, best first (`num_return_seq
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +38,19 @@ __all__ = [
     "BeamSearch",
     "BeamSearchParams",
     "Hypothesis",
+    "length_factor",
     "num_candidates",
 ]
+
+
+def length_factor(length: int, length_penalty: float) -> float:
+    """length ** length_penalty, what a score is divided by. A penalty so large that the power
+    overflows a float gives inf (every score divides down to 0, the limit) instead of raising
+    OverflowError: length_penalty has no upper bound, as in vLLM and transformers."""
+    try:
+        return float(length) ** length_penalty
+    except OverflowError:
+        return math.inf
 
 
 def num_candidates(width: int, num_stop_ids: int) -> int:
@@ -172,7 +184,7 @@ class BeamSearch:
         if eligible:
             lp = self.length_penalty
             chosen = order[torch.tensor(eligible)]
-            penalised = (acc[chosen] / (g**lp)).tolist()
+            penalised = (acc[chosen] / length_factor(g, lp)).tolist()
             added = []
             for pos, score in zip(eligible, penalised):
                 i = order_list[pos]
@@ -224,6 +236,6 @@ class BeamSearch:
             length = self.max_new_tokens
         else:
             length = self.num_generated
-        best = torch.tensor([self.live[0].score], dtype=torch.float32) / (length**lp)
+        best = torch.tensor([self.live[0].score], dtype=torch.float32) / length_factor(length, lp)
         worst = torch.tensor([self.finished[-1].score], dtype=torch.float32)
         return not bool(best[0] > worst[0])
