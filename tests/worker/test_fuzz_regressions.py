@@ -4,6 +4,7 @@ pinned as a plain test: what was sent, and the documented answer it now gets."""
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 
 from serverless_llm.api.openai import http_status
 from tests.worker.conftest import blocks_all_free, run, run_job
@@ -73,4 +74,51 @@ def test_huge_length_penalty_runs_the_beam_search(make_worker):
         assert "error" not in items[-1], items
         assert len(items[-1]["choices"]) == 2
     assert chat[0]["object"] == "chat.completion" and len(chat[0]["choices"]) == 2, chat
+    assert free
+
+
+def test_a_long_stop_string_costs_no_more_than_its_length():
+    """A stop string of L characters built a set of its L - 1 prefixes: L**2 / 2 characters
+    (a 100 kB stop string took 20 s and 5 GB before the first token; a 1 MB one, 500 GB)."""
+    from serverless_llm.engine.tokenizer import StopStringMatcher
+
+    stop = "ab" * 15_000
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher([stop, "zz"])
+        released = [matcher.feed(piece) for piece in ("xx", "ab" * 50, "ab", "c")]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5_000_000, peak  # the prefix set was 450 MB
+    assert released[0] == ("xx", None)
+    assert released[1] == ("", None) and released[2] == ("", None)  # may still start the stop
+    assert released[3] == ("ab" * 51 + "c", None)  # it did not: released whole
+    matcher = StopStringMatcher([stop])
+    assert matcher.feed("x" + stop[:-1]) == ("x", None)
+    assert matcher.feed("b") == ("", stop)
+
+
+def test_a_megabyte_stop_string_runs(make_worker):
+    async def scenario(w):
+        native = await run_job(
+            w,
+            {
+                "prompt": "Hello",
+                "sampling_params": {"max_tokens": 3, "ignore_eos": True, "stop": ["a" * 1_000_000]},
+            },
+        )
+        completion = await run_job(
+            w,
+            _openai(
+                "/v1/completions",
+                {"prompt": "Hi", "max_tokens": 3, "stop": "é" * 1_000_000, "stream": True},
+            ),
+        )
+        await asyncio.sleep(0.05)
+        return native, completion, blocks_all_free(w)
+
+    native, completion, free = run(make_worker(), scenario)
+    assert native[-1]["usage"]["output"] == 3, native
+    assert completion[-1].endswith("data: [DONE]\n\n"), completion
     assert free

@@ -435,7 +435,7 @@ class StopStringMatcher:
     start, the stop string listed first).
     """
 
-    __slots__ = ("stops", "include", "_pending", "_tail", "_prefixes", "_longest")
+    __slots__ = ("stops", "include", "_pending", "_tail", "_longest")
 
     def __init__(self, stops: Sequence[str], include_in_output: bool = False) -> None:
         if not stops or any(not s for s in stops):
@@ -443,8 +443,6 @@ class StopStringMatcher:
         self.stops = list(stops)
         self.include = include_in_output
         self._longest = max(len(s) for s in self.stops)
-        # Every proper prefix of a stop string: what a held-back suffix may be.
-        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
         self._pending = ""  # held back (not yet released)
         self._tail = ""  # the last released characters, where a match may start (include)
 
@@ -490,8 +488,18 @@ class StopStringMatcher:
         return best
 
     def _held_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that a stop string starts with."""
-        for k in range(min(len(text), self._longest - 1), 0, -1):
-            if text[-k:] in self._prefixes:
-                return k
-        return 0
+        """Length of the longest suffix of `text` that a stop string starts with (a proper
+        prefix: a whole stop string is a match). Searched from the text's side, so the work
+        grows with the text, never with the square of a stop string's length (a set of every
+        prefix of a 1 MB stop string would hold 500 GB)."""
+        best = 0
+        for stop in self.stops:
+            longest = min(len(text), len(stop) - 1)
+            start = len(text) - longest  # the longest suffix that could still be a prefix
+            j = text.find(stop[0], start) if longest > best else -1
+            while j >= 0 and len(text) - j > best:
+                if stop.startswith(text[j:]):
+                    best = len(text) - j
+                    break
+                j = text.find(stop[0], j + 1)
+        return best
