@@ -58,6 +58,11 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     show_progress: bool = True
+    # Structured output: each grammar compiles in a compile process, killed after this many
+    # seconds (0: no limit); a schema, regex, grammar or choice list longer than this many
+    # characters is refused before compiling (0: no limit).
+    grammar_compile_timeout: float = 15.0
+    grammar_max_chars: int = 256 << 10
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -82,6 +87,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks}: must be >= 1")
+        if self.grammar_compile_timeout < 0:
+            raise ConfigError(
+                f"grammar_compile_timeout={self.grammar_compile_timeout}: must be >= 0"
+            )
+        if self.grammar_max_chars < 0:
+            raise ConfigError(f"grammar_max_chars={self.grammar_max_chars}: must be >= 0")
         if self.kv_cache_space_gib <= 0:
             raise ConfigError(f"kv_cache_space_gib={self.kv_cache_space_gib}: must be > 0")
 

@@ -70,9 +70,18 @@ class PromptInput:
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        *,
+        grammar_compile_timeout: float = 15.0,
+        grammar_max_chars: int = 256 << 10,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self.grammar_max_chars = grammar_max_chars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -134,16 +143,26 @@ class InputProcessor:
                         self.tokenizer,
                         vocab_size=self.vocab_size,
                         stop_token_ids=sorted(self.eos_token_ids),
+                        compile_timeout=self.grammar_compile_timeout,
+                        max_spec_chars=self.grammar_max_chars,
                     )
         return self._grammar_compiler
 
     def compile_grammar(self, spec: StructuredOutputSpec) -> Future[CompiledGrammar]:
         """Starts compiling a spec off the caller's thread (a cache hit resolves at once). The
         future fails with InvalidRequestError, naming the field, when the schema, regex or
-        grammar is invalid. Every grammar of the engine is compiled through here."""
+        grammar is invalid. Every grammar of the engine is compiled through here. Cancelling the
+        future withdraws the request: a compilation no request waits for is stopped."""
         done: Future[CompiledGrammar] = Future()
+        inner = self.grammar_compiler.compile_async(spec)
+
+        def withdraw(f: Future[CompiledGrammar]) -> None:
+            if f.cancelled():
+                inner.cancel()
 
         def settle(f: Future[CompiledGrammar]) -> None:
+            if f.cancelled() or not done.set_running_or_notify_cancel():
+                return
             e = f.exception()
             if isinstance(e, StructuredOutputError):
                 done.set_exception(structured_error(e))
@@ -152,7 +171,8 @@ class InputProcessor:
             else:
                 done.set_result(f.result())
 
-        self.grammar_compiler.compile_async(spec).add_done_callback(settle)
+        done.add_done_callback(withdraw)
+        inner.add_done_callback(settle)
         return done
 
     # -- requests ---------------------------------------------------------------------------

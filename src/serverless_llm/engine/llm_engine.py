@@ -56,7 +56,14 @@ class LLMEngine:
             self.tokenizer, self.hf_config, load_generation_config(self.resolved.model_dir)
         )
         self.vocab_size = self.hf_config.vocab_size
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, eos)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            eos,
+            grammar_compile_timeout=config.grammar_compile_timeout,
+            grammar_max_chars=config.grammar_max_chars,
+        )
 
         self.block_size = config.block_size
         num_blocks = num_kv_blocks(config, loaded, self.block_size, self.max_num_batched_tokens)

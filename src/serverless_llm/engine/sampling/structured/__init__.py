@@ -9,10 +9,10 @@ Three modules, one job each, each usable on its own:
   `StructuredOutputSpec.from_request`; `StructuredOutputError` names the field at fault.
 - `grammar`: `GrammarCompiler`, one per engine, built from the tokenizer. Compiles a spec into a
   `CompiledGrammar` (an LRU cache keyed by the spec; compilation of one spec is shared by the
-  requests waiting for it), synchronously or on a worker thread (`compile_async`). xgrammar
-  releases the GIL while it compiles, so the step loop keeps running. `GrammarMatcher`: one per
-  sequence. Fills its row of the batch's token bitmask before a step and accepts the sampled
-  token after it.
+  requests waiting for it) in a compile process (`compile_pool`, running `compile_worker`),
+  with a time limit, a size limit and abandonment; `compile_async` never blocks.
+  `GrammarMatcher`: one per sequence. Fills its row of the batch's token bitmask before a step
+  and accepts the sampled token after it.
 - `bitmask`: the batch's token bitmask: `allocate_bitmask`, `fill_bitmasks` (every matcher's
   row) and `apply_bitmask` (disallowed logits to -inf).
 

@@ -13,7 +13,7 @@ vLLM does), with properties in the schema's order. Whitespace between JSON token
 default (vLLM's default); `guided_whitespace_pattern` replaces it with a regex of its own (for
 example `[ ]?` or `[\\n ]{0,8}`), and the backend option `disable-any-whitespace` forbids it;
 both are ignored for regex, choice and grammar constraints. The schema goes through xgrammar's
-EBNF text, where JSON strings are hardened (see `_harden_json_ebnf`): xgrammar 0.2.8 lets raw
+EBNF text, where JSON strings are hardened (see `compile_worker.harden_json_ebnf`): xgrammar 0.2.8 lets raw
 control characters into strings with minLength/maxLength and forbids escapes there (upstream
 issue #800), and admits surrogate code points, which detokenize to U+FFFD. The hardened
 bounded strings also compile ~20x faster (maxLength 32: ~10 ms instead of ~230 ms on a 49k
@@ -26,140 +26,38 @@ ids past the tokenizer's vocabulary are never allowed.
 
 from __future__ import annotations
 
-import re
+import logging
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .bitmask import allow_only
+from .compile_pool import (
+    CompileAbandoned,
+    CompilePool,
+    CompileProcessError,
+    CompileStartError,
+    CompileTimeout,
+    shared_pool,
+)
+from .compile_worker import WHAT, SpecError, compile_spec
 from .spec import StructuredOutputError, StructuredOutputSpec
 from .xgrammar_import import require_xgrammar, xgr
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher"]
 
+logger = logging.getLogger(__name__)
+
 
 # ---------------------------------------------------------------------------------------------
 # Compilation
 # ---------------------------------------------------------------------------------------------
-
-_XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
-
-
-def _xgr_message(exc: BaseException) -> str:
-    """xgrammar's error text without its C++ log prefix (timestamp, source file, line)."""
-    text = str(exc).strip()
-    return _XGR_PREFIX.sub("", text).strip() or type(exc).__name__
-
-
-def _ebnf_literal(text: str) -> str:
-    """A string as a literal of xgrammar's EBNF."""
-    out = ['"']
-    for ch in text:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def _python_regex_to_xgrammar(regex: str) -> str:
-    """Drops the names of Python's named groups, `(?P<name>` and `(?<name>`, which xgrammar's
-    regex parser does not read; everything else is passed through for xgrammar to judge."""
-    out: list[str] = []
-    i, n, in_class = 0, len(regex), False
-    while i < n:
-        ch = regex[i]
-        if ch == "\\":
-            out.append(regex[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(" and regex.startswith("(?", i):
-            m = re.match(r"\(\?P?<([A-Za-z_][A-Za-z0-9_]*)>", regex[i:])
-            if m:
-                out.append("(")
-                i += m.end()
-                continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
-
-
-_RULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _rename_rules(ebnf: str, prefix: str) -> str:
-    """Renames `root`, `root_1`, ... in an xgrammar EBNF text to `prefix`, `prefix_1`, ...,
-    outside string literals and character classes (so a regex's text is never touched)."""
-    out: list[str] = []
-    i, n = 0, len(ebnf)
-    while i < n:
-        ch = ebnf[i]
-        if ch in '"[':
-            close = '"' if ch == '"' else "]"
-            j = i + 1
-            while j < n and ebnf[j] != close:
-                j += 2 if ebnf[j] == "\\" else 1
-            out.append(ebnf[i : j + 1])
-            i = j + 1
-            continue
-        m = _RULE_NAME.match(ebnf, i)
-        if m:
-            name = m.group(0)
-            if name == "root" or re.fullmatch(r"root_\d+", name):
-                name = prefix + name[4:]
-            out.append(name)
-            i = m.end()
-            continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
-
-
-# The free-whitespace construct in xgrammar's JSON grammars (any_whitespace=True).
-_ANY_WS = "[ \\n\\r\\t]*"
-
-# xgrammar 0.2.8's JSON string characters, as it prints them, and what they become here:
-# - a string with minLength/maxLength repeats `[^\"\\\r\n]`, which lets raw control characters
-#   through (invalid JSON) and forbids escapes (xgrammar issue #800, fixes not released);
-# - every string class admits U+D800-U+DFFF, whose UTF-8 form is invalid: detokenized, one such
-#   "character" becomes three U+FFFD, breaking maxLength and regexes over the text.
-_BOUNDED_STRING_RULE = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-_JSON_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"
-# \u escapes of surrogates are left out too: a pair would count twice against minLength.
-_JSON_ESCAPE = (
-    r'("\\" ([\"\\/bfnrt] | "u" (([0-9A-Ca-cEeFf] [0-9A-Fa-f]) | ([Dd] [0-7])) [0-9A-Fa-f]{2}))'
-)
-_STRING_CLASS = r"[^\0-\x1f\"\\\r\n]"
-
-
-def _harden_json_ebnf(ebnf: str) -> str:
-    """Valid JSON strings in xgrammar's JSON grammar text (see above): one JSON character per
-    repetition of a bounded string (an escape counts as one, as in the decoded length), no
-    control characters, no surrogate code points."""
-    ebnf = _BOUNDED_STRING_RULE.sub(
-        lambda m: f"{m.group(1)} ::= {_JSON_CHAR} | {_JSON_ESCAPE}", ebnf
-    )
-    return ebnf.replace(_STRING_CLASS, _JSON_CHAR)
 
 
 @dataclass(frozen=True)
@@ -230,14 +128,52 @@ def _fast_tokenizer_class() -> type:
     return PreTrainedTokenizerFast
 
 
+@dataclass
+class _Job:
+    """One spec's compilation under way, shared by every request waiting for it. When the last
+    of them stops waiting, `abandoned` is set and the compile process is killed."""
+
+    future: Future[CompiledGrammar]
+    waiters: int = 0
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+
+def _spec_chars(spec: StructuredOutputSpec) -> int:
+    texts = (spec.json, spec.regex, spec.grammar, spec.whitespace_pattern)
+    return sum(len(t) for t in texts if t) + sum(len(c) for c in spec.choice or ())
+
+
+def _spec_payload(spec: StructuredOutputSpec) -> dict[str, Any]:
+    """The spec as the compile process reads it (compile_worker.build_grammar)."""
+    return {
+        "json": spec.json,
+        "regex": spec.regex,
+        "choice": list(spec.choice) if spec.choice is not None else None,
+        "grammar": spec.grammar,
+        "json_object": spec.json_object,
+        "whitespace_pattern": spec.whitespace_pattern,
+        "any_whitespace": spec.any_whitespace,
+    }
+
+
 class GrammarCompiler:
     """Compiles specs for one tokenizer, once each: an LRU cache keyed by the spec (bounded in
-    entries and bytes), and one compilation shared by concurrent requests for the same spec.
+    entries and bytes), one compilation shared by concurrent requests for the same spec, and a
+    small cache of the specs that failed (so a request repeated by a client fails at once).
 
-    Thread-safe. `compile_async` runs on a small thread pool and returns a Future: the engine
-    (or the async layer, before the request reaches the engine) waits on it instead of the step
-    loop compiling. The tokenizer view is built on first use (about 0.1 s for a 50k vocabulary),
-    so an engine that never sees a structured request never pays for it."""
+    Thread-safe. `compile_async` returns a Future and never blocks: the compilation runs in a
+    compile process (see `compile_pool`) watched by a thread here, with
+    - `compile_timeout` seconds at most (None or 0: no limit), after which the process is killed
+      and the request gets an error naming the limit;
+    - `max_spec_chars` characters of schema, regex, grammar or choices at most, refused before
+      any work;
+    - `max_bytes` for the compiled grammar (also the cache's budget);
+    - abandonment: cancelling the returned Future (as an asyncio task's cancellation does,
+      through `asyncio.wrap_future`) withdraws that request; when none is left the process is
+      killed.
+    With `isolate=False`, or when no compile process can start, it compiles in this process
+    instead, without the time limit. The tokenizer view is built on first use (about 0.1 s for a
+    50k vocabulary), so an engine that never sees a structured request never pays for it."""
 
     def __init__(
         self,
@@ -247,22 +183,31 @@ class GrammarCompiler:
         *,
         max_entries: int = 256,
         max_bytes: int = 512 << 20,
-        compile_threads: int = 2,
+        compile_timeout: float | None = 15.0,
+        max_spec_chars: int = 256 << 10,
+        isolate: bool = True,
+        pool: CompilePool | None = None,
         workers: int = 2,
     ) -> None:
         require_xgrammar()
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(sorted({int(t) for t in stop_token_ids or ()}))
-        self._compile_threads = max(1, compile_threads)
         self._max_entries = max(1, max_entries)
         self._max_bytes = max_bytes
+        self.compile_timeout = compile_timeout or None
+        self.max_spec_chars = max_spec_chars
+        self._isolate = isolate
+        self._pool = pool
+        self._key = uuid.uuid4().hex  # this tokenizer's name in the compile processes
+        self._info_json: str | None = None
         self._lock = threading.Lock()
         self._init_lock = threading.Lock()
         self._xgr_compiler: Any = None
         self._info: Any = None
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
-        self._inflight: dict[StructuredOutputSpec, Future[CompiledGrammar]] = {}
+        self._failed: OrderedDict[StructuredOutputSpec, StructuredOutputError] = OrderedDict()
+        self._inflight: dict[StructuredOutputSpec, _Job] = {}
         self._stats = CacheInfo()
         self._workers = max(1, workers)
         self._executor: ThreadPoolExecutor | None = None
@@ -278,13 +223,27 @@ class GrammarCompiler:
                     )
                     # xgrammar's own cache is off: ours is keyed by spec and bounded.
                     self._xgr_compiler = xgr.GrammarCompiler(
-                        self._info, max_threads=self._compile_threads, cache_enabled=False
+                        self._info, max_threads=1, cache_enabled=False
                     )
         return self._xgr_compiler
 
-    def warm_up(self) -> None:
-        """Builds the tokenizer view now (e.g. in the background at startup)."""
+    def _tokenizer_json(self) -> str:
         self._compiler()
+        with self._init_lock:
+            if self._info_json is None:
+                self._info_json = self._info.serialize_json()
+            return self._info_json
+
+    @property
+    def pool(self) -> CompilePool:
+        return self._pool if self._pool is not None else shared_pool()
+
+    def warm_up(self) -> None:
+        """Builds the tokenizer view and starts a compile process now (say in the background at
+        startup), so the first structured request waits for neither."""
+        self._compiler()
+        if self._isolate:
+            self.pool.prestart()
 
     @property
     def vocab_size(self) -> int:
@@ -302,53 +261,58 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         """The compiled grammar for `spec`, from the cache or compiled now (waiting for a
         compilation of the same spec already under way). Raises StructuredOutputError."""
-        with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                self._stats.hits += 1
-                return hit
-            pending = self._inflight.get(spec)
-            owner = pending is None
-            if owner:
-                pending = Future()
-                pending.set_running_or_notify_cancel()
-                self._inflight[spec] = pending
-                self._stats.misses += 1
-            else:
-                self._stats.hits += 1
-        if not owner:
-            return pending.result()
-        try:
-            compiled = self._compile_uncached(spec)
-        except BaseException as exc:
-            with self._lock:
-                self._inflight.pop(spec, None)
-            pending.set_exception(exc)
-            raise
-        with self._lock:
-            self._inflight.pop(spec, None)
-            self._insert(spec, compiled)
-        pending.set_result(compiled)
-        return compiled
+        return self.compile_async(spec).result()
 
     def compile_async(self, spec: StructuredOutputSpec) -> Future[CompiledGrammar]:
-        """A Future of `compile(spec)`, resolved at once on a cache hit. Its exception is a
-        StructuredOutputError for an invalid schema, regex or grammar."""
+        """A Future of the compiled grammar, resolved at once on a cache hit; its exception is a
+        StructuredOutputError for an invalid schema, regex or grammar, one over a limit, or one
+        that accepts nothing. Cancel it to stop waiting (see the class docstring)."""
+        out: Future[CompiledGrammar] = Future()
         with self._lock:
             hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
+            failure = self._failed.get(spec) if hit is None else None
+            if hit is not None or failure is not None:
                 self._stats.hits += 1
-                done: Future[CompiledGrammar] = Future()
-                done.set_result(hit)
-                return done
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=self._workers, thread_name_prefix="grammar-compile"
-                )
-            executor = self._executor
-        return executor.submit(self.compile, spec)
+                if hit is not None:
+                    self._cache.move_to_end(spec)
+                    out.set_result(hit)
+                else:
+                    self._failed.move_to_end(spec)
+                    out.set_exception(failure)
+                return out
+            job = self._inflight.get(spec)
+            if job is None or job.abandoned.is_set():
+                job = _Job(Future())
+                self._inflight[spec] = job
+                self._stats.misses += 1
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(
+                        max_workers=self._workers, thread_name_prefix="grammar-compile"
+                    )
+                self._executor.submit(self._run, spec, job)
+            else:
+                self._stats.hits += 1
+            job.waiters += 1
+
+        def deliver(done: Future[CompiledGrammar]) -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            exc = done.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(done.result())
+
+        def withdraw(f: Future[CompiledGrammar]) -> None:
+            if f.cancelled():
+                with self._lock:
+                    job.waiters -= 1
+                    if job.waiters <= 0 and not job.future.done():
+                        job.abandoned.set()
+
+        out.add_done_callback(withdraw)
+        job.future.add_done_callback(deliver)
+        return out
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
@@ -362,6 +326,7 @@ class GrammarCompiler:
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._failed.clear()
 
     def close(self) -> None:
         """Stops the compile threads (pending compilations finish first)."""
@@ -369,6 +334,27 @@ class GrammarCompiler:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+
+    def _run(self, spec: StructuredOutputSpec, job: _Job) -> None:
+        try:
+            if job.abandoned.is_set():
+                raise CompileAbandoned()
+            compiled = self._compile_uncached(spec, job.abandoned)
+        except BaseException as exc:
+            with self._lock:
+                if self._inflight.get(spec) is job:
+                    del self._inflight[spec]
+                if isinstance(exc, StructuredOutputError):
+                    self._failed[spec] = exc
+                    while len(self._failed) > self._max_entries:
+                        self._failed.popitem(last=False)
+            job.future.set_exception(exc)
+            return
+        with self._lock:
+            if self._inflight.get(spec) is job:
+                del self._inflight[spec]
+            self._insert(spec, compiled)
+        job.future.set_result(compiled)
 
     def _insert(self, spec: StructuredOutputSpec, compiled: CompiledGrammar) -> None:
         self._cache[spec] = compiled
@@ -379,62 +365,49 @@ class GrammarCompiler:
             _, evicted = self._cache.popitem(last=False)
             total -= evicted.memory_size_bytes
 
-    def _compile_uncached(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+    def _compile_uncached(
+        self, spec: StructuredOutputSpec, abandoned: threading.Event
+    ) -> CompiledGrammar:
+        what = WHAT[spec.kind]
+        chars = _spec_chars(spec)
+        if self.max_spec_chars and chars > self.max_spec_chars:
+            raise StructuredOutputError(
+                spec.param,
+                f"the {what} is {chars} characters long, over the limit of "
+                f"{self.max_spec_chars} (GRAMMAR_MAX_CHARS)",
+            )
         compiler = self._compiler()
+        payload = _spec_payload(spec)
         try:
-            compiled = self._compile_with(compiler, spec)
-        except StructuredOutputError:
-            raise
-        except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError
+            if self._isolate:
+                try:
+                    text = self.pool.compile(
+                        self._key,
+                        self._tokenizer_json,
+                        payload,
+                        max_bytes=self._max_bytes,
+                        timeout=self.compile_timeout,
+                        abandoned=abandoned,
+                    )
+                    compiled = xgr.CompiledGrammar.deserialize_json(text, self._info)
+                    return CompiledGrammar(spec, compiled, self.stop_token_ids)
+                except CompileStartError as exc:
+                    logger.warning("%s; compiling grammars in the worker's process instead", exc)
+                    self._isolate = False
+            compiled = compile_spec(xgr, compiler, payload, self._max_bytes)
+        except SpecError as exc:
+            raise StructuredOutputError(exc.param or spec.param, str(exc)) from None
+        except CompileTimeout:
             raise StructuredOutputError(
-                spec.param, f"invalid {_WHAT[spec.kind]}: {_xgr_message(exc)}"
-            ) from exc
-        return CompiledGrammar(spec, compiled, tuple(int(t) for t in self._info.stop_token_ids))
-
-    def _compile_with(self, compiler: Any, spec: StructuredOutputSpec) -> Any:
-        kind = spec.kind
-        if kind in ("json", "json_object"):
-            schema = spec.json if kind == "json" else '{"type":"object"}'
-            strict = kind == "json"
-            return compiler.compile_grammar(self._json_ebnf(spec, schema, strict))
-        if kind == "regex":
-            return compiler.compile_regex(_python_regex_to_xgrammar(spec.regex or ""))
-        if kind == "choice":
-            body = " | ".join(_ebnf_literal(c) for c in spec.choice or ())
-            return compiler.compile_grammar(f"root ::= {body}")
-        grammar = spec.grammar or ""
-        if "::=" in grammar:
-            return compiler.compile_grammar(grammar, root_rule_name="root")
-        return compiler.compile_lark(grammar)
-
-    @staticmethod
-    def _json_ebnf(spec: StructuredOutputSpec, schema: str, strict: bool) -> str:
-        """The schema as xgrammar's EBNF, its strings hardened, and every free-whitespace gap
-        replaced by the whitespace pattern's rule when one is given."""
-        pattern = spec.whitespace_pattern
-        grammar = xgr.Grammar.from_json_schema(
-            schema, any_whitespace=spec.any_whitespace or pattern is not None, strict_mode=strict
-        )
-        ebnf = _harden_json_ebnf(str(grammar))
-        if pattern is None:
-            return ebnf
-        try:
-            ws = str(xgr.Grammar.from_regex(_python_regex_to_xgrammar(pattern)))
-        except Exception as exc:
+                spec.param,
+                f"the {what} took more than {self.compile_timeout:g} s to compile (the limit, "
+                "GRAMMAR_COMPILE_TIMEOUT): simplify it",
+            ) from None
+        except CompileProcessError as exc:
             raise StructuredOutputError(
-                "guided_whitespace_pattern", f"invalid whitespace pattern: {_xgr_message(exc)}"
-            ) from exc
-        name = "json_ws_pattern"
-        return ebnf.replace(_ANY_WS, name) + "\n" + _rename_rules(ws, name) + "\n"
-
-
-_WHAT = {
-    "json": "JSON schema",
-    "json_object": "JSON object grammar",
-    "regex": "regex",
-    "choice": "choice",
-    "grammar": "grammar",
-}
+                spec.param, f"the {what} could not be compiled ({exc}): simplify it"
+            ) from None
+        return CompiledGrammar(spec, compiled, self.stop_token_ids)
 
 
 # ---------------------------------------------------------------------------------------------

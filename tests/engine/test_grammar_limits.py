@@ -1,0 +1,216 @@
+"""Grammar compilation under hostile specs (issue 14 item 3): a time limit that kills the compile
+process, a size limit checked before any work, abandonment when no request waits, grammars that
+accept nothing refused, and a compile process that cannot start or crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import xgrammar as xgr
+
+from serverless_llm.engine.sampling.structured import compile_pool
+from serverless_llm.engine.sampling.structured.compile_pool import CompilePool
+from serverless_llm.engine.sampling.structured.compile_worker import accepts_nothing
+from serverless_llm.engine.sampling.structured.grammar import GrammarCompiler
+from serverless_llm.engine.sampling.structured.spec import (
+    StructuredOutputError,
+    StructuredOutputSpec,
+)
+from tests.tiny_models import build_tokenizer
+
+MODEL_VOCAB = 400
+EOS = 2
+
+# Seconds to compile on a 2-core machine (about 7 s alone), whatever the vocabulary: xgrammar's
+# work grows with the square of the alternatives, not with the tokens.
+SLOW_REGEX = "(a|b|c|d|e|f|g)" * 3000
+SLOW_SCHEMA = {"enum": [f"value-{i}" for i in range(30000)]}
+
+# a -> b -> a with every property required: no finite JSON value fits.
+CYCLE = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#/$defs/A"}},
+    "required": ["a"],
+    "$defs": {
+        "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+        "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+    },
+}
+# A tree: recursive, but a node's children are optional, so it has finite values.
+TREE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "children": {"type": "array", "items": {"$ref": "#"}},
+    },
+    "required": ["name"],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def shared():
+    p = CompilePool(2)
+    yield p
+    p.close()
+
+
+@pytest.fixture()
+def pool(shared):
+    """The module's pool (starting children costs seconds), with both children started."""
+    shared.prestart(idle=2)
+    assert len(shared.pids()) == 2
+    return shared
+
+
+def make(tokenizer, pool, **kwargs) -> GrammarCompiler:
+    return GrammarCompiler(
+        tokenizer, vocab_size=MODEL_VOCAB, stop_token_ids=[EOS], pool=pool, **kwargs
+    )
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# -- grammars that accept nothing -----------------------------------------------------------
+
+
+def ebnf_of_schema(schema: dict) -> str:
+    return str(xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True))
+
+
+def test_accepts_nothing_finds_a_required_ref_cycle_and_only_that():
+    assert accepts_nothing(ebnf_of_schema(CYCLE))
+    assert not accepts_nothing(ebnf_of_schema(TREE))
+    assert not accepts_nothing(ebnf_of_schema({"type": "object"}))  # lookaheads inside
+    assert accepts_nothing('root ::= "x" a\na ::= "y" a')
+    assert not accepts_nothing('root ::= "x" a\na ::= "y" a | "z"')
+    assert not accepts_nothing('root ::= ("x" a)*\na ::= "y" a')  # may repeat zero times
+    assert not accepts_nothing('root ::= ("x" a){0, 3}\na ::= a')
+    assert accepts_nothing('root ::= ("x" a){1, 3}\na ::= a')
+    assert accepts_nothing('root ::= ("x" a)+\na ::= "[" a "]"')
+    assert not accepts_nothing(str(xgr.Grammar.from_regex("(ab|c[^x]){2,5}d*")))
+    assert not accepts_nothing("this is not xgrammar's printed form ::= ((")  # unproved: allowed
+
+
+def test_a_grammar_that_accepts_nothing_is_an_error(tokenizer, pool):
+    comp = make(tokenizer, pool)
+    spec = StructuredOutputSpec.from_request(guided_json=CYCLE)
+    with pytest.raises(StructuredOutputError, match="accepts no output") as info:
+        comp.compile(spec)
+    assert info.value.param == "guided_json"
+    gbnf = StructuredOutputSpec.from_request(guided_grammar='root ::= "(" root ")"')
+    with pytest.raises(StructuredOutputError, match="accepts no output"):
+        comp.compile(gbnf)
+    assert comp.compile(StructuredOutputSpec.from_request(guided_json=TREE)) is not None
+
+
+# -- time limit and abandonment -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("guided_regex", SLOW_REGEX), ("guided_json", SLOW_SCHEMA)],
+    ids=["regex", "json"],
+)
+def test_a_slow_grammar_is_stopped_at_the_time_limit(tokenizer, pool, field, value):
+    comp = make(tokenizer, pool, compile_timeout=0.3, max_spec_chars=0)
+    killed, pids = pool.killed, set(pool.pids())
+    spec = StructuredOutputSpec.from_request(**{field: value})
+    t0 = time.monotonic()
+    with pytest.raises(StructuredOutputError, match="took more than 0.3 s") as info:
+        comp.compile(spec)
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.param == field
+    assert pool.killed == killed + 1
+    assert wait_for(lambda: sum(map(_gone, pids)) == 1, timeout=2)  # the child that compiled it
+    # Asked again, the same spec fails at once (no second compile process burns on it).
+    t0 = time.monotonic()
+    with pytest.raises(StructuredOutputError, match="took more than"):
+        comp.compile(StructuredOutputSpec.from_request(**{field: value}))
+    assert time.monotonic() - t0 < 0.1 and pool.killed == killed + 1
+    # And the compiler still serves (a replacement child).
+    assert comp.compile(StructuredOutputSpec.from_request(guided_regex="[0-9]+")) is not None
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_an_abandoned_compilation_is_killed_and_others_do_not_queue_behind_it(tokenizer, pool):
+    comp = make(tokenizer, pool, compile_timeout=60, max_spec_chars=0)
+    killed = pool.killed
+    slow = comp.compile_async(StructuredOutputSpec.from_request(guided_regex=SLOW_REGEX * 3))
+    time.sleep(0.2)
+    # The other child compiles another request's grammar meanwhile, in well under the slow one's
+    # time (seconds).
+    t0 = time.monotonic()
+    quick = comp.compile(StructuredOutputSpec.from_request(guided_choice=["yes", "no"]))
+    assert quick is not None and time.monotonic() - t0 < 2.0
+    assert not slow.done()
+    assert slow.cancel()  # the only waiter leaves
+    assert wait_for(lambda: pool.killed == killed + 1, timeout=2.0)
+    # A spec two requests wait for survives one of them leaving (this one takes ~0.3 s).
+    spec = StructuredOutputSpec.from_request(guided_regex="(a|b|c|d|e|f|g)" * 500)
+    first, second = comp.compile_async(spec), comp.compile_async(spec)
+    time.sleep(0.1)
+    first.cancel()
+    assert second.result(timeout=60) is not None and pool.killed == killed + 1
+
+
+# -- size limit ---------------------------------------------------------------------------------
+
+
+def test_a_spec_over_the_size_limit_is_refused_before_compiling(tokenizer, pool):
+    comp = make(tokenizer, pool, max_spec_chars=1000)
+    t0 = time.monotonic()
+    with pytest.raises(StructuredOutputError, match="over the limit of 1000 .GRAMMAR_MAX_CHARS"):
+        comp.compile(StructuredOutputSpec.from_request(guided_choice=["x" * 600, "y" * 600]))
+    assert time.monotonic() - t0 < 0.5
+    assert comp.compile(StructuredOutputSpec.from_request(guided_choice=["x" * 600]))
+
+
+# -- the compile process failing ------------------------------------------------------------
+
+
+def test_no_compile_process_means_compiling_in_process(tokenizer, monkeypatch, tmp_path):
+    broken = tmp_path / "worker.py"
+    broken.write_text("import sys; sys.exit(3)\n")
+    monkeypatch.setattr(compile_pool, "WORKER_PATH", broken)
+    comp = make(tokenizer, CompilePool(1))
+    compiled = comp.compile(StructuredOutputSpec.from_request(guided_regex="[a-c]{2}"))
+    matcher = compiled.matcher()
+    assert not matcher.is_terminated()
+    with pytest.raises(StructuredOutputError, match="accepts no output"):
+        comp.compile(StructuredOutputSpec.from_request(guided_json=CYCLE))
+
+
+def test_a_compile_process_that_dies_fails_that_grammar_only(tokenizer):
+    pool = CompilePool(1)
+    try:
+        comp = make(tokenizer, pool, compile_timeout=60, max_spec_chars=0)
+        pool.prestart()
+        (pid,) = pool.pids()
+        pending = comp.compile_async(StructuredOutputSpec.from_request(guided_regex=SLOW_REGEX))
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)  # as a crash inside xgrammar would end it
+        with pytest.raises(StructuredOutputError, match="could not be compiled .*died"):
+            pending.result(timeout=10)
+        # This process is unharmed, and a new child compiles the next grammar.
+        assert comp.compile(StructuredOutputSpec.from_request(guided_regex="[a-c]{3}"))
+    finally:
+        pool.close()
