@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from serverless_llm.api.batching import BatchSizes
+from serverless_llm.api.limits import RequestLimits
 from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.worker import handler as handler_module
 from serverless_llm.worker.handler import Worker, _iterates_generators
@@ -124,6 +125,7 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "raw_output": False,
         "enable_auto_tool_choice": False,
         "tool_call_parser": None,
+        "limits": RequestLimits(),
     }
     assert serving.calls[0] == (
         "/v1/chat/completions",

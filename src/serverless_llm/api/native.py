@@ -48,6 +48,7 @@ from ..engine import (
 )
 from .batching import BatchSizes, batch_stream
 from .errors import NativeJobError, describe_validation_error, native_error
+from .limits import RequestLimitError, RequestLimits
 from .logprobs import TokenDecoder, native_logprobs
 from .offload import prepare
 from .results import SequenceResult, choice_outputs, gather_results
@@ -120,8 +121,10 @@ class NativeServing:
         chat_template: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         log_requests: bool = False,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.chat_template = chat_template
         self.default_max_tokens = default_max_tokens
         self.log_requests = log_requests
@@ -137,7 +140,13 @@ class NativeServing:
                     yield item
         except asyncio.CancelledError:
             raise
-        except (NativeJobError, SamplingParamError, InvalidRequestError, ChatTemplateError) as e:
+        except (
+            NativeJobError,
+            SamplingParamError,
+            InvalidRequestError,
+            ChatTemplateError,
+            RequestLimitError,
+        ) as e:
             yield native_error(str(e))
         except Exception as e:  # a bug or an engine failure: the job fails, the worker serves on
             logger.exception("native job %s failed", job_id)
@@ -146,8 +155,24 @@ class NativeServing:
     # -- the pieces -------------------------------------------------------------------------
 
     def _prepare(self, request: NativeRequest) -> tuple[SamplingParams, list[int]]:
-        """Template, tokenizer and parameters: run off the event loop (see api.offload)."""
+        """Limits, template, tokenizer and parameters: run off the event loop (see
+        api.offload)."""
+        self._check_limits(request)
         return self._sampling(request, self._prompt_token_ids(request))
+
+    def _check_limits(self, request: NativeRequest) -> None:
+        """The request's size against the limits, before any tokenizing (see api.limits)."""
+        if request.prompt is not None:
+            self.limits.check_prompt_chars(len(request.prompt), "prompt")
+        if request.messages is not None:
+            self.limits.check_messages([m.model_dump(exclude_none=True) for m in request.messages])
+        raw = request.sampling_params or {}
+        self.limits.check_sampling(
+            n=raw.get("n"),
+            best_of=raw.get("best_of"),
+            stop=raw.get("stop"),
+            logit_bias=raw.get("logit_bias"),
+        )
 
     def _prompt_token_ids(self, request: NativeRequest) -> list[int]:
         tokenizer = self.engine.tokenizer

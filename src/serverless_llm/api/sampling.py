@@ -27,17 +27,12 @@ from ..engine import SamplingParams, SamplingParamsError
 from .errors import describe_validation_error
 
 __all__ = [
-    "MAX_N",
     "ParsedSampling",
     "SamplingParamError",
     "VLLMSamplingParams",
     "build_sampling_params",
     "parse_sampling_params",
 ]
-
-# Most choices one request may ask for: each is a full engine request, so a huge n would
-# monopolise the worker.
-MAX_N = 128
 
 
 class SamplingParamError(ValueError):
@@ -58,8 +53,9 @@ class VLLMSamplingParams(BaseModel):
 
     # Honoured (n and best_of by fan-out; the rest by the engine's SamplingParams, which checks
     # the ranges).
-    n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    # Their upper bound is the endpoint's MAX_N (api.limits).
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
     max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 1.0

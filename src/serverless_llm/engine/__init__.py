@@ -12,6 +12,7 @@ from .config import (
     ConfigError,
     EngineConfig,
 )
+from .cpu_tuning import release_free_memory, resident_bytes
 from .input_processor import ContextLengthError, InvalidRequestError, PromptInput
 from .loader import ModelLoadError
 from .models import UnsupportedModelError
@@ -59,6 +60,8 @@ __all__ = [
     "any_whitespace_of",
     "apply_chat_template",
     "choose_sequences",
+    "release_free_memory",
+    "resident_bytes",
     "resolve_backend",
     "sequence_params",
 ]

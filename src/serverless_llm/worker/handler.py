@@ -67,6 +67,7 @@ class Worker:
             if self.engine is None:
                 self.settings.log_startup(logger)
                 self.engine = AsyncEngine.from_config(self.settings.engine_config())
+                self.engine.warm_up_grammars()
             return self.engine
 
     async def start(self) -> None:
@@ -145,6 +146,7 @@ class Worker:
                 self.engine,
                 chat_template=self.settings.custom_chat_template,
                 log_requests=not self.settings.disable_log_requests,
+                limits=self.settings.request_limits,
             )
         return self._native
 
@@ -160,6 +162,7 @@ class Worker:
                 raw_output=self.settings.raw_openai_output,
                 enable_auto_tool_choice=self.settings.enable_auto_tool_choice,
                 tool_call_parser=self.settings.tool_call_parser,
+                limits=self.settings.request_limits,
             )
         return self._openai
 

@@ -22,8 +22,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-# OpenAI caps n at 128; the limit also bounds the engine requests one job can queue.
-MAX_N = 128
 # torch generators take seeds in this range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -126,7 +124,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     max_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(1, ge=1, le=MAX_N)
+    n: int | None = Field(1, ge=1)  # at most the endpoint's MAX_N (api.limits)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     seed: Seed | None = None
     stop: Stop = None
@@ -143,7 +141,7 @@ class _SamplingRequest(_Strict):
     safety_identifier: str | None = None
 
     # vLLM's extra sampling parameters.
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1)  # at most MAX_N
     use_beam_search: bool = False
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)

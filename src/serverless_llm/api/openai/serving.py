@@ -48,6 +48,7 @@ from serverless_llm.engine import (
 )
 
 from ..batching import BatchSizes, batch_stream
+from ..limits import RequestLimitError, RequestLimits, string_chars
 from ..logprobs import TokenDecoder, merge_completion_logprobs
 from ..offload import prepare
 from ..results import choice_outputs, gather_results
@@ -243,13 +244,16 @@ class OpenAIServing:
         model_aliases: Sequence[str] = (),
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
         request used.
         `enable_auto_tool_choice` / `tool_call_parser`: ENABLE_AUTO_TOOL_CHOICE and
-        TOOL_CALL_PARSER (a registered parser name; plugins are loaded before)."""
+        TOOL_CALL_PARSER (a registered parser name; plugins are loaded before).
+        `limits`: what one request may ask for (api.limits)."""
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.auto_tool_parser: type[ToolParser] | None = (
             get_tool_parser(tool_call_parser) if tool_call_parser else None
@@ -354,7 +358,31 @@ class OpenAIServing:
                 "invalid_value",
             ) from None
 
+    def _check_limits(self, body: Any, chat: bool) -> None:
+        """The request's size against the limits (api.limits), on the body as sent: before the
+        schema, the template or the tokenizer spend anything on it. A value of the wrong type
+        is left for the schema to name."""
+        if not isinstance(body, dict):
+            return
+        try:
+            if chat:
+                self.limits.check_messages(body.get("messages"))
+                self.limits.check_tools(body.get("tools"))
+            else:
+                self.limits.check_prompt_chars(string_chars(body.get("prompt")), "prompt")
+            self.limits.check_sampling(
+                n=body.get("n"),
+                best_of=body.get("best_of"),
+                stop=body.get("stop"),
+                logit_bias=body.get("logit_bias"),
+            )
+        except RequestLimitError as e:
+            message = str(e)
+            message = f"{message[0].upper()}{message[1:]}."
+            raise OpenAIServingError.bad_request(message, e.param, e.code) from None
+
     def _chat_plan(self, body: Any) -> _Plan:
+        self._check_limits(body, chat=True)
         request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         model = self._check_model(request.model)
         try:
@@ -404,6 +432,7 @@ class OpenAIServing:
         )
 
     def _completion_plan(self, body: Any) -> _Plan:
+        self._check_limits(body, chat=False)
         request: CompletionRequest = self._parse(CompletionRequest, body)
         model = self._check_model(request.model)
         params = completion_sampling_params(request)

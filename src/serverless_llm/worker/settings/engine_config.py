@@ -54,4 +54,6 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         device=s.device,
         attention_backend=s.attention_backend,
         enable_prefix_caching=s.enable_prefix_caching,
+        grammar_compile_timeout=s.grammar_compile_timeout,
+        grammar_max_chars=s.grammar_max_chars,
     )

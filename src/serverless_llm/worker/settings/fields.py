@@ -29,7 +29,8 @@ SYSTEM = "System Settings"
 STREAMING = "Streaming Settings"
 OPENAI = "OpenAI Settings"
 SERVERLESS = "Serverless Settings"
-CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS)
+LIMITS = "Request Limits"
+CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS, LIMITS)
 
 QUANTIZATION_METHODS = (
     "awq",
@@ -81,6 +82,7 @@ _system = partial(_setting, SYSTEM)
 _streaming = partial(_setting, STREAMING)
 _openai = partial(_setting, OPENAI)
 _serverless = partial(_setting, SERVERLESS)
+_limits = partial(_setting, LIMITS)
 
 
 class SettingsFields(BaseSettings):
@@ -499,6 +501,79 @@ class SettingsFields(BaseSettings):
             "Off: log each job's route, prompt length and sampling parameters (never the prompt "
             "text)."
         ),
+    )
+
+    # -- Request Limits ---------------------------------------------------------------------
+    max_prompt_chars: int = _limits(
+        1_000_000,
+        "MAX_PROMPT_CHARS",
+        title="Max Prompt Characters",
+        description=(
+            "Most characters of prompt text one request may send (all its prompts or all its "
+            "messages), checked before tokenizing. About 250k tokens of English. 0: no limit."
+        ),
+        ge=0,
+    )
+    max_messages: int = _limits(
+        2048,
+        "MAX_MESSAGES",
+        title="Max Messages",
+        description="Most chat messages in one request. 0: no limit.",
+        ge=0,
+    )
+    max_stop_strings: int = _limits(
+        64,
+        "MAX_STOP_STRINGS",
+        title="Max Stop Strings",
+        description="Most stop strings in one request (each is matched after every token). "
+        "0: no limit.",
+        ge=0,
+    )
+    max_logit_bias: int = _limits(
+        1024,
+        "MAX_LOGIT_BIAS",
+        title="Max Logit Bias Entries",
+        description="Most logit_bias entries in one request. 0: no limit.",
+        ge=0,
+    )
+    max_tools: int = _limits(
+        128,
+        "MAX_TOOLS",
+        title="Max Tools",
+        description="Most tool definitions in one chat request (OpenAI's own limit). 0: no limit.",
+        ge=0,
+    )
+    max_n: int = _limits(
+        128,
+        "MAX_N",
+        title="Max n / best_of",
+        description=(
+            "Largest n or best_of one request may ask for: each choice is a sequence of its "
+            "own. 0: no limit."
+        ),
+        ge=0,
+    )
+    grammar_compile_timeout: float = _limits(
+        15.0,
+        "GRAMMAR_COMPILE_TIMEOUT",
+        title="Grammar Compile Timeout",
+        description=(
+            "Seconds one structured-output grammar (guided_json, guided_regex, guided_grammar, "
+            "guided_choice, response_format, tools) may take to compile. Compiling runs in a "
+            "separate low-priority process, which is killed at the limit or when no request "
+            "waits for it any more; the request gets a 400. 0: no limit."
+        ),
+        ge=0,
+    )
+    grammar_max_chars: int = _limits(
+        262144,
+        "GRAMMAR_MAX_CHARS",
+        title="Grammar Max Characters",
+        description=(
+            "Most characters of JSON schema, regex, grammar or choices one structured-output "
+            "request may send, refused before compiling. 0: no limit."
+        ),
+        ge=0,
     )
 
     @field_validator("*", mode="after")

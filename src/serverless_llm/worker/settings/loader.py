@@ -10,6 +10,7 @@ import sys
 from pydantic import ValidationError
 
 from ...api.batching import BatchSizes
+from ...api.limits import RequestLimits
 from ...engine.config import EngineConfig
 from . import engine_config as _engine_config
 from .fields import EMBEDDED_MODEL_NAME, ENV_TO_FIELD, SettingsFields, field_extra, shown_value
@@ -51,6 +52,18 @@ class Settings(SettingsFields):
     def served_model_name(self) -> str:
         """The name OpenAI clients send as `model` and `/v1/models` lists."""
         return self.openai_served_model_name_override or self.model_name or EMBEDDED_MODEL_NAME
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask for (the Request Limits settings the API routes check)."""
+        return RequestLimits(
+            max_prompt_chars=self.max_prompt_chars,
+            max_messages=self.max_messages,
+            max_stop_strings=self.max_stop_strings,
+            max_logit_bias=self.max_logit_bias,
+            max_tools=self.max_tools,
+            max_n=self.max_n,
+        )
 
     @property
     def batch_sizes(self) -> BatchSizes:
