@@ -371,6 +371,17 @@ def _productive(node: tuple, done: set[str]) -> bool:
     return any(_productive(seq, done) for seq in node[1])
 
 
+def _references(node: tuple) -> set[str]:
+    refs, stack = set(), [node]
+    while stack:
+        item = stack.pop()
+        if item[0] == "rule":
+            refs.add(item[1])
+        elif item[0] in ("seq", "alt"):
+            stack.extend(item[1])
+    return refs
+
+
 def accepts_nothing(ebnf: str, root: str = "root") -> bool:
     """Whether the grammar (xgrammar's printed form) can never produce a complete output.
     Text this reader does not follow counts as productive: the check only ever refuses what it
@@ -389,14 +400,19 @@ def accepts_nothing(ebnf: str, root: str = "root") -> bool:
         return False
     if root not in rules:
         return False
+    # A worklist: a rule is looked at again only when a rule it refers to becomes productive.
+    referrers: dict[str, set[str]] = {name: set() for name in rules}
+    for name, node in rules.items():
+        for ref in _references(node):
+            referrers.setdefault(ref, set()).add(name)
     done: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, node in rules.items():
-            if name not in done and _productive(node, done):
+    queue = [name for name, node in rules.items() if _productive(node, done)]
+    done.update(queue)
+    while queue:
+        for name in referrers.get(queue.pop(), ()):
+            if name not in done and _productive(rules[name], done):
                 done.add(name)
-                changed = True
+                queue.append(name)
     return root not in done
 
 
