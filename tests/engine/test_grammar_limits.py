@@ -212,5 +212,10 @@ def test_a_compile_process_that_dies_fails_that_grammar_only(tokenizer):
             pending.result(timeout=10)
         # This process is unharmed, and a new child compiles the next grammar.
         assert comp.compile(StructuredOutputSpec.from_request(guided_regex="[a-c]{3}"))
+        # A child that dies while idle is replaced before a grammar is given to it.
+        (pid,) = pool.pids()
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: _gone(pid), timeout=2)
+        assert comp.compile(StructuredOutputSpec.from_request(guided_regex="[a-c]{4}"))
     finally:
         pool.close()

@@ -179,6 +179,14 @@ class _Child:
         except OSError as exc:
             raise CompileProcessError(f"the compile process died: {exc}") from exc
 
+    def alive(self) -> bool:
+        """False once the process is gone (the zygote reaps its children at once)."""
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            return False
+        return True
+
     def kill(self) -> None:
         try:
             os.kill(self.pid, signal.SIGKILL)
@@ -238,12 +246,18 @@ class CompilePool:
 
     def _acquire(self, abandoned: threading.Event | None) -> _Child:
         with self._cond:
-            while not self._idle and self._count >= self.size:
+            while True:
+                while self._idle:
+                    child = self._idle.pop()
+                    if child.alive():
+                        return child
+                    child.kill()  # died while idle (say the OOM killer): not this grammar's fault
+                    self._count -= 1
+                if self._count < self.size:
+                    break
                 if abandoned is not None and abandoned.is_set():
                     raise CompileAbandoned()
                 self._cond.wait(POLL_INTERVAL)
-            if self._idle:
-                return self._idle.pop()
             self._count += 1
         try:
             return self._spawn()
