@@ -122,3 +122,30 @@ def test_a_megabyte_stop_string_runs(make_worker):
     assert native[-1]["usage"]["output"] == 3, native
     assert completion[-1].endswith("data: [DONE]\n\n"), completion
     assert free
+
+
+def test_batch_knobs_past_a_float_stream(make_worker):
+    """max_batch_size 10**400 (any integer >= 1 is a valid knob): the growth was computed as
+    float(max_batch_size), an OverflowError once the second batch was due, so a streamed job
+    failed with "generation failed" (a 500 on the OpenAI routes)."""
+    greedy = {"max_tokens": 6, "ignore_eos": True, "temperature": 0.0}
+    huge = {"max_batch_size": 10**400}
+    both = {"max_batch_size": 10**400, "min_batch_size": 10**399, "batch_size_growth_factor": 1e300}
+
+    async def scenario(w):
+        native = await run_job(
+            w, {"prompt": "Hello", "sampling_params": greedy, "stream": True, **huge}
+        )
+        whole = await run_job(
+            w, {"prompt": "Hello", "sampling_params": greedy, "stream": True, **both}
+        )
+        completion = await run_job(
+            w, {**_openai("/v1/completions", {"prompt": "Hi", **greedy, "stream": True}), **huge}
+        )
+        await asyncio.sleep(0.05)
+        return native, whole, completion, blocks_all_free(w)
+
+    native, whole, completion, free = run(make_worker(), scenario)
+    assert [len(item["choices"][0]["tokens"]) for item in native] == [1, 3, 2], native
+    assert [len(item["choices"][0]["tokens"]) for item in whole] == [6], whole
+    assert completion[-1].endswith("data: [DONE]\n\n") and free

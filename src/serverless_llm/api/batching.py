@@ -13,6 +13,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# A job may set the knobs to any positive integer. Sizes past this are never reached (no stream
+# carries that many tokens) and would overflow the float the growth is computed in.
+_MAX_SIZE = 2**53
+
 
 @dataclass(frozen=True)
 class BatchSizes:
@@ -40,10 +44,11 @@ class BatchSizes:
         if not self.dynamic:
             while True:
                 yield self.max_batch_size
-        current = float(self.min_batch_size)
+        top = float(min(self.max_batch_size, _MAX_SIZE))
+        current = float(min(self.min_batch_size, _MAX_SIZE))
         while True:
             yield int(current)
-            current = min(current * self.growth_factor, float(self.max_batch_size))
+            current = min(current * self.growth_factor, top)
 
 
 async def batch_stream(
