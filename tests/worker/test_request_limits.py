@@ -22,6 +22,7 @@ LIMITS = {
     "MAX_LOGIT_BIAS": "2",
     "MAX_TOOLS": "1",
     "MAX_N": "2",
+    "MAX_PROMPTS": "2",
 }
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -66,6 +67,8 @@ OVER = [
     (openai(CHAT, messages=[user()], tools=[TOOL, TOOL]), "tools", "MAX_TOOLS"),
     (openai(CHAT, messages=[user()], n=3), "n", "MAX_N"),
     (openai(COMPLETIONS, prompt="hi", best_of=3), "best_of", "MAX_N"),
+    (openai(COMPLETIONS, prompt=[[5], [6], [7]]), "prompt", "MAX_PROMPTS"),
+    (openai(COMPLETIONS, prompt=["a", "b", "c"]), "prompt", "MAX_PROMPTS"),
     (native(prompt="x" * 201), "prompt", "MAX_PROMPT_CHARS"),
     (native(messages=[user("x" * 195), user()]), "messages", "MAX_PROMPT_CHARS"),
     (native(messages=[user()] * 4), "messages", "MAX_MESSAGES"),
@@ -83,6 +86,8 @@ AT_LIMIT = [
     openai(COMPLETIONS, prompt=["x" * 150, "y" * 50]),
     openai(CHAT, messages=[user()] * 3, stop=["a", "b"], tools=[TOOL], n=2),
     openai(COMPLETIONS, prompt="hi", logit_bias={"1": 1, "2": 1}, best_of=2),
+    openai(COMPLETIONS, prompt=[[5], [6]]),
+    openai(COMPLETIONS, prompt=[5, 6, 7, 8]),  # one prompt of token ids
     native(prompt="x" * 200, sampling_params={"stop": ["a", "b"], "n": 2}),
     native(messages=[user()] * 3, sampling_params={"logit_bias": {"1": 1, "2": 1}}),
 ]
@@ -171,6 +176,7 @@ def test_settings_defaults_are_the_routes_defaults():
     assert Settings.from_env({}).request_limits == RequestLimits()
     limits = Settings.from_env(LIMITS).request_limits
     assert (limits.max_prompt_chars, limits.max_messages, limits.max_n) == (200, 3, 2)
+    assert limits.max_prompts == 2
     with pytest.raises(SettingsError, match="MAX_TOOLS='-1' is not valid"):
         Settings.from_env({"MAX_TOOLS": "-1"})
 

@@ -53,6 +53,7 @@ class RequestLimits:
     max_logit_bias: int = 1024  # logit_bias entries
     max_tools: int = 128  # tool definitions
     max_n: int = 128  # n and best_of (each is a sequence of its own)
+    max_prompts: int = 256  # prompts in one completions request (each times n sequences)
 
     # -- the checks -----------------------------------------------------------------------------
 
@@ -70,6 +71,12 @@ class RequestLimits:
         if isinstance(messages, list):
             self._count(messages, self.max_messages, param, "MAX_MESSAGES")
             self.check_prompt_chars(string_chars(messages), param)
+
+    def check_prompts(self, prompt: Any) -> None:
+        """A completions `prompt`: a string, a list of token ids (one prompt), or a list of
+        either (several). Each prompt runs n (or best_of) sequences of its own."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            self._count(prompt, self.max_prompts, "prompt", "MAX_PROMPTS")
 
     def check_tools(self, tools: Any) -> None:
         self._count(tools, self.max_tools, "tools", "MAX_TOOLS")

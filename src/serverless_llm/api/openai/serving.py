@@ -369,6 +369,7 @@ class OpenAIServing:
                 self.limits.check_messages(body.get("messages"))
                 self.limits.check_tools(body.get("tools"))
             else:
+                self.limits.check_prompts(body.get("prompt"))
                 self.limits.check_prompt_chars(string_chars(body.get("prompt")), "prompt")
             self.limits.check_sampling(
                 n=body.get("n"),

@@ -553,6 +553,16 @@ class SettingsFields(BaseSettings):
         ),
         ge=0,
     )
+    max_prompts: int = _limits(
+        256,
+        "MAX_PROMPTS",
+        title="Max Prompts",
+        description=(
+            "Most prompts in one /v1/completions request (a list of prompts): each runs n "
+            "sequences of its own. 0: no limit."
+        ),
+        ge=0,
+    )
     grammar_compile_timeout: float = _limits(
         15.0,
         "GRAMMAR_COMPILE_TIMEOUT",

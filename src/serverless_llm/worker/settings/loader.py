@@ -63,6 +63,7 @@ class Settings(SettingsFields):
             max_logit_bias=self.max_logit_bias,
             max_tools=self.max_tools,
             max_n=self.max_n,
+            max_prompts=self.max_prompts,
         )
 
     @property
