@@ -51,3 +51,16 @@ def test_families_rounds_keep_each_systems_best():
     slow, fast = {"tok_s": 10.0}, {"tok_s": 12.0}
     assert _best(slow, fast) is fast and _best(fast, slow) is fast
     assert _best(None, slow) is slow and _best(slow, None) is slow and _best(None, None) is None
+
+
+def test_soak_tiny(tiny_llama, tmp_path):
+    """The soak benchmark for a few seconds: 4 clients, the whole request mix (streams, n=2,
+    logprobs, guided, stop strings, disconnects, cancels, bad requests) through the local
+    endpoint; nothing dies, nothing answers 5xx, every KV block is free again at the end."""
+    run = run_bench("soak.py", tiny_llama, tmp_path)
+    assert run.summary.startswith("SUMMARY served="), run.stdout[-4000:]
+    report = run.report
+    assert report["served_total"] > 0, run.stdout[-4000:]
+    assert report["http_5xx"] == 0 and report["worker_deaths"] == 0, run.stdout[-4000:]
+    assert report["checks"]["no_leaked_blocks"], run.stdout[-4000:]
+    assert report["kv_blocks"]["free"] == report["kv_blocks"]["total"] > 0
