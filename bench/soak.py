@@ -136,6 +136,7 @@ class Stats:
     expected_4xx: collections.Counter = field(default_factory=collections.Counter)
     errors: collections.Counter = field(default_factory=collections.Counter)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    latency: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds, served
     ttft: list[list[float]] = field(default_factory=lambda: [[] for _ in range(WINDOWS)])
     done_per_window: list[int] = field(default_factory=lambda: [0] * WINDOWS)
     errors_per_window: list[int] = field(default_factory=lambda: [0] * WINDOWS)
@@ -144,8 +145,9 @@ class Stats:
     def window(self, t: float) -> int:
         return min(WINDOWS - 1, max(0, int((t - self.t0) / self.duration * WINDOWS)))
 
-    def ok(self, kind: str) -> None:
+    def ok(self, kind: str, seconds: float) -> None:
         self.served[kind] += 1
+        self.latency.setdefault(kind, []).append(seconds)
         self.done_per_window[self.window(time.monotonic())] += 1
 
     def error(self, err: str, kind: str, request: Any, detail: str) -> None:
@@ -460,9 +462,10 @@ def _choice_text(choice: dict[str, Any]) -> str:
 async def run_one(client: Client, kind: str) -> None:
     """One request of `kind`, its outcome counted in the client's stats."""
     client.last = {}
+    t = time.monotonic()
     try:
         await getattr(client, kind)()
-        client.stats.ok(kind)
+        client.stats.ok(kind, time.monotonic() - t)
     except Failure as f:
         client.stats.error(f.kind, kind, client.last, str(f))
     except httpx.TimeoutException as e:
@@ -631,7 +634,11 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, port: int, mode
         log(f"warm-up: {len(warm)} clients send each kind of request once")
         t = time.monotonic()
         await warm_up(warm, list(args.mix))
-        log(f"  {time.monotonic() - t:.0f} s")
+        slowest = sorted(((max(v), k) for k, v in warm_stats.latency.items()), reverse=True)
+        log(
+            f"  {time.monotonic() - t:.0f} s; slowest: "
+            + ", ".join(f"{k} {sec:.1f} s" for sec, k in slowest[:4])
+        )
         start_rss = rss_mib(proc.pid)
 
         t0 = time.monotonic()
@@ -734,6 +741,10 @@ def build_report(args: argparse.Namespace, res: dict, proc: subprocess.Popen) ->
         "load_s": res["load_s"],
         "served": dict(stats.served),
         "served_total": sum(stats.served.values()),
+        "latency_s": {
+            k: {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": max(v)}
+            for k, v in stats.latency.items()
+        },
         "expected_4xx": {str(k): v for k, v in stats.expected_4xx.items()},
         "errors": dict(stats.errors),
         "warmup_served": sum(warm.served.values()),
@@ -772,9 +783,12 @@ def print_report(report: dict[str, Any]) -> None:
         f"max_tokens <= {report['max_tokens']}, {report['kv_blocks_setting']} KV blocks"
     )
     print()
-    rows = [[k, report["served"].get(k, 0)] for k in MIX]
-    rows.append(["total", report["served_total"]])
-    print(format_table(["served", "requests"], rows))
+    rows = []
+    for k in MIX:
+        lat = report["latency_s"].get(k) or {}
+        rows.append([k, report["served"].get(k, 0), _fmt(lat.get("p50")), _fmt(lat.get("max"))])
+    rows.append(["total", report["served_total"], "", ""])
+    print(format_table(["served", "requests", "seconds p50", "seconds max"], rows))
     print()
     print(
         "bad requests refused as expected: "
