@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ATTENTION_BACKENDS, ConfigError, EngineConfig, resolve_dtype
-from .cpu_tuning import tune_allocator
+from .cpu_tuning import cap_kernel_caches, tune_allocator
 from .kv_cache import allocate_kv_cache, bytes_per_block
 from .layers.attention import (
     AttentionBackend,
@@ -52,6 +52,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = max_model_len_of(hf_config, config.max_model_len)
     if device.type == "cpu":
         tune_allocator()
+        cap_kernel_caches()
     torch.manual_seed(config.seed)
     backend = make_attention_backend(config.attention_backend, device)
     spec = describe_model(hf_config)
