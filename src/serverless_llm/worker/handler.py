@@ -32,6 +32,7 @@ from ..engine import (
 from .baked import BakedModelError, apply_baked_model
 from .job_input import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
+from .shutdown import GracefulShutdown, serve
 
 # The devserver reaches the API layer's error shapes through the worker (it imports nothing else).
 __all__ = ["LOAD_ERRORS", "Worker", "http_status", "main", "openai_error"]
@@ -249,11 +250,9 @@ def main() -> None:
 
     import runpod
 
-    iterates = _iterates_generators(sys.argv[1:], os.environ)
-    runpod.serverless.start(
-        {
-            "handler": worker.handle if iterates else worker.handle_aggregate,
-            "concurrency_modifier": worker.concurrency_modifier,
-            "return_aggregate_stream": True,
-        }
-    )
+    config = {"concurrency_modifier": worker.concurrency_modifier, "return_aggregate_stream": True}
+    if not _iterates_generators(sys.argv[1:], os.environ):
+        runpod.serverless.start({**config, "handler": worker.handle_aggregate})
+        return
+    serve(GracefulShutdown(worker, settings.shutdown_grace_seconds), config)
+    logger.info("worker stopped")

@@ -478,9 +478,10 @@ class SettingsFields(BaseSettings):
         "SHUTDOWN_GRACE_SECONDS",
         title="Shutdown Grace Seconds",
         description=(
-            "On SIGTERM or SIGINT the local endpoint stops taking new requests (503) and lets "
-            "running ones finish for up to this long; then it ends the rest with an error and "
-            "exits 0. A second signal exits at once."
+            "On SIGTERM or SIGINT the worker (and the local endpoint) stops taking new jobs "
+            "(they get a shutdown error, 503 on OpenAI routes) and lets running ones finish for "
+            "up to this long; then it ends the rest with an error and exits 0. A second signal "
+            "exits at once."
         ),
         ge=0,
     )
