@@ -456,6 +456,15 @@ def test_chat_template_override(bpe):
     assert text == "[system] Be brief.\n[user] Hi 🙂\nbye"
 
 
+def test_developer_messages_render_as_system_unless_the_template_knows_the_role(bpe):
+    developer = [{"role": "developer", "content": "Be brief."}, MESSAGES[1]]
+    assert apply_chat_template(bpe, developer) == apply_chat_template(bpe, MESSAGES)
+    plain = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    assert apply_chat_template(bpe, developer, chat_template=plain).startswith("[system] ")
+    knows = "{# roles: system, developer, user #}" + plain
+    assert apply_chat_template(bpe, developer, chat_template=knows).startswith("[developer] ")
+
+
 def test_chat_template_kwargs_override_generation_prompt(bpe):
     text = apply_chat_template(bpe, MESSAGES, chat_template_kwargs={"add_generation_prompt": False})
     assert not text.endswith("assistant\n")

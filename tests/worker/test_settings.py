@@ -396,3 +396,24 @@ def test_tool_call_settings(tmp_path):
         }
     )
     assert s.tool_call_parser == "settings_test_parser"
+
+
+def test_a_local_model_path_is_served_by_its_last_component(tmp_path, monkeypatch):
+    """Never a path with slashes (issue 15): clients read a prefix before '/' as a provider."""
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    gguf = tmp_path / "tiny.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    cases = {
+        str(model_dir): "my-model",
+        str(model_dir) + "/": "my-model",
+        "./my-model": "my-model",
+        "my-model": "my-model",  # relative, and on disk: the loader reads it as a path
+        str(gguf): "tiny.Q4_1.gguf",
+        "org/not-on-disk": "org/not-on-disk",  # a hub repo id stays as it is
+    }
+    for name, served in cases.items():
+        assert Settings.from_env({"MODEL_NAME": name}).served_model_name == served, name
+    both = {"MODEL_NAME": str(model_dir), "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "a/b"}
+    assert Settings.from_env(both).served_model_name == "a/b"

@@ -176,6 +176,12 @@ def apply_chat_template(
         raise ChatTemplateError(
             "this model has no chat template; pass chat_template or use completions"
         )
+    if "developer" not in _template_source(tokenizer, chat_template):
+        # OpenAI's `developer` messages are system instructions; a template that does not know
+        # the role would render it as a turn of its own, which the model was never trained on.
+        messages = [
+            {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
+        ]
     try:
         rendered = tokenizer.apply_chat_template(
             messages,
@@ -192,6 +198,16 @@ def apply_chat_template(
     if not isinstance(rendered, str):
         raise ChatTemplateError(f"chat template rendered {type(rendered).__name__}, not a string")
     return rendered
+
+
+def _template_source(tokenizer: Any, chat_template: str | None) -> str:
+    """The text of the template that will render (every named one when it is not known which)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if chat_template is None:
+        return " ".join(own.values()) if isinstance(own, dict) else (own or "")
+    if isinstance(own, dict) and chat_template in own:  # the name of one of the model's templates
+        return own[chat_template]
+    return chat_template
 
 
 # -- incremental detokenizer -----------------------------------------------------------------

@@ -416,9 +416,9 @@ class SettingsFields(BaseSettings):
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
         title="Served Model Name",
         description=(
-            "The model name clients send and `/v1/models` lists. Unset: MODEL_NAME (the repo id "
-            f"it was built with for a baked image, `{EMBEDDED_MODEL_NAME}` for the embedded "
-            "model)."
+            "The model name clients send and `/v1/models` lists. Unset: MODEL_NAME (a local "
+            "path's last component, never a path; the repo id it was built with for a baked "
+            f"image; `{EMBEDDED_MODEL_NAME}` for the embedded model)."
         ),
         min_length=1,
     )

@@ -20,6 +20,18 @@ from .validation import SettingsError, check, format_validation_error
 logger = logging.getLogger(__package__)
 
 
+def served_name_of(model_name: str) -> str:
+    """The id a model is served as: a hub repo id as it is; a local path (a directory or a GGUF
+    file, which is how the loader reads any name that exists on disk) by its last component.
+    A path's slashes break clients: the OpenAI Agents SDK reads what precedes a '/' as a
+    provider prefix, and `/v1/models/{id}` would need the id URL-encoded."""
+    expanded = os.path.expanduser(model_name)
+    is_path = os.path.isabs(expanded) or model_name.startswith((".", "~"))
+    if not (is_path or os.path.exists(expanded)):
+        return model_name
+    return os.path.basename(os.path.normpath(expanded)) or model_name
+
+
 class Settings(SettingsFields):
     """The worker's configuration, read from the environment (`Settings.from_env()`)."""
 
@@ -51,7 +63,9 @@ class Settings(SettingsFields):
     @property
     def served_model_name(self) -> str:
         """The name OpenAI clients send as `model` and `/v1/models` lists."""
-        return self.openai_served_model_name_override or self.model_name or EMBEDDED_MODEL_NAME
+        if self.openai_served_model_name_override:
+            return self.openai_served_model_name_override
+        return served_name_of(self.model_name) if self.model_name else EMBEDDED_MODEL_NAME
 
     @property
     def request_limits(self) -> RequestLimits:
