@@ -260,10 +260,14 @@ def test_served_model_name():
 def test_base_path(monkeypatch, tmp_path):
     s = Settings.from_env({"BASE_PATH": str(tmp_path)})
     assert s.download_dir == str(tmp_path / "huggingface-cache" / "hub")
-    # The default on a machine where /runpod-volume cannot be created: the HF cache.
-    monkeypatch.setattr(settings_engine_config, "_can_create", lambda path: False)
+    # The default where /runpod-volume is not there (no network volume, a local run): the HF
+    # cache, and nothing is created at the filesystem's root.
+    monkeypatch.setattr(settings_engine_config, "_volume_present", lambda path: False)
     assert Settings.from_env({}).download_dir is None
     assert Settings.from_env({"BASE_PATH": str(tmp_path)}).download_dir is not None
+    monkeypatch.setattr(settings_engine_config, "_volume_present", lambda path: True)
+    volume = os.path.join("/runpod-volume", "huggingface-cache", "hub")
+    assert Settings.from_env({}).download_dir == volume
 
 
 def test_limitations_warn_or_fail():

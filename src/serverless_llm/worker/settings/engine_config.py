@@ -10,22 +10,16 @@ from .fields import DEFAULT_BASE_PATH, SettingsFields
 
 def download_dir(base_path: str) -> str | None:
     """Where models are downloaded: `<BASE_PATH>/huggingface-cache/hub`, as worker-vllm laid it
-    out (a network volume it populated is reused). The default BASE_PATH on a machine where it
-    cannot be created (a local run) falls back to the HF cache (None)."""
-    base = os.path.expanduser(base_path)
-    if base_path == DEFAULT_BASE_PATH and not _can_create(base):
+    out (a network volume it populated is reused). The default BASE_PATH is used only where it
+    is already there, which on RunPod means a network volume is mounted; elsewhere (a local run,
+    a worker without a volume) models go to the Hugging Face cache (None) rather than a new
+    `/runpod-volume` at the filesystem's root."""
+    if base_path == DEFAULT_BASE_PATH and not _volume_present(base_path):
         return None
-    return os.path.join(base, "huggingface-cache", "hub")
+    return os.path.join(os.path.expanduser(base_path), "huggingface-cache", "hub")
 
 
-def _can_create(path: str) -> bool:
-    """Whether `path` exists as a writable directory or could be created, without creating it."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            return False
-        path = parent
+def _volume_present(path: str) -> bool:
     return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 

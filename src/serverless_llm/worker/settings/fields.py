@@ -130,8 +130,8 @@ class SettingsFields(BaseSettings):
         description=(
             "Storage root: models are downloaded to `<BASE_PATH>/huggingface-cache/hub`. "
             "`/runpod-volume` is the network volume when one is attached, so one worker downloads "
-            "and all load. If the default cannot be written (a local run), the Hugging Face "
-            "cache is used instead."
+            "and all load. Where the default directory is not there (no volume attached, a "
+            "local run) the Hugging Face cache is used instead; nothing is created at `/`."
         ),
         min_length=1,
     )
