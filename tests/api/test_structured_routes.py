@@ -207,6 +207,55 @@ def test_auto_tool_choice_with_hermes_parser(serve, core):
     ]
 
 
+HERMES_STYLE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}. Call one as <tool_call>{json}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+
+
+def test_tools_alone_mean_auto_with_the_parser_the_template_calls_for(serve):
+    """Issue 15: `tools` without `tool_choice` reach the template and the call comes back
+    parsed, with no TOOL_CALL_PARSER set (hermes, read from the template's <tool_call>)."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+    async def run(s):
+        assert s.auto_tool_parser is not None and s.auto_tool_parser.name == "hermes"
+        with_tools = one(
+            await collect(
+                s, CHAT, chat_body(tools=TOOLS, guided_regex=re.escape(call), max_tokens=145)
+            )
+        )
+        without = one(await collect(s, CHAT, chat_body(max_tokens=2)))
+        return with_tools, without
+
+    full, without = serve(run, enable_auto_tool_choice=True, chat_template=HERMES_STYLE_TEMPLATE)
+    resp = ChatCompletion.model_validate(full)
+    # The tools were rendered into the prompt: the system turn naming them is there.
+    assert resp.usage.prompt_tokens > without["usage"]["prompt_tokens"] + 5
+    c = resp.choices[0]
+    assert c.finish_reason == "tool_calls"
+    (tc,) = c.message.tool_calls
+    assert tc.function.name == "get_weather"
+    assert json.loads(tc.function.arguments) == {"city": "Paris"}
+
+
+def test_auto_is_refused_with_the_reason_when_the_template_shows_no_format(serve):
+    async def run(s):
+        assert s.auto_tool_parser is None
+        (refused,) = await collect(s, CHAT, chat_body(tools=TOOLS, tool_choice="auto"))
+        plain = one(await collect(s, CHAT, chat_body(tools=TOOLS, max_tokens=3)))
+        return refused, plain
+
+    plain_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    refused, plain = serve(run, enable_auto_tool_choice=True, chat_template=plain_template)
+    assert refused["error"]["param"] == "tool_choice"
+    assert "TOOL_CALL_PARSER" in refused["error"]["message"]
+    assert "no tool-call format" in refused["error"]["message"]
+    assert plain["choices"][0]["message"].get("tool_calls") in (None, [])
+
+
 def test_tool_messages_render_through_the_template(serve):
     history = [
         *MESSAGES,

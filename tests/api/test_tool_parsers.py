@@ -608,3 +608,19 @@ def test_mutated_outputs_never_crash_and_stream_like_extract():
         assert content == result.content, (name, text)
         assert calls[: len(expected)] == expected, (name, text)
         assert all((content or "").startswith(p) for p in progress), (name, text)
+
+
+def test_the_parser_is_read_from_the_chat_template():
+    from serverless_llm.api.openai.tool_parsers import detect_tool_parser
+
+    cases = {
+        "{% for t in tools %}{{ t }}{% endfor %}<tool_call>{...}</tool_call>": "hermes",
+        "[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS] ... [TOOL_CALLS]": "mistral",
+        "Environment: ipython\n{% if x %}<|python_tag|>{% endif %}": "llama3_json",
+        "<|action_start|><|plugin|>\n{{ call }}<|action_end|>": "internlm",
+        "{% for m in messages %}{{ m.content }}{% endfor %}": None,
+        "": None,
+        None: None,
+    }
+    for template, parser in cases.items():
+        assert detect_tool_parser(template) == parser, template

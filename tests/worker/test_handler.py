@@ -123,7 +123,7 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "response_role": "bot",
         "chat_template": "{{ messages }}",
         "raw_output": False,
-        "enable_auto_tool_choice": False,
+        "enable_auto_tool_choice": True,  # the default, as OpenAI's
         "tool_call_parser": None,
         "limits": RequestLimits(),
     }

@@ -377,8 +377,10 @@ def test_hf_token_never_logged(monkeypatch, make_worker, tmp_path):
 def test_tool_call_settings(tmp_path):
     s = Settings.from_env({"ENABLE_AUTO_TOOL_CHOICE": "1", "TOOL_CALL_PARSER": "hermes"})
     assert s.enable_auto_tool_choice and s.tool_call_parser == "hermes"
-    with pytest.raises(SettingsError, match="TOOL_CALL_PARSER"):
-        Settings.from_env({"ENABLE_AUTO_TOOL_CHOICE": "true"})
+    # On by default; the parser then comes from the chat template when TOOL_CALL_PARSER is unset.
+    s = Settings.from_env({})
+    assert s.enable_auto_tool_choice and s.tool_call_parser is None
+    assert not Settings.from_env({"ENABLE_AUTO_TOOL_CHOICE": "0"}).enable_auto_tool_choice
     with pytest.raises(SettingsError, match="not a tool call parser"):
         Settings.from_env({"TOOL_CALL_PARSER": "nope"})
     with pytest.raises(SettingsError, match="TOOL_PARSER_PLUGIN"):

@@ -30,7 +30,7 @@ from .sampling.structured.spec import (
     any_whitespace_of,
     resolve_backend,
 )
-from .tokenizer import ChatTemplateError, apply_chat_template
+from .tokenizer import ChatTemplateError, apply_chat_template, chat_template_source
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -59,6 +59,7 @@ __all__ = [
     "UnsupportedModelError",
     "any_whitespace_of",
     "apply_chat_template",
+    "chat_template_source",
     "choose_sequences",
     "release_free_memory",
     "resident_bytes",

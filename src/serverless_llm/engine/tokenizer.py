@@ -176,7 +176,7 @@ def apply_chat_template(
         raise ChatTemplateError(
             "this model has no chat template; pass chat_template or use completions"
         )
-    if "developer" not in _template_source(tokenizer, chat_template):
+    if "developer" not in chat_template_source(tokenizer, chat_template):
         # OpenAI's `developer` messages are system instructions; a template that does not know
         # the role would render it as a turn of its own, which the model was never trained on.
         messages = [
@@ -200,7 +200,7 @@ def apply_chat_template(
     return rendered
 
 
-def _template_source(tokenizer: Any, chat_template: str | None) -> str:
+def chat_template_source(tokenizer: Any, chat_template: str | None) -> str:
     """The text of the template that will render (every named one when it is not known which)."""
     own = getattr(tokenizer, "chat_template", None)
     if chat_template is None:

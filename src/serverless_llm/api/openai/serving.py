@@ -44,6 +44,7 @@ from serverless_llm.engine import (
     InvalidRequestError,
     SamplingParams,
     SamplingParamsError,
+    chat_template_source,
     sequence_params,
 )
 
@@ -70,6 +71,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .tool_parsers import (
     ToolChoiceError,
     ToolParser,
+    detect_tool_parser,
     get_tool_parser,
     parser_for_tool_choice,
     resolve_tool_choice,
@@ -254,16 +256,35 @@ class OpenAIServing:
         `limits`: what one request may ask for (api.limits)."""
         self.engine = engine
         self.limits = limits or RequestLimits()
-        self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.auto_tool_parser: type[ToolParser] | None = (
-            get_tool_parser(tool_call_parser) if tool_call_parser else None
-        )
+        self.chat_template = chat_template
+        self.auto_tool_parser: type[ToolParser] | None = None
+        self.auto_tool_unavailable: str | None = None  # why `"auto"` is refused, when it is
+        if enable_auto_tool_choice and tool_call_parser is None:
+            source = chat_template_source(getattr(engine, "tokenizer", None), chat_template)
+            tool_call_parser = detect_tool_parser(source)
+            if tool_call_parser is None:
+                self.auto_tool_unavailable = (
+                    '"auto" tool choice needs a TOOL_CALL_PARSER: this model\'s chat template '
+                    "shows no tool-call format the worker recognises"
+                )
+                logger.warning(
+                    "tools: no tool-call format found in the chat template; tool_choice "
+                    '"auto" is off (set TOOL_CALL_PARSER to turn it on)'
+                )
+            else:
+                logger.info("tools: tool-call parser %r, from the chat template", tool_call_parser)
+        elif not enable_auto_tool_choice:
+            self.auto_tool_unavailable = (
+                '"auto" tool choice is off on this worker (ENABLE_AUTO_TOOL_CHOICE=false)'
+            )
+        if tool_call_parser:
+            self.auto_tool_parser = get_tool_parser(tool_call_parser)
+        self.enable_auto_tool_choice = self.auto_tool_parser is not None and enable_auto_tool_choice
         self.served_model_name = served_model_name
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
         )
         self.response_role = response_role
-        self.chat_template = chat_template
         self.raw_output = raw_output
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -389,7 +410,10 @@ class OpenAIServing:
         try:
             tools = validate_tools(request.tools)
             choice = resolve_tool_choice(
-                tools, request.tool_choice, auto_enabled=self.enable_auto_tool_choice
+                tools,
+                request.tool_choice,
+                auto_enabled=self.enable_auto_tool_choice,
+                why_not=self.auto_tool_unavailable,
             )
         except ToolChoiceError as e:
             raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None

@@ -430,13 +430,15 @@ class SettingsFields(BaseSettings):
         min_length=1,
     )
     enable_auto_tool_choice: bool = _openai(
-        False,
+        True,
         "ENABLE_AUTO_TOOL_CHOICE",
         title="Enable Auto Tool Choice",
         description=(
-            'Let chat requests with `tools` use `tool_choice: "auto"` (the default then): the '
-            "model's text is parsed into `tool_calls` by TOOL_CALL_PARSER. Named and "
-            "`required` tool choices work without it."
+            'Let chat requests with `tools` use `tool_choice: "auto"`, the default then, as '
+            "OpenAI's: the model's text is parsed into `tool_calls` by TOOL_CALL_PARSER, or by "
+            "the parser its chat template calls for when that is unset. Off (or with no parser "
+            'known for the template) `tools` alone mean `"none"`. Named and `required` tool '
+            "choices work either way."
         ),
     )
     tool_call_parser: str | None = _openai(
@@ -446,7 +448,9 @@ class SettingsFields(BaseSettings):
         description=(
             'How the model writes tool calls, for `tool_choice: "auto"`: `hermes`, '
             "`mistral`, `llama3_json`, `internlm`, `jamba`, or a name TOOL_PARSER_PLUGIN "
-            "registers. Needed with ENABLE_AUTO_TOOL_CHOICE."
+            "registers. Unset: read from the chat template (`<tool_call>`: hermes, "
+            "`[TOOL_CALLS]`: mistral, `<|python_tag|>`: llama3_json, InternLM's action tags: "
+            "internlm)."
         ),
         min_length=1,
     )

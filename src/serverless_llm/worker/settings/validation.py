@@ -60,12 +60,7 @@ def check_tool_parser(settings: SettingsFields) -> None:
     """Loads TOOL_PARSER_PLUGIN, then checks TOOL_CALL_PARSER names a parser."""
     s = settings
     if s.tool_parser_plugin is None and s.tool_call_parser is None:
-        if s.enable_auto_tool_choice:
-            raise SettingsError(
-                "ENABLE_AUTO_TOOL_CHOICE needs TOOL_CALL_PARSER (hermes, mistral, "
-                "llama3_json, internlm, jamba, or a plugin's parser)"
-            )
-        return
+        return  # the parser comes from the chat template, at load (see OpenAIServing)
     # Imported here: the api.openai package (~0.1 s) is needed only when tool calling is set.
     from ...api.openai.tool_parsers import (
         ToolParserError,
@@ -83,8 +78,6 @@ def check_tool_parser(settings: SettingsFields) -> None:
                 f"TOOL_PARSER_PLUGIN: loading {s.tool_parser_plugin} failed: "
                 f"{type(e).__name__}: {e}"
             ) from None
-    if s.enable_auto_tool_choice and s.tool_call_parser is None:
-        raise SettingsError("ENABLE_AUTO_TOOL_CHOICE needs TOOL_CALL_PARSER")
     if s.tool_call_parser is not None and s.tool_call_parser not in tool_parser_names():
         raise SettingsError(
             f"TOOL_CALL_PARSER={s.tool_call_parser!r} is not a tool call parser; "

@@ -13,6 +13,7 @@ from .base import (
     register_tool_parser,
     tool_parser_names,
 )
+from .detect import detect_tool_parser
 from .formats import (
     HermesToolParser,
     InternLMToolParser,
@@ -34,6 +35,7 @@ from .tool_choice import (
 )
 
 __all__ = [
+    "detect_tool_parser",
     "TOOL_PARSERS",
     "ExtractedToolCalls",
     "HermesToolParser",

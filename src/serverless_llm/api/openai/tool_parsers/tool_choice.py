@@ -87,11 +87,15 @@ def validate_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
 
 
 def resolve_tool_choice(
-    tools: Sequence[Mapping[str, Any]], tool_choice: Any, *, auto_enabled: bool
+    tools: Sequence[Mapping[str, Any]],
+    tool_choice: Any,
+    *,
+    auto_enabled: bool,
+    why_not: str | None = None,
 ) -> ToolChoice:
     """What the request asks for. Unset means "auto" when tools are given and auto tool choice
-    is enabled, else "none" (the tools still reach the chat template). An explicit "auto"
-    without ENABLE_AUTO_TOOL_CHOICE is an error, as in vLLM."""
+    is enabled (as OpenAI), else "none" (the tools still reach the chat template). An explicit
+    "auto" where it is not enabled is an error, saying `why_not`."""
     names = [t["function"]["name"] for t in tools]
     if tool_choice is None:
         return ToolChoice("auto" if tools and auto_enabled else "none")
@@ -99,10 +103,12 @@ def resolve_tool_choice(
         return ToolChoice("none")
     if tool_choice == "auto":
         if not auto_enabled:
-            raise ToolChoiceError(
-                "tool_choice",
+            why = why_not or (
                 '"auto" tool choice needs the worker to run with ENABLE_AUTO_TOOL_CHOICE=true '
-                'and a TOOL_CALL_PARSER; name a function or use "required" instead',
+                "and a TOOL_CALL_PARSER"
+            )
+            raise ToolChoiceError(
+                "tool_choice", f'{why}; name a function or use "required" instead'
             )
         return ToolChoice("auto" if tools else "none")
     if tool_choice == "required":
