@@ -277,3 +277,43 @@ def test_tool_messages_render_through_the_template(serve):
         return one(await collect(s, CHAT, chat_body(messages=history, tools=TOOLS, max_tokens=4)))
 
     ChatCompletion.model_validate(serve(run))
+
+
+def test_required_single_call_cut_at_random_lengths_never_loses_or_repeats_a_call(serve):
+    """Issue 15: `tool_choice: "required"` with `parallel_tool_calls: false`, max_tokens small
+    enough to cut, 50 seeds: one call at most, never its JSON as content, and a call whose JSON
+    closed is returned as a call whatever the finish reason."""
+
+    async def run(s):
+        out = []
+        for seed in range(50):
+            body = chat_body(
+                tools=TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=10 + (seed * 37) % 190,
+                seed=seed,
+                temperature=1.0,
+            )
+            full = one(await collect(s, CHAT, body))
+            streamed = await collect(s, CHAT, {**body, "stream": True}) if seed % 5 == 0 else None
+            out.append((full, streamed))
+        return out
+
+    finishes = set()
+    for full, streamed in serve(run):
+        c = ChatCompletion.model_validate(full).choices[0]
+        finishes.add(c.finish_reason)
+        calls = c.message.tool_calls or []
+        assert c.message.content is None, c.message.content
+        assert len(calls) <= 1
+        if c.finish_reason != "length":
+            assert len(calls) == 1 and json.loads(calls[0].function.arguments) is not None
+        if streamed is not None:
+            chunks = [ChatCompletionChunk.model_validate(x) for x in parse_sse(streamed)]
+            content, streamed_calls, _ = _reassemble(chunks)
+            assert not content, content
+            assert [(x["name"], x["arguments"]) for x in streamed_calls][: len(calls)] == [
+                (x.function.name, x.function.arguments) for x in calls
+            ]
+    assert "length" in finishes and finishes - {"length"}  # both cut and whole answers ran

@@ -624,3 +624,57 @@ def test_the_parser_is_read_from_the_chat_template():
     }
     for template, parser in cases.items():
         assert detect_tool_parser(template) == parser, template
+
+
+def _item_ends(text: str) -> list[int]:
+    """Where each element of the JSON array `text` ends (by the json module, not our parser)."""
+    decoder, ends = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    while True:
+        while text[i] in " \n\t,":
+            i += 1
+        if text[i] == "]":
+            return ends
+        _, i = decoder.raw_decode(text, i)
+        ends.append(i)
+
+
+def test_a_cut_required_list_keeps_its_complete_calls(compiler):
+    """Issue 15: with `tool_choice: "required"` a list cut off by max_tokens keeps the calls
+    whose JSON closed, drops the cut one, and never turns the JSON into content, streamed or
+    not."""
+    tools = validate_tools(TOOLS)
+    choice = resolve_tool_choice(tools, "required", auto_enabled=False)
+    spec = tool_choice_spec(tools, choice)
+    checked = 0
+    for seed in range(40):
+        text = _constrained_text(compiler, spec, seed)
+        whole = parser_for_tool_choice(choice, None, tools).extract(text).tool_calls
+        for cut in sorted({len(text) // 3, len(text) // 2, len(text) - 1}):
+            prefix = text[:cut]
+            result = parser_for_tool_choice(choice, None, tools).extract(prefix)
+            assert result.content is None, prefix
+            got = [(c.name, c.arguments) for c in result.tool_calls]
+            # Exactly the calls whose object closed within the prefix, in order.
+            assert got == [(c.name, c.arguments) for c in whole][: len(got)], prefix
+            assert len(got) == sum(end <= cut for end in _item_ends(text)), (prefix, got)
+            deltas, _ = stream(
+                parser_for_tool_choice(choice, None, tools), prefix, random.Random(0)
+            )
+            content, streamed, _ = reassemble(deltas)
+            assert content is None, prefix  # never the JSON again as content
+            assert streamed[: len(got)] == got
+            checked += 1
+    assert checked >= 80
+
+
+def test_parallel_tool_calls_false_makes_required_exactly_one_call(compiler):
+    tools = validate_tools(TOOLS)
+    choice = resolve_tool_choice(tools, "required", auto_enabled=False)
+    assert "maxItems" not in json.loads(tool_choice_spec(tools, choice).json)
+    spec = tool_choice_spec(tools, choice, parallel=False)
+    schema = json.loads(spec.json)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    for seed in range(20):
+        text = _constrained_text(compiler, spec, seed)
+        assert len(parser_for_tool_choice(choice, None, tools).extract(text).tool_calls) == 1

@@ -417,7 +417,8 @@ class OpenAIServing:
             )
         except ToolChoiceError as e:
             raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
-        params = chat_sampling_params(request, tool_choice_spec(tools, choice))
+        parallel = request.parallel_tool_calls is not False
+        params = chat_sampling_params(request, tool_choice_spec(tools, choice, parallel))
         make_parser = None
         if choice.mode != "none" and not (choice.mode == "auto" and self.auto_tool_parser is None):
             auto = self.auto_tool_parser

@@ -76,6 +76,8 @@ class JSONToolParser(ToolParser):
     body: ClassVar[str] = "object"  # object | array | array_or_object | objects_semicolon
     bare_start: ClassVar[str] = ""  # chars that open a region without marker at the output start
     require_arguments_key: ClassVar[bool] = False  # without it the object is not a call
+    # An array body cut off at the end of the output: keep its complete calls (else content).
+    keep_complete_calls_of_a_cut_list: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -228,7 +230,18 @@ class JSONToolParser(ToolParser):
         return self._close(text, [call], node.end, final)
 
     def _array_body(self, text: str, j: int, final: bool) -> Region:
-        node = self._value(text, j, final, "array")
+        try:
+            node = self._value(text, j, final, "array")
+        except JSONSyntaxError:
+            if not (final and self.keep_complete_calls_of_a_cut_list):
+                raise
+            node = self._value(text, j, False, "array")  # as far as it goes
+            if node.complete:
+                raise  # whole, yet not JSON: malformed after all
+            done = [item for item in node.items if item.complete]
+            if any(item.kind != "object" for item in done):
+                raise Malformed("a call must be an object") from None
+            return Region([self._call(text, item, True) for item in done], len(text))
         calls = []
         for item in node.items:
             if item.kind != "object":

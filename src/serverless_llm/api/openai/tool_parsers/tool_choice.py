@@ -138,8 +138,9 @@ def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
     return dict(params) if params else dict(_EMPTY_PARAMETERS)
 
 
-def required_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """A JSON list of one or more calls, each {"name": <a tool>, "parameters": <its schema>}."""
+def required_schema(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """A JSON list of one or more calls (exactly one unless `parallel`), each
+    {"name": <a tool>, "parameters": <its schema>}."""
     variants = [
         {
             "type": "object",
@@ -152,19 +153,23 @@ def required_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for t in tools
     ]
     items = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {"type": "array", "minItems": 1, "items": items}
+    schema = {"type": "array", "minItems": 1, "items": items}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def tool_choice_spec(
-    tools: Sequence[Mapping[str, Any]], choice: ToolChoice
+    tools: Sequence[Mapping[str, Any]], choice: ToolChoice, parallel: bool = True
 ) -> StructuredOutputSpec | None:
-    """The constraint for named and required choices (None for none/auto). Combine it with no
-    other structured output: a request with both is a 400 (naming tool_choice)."""
+    """The constraint for named and required choices (None for none/auto); `parallel=False`
+    (`parallel_tool_calls: false`) makes "required" exactly one call. Combine it with no other
+    structured output: a request with both is a 400 (naming tool_choice)."""
     if choice.mode == "named":
         tool = next(t for t in tools if t["function"]["name"] == choice.name)
         return StructuredOutputSpec(json=_parameters(tool), param="tool_choice")
     if choice.mode == "required":
-        return StructuredOutputSpec(json=required_schema(tools), param="tool_choice")
+        return StructuredOutputSpec(json=required_schema(tools, parallel), param="tool_choice")
     return None
 
 
@@ -204,11 +209,14 @@ class NamedToolCallParser(ToolParser):
 
 
 class RequiredToolCallParser(JSONToolParser):
-    """The output of a "required" tool choice: the JSON list the constraint produces."""
+    """The output of a "required" tool choice: the JSON list the constraint produces. The
+    grammar makes all of the output that list, so a list cut off (by max_tokens) is a
+    truncation, not content: its complete calls are kept and the cut one is dropped."""
 
     name = "required"
     body = "array"
     bare_start = "["
+    keep_complete_calls_of_a_cut_list = True
 
 
 def parser_for_tool_choice(
