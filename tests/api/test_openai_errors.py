@@ -257,7 +257,7 @@ CASES = [
         "prompt[1]",
         "context_length_exceeded",
     ),
-    ("suffix", COMPLETIONS, completion(suffix="!"), 400, "suffix", "unsupported_parameter"),
+    ("suffix-without-fim", COMPLETIONS, completion(suffix="!"), 400, "suffix", "invalid_value"),
     ("completion-logprobs", COMPLETIONS, completion(logprobs=21), 400, "logprobs", None),
     ("echo-string", COMPLETIONS, completion(echo="yes"), 400, "echo", None),
     ("model-not-string", CHAT, chat(model=5), 400, "model", None),

@@ -32,17 +32,69 @@ def split_prompts(prompt: Any) -> tuple[list[str | list[int]], bool]:
     return [prompt], False  # one list of token ids
 
 
+# Fill-in-the-middle markers, (prefix, suffix, middle), in the prefix-suffix-middle order every
+# one of these models was trained on: StarCoder / StarCoder2 / SantaCoder, Qwen2.5-Coder and
+# CodeGemma, DeepSeek-Coder, Code Llama.
+FIM_FORMATS: tuple[tuple[str, str, str], ...] = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+    ("▁<PRE>", "▁<SUF>", "▁<MID>"),
+)
+
+
+def fim_token_ids(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The model's fill-in-the-middle token ids, or None when it has none of FIM_FORMATS."""
+    for tokens in FIM_FORMATS:
+        ids = tokenizer.convert_tokens_to_ids(list(tokens))
+        if all(
+            isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == t
+            for i, t in zip(ids, tokens)
+        ):
+            return ids[0], ids[1], ids[2]
+    return None
+
+
+def fim_prompt(
+    tokenizer: Any, fim: tuple[int, int, int], prefix_ids: list[int], suffix: str
+) -> list[int]:
+    """<prefix> prompt <suffix> suffix <middle>: the model writes what goes between. A BOS the
+    tokenizer put first stays first."""
+    lead: list[int] = []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and prefix_ids[:1] == [bos]:
+        lead, prefix_ids = [bos], prefix_ids[1:]
+    suffix_ids = list(tokenizer.encode(suffix, add_special_tokens=False))
+    pre, suf, mid = fim
+    return [*lead, pre, *prefix_ids, suf, *suffix_ids, mid]
+
+
 def tokenize_prompts(
     request: CompletionRequest, tokenizer: Any, vocab_size: int
 ) -> list[tuple[str, PromptInput]]:
     """Tokenizes text prompts and range-checks token-id prompts, naming the bad one. Each
-    prompt comes with the name errors give it: "prompt", or "prompt[i]" in a list of them."""
+    prompt comes with the name errors give it: "prompt", or "prompt[i]" in a list of them.
+    With `suffix`, each prompt becomes a fill-in-the-middle prompt (a 400 where the model has
+    no FIM tokens)."""
+    fim = None
+    if request.suffix:
+        fim = fim_token_ids(tokenizer)
+        if fim is None:
+            raise OpenAIServingError.bad_request(
+                "'suffix' needs a model trained for fill-in-the-middle (StarCoder, "
+                "Qwen2.5-Coder, DeepSeek-Coder, Code Llama style FIM tokens); this model's "
+                "tokenizer has none.",
+                "suffix",
+                "invalid_value",
+            )
     prompts, is_list = split_prompts(request.prompt)
     out: list[tuple[str, PromptInput]] = []
     for p, prompt in enumerate(prompts):
         param = f"prompt[{p}]" if is_list else "prompt"
         if isinstance(prompt, str):
             ids = list(tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
+            if fim is not None:
+                ids = fim_prompt(tokenizer, fim, ids, request.suffix or "")
             out.append((param, PromptInput(ids, prompt)))
             continue
         for t in prompt:
@@ -53,7 +105,10 @@ def tokenize_prompts(
                     param,
                     "invalid_value",
                 )
-        out.append((param, PromptInput(list(prompt))))
+        ids = list(prompt)
+        if fim is not None:
+            ids = fim_prompt(tokenizer, fim, ids, request.suffix or "")
+        out.append((param, PromptInput(ids)))
     return out
 
 

@@ -41,9 +41,7 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "web_search_options": (None,),
 }
-_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""),
-}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {}
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
