@@ -126,6 +126,7 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "enable_auto_tool_choice": True,  # the default, as OpenAI's
         "tool_call_parser": None,
         "limits": RequestLimits(),
+        "reasoning_parser": "auto",  # REASONING_PARSER unset: read from the chat template
     }
     assert serving.calls[0] == (
         "/v1/chat/completions",

@@ -164,6 +164,7 @@ class Worker:
                 enable_auto_tool_choice=self.settings.enable_auto_tool_choice,
                 tool_call_parser=self.settings.tool_call_parser,
                 limits=self.settings.request_limits,
+                reasoning_parser=self.settings.reasoning_parser or "auto",
             )
         return self._openai
 

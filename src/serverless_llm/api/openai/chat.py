@@ -23,6 +23,7 @@ from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
 from ..results import SequenceResult
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormatter
+from .reasoning import ReasoningParser
 from .tool_parsers import ToolParser, merge_deltas
 
 # Roles whose messages must carry content (an assistant turn may carry only tool calls).
@@ -155,6 +156,7 @@ class ChatFormatter(ResponseFormatter):
         tool_parser: Callable[[], ToolParser | None] | None = None,
         tool_mode: str = "none",
         parallel_tool_calls: bool = True,
+        reasoning_parser: Callable[[], ReasoningParser] | None = None,
     ) -> None:
         """`top_logprobs`: None when the request did not ask for logprobs, else how many top
         tokens each position lists. `tool_parser`: makes a fresh parser for each choice (tools
@@ -164,6 +166,8 @@ class ChatFormatter(ResponseFormatter):
         self.tool_mode = tool_mode
         self.parallel_tool_calls = parallel_tool_calls
         self._parsers: dict[int, ToolParser | None] = {}
+        self.reasoning_parser = reasoning_parser
+        self._reasoners: dict[int, ReasoningParser] = {}
         self.role = role
         self.echo = echo
         self.top_logprobs = top_logprobs
@@ -209,6 +213,12 @@ class ChatFormatter(ResponseFormatter):
     ) -> dict[str, Any] | None:
         text, finish_reason = out.new_text, out.finish_reason
         logprobs = self._logprobs(out.logprobs) if out.logprobs else None
+        reasoning = ""
+        if self.reasoning_parser is not None:
+            reasoner = self._reasoners.get(index)
+            if reasoner is None:
+                reasoner = self._reasoners[index] = self.reasoning_parser()
+            reasoning, text = reasoner.feed(text, final=finish_reason is not None)
         parser = self._parser(index)
         if parser is not None:
             deltas = parser.feed(text) if text else []
@@ -218,6 +228,8 @@ class ChatFormatter(ResponseFormatter):
             finish_reason = self._finish_reason(finish_reason, parser.tools_called)
         else:
             delta = {"content": text} if text else {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         return self._delta_chunk(
             index, "delta", delta, logprobs, finish_reason, out.stop_reason, usage
         )
@@ -231,12 +243,15 @@ class ChatFormatter(ResponseFormatter):
         prefix = self.echo or ""
         choices = []
         for k, r in enumerate(results):
-            content: str | None = prefix + r.text
+            answer, reasoning = r.text, None
+            if self.reasoning_parser is not None:
+                reasoning, answer = self.reasoning_parser().extract(r.text)
+            content: str | None = prefix + answer
             tool_calls: list[dict[str, Any]] = []
             finish_reason = r.finish_reason
             parser = self.tool_parser() if self.tool_parser is not None else None
             if parser is not None:
-                extracted = parser.extract(r.text)
+                extracted = parser.extract(answer)
                 calls = extracted.tool_calls
                 if not self.parallel_tool_calls:
                     calls = calls[:1]
@@ -253,6 +268,7 @@ class ChatFormatter(ResponseFormatter):
                         "content": content,
                         "refusal": None,
                         "tool_calls": tool_calls,
+                        **({"reasoning_content": reasoning} if reasoning is not None else {}),
                     },
                     "logprobs": self._logprobs(r.logprobs),
                     "finish_reason": finish_reason,

@@ -68,6 +68,7 @@ from .errors import (
 from .models import list_models, retrieve_model
 from .params import chat_sampling_params, completion_sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_parser
 from .tool_parsers import (
     ToolChoiceError,
     ToolParser,
@@ -247,6 +248,7 @@ class OpenAIServing:
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         limits: RequestLimits | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
@@ -280,6 +282,14 @@ class OpenAIServing:
         if tool_call_parser:
             self.auto_tool_parser = get_tool_parser(tool_call_parser)
         self.enable_auto_tool_choice = self.auto_tool_parser is not None and enable_auto_tool_choice
+        if reasoning_parser == "auto":
+            source = chat_template_source(getattr(engine, "tokenizer", None), chat_template)
+            reasoning_parser = detect_reasoning_parser(source)
+            if reasoning_parser is not None:
+                logger.info("reasoning: parser %r, from the chat template", reasoning_parser)
+        self.reasoning_parser: type[ReasoningParser] | None = (
+            REASONING_PARSERS[reasoning_parser] if reasoning_parser not in (None, "none") else None
+        )
         self.served_model_name = served_model_name
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
@@ -445,6 +455,7 @@ class OpenAIServing:
             tool_parser=make_parser,
             tool_mode=choice.mode,
             parallel_tool_calls=request.parallel_tool_calls is not False,
+            reasoning_parser=self.reasoning_parser,
         )
         return _Plan(
             response_id=response_id,

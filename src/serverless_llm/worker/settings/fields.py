@@ -454,6 +454,19 @@ class SettingsFields(BaseSettings):
         ),
         min_length=1,
     )
+    reasoning_parser: str | None = _openai(
+        None,
+        "REASONING_PARSER",
+        title="Reasoning Parser",
+        description=(
+            "Splits a reasoning model's `<think>...</think>` text from its answer into chat's "
+            "`reasoning_content`: `deepseek_r1` (everything before `</think>` is reasoning), "
+            "`qwen3` (only a `<think>` block that opens the output), or `none`. Unset: read "
+            "from the chat template (a template that writes `<think>` blocks gets `qwen3` "
+            "when it has an `enable_thinking` switch, else `deepseek_r1`)."
+        ),
+        choices=("deepseek_r1", "qwen3", "none"),
+    )
     tool_parser_plugin: str | None = _openai(
         None,
         "TOOL_PARSER_PLUGIN",
