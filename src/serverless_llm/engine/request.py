@@ -38,7 +38,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # prefix digests of full, computed blocks
+    # Prefix digests of full, computed blocks.
+    block_hashes: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
