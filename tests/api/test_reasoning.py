@@ -79,3 +79,26 @@ def test_chat_route_splits_reasoning_streamed_and_not(serve):
     (plain,) = serve(lambda s: collect(s, "/v1/chat/completions", body), served_model_name="tiny")
     assert plain["choices"][0]["message"]["content"] == forced
     assert "reasoning_content" not in plain["choices"][0]["message"]
+
+
+def test_reasoning_effort_reaches_the_template():
+    from serverless_llm.api.openai.chat import render_chat_prompt
+    from serverless_llm.api.openai.protocol import ChatCompletionRequest
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    switch = "{{ reasoning_effort }}|{{ enable_thinking }}"
+    plain = "{{ reasoning_effort }}|{{ kwargs | default('') }}"
+
+    def render(template, **kw):
+        request = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+        )
+        return tok.decode(render_chat_prompt(request, tok, template), skip_special_tokens=True)
+
+    assert render(switch, reasoning_effort="minimal") == "minimal|False"
+    assert render(switch, reasoning_effort="high") == "high|True"
+    kwargs = {"enable_thinking": True}
+    assert render(switch, reasoning_effort="none", chat_template_kwargs=kwargs) == "none|True"
+    assert render(plain, reasoning_effort="low") == "low|"  # no switch in it: none is added
+    assert render(switch) == "|"  # unset: nothing added

@@ -17,6 +17,7 @@ from serverless_llm.engine import (
     EngineOutput,
     TokenLogprob,
     apply_chat_template,
+    chat_template_source,
 )
 
 from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
@@ -105,20 +106,39 @@ def render_chat_prompt(
 ) -> list[int]:
     """Renders the conversation and tokenizes it; every template problem becomes a 400."""
     messages = template_messages(request.messages)
+    template = request.chat_template or default_template
     try:
         text = apply_chat_template(
             tokenizer,
             messages,
-            chat_template=request.chat_template or default_template,
+            chat_template=template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             tools=tools or None,
             documents=request.documents,
-            chat_template_kwargs=request.chat_template_kwargs,
+            chat_template_kwargs=_with_reasoning_effort(request, tokenizer, template),
         )
     except ChatTemplateError as e:
         raise OpenAIServingError.bad_request(str(e), None, "invalid_chat_template") from e
     return list(tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+
+
+def _with_reasoning_effort(
+    request: ChatCompletionRequest, tokenizer: Any, template: str | None
+) -> dict[str, Any] | None:
+    """`reasoning_effort` as the template sees it: the variable itself (gpt-oss style templates
+    read it), and, for a template with an `enable_thinking` switch (Qwen 3, SmolLM3), thinking
+    off for "none" and "minimal" unless chat_template_kwargs sets the switch itself."""
+    kwargs = request.chat_template_kwargs
+    effort = request.reasoning_effort
+    if effort is None:
+        return kwargs
+    kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    if "enable_thinking" not in kwargs and "enable_thinking" in chat_template_source(
+        tokenizer, template
+    ):
+        kwargs["enable_thinking"] = effort not in ("none", "minimal")
+    return kwargs
 
 
 def echo_text(request: ChatCompletionRequest, role: str) -> str | None:

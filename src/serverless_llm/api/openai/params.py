@@ -37,7 +37,6 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "verbosity": (None,),
     "web_search_options": (None,),
 }

@@ -197,7 +197,7 @@ class ChatCompletionRequest(_SamplingRequest):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
 
