@@ -248,7 +248,11 @@ def test_auto_is_refused_with_the_reason_when_the_template_shows_no_format(serve
         plain = one(await collect(s, CHAT, chat_body(tools=TOOLS, max_tokens=3)))
         return refused, plain
 
-    plain_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    # The template shows the tools, but in no call format the worker knows.
+    plain_template = (
+        "{% for t in tools %}{{ t.function.name }} {% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
     refused, plain = serve(run, enable_auto_tool_choice=True, chat_template=plain_template)
     assert refused["error"]["param"] == "tool_choice"
     assert "TOOL_CALL_PARSER" in refused["error"]["message"]
@@ -317,3 +321,50 @@ def test_required_single_call_cut_at_random_lengths_never_loses_or_repeats_a_cal
                 (x.function.name, x.function.arguments) for x in calls
             ]
     assert "length" in finishes and finishes - {"length"}  # both cut and whole answers ran
+
+
+def test_a_template_that_ignores_tools_gets_them_described_in_a_system_message(serve):
+    """Issue 15: tools still work on a model whose template has no tool support: our system
+    message describes them in the hermes format, which the hermes parser reads (the parse
+    itself is tested above; the description alone outgrows this tiny model's 256 tokens)."""
+    from serverless_llm.api.openai.chat import render_chat_prompt
+    from serverless_llm.api.openai.protocol import ChatCompletionRequest
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"
+    )
+
+    async def run(s):
+        return s.describe_tools, s.auto_tool_parser, s.tokenizer
+
+    describe, parser, tok = serve(run, enable_auto_tool_choice=True, chat_template=template)
+    assert describe and parser.name == "hermes"
+    request = ChatCompletionRequest.model_validate(chat_body(tools=TOOLS))
+    text = tok.decode(render_chat_prompt(request, tok, template, TOOLS, describe_tools=True))
+    assert text.index("system") < text.index("get_weather") < text.index(MESSAGES[0]["content"])
+    assert "<tool_call>" in text
+    plain = tok.decode(render_chat_prompt(request, tok, template, TOOLS))
+    assert "get_weather" not in plain  # what the model saw before: no tools at all
+
+    # A template that renders tools itself keeps doing so, with no message of ours.
+    async def run_own(s):
+        return s.describe_tools
+
+    assert not serve(run_own, enable_auto_tool_choice=True, chat_template=HERMES_STYLE_TEMPLATE)
+
+
+def test_the_default_tool_prompt_describes_every_tool():
+    from serverless_llm.api.openai.tool_parsers.default_prompt import with_tool_prompt
+
+    tools = [t for t in TOOLS]
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "Hi"}
+    merged = with_tool_prompt([system, user], tools)
+    assert [m["role"] for m in merged] == ["system", "user"]
+    assert merged[0]["content"].startswith("Be brief.\n\n")
+    for t in tools:
+        assert json.dumps(t["function"]) in merged[0]["content"]
+    assert "<tool_call>" in merged[0]["content"]
+    added = with_tool_prompt([user], tools)
+    assert [m["role"] for m in added] == ["system", "user"] and added[1] == user

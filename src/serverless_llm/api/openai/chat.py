@@ -26,6 +26,7 @@ from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormatter
 from .reasoning import ReasoningParser
 from .tool_parsers import ToolParser, merge_deltas
+from .tool_parsers.default_prompt import with_tool_prompt
 
 # Roles whose messages must carry content (an assistant turn may carry only tool calls).
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
@@ -103,10 +104,15 @@ def render_chat_prompt(
     tokenizer: Any,
     default_template: str | None,
     tools: list[dict[str, Any]] | None = None,
+    describe_tools: bool = False,
 ) -> list[int]:
-    """Renders the conversation and tokenizes it; every template problem becomes a 400."""
+    """Renders the conversation and tokenizes it; every template problem becomes a 400.
+    `describe_tools`: the template ignores tools, so a system message of ours describes them
+    (tool_parsers.default_prompt)."""
     messages = template_messages(request.messages)
     template = request.chat_template or default_template
+    if describe_tools and tools:
+        messages, tools = with_tool_prompt(messages, tools), None
     try:
         text = apply_chat_template(
             tokenizer,

@@ -79,6 +79,7 @@ from .tool_parsers import (
     tool_choice_spec,
     validate_tools,
 )
+from .tool_parsers.default_prompt import DEFAULT_TOOL_PARSER, template_renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -261,10 +262,21 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.auto_tool_parser: type[ToolParser] | None = None
         self.auto_tool_unavailable: str | None = None  # why `"auto"` is refused, when it is
+        self.describe_tools = False  # the template ignores tools: ours describes them
         if enable_auto_tool_choice and tool_call_parser is None:
-            source = chat_template_source(getattr(engine, "tokenizer", None), chat_template)
+            tokenizer = getattr(engine, "tokenizer", None)
+            source = chat_template_source(tokenizer, chat_template)
             tool_call_parser = detect_tool_parser(source)
-            if tool_call_parser is None:
+            if tool_call_parser is not None:
+                logger.info("tools: tool-call parser %r, from the chat template", tool_call_parser)
+            elif tokenizer is not None and not template_renders_tools(tokenizer, chat_template):
+                tool_call_parser, self.describe_tools = DEFAULT_TOOL_PARSER, True
+                logger.info(
+                    "tools: the chat template ignores tools; they are described in a system "
+                    "message and calls read as %r",
+                    tool_call_parser,
+                )
+            else:
                 self.auto_tool_unavailable = (
                     '"auto" tool choice needs a TOOL_CALL_PARSER: this model\'s chat template '
                     "shows no tool-call format the worker recognises"
@@ -273,8 +285,6 @@ class OpenAIServing:
                     "tools: no tool-call format found in the chat template; tool_choice "
                     '"auto" is off (set TOOL_CALL_PARSER to turn it on)'
                 )
-            else:
-                logger.info("tools: tool-call parser %r, from the chat template", tool_call_parser)
         elif not enable_auto_tool_choice:
             self.auto_tool_unavailable = (
                 '"auto" tool choice is off on this worker (ENABLE_AUTO_TOOL_CHOICE=false)'
@@ -439,7 +449,10 @@ class OpenAIServing:
             if choice.mode == "auto" and auto.needs_special_tokens:
                 params = dataclasses.replace(params, skip_special_tokens=False)
         params.check_vocab(self.vocab_size)
-        ids = render_chat_prompt(request, self.tokenizer, self.chat_template, tools)
+        # Only where the model must decide to call: named and required calls are forced by the
+        # grammar, as in vLLM, and the description costs hundreds of tokens.
+        describe = self.describe_tools and choice.mode == "auto"
+        ids = render_chat_prompt(request, self.tokenizer, self.chat_template, tools, describe)
         ids = self._fit_prompt(ids, request.truncate_prompt_tokens, params.max_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         options = request.stream_options

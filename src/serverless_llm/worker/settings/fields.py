@@ -436,9 +436,9 @@ class SettingsFields(BaseSettings):
         description=(
             'Let chat requests with `tools` use `tool_choice: "auto"`, the default then, as '
             "OpenAI's: the model's text is parsed into `tool_calls` by TOOL_CALL_PARSER, or by "
-            "the parser its chat template calls for when that is unset. Off (or with no parser "
-            'known for the template) `tools` alone mean `"none"`. Named and `required` tool '
-            "choices work either way."
+            "the parser its chat template calls for when that is unset (a template that ignores "
+            "tools gets them described in a system message, in the hermes format). Off, `tools` "
+            'alone mean `"none"`. Named and `required` tool choices work either way.'
         ),
     )
     tool_call_parser: str | None = _openai(
