@@ -8,8 +8,11 @@ the grammar has gone (`abandoned`), the child is killed, which stops the work at
 replacement is forked in the background. So one adversarial grammar holds one child for at most
 the limit, and the other child keeps compiling everyone else's.
 
-The processes run at a lower priority (nice 10) than the worker: compiling never slows the
-engine's steps much. One pool serves the whole process (`shared_pool`); a child keeps the
+The processes run at the lowest priority (nice 19): on a busy machine the engine's steps come
+first. At nice 10, two adversarial compiles on a 2-core machine slowed a stream's tokens by
+1.8-2.1x (the engine's two OpenMP threads wait on each other when one loses its core); at 15,
+1.5-2.1x; at 19, 1.1-1.6x. The price: under a saturated CPU, grammars compile slower (a 2-minute
+soak: guided requests' p50 1.8 s against 1.25 s at nice 10). One pool serves the whole process (`shared_pool`); a child keeps the
 tokenizers it was sent, and asks for one it does not know (`need_info`).
 """
 

@@ -489,7 +489,7 @@ def zygote(control_fd: int) -> None:
     control = socket.socket(fileno=control_fd)
     sys.stdout = sys.stderr  # nothing but frames on the sockets, nothing on stdout
     try:
-        os.nice(10)  # the engine's steps come first; the children inherit it
+        os.nice(19)  # the engine's steps come first; the children inherit it
     except OSError:
         pass
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))
