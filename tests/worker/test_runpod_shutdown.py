@@ -38,17 +38,30 @@ def platform():
     p.stop()
 
 
-def start_worker(platform: FakePlatform, grace: float, log) -> subprocess.Popen:
+def start_worker(
+    platform: FakePlatform, grace: float, log, argv: list[str] | None = None, **env_vars: str
+) -> subprocess.Popen:
+    """The fake worker under `serve` (or `argv`), pointed at `platform`, logging to `log`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(platform.env())
+    env.update(platform.env(), **env_vars)
     return subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(grace)],
+        argv or [sys.executable, "-c", WORKER, str(grace)],
         cwd=REPO,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def sigterm_and_wait(proc: subprocess.Popen, within: float) -> float:
+    """Sends SIGTERM and waits for the exit; the seconds it took, asserted under `within`."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=within)
+    elapsed = time.monotonic() - t0
+    assert elapsed < within
+    return elapsed
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -110,10 +123,7 @@ def test_an_idle_worker_exits_0_at_once(platform):
         try:
             platform.add("warm", {"items": 1})
             wait_until(lambda: "warm" in platform.snapshot()[2], 60, "a first job's result")
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=5)  # not the SDK's 90 s long poll, nor the 30 s grace
-            assert time.monotonic() - t0 < 5
+            sigterm_and_wait(proc, 5)  # not the SDK's 90 s long poll, nor the 30 s grace
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -131,10 +141,7 @@ def test_a_second_signal_exits_at_once(platform):
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             assert proc.poll() is None  # draining: up to 30 s
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=5)
-            assert time.monotonic() - t0 < 5
+            sigterm_and_wait(proc, 5)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -148,24 +155,19 @@ def test_the_deployed_worker_on_a_real_model_ends_its_jobs_and_exits_0(platform,
     for job_id in ids:
         sampling = {"max_tokens": 480, "ignore_eos": True, "temperature": 0}
         platform.add(job_id, {"prompt": "hello", "sampling_params": sampling, "stream": True})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(platform.env())
-    env.update(MODEL_NAME=tiny_llama, SHUTDOWN_GRACE_SECONDS="0", MAX_CONCURRENCY="8")
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
+        proc = start_worker(
+            platform,
+            0,
+            log,
             [sys.executable, "-m", "serverless_llm.worker"],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
+            MODEL_NAME=tiny_llama,
+            SHUTDOWN_GRACE_SECONDS="0",
+            MAX_CONCURRENCY="8",
         )
         try:
             wait_until(lambda: len(platform.snapshot()[1]) == len(ids), 120, "every job to stream")
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=5)
-            assert time.monotonic() - t0 < 5
+            sigterm_and_wait(proc, 5)
         finally:
             if proc.poll() is None:
                 proc.kill()

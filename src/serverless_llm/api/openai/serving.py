@@ -260,41 +260,22 @@ class OpenAIServing:
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
+        tokenizer = getattr(engine, "tokenizer", None)
+        template = chat_template_source(tokenizer, chat_template)
         self.auto_tool_parser: type[ToolParser] | None = None
         self.auto_tool_unavailable: str | None = None  # why `"auto"` is refused, when it is
         self.describe_tools = False  # the template ignores tools: ours describes them
-        if enable_auto_tool_choice and tool_call_parser is None:
-            tokenizer = getattr(engine, "tokenizer", None)
-            source = chat_template_source(tokenizer, chat_template)
-            tool_call_parser = detect_tool_parser(source)
-            if tool_call_parser is not None:
-                logger.info("tools: tool-call parser %r, from the chat template", tool_call_parser)
-            elif tokenizer is not None and not template_renders_tools(tokenizer, chat_template):
-                tool_call_parser, self.describe_tools = DEFAULT_TOOL_PARSER, True
-                logger.info(
-                    "tools: the chat template ignores tools; they are described in a system "
-                    "message and calls read as %r",
-                    tool_call_parser,
-                )
-            else:
-                self.auto_tool_unavailable = (
-                    '"auto" tool choice needs a TOOL_CALL_PARSER: this model\'s chat template '
-                    "shows no tool-call format the worker recognises"
-                )
-                logger.warning(
-                    "tools: no tool-call format found in the chat template; tool_choice "
-                    '"auto" is off (set TOOL_CALL_PARSER to turn it on)'
-                )
-        elif not enable_auto_tool_choice:
+        if not enable_auto_tool_choice:
             self.auto_tool_unavailable = (
                 '"auto" tool choice is off on this worker (ENABLE_AUTO_TOOL_CHOICE=false)'
             )
+        elif tool_call_parser is None:
+            tool_call_parser = self._auto_tool_parser_name(tokenizer, template)
         if tool_call_parser:
             self.auto_tool_parser = get_tool_parser(tool_call_parser)
         self.enable_auto_tool_choice = self.auto_tool_parser is not None and enable_auto_tool_choice
         if reasoning_parser == "auto":
-            source = chat_template_source(getattr(engine, "tokenizer", None), chat_template)
-            reasoning_parser = detect_reasoning_parser(source)
+            reasoning_parser = detect_reasoning_parser(template)
             if reasoning_parser is not None:
                 logger.info("reasoning: parser %r, from the chat template", reasoning_parser)
         self.reasoning_parser: type[ReasoningParser] | None = (
@@ -313,6 +294,31 @@ class OpenAIServing:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def _auto_tool_parser_name(self, tokenizer: Any, template: str) -> str | None:
+        """TOOL_CALL_PARSER unset: the format the chat template teaches; the default prompt's
+        format where the template ignores tools; else None (auto off, and why)."""
+        name = detect_tool_parser(template)
+        if name is not None:
+            logger.info("tools: tool-call parser %r, from the chat template", name)
+            return name
+        if tokenizer is not None and not template_renders_tools(tokenizer, self.chat_template):
+            self.describe_tools = True
+            logger.info(
+                "tools: the chat template ignores tools; they are described in a system "
+                "message and calls read as %r",
+                DEFAULT_TOOL_PARSER,
+            )
+            return DEFAULT_TOOL_PARSER
+        self.auto_tool_unavailable = (
+            '"auto" tool choice needs a TOOL_CALL_PARSER: this model\'s chat template '
+            "shows no tool-call format the worker recognises"
+        )
+        logger.warning(
+            "tools: no tool-call format found in the chat template; tool_choice "
+            '"auto" is off (set TOOL_CALL_PARSER to turn it on)'
+        )
+        return None
 
     # -- entry point ------------------------------------------------------------------------
 
@@ -467,7 +473,7 @@ class OpenAIServing:
             decoder=TokenDecoder(self.tokenizer),
             tool_parser=make_parser,
             tool_mode=choice.mode,
-            parallel_tool_calls=request.parallel_tool_calls is not False,
+            parallel_tool_calls=parallel,
             reasoning_parser=self.reasoning_parser,
         )
         return _Plan(
