@@ -67,7 +67,10 @@ def test_chat_route_splits_reasoning_streamed_and_not(serve):
         streamed = await collect(s, "/v1/chat/completions", {**body, "stream": True})
         return full, streamed
 
-    full, streamed = serve(run, served_model_name="tiny", reasoning_parser="qwen3")
+    # The regex forces the reasoning too: structured output from the first token.
+    full, streamed = serve(
+        run, served_model_name="tiny", reasoning_parser="qwen3", structured_in_reasoning=True
+    )
     message = full["choices"][0]["message"]
     assert message["reasoning_content"] == "two and two" and message["content"] == "four"
     chunks = parse_sse(streamed)
@@ -102,3 +105,33 @@ def test_reasoning_effort_reaches_the_template():
     assert render(switch, reasoning_effort="none", chat_template_kwargs=kwargs) == "none|True"
     assert render(plain, reasoning_effort="low") == "low|"  # no switch in it: none is added
     assert render(switch) == "|"  # unset: nothing added
+
+
+def test_structured_output_waits_for_the_end_of_thinking(serve):
+    """With a reasoning parser, a constrained request's grammar starts after `</think>`'s
+    tokens, unless the prompt closed the thinking already (Qwen 3 with thinking off), there is
+    no constraint, or STRUCTURED_OUTPUTS_ENABLE_IN_REASONING is on."""
+    body = {"messages": [{"role": "user", "content": "2+2?"}], "guided_regex": "[0-9]+"}
+    no_think = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<think>\n\n</think>\n\n{% endif %}"
+    )
+
+    def after(**kwargs):
+        def plan(s):
+            async def run():
+                end = tuple(s.tokenizer.encode("</think>", add_special_tokens=False))
+                return end, s._chat_plan({**body, **kwargs}).params.structured_after
+
+            return run()
+
+        return plan
+
+    end, got = serve(after(), reasoning_parser="qwen3")
+    assert got == end and len(end) >= 1
+    assert serve(after(), reasoning_parser="deepseek_r1")[1] == end
+    assert serve(after(), reasoning_parser="qwen3", structured_in_reasoning=True)[1] == ()
+    assert serve(after())[1] == ()  # no reasoning parser
+    assert serve(after(chat_template=no_think), reasoning_parser="qwen3")[1] == ()
+    free = {"guided_regex": None}
+    assert serve(after(**free), reasoning_parser="qwen3")[1] == ()

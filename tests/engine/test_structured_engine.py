@@ -211,3 +211,26 @@ def test_stop_strings_and_streaming_with_a_grammar(llm):
     text, ids = asyncio.run(stream())
     assert text == expected.outputs[0].text and ids == expected.outputs[0].token_ids
     jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+
+
+def test_structured_after_leaves_the_output_free_until_its_tokens(llm):
+    """A reasoning model's constraint starts after `</think>` (SamplingParams.structured_after):
+    here the gate is the first three tokens the model writes freely, and what follows them is
+    in the grammar's language."""
+    tokenizer = llm.engine.tokenizer
+    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    gate = tuple(free.token_ids[:3])
+    params = SamplingParams(
+        temperature=0, max_tokens=100, guided_regex="[ab]{4}", structured_after=gate
+    )
+    out = llm.generate("Hello", params)[0].outputs[0]
+    assert tuple(out.token_ids[:3]) == gate  # greedy, unconstrained, until the gate
+    assert re.fullmatch("[ab]{4}", tokenizer.decode(out.token_ids[3:], skip_special_tokens=True))
+    assert out.finish_reason == "stop"
+    # Without the gate the same request is constrained from its first token.
+    (whole,) = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=100, guided_regex="[ab]{4}")
+    )[0].outputs
+    assert re.fullmatch("[ab]{4}", whole.text)
+    with pytest.raises(SamplingParamsError, match="structured_after"):
+        SamplingParams(structured_after=[1, 2])

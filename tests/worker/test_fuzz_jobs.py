@@ -31,8 +31,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serverless_llm.api.openai import http_status
+from serverless_llm.api.openai import http_status, is_error
 from serverless_llm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from serverless_llm.api.openai.responses import ResponsesRequest
 from serverless_llm.api.sampling import VLLMSamplingParams
 from serverless_llm.worker.handler import Worker
 from serverless_llm.worker.settings import Settings
@@ -125,7 +126,7 @@ JUNK = st.one_of(
 
 # Junk for an output limit: null (or no sampling_params) would run to max_model_len.
 BOUNDED_JUNK = JUNK.filter(lambda v: v is not None and v != {})
-UNBOUNDING = ("max_tokens", "max_completion_tokens", "sampling_params")
+UNBOUNDING = ("max_tokens", "max_completion_tokens", "max_output_tokens", "sampling_params")
 
 
 def typed(annotation: Any) -> st.SearchStrategy:
@@ -663,6 +664,100 @@ SANE_OPENAI: dict[str, st.SearchStrategy] = {
 }
 
 
+# /v1/responses: input items and tools in the Responses shapes, sane and spoiled.
+RESPONSES_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": WEATHER["function"]["parameters"],
+}
+RESPONSES_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.one_of(st.sampled_from(["user", "system", "developer", "assistant"]), TEXT)},
+        optional={
+            "type": st.one_of(st.just("message"), TEXT),
+            "content": st.one_of(
+                TEXT,
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(["input_text", "output_text", "input_image"])},
+                        optional={"text": st.one_of(TEXT, JUNK)},
+                    ),
+                    max_size=2,
+                ),
+                JUNK,
+            ),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call")},
+        optional={"call_id": SMALL_TEXT, "name": SMALL_TEXT, "arguments": st.one_of(TEXT, JUNK)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output")},
+        optional={"call_id": st.one_of(SMALL_TEXT, JUNK), "output": st.one_of(TEXT, JUNK)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])},
+        optional={"content": JUNK, "summary": JUNK, "id": TEXT},
+    ),
+    JUNK,
+)
+SPECIAL_RESPONSES: dict[str, st.SearchStrategy] = {
+    **SPECIAL_OPENAI,
+    "input": st.one_of(TEXT, st.lists(RESPONSES_ITEM, max_size=3), JUNK),
+    "tools": st.lists(
+        st.one_of(
+            st.just(RESPONSES_WEATHER),
+            st.fixed_dictionaries(
+                {"type": st.one_of(st.just("function"), TEXT)}, optional={"name": TEXT}
+            ),
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.one_of(
+        st.sampled_from(
+            ["none", "auto", "required", {"type": "function", "name": "get_weather"}, "bogus"]
+        ),
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "allowed_tools", "mcp"])},
+            optional={"name": TEXT, "mode": TEXT, "tools": JUNK},
+        ),
+        JUNK,
+    ),
+    "text": st.one_of(
+        st.fixed_dictionaries(
+            {
+                "format": st.one_of(
+                    st.sampled_from([{"type": "text"}, {"type": "json_object"}]), JUNK
+                )
+            }
+        ),
+        JUNK,
+    ),
+    "reasoning": st.one_of(
+        st.fixed_dictionaries({}, optional={"effort": st.one_of(TEXT, JUNK)}), JUNK
+    ),
+}
+SANE_RESPONSES: dict[str, st.SearchStrategy] = {
+    **SANE_OPENAI,
+    "input": st.one_of(
+        PROMPT,
+        st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "developer"]), "content": PROMPT}
+            ),
+            min_size=1,
+            max_size=2,
+        ),
+    ),
+    "tools": st.one_of(st.none(), st.just([RESPONSES_WEATHER])),
+    "tool_choice": st.sampled_from(
+        [None, "none", "auto", "required", {"type": "function", "name": "get_weather"}]
+    ),
+    "max_output_tokens": st.one_of(st.none(), small(1, 4)),
+}
+
+
 def _model_field(served: str) -> st.SearchStrategy:
     return st.one_of(st.sampled_from([served, "", "gpt-4o", None]), TEXT)
 
@@ -676,10 +771,15 @@ ENVELOPE_KNOBS = st.fixed_dictionaries(
 def openai_inputs(draw, route: st.SearchStrategy, model_cls: type, required: str) -> dict:
     """OpenAI jobs built from every field of `model_cls`, valid and junk mixed."""
     rnd = draw(randoms())
-    fields = field_strategies(model_cls, SANE_OPENAI, SPECIAL_OPENAI)
+    if required == "input":
+        fields = field_strategies(model_cls, SANE_RESPONSES, SPECIAL_RESPONSES)
+    else:
+        fields = field_strategies(model_cls, SANE_OPENAI, SPECIAL_OPENAI)
     fields["model"] = (_model_field(SERVED), JUNK)
-    if required == "messages":
-        small_output: tuple[str, ...] = ("max_tokens", "max_completion_tokens")
+    if required == "input":
+        small_output: tuple[str, ...] = ("max_output_tokens",)
+    elif required == "messages":
+        small_output = ("max_tokens", "max_completion_tokens")
         fields["logprobs"] = (st.booleans(), JUNK)  # chat's is a flag; top_logprobs the count
     else:
         small_output = ("max_tokens",)
@@ -764,6 +864,8 @@ CHAT_ROUTES = st.sampled_from(
     ]
 )
 COMPLETION_ROUTES = st.sampled_from(["/v1/completions", "completions", "/openai/v1/completions/"])
+RESPONSES_ROUTE_NAMES = ("/v1/responses", "responses", "/openai/v1/responses")
+RESPONSES_ROUTES = st.sampled_from(RESPONSES_ROUTE_NAMES)
 OTHER_ROUTES = st.one_of(
     st.sampled_from(
         [
@@ -773,7 +875,7 @@ OTHER_ROUTES = st.one_of(
             "/v1/models/",
             "/v1/models/%ZZ",
             "/v1/embeddings",
-            "/v1/responses",
+            "/v1/responses/resp_1",
             "",
             "/",
             "?",
@@ -887,6 +989,56 @@ def check_openai_items(items: list[Any], complete: bool) -> None:
         assert last.endswith("data: [DONE]\n\n"), last[-200:]
 
 
+def check_responses_items(items: list[Any], complete: bool) -> None:
+    """/v1/responses: one Response object or one error; streamed, SSE strings of `event:` and
+    `data:` lines, numbered from 0, opened by response.created and closed (when the job ran to
+    its end) by response.completed, response.incomplete or response.failed."""
+    assert items or not complete, "a Responses job yielded nothing"
+    if not items:
+        return
+    if not any(isinstance(i, str) for i in items):
+        assert len(items) == 1, items
+        (item,) = items
+        if is_error(item):
+            check_openai_error(item)
+        else:
+            check_response_object(item)
+        return
+    assert all(isinstance(i, str) for i in items), items
+    events = []
+    for text in items:
+        blocks = text.split("\n\n")
+        assert blocks[-1] == "", text
+        for block in blocks[:-1]:
+            head, data = block.split("\n")
+            event = _no_nan(data.removeprefix("data: "))
+            assert head == f"event: {event['type']}", block
+            events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), events
+    assert events[0]["type"] == "response.created", events[0]
+    ends = ("response.completed", "response.incomplete", "response.failed")
+    assert all(e["type"] not in ends for e in events[:-1]), events
+    if complete:
+        assert events[-1]["type"] in ends, events[-1]
+        check_response_object(events[-1]["response"])
+        assert events[-1]["type"] != "response.failed", events[-1]
+
+
+def check_response_object(item: Any) -> None:
+    assert isinstance(item, dict) and item["object"] == "response", item
+    assert item["status"] in ("completed", "incomplete", "failed"), item
+    assert isinstance(item["output"], list), item
+    for out in item["output"]:
+        assert out["type"] in ("message", "function_call", "reasoning"), out
+        if out["type"] == "function_call":
+            assert all(isinstance(out[k], str) for k in ("call_id", "name", "arguments")), out
+        elif out["type"] == "message":
+            assert all(isinstance(p["text"], str) for p in out["content"]), out
+    usage = item["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"], usage
+    assert 0 <= usage["output_tokens_details"]["reasoning_tokens"] <= usage["output_tokens"]
+
+
 def check_native_items(items: list[Any], complete: bool) -> None:
     assert items or not complete, "a native job yielded nothing"
     for n, item in enumerate(items):
@@ -991,7 +1143,10 @@ class Fuzz:
             jobs.append(({"id": f"fuzz-{self.count}", "input": job_input}, close_after))
         results = self.run(*jobs)
         for (job_input, _), (items, complete) in zip(inputs, results):
-            if isinstance(job_input, dict) and job_input.get("openai_route") is not None:
+            route = job_input.get("openai_route") if isinstance(job_input, dict) else None
+            if route in RESPONSES_ROUTE_NAMES:
+                check_responses_items(items, complete)
+            elif route is not None:
                 check_openai_items(items, complete)
             else:
                 check_native_items(items, complete)
@@ -1047,6 +1202,12 @@ def test_fuzz_chat_valid_requests(fuzz, job, close_after):
 @settings(FUZZ, max_examples=300)
 @given(job=openai_inputs(CHAT_ROUTES, ChatCompletionRequest, "messages"), close_after=CLOSE_AFTER)
 def test_fuzz_chat_completions(fuzz, job, close_after):
+    fuzz.check((job, close_after))
+
+
+@settings(FUZZ, max_examples=250)
+@given(job=openai_inputs(RESPONSES_ROUTES, ResponsesRequest, "input"), close_after=CLOSE_AFTER)
+def test_fuzz_responses(fuzz, job, close_after):
     fuzz.check((job, close_after))
 
 

@@ -3,8 +3,9 @@
 Every route builds the same job the platform would hand the worker and drives the very same
 `Worker.handle`, so what works here works deployed:
 
-- `/openai/v1/chat/completions`, `/openai/v1/completions`, `/openai/v1/models` (and
-  `/v2/{endpoint_id}/openai/v1/...`): OpenAI requests relayed as `openai_route` jobs. Streams are
+- `/openai/v1/chat/completions`, `/openai/v1/completions`, `/openai/v1/responses`,
+  `/openai/v1/models` (and `/v2/{endpoint_id}/openai/v1/...`): OpenAI requests relayed as
+  `openai_route` jobs. Streams are
   real server-sent events, one write per item the handler yields. A client that goes away
   mid-request closes the handler's generator, which aborts the engine request and frees its KV
   blocks.
@@ -33,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..worker.handler import http_status, openai_error
+from ..worker.handler import http_status, is_error, openai_error
 from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager, unless
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,17 @@ def _sse(item: Any) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, list):
-        return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in item)
+        return "".join(_sse_event(chunk) for chunk in item)
     return f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+
+
+def _sse_event(chunk: Any) -> str:
+    """A chunk object as one event; a Responses event (it has a `sequence_number`) also gets
+    its `event:` line, as OpenAI sends them."""
+    data = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    if isinstance(chunk, dict) and "sequence_number" in chunk and "type" in chunk:
+        return f"event: {chunk['type']}\n{data}"
+    return data
 
 
 async def _first(items: AsyncIterator[Any]) -> Any:
@@ -128,16 +138,20 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, first: Any, items: AsyncIterator[Any]) -> None:
+    def __init__(self, first: Any, items: AsyncIterator[Any], done_marker: bool = True) -> None:
+        """`done_marker`: end with `data: [DONE]` (chat and completions do; the Responses
+        stream ends with its `response.completed` event instead)."""
         self._items = items
         super().__init__(
-            self._events(first, items),
+            self._events(first, items, done_marker),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             media_type=self.media_type,
         )
 
     @staticmethod
-    async def _events(first: Any, items: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def _events(
+        first: Any, items: AsyncIterator[Any], done_marker: bool
+    ) -> AsyncIterator[str]:
         last = ""
         async with aclosing(items):  # type: ignore[type-var]
             item = first
@@ -157,7 +171,7 @@ class EventStream(StreamingResponse):
                 )
                 yield last
         # RAW_OPENAI_OUTPUT on: the handler's text already ends with [DONE]; off: we add it.
-        if not last.endswith(SSE_DONE):
+        if done_marker and not last.endswith(SSE_DONE):
             yield SSE_DONE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -293,10 +307,10 @@ def create_app(
                 await items.aclose()
             if first is None:
                 raise ApiError(500, "the worker produced no output")
-            if "error" in first:
+            if is_error(first):  # (a Response object carries `"error": null`)
                 return _openai_error_response(first)
             return JSONResponse(first)
-        return EventStream(first, items)
+        return EventStream(first, items, done_marker=route != "/v1/responses")
 
     async def read_body(request: Request) -> bytes:
         """The body, or 413 in the route's shape as soon as it is known to exceed the limit
@@ -334,6 +348,10 @@ def create_app(
     @router.post("/openai/v1/completions")
     async def completions(request: Request) -> Response:
         return await relay(request, "/v1/completions", await read_openai_body(request))
+
+    @router.post("/openai/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await relay(request, "/v1/responses", await read_openai_body(request))
 
     @router.get("/openai/v1/models")
     async def list_models(request: Request) -> Response:

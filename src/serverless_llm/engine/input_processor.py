@@ -217,6 +217,7 @@ class InputProcessor:
             if compiled_grammar is None:
                 compiled_grammar = self.compile_grammar(params.structured).result()
             req.grammar = compiled_grammar.matcher(extra_stop_token_ids=params.stop_token_ids)
+            req.grammar_open = not params.structured_after
         req.detokenizer = self.detokenizer(token_ids, params)
         if params.stop:
             req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)

@@ -230,7 +230,7 @@ class LLMEngine:
         return make_output(req, [tok], text, None if lp is None else [lp])
 
     def _fill_grammar_masks(self, reqs: list[Request], sb: SamplingBatch) -> None:
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar_open]
         if not rows:
             return
         need = max(len(reqs), self.config.max_num_seqs)

@@ -34,7 +34,11 @@ def process_token(
             reason = FinishReason.STOP
             req.stop_reason = tok
     if req.grammar is not None:
-        reason = _advance_grammar(req, tok, reason)
+        if req.grammar_open:
+            reason = _advance_grammar(req, tok, reason)
+        else:
+            after = p.structured_after
+            req.grammar_open = req.output_token_ids[-len(after) :] == list(after)
     stopped_by_token = reason is not None
     # The text of the token that stopped the request is not output (vLLM), unless asked.
     text = "" if stopped_by_token and not p.include_stop_str_in_output else None

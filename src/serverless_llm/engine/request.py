@@ -60,6 +60,9 @@ class Request:
     beam_index: int = 0
     # Structured output: this sequence's place in its grammar (kept across preemption).
     grammar: GrammarMatcher | None = None
+    # False until the output reaches params.structured_after: the grammar waits (no mask, no
+    # tokens fed to it) while a reasoning model thinks.
+    grammar_open: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

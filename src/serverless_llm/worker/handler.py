@@ -21,7 +21,7 @@ from typing import Any
 
 from ..api.errors import native_error, openai_bad_request
 from ..api.native import NativeServing
-from ..api.openai import OpenAIServing, http_status, openai_error
+from ..api.openai import OpenAIServing, http_status, is_error, openai_error
 from ..engine import (
     AsyncEngine,
     ConfigError,
@@ -35,7 +35,7 @@ from .settings import Settings, load_settings_or_exit
 from .shutdown import GracefulShutdown, serve
 
 # The devserver reaches the API layer's error shapes through the worker (it imports nothing else).
-__all__ = ["LOAD_ERRORS", "Worker", "http_status", "main", "openai_error"]
+__all__ = ["LOAD_ERRORS", "Worker", "http_status", "is_error", "main", "openai_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ class Worker:
                 tool_call_parser=self.settings.tool_call_parser,
                 limits=self.settings.request_limits,
                 reasoning_parser=self.settings.reasoning_parser or "auto",
+                structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
             )
         return self._openai
 

@@ -61,6 +61,7 @@ from .errors import (
     SERVER_ERROR,
     OpenAIServingError,
     internal_error,
+    is_error,
     model_not_found,
     openai_error,
     validation_error,
@@ -68,7 +69,9 @@ from .errors import (
 from .models import list_models, retrieve_model
 from .params import chat_sampling_params, completion_sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import END as REASONING_END
 from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_parser
+from .responses import ResponseFormatter, ResponsesRequest, to_chat_body
 from .tool_parsers import (
     ToolChoiceError,
     ToolParser,
@@ -83,7 +86,7 @@ from .tool_parsers.default_prompt import DEFAULT_TOOL_PARSER, template_renders_t
 
 logger = logging.getLogger(__name__)
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
 
 _DONE = "data: [DONE]\n\n"
 
@@ -101,6 +104,8 @@ def parse_route(route: Any) -> tuple[str, str | None]:
             return "chat", None
         if path == "completions":
             return "completions", None
+        if path == "responses":
+            return "responses", None
         if path == "models":
             return "models", None
         if path.startswith("models/") and len(path) > len("models/"):
@@ -250,13 +255,16 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         limits: RequestLimits | None = None,
         reasoning_parser: str | None = None,
+        structured_in_reasoning: bool = False,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
         request used.
         `enable_auto_tool_choice` / `tool_call_parser`: ENABLE_AUTO_TOOL_CHOICE and
         TOOL_CALL_PARSER (a registered parser name; plugins are loaded before).
-        `limits`: what one request may ask for (api.limits)."""
+        `limits`: what one request may ask for (api.limits).
+        `structured_in_reasoning`: a request's structured output constrains the reasoning
+        too (STRUCTURED_OUTPUTS_ENABLE_IN_REASONING); off, it starts after `</think>`."""
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
@@ -281,6 +289,7 @@ class OpenAIServing:
         self.reasoning_parser: type[ReasoningParser] | None = (
             REASONING_PARSERS[reasoning_parser] if reasoning_parser not in (None, "none") else None
         )
+        self.structured_in_reasoning = structured_in_reasoning
         self.served_model_name = served_model_name
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
@@ -335,12 +344,23 @@ class OpenAIServing:
                 yield retrieve_model(arg or "", self.model_names, self.created, self.max_model_len)
                 return
             # Parsing, the chat template and the tokenizer run off the event loop.
-            plan = await prepare(self._chat_plan if kind == "chat" else self._completion_plan, body)
+            responses: ResponseFormatter | None = None
+            if kind == "responses":
+                plan, responses = await prepare(self._responses_plan, body)
+            elif kind == "chat":
+                plan = await prepare(self._chat_plan, body)
+            else:
+                plan = await prepare(self._completion_plan, body)
             await self._compile(plan.params)
         except Exception as exc:
             yield self._error_from(exc)
             return
-        if plan.stream:
+        if responses is not None:
+            if plan.stream:
+                run = self._responses_stream(plan, responses, batch or BatchSizes())
+            else:
+                run = self._responses_complete(plan, responses)
+        elif plan.stream:
             run = self._stream(plan, batch or BatchSizes())
         else:
             run = self._complete(plan)
@@ -460,6 +480,9 @@ class OpenAIServing:
         describe = self.describe_tools and choice.mode == "auto"
         ids = render_chat_prompt(request, self.tokenizer, self.chat_template, tools, describe)
         ids = self._fit_prompt(ids, request.truncate_prompt_tokens, params.max_tokens, "messages")
+        after = self._structured_after(params, ids)
+        if after:
+            params = dataclasses.replace(params, structured_after=after)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         options = request.stream_options
         formatter = ChatFormatter(
@@ -486,6 +509,44 @@ class OpenAIServing:
             continuous_usage=bool(options and options.continuous_usage_stats),
             formatter=formatter,
         )
+
+    def _responses_plan(self, body: Any) -> tuple[_Plan, ResponseFormatter]:
+        """A Responses request is answered by the chat route (see responses.py)."""
+        request: ResponsesRequest = self._parse(ResponsesRequest, body)
+        try:
+            plan = self._chat_plan(to_chat_body(request))
+        except OpenAIServingError as e:
+            info = e.error.get("error") or {}
+            if info.get("param") == "messages":  # the context-length error: say it as asked
+                info["param"] = "input"
+                info["message"] = str(info.get("message", "")).replace("messages", "input")
+            raise
+        plan.include_usage = True  # the closing event carries the usage
+        tokenizer = self.tokenizer
+
+        def count_tokens(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False))
+
+        model = plan.formatter.model
+        return plan, ResponseFormatter(request, model, count_tokens)
+
+    def _structured_after(self, params: SamplingParams, prompt_ids: list[int]) -> tuple[int, ...]:
+        """The tokens after which a reasoning model's structured output starts: `</think>`'s,
+        unless there is no constraint, no reasoning parser, STRUCTURED_OUTPUTS_ENABLE_IN_REASONING
+        is on, or the prompt already closed the thinking (Qwen 3 with thinking off ends its
+        prompt with an empty `<think></think>` block, and the model then writes only the
+        answer)."""
+        if (
+            params.structured is None
+            or self.reasoning_parser is None
+            or self.structured_in_reasoning
+        ):
+            return ()
+        tokenizer = self.tokenizer
+        tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip()
+        if tail.endswith(REASONING_END):
+            return ()
+        return tuple(tokenizer.encode(REASONING_END, add_special_tokens=False))
 
     def _completion_plan(self, body: Any) -> _Plan:
         self._check_limits(body, chat=False)
@@ -559,6 +620,49 @@ class OpenAIServing:
     async def _stream(self, plan: _Plan, batch: BatchSizes) -> AsyncIterator[Any]:
         """Chunks of each batch of tokens (see BatchSizes) go out together; the batch that ends
         the last choice goes out with the closing events (usage, [DONE])."""
+        async with aclosing(self._stream_chunks(plan, batch)) as parts:
+            async for chunks, last in parts:
+                if isinstance(chunks, dict):  # an error
+                    yield chunks
+                elif not self.raw_output:
+                    if chunks or not last:
+                        yield chunks
+                elif last:
+                    yield _sse(chunks) + _DONE
+                else:
+                    yield _sse(chunks)
+
+    async def _responses_complete(self, plan: _Plan, fmt: ResponseFormatter) -> AsyncIterator[Any]:
+        async with aclosing(self._complete(plan)) as items:
+            async for item in items:
+                yield item if is_error(item) else fmt.from_chat(item)
+
+    async def _responses_stream(
+        self, plan: _Plan, fmt: ResponseFormatter, batch: BatchSizes
+    ) -> AsyncIterator[Any]:
+        """The Responses events: `response.created` at once, then one yield per batch of
+        tokens, as on chat."""
+        yield self._emit_events(fmt.start())
+        async with aclosing(self._stream_chunks(plan, batch)) as parts:
+            async for chunks, _ in parts:
+                events = fmt.fail(chunks) if isinstance(chunks, dict) else fmt.feed(chunks)
+                if events:
+                    yield self._emit_events(events)
+
+    def _emit_events(self, events: list[dict[str, Any]]) -> Any:
+        if not self.raw_output:
+            return events
+        return "".join(
+            f"event: {e['type']}\ndata: "
+            f"{json.dumps(e, ensure_ascii=False, separators=(',', ':'))}\n\n"
+            for e in events
+        )
+
+    async def _stream_chunks(
+        self, plan: _Plan, batch: BatchSizes
+    ) -> AsyncIterator[tuple[list[dict[str, Any]] | dict[str, Any], bool]]:
+        """(chunks, last) for each batch of tokens, the chunks coalesced, the last batch with
+        the usage chunk; or (error dict, True) once, after which nothing follows."""
         fmt = plan.formatter
         n = plan.n
         prompt_lens = [len(p) for p in plan.prompts]
@@ -591,22 +695,14 @@ class OpenAIServing:
                                 remaining -= 1
                     if remaining == 0:
                         break  # the rest goes out with the closing events below
-                    yield self._emit(pending)
+                    yield coalesce_chunks(pending), False
                     pending = []
         except Exception as exc:
-            yield self._error_from(exc)
+            yield self._error_from(exc), True
             return
         if plan.include_usage:
             pending.append(fmt.usage_chunk(_usage(sum(prompt_lens), sum(generated))))
-        pending = coalesce_chunks(pending)
-        if self.raw_output:
-            yield _sse(pending) + _DONE
-        elif pending:
-            yield pending
-
-    def _emit(self, chunks: list[dict[str, Any]]) -> Any:
-        chunks = coalesce_chunks(chunks)
-        return _sse(chunks) if self.raw_output else chunks
+        yield coalesce_chunks(pending), True
 
     # -- errors -----------------------------------------------------------------------------
 

@@ -119,6 +119,9 @@ class SamplingParams:
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None
     guided_decoding: Any = None
+    # The constraint starts once the output contains these token ids (a reasoning model's end
+    # of thinking, `</think>`): what comes before is free. Empty: from the first token.
+    structured_after: tuple[int, ...] = ()
     # The validated constraint the fields above ask for (None: free text). Derived.
     structured: StructuredOutputSpec | None = field(default=None, init=False, repr=False)
 
@@ -133,6 +136,13 @@ class SamplingParams:
     # -- validation -------------------------------------------------------------------------
 
     def _check_structured(self) -> None:
+        after = self.structured_after
+        if not isinstance(after, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in after
+        ):
+            raise SamplingParamsError(
+                "structured_after must be a tuple of token ids", "structured_after"
+            )
         so, gd = self.structured_outputs, self.guided_decoding
         if isinstance(so, StructuredOutputsParams):
             so = so.to_dict()

@@ -149,7 +149,7 @@ class SamplingBatch:
             if s.min_tokens_ids is not None
             and len(r.output_token_ids) < s.params.min_tokens
             # a complete grammar allows only stop tokens: min_tokens must not ban them all
-            and not (r.grammar is not None and r.grammar.is_completed())
+            and not (r.grammar is not None and r.grammar_open and r.grammar.is_completed())
         ]
         if rows:
             min_tokens = SparseRows.build(

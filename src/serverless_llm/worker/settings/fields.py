@@ -467,6 +467,18 @@ class SettingsFields(BaseSettings):
         ),
         choices=("deepseek_r1", "qwen3", "none"),
     )
+    structured_outputs_enable_in_reasoning: bool = _openai(
+        False,
+        "STRUCTURED_OUTPUTS_ENABLE_IN_REASONING",
+        title="Structured Output In Reasoning",
+        description=(
+            "With a reasoning parser on, structured output (response_format, guided_*, forced "
+            "tool calls) constrains only the answer: the model thinks freely until `</think>`, "
+            "then the constraint starts (vLLM's behaviour). On: the constraint applies from "
+            "the first token, reasoning included (vLLM's "
+            "`--structured-outputs-config.enable_in_reasoning`)."
+        ),
+    )
     tool_parser_plugin: str | None = _openai(
         None,
         "TOOL_PARSER_PLUGIN",
