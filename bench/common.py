@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -65,6 +67,27 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+class BusyProcesses:
+    """Context manager: `n` processes that each keep a core busy (a pure-Python spin loop), the
+    competing load of issue 13's contention bar; killed on exit."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> BusyProcesses:
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
 
 
 def set_threads(n: int | None = None) -> int:

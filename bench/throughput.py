@@ -40,10 +40,12 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    BusyProcesses,
     CpuCompetition,
     ModelCost,
     best_of,
     chat_prompt_ids,
+    cpu_count,
     default_model_dir,
     format_table,
     load_average,
@@ -60,6 +62,8 @@ from bench.common import (  # noqa: E402
 BAR_VS_GENERATE_BATCH = 2.5
 BAR_VS_GENERATE = 10.0
 BAR_SINGLE_DECODE = 1.3
+# Issue 13: one request's decode with a busy process per core beside it, against its idle rate.
+BAR_CONTENDED_DECODE = round(1 / 3, 3)
 PAGE_SIZE = 16  # the engine's block size, and transformers' page size for generate_batch
 BATCH_TOKENS = 2048  # tokens per step for both schedulers (the engine's CPU default)
 
@@ -93,6 +97,7 @@ class SingleResult:
     seconds_full: float
     max_tokens: int
     other_cores: float | None = None
+    contended: SingleResult | None = None  # the same with busy processes competing
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -209,7 +214,18 @@ def run_engine(
     run1 = s.measure(timed_single)
     t_first, t_full, out = run1.value
     check_lengths("engine single", [out[0].outputs[0].token_ids], 1, m)
-    return batch, SingleResult(t_first, t_full, m, run1.other_cores), outputs
+    single = SingleResult(t_first, t_full, m, run1.other_cores)
+
+    # The same request with one busy process per core beside it (issue 13: a shared CPU must
+    # cost its share, not collapse the rate). Not retried for quiet: the load is the point.
+    log(f"engine: one request alone, {cpu_count()} busy processes competing")
+    with BusyProcesses(cpu_count()), CpuCompetition() as competition:
+        time.sleep(1.0)  # the competitors are running and the engine has seen them
+        t_first, _ = best_of(lambda: llm.generate([prompts[0]], params(1)), s.repeats)
+        t_full, out = best_of(lambda: llm.generate([prompts[0]], params(m)), s.repeats)
+    check_lengths("engine single, contended", [out[0].outputs[0].token_ids], 1, m)
+    single.contended = SingleResult(t_first, t_full, m, competition.other_cores)
+    return batch, single, outputs
 
 
 # -- transformers -----------------------------------------------------------------------------
@@ -401,6 +417,7 @@ def build_report(
     compute_ceiling = flops / cost.flops_per_token
     memory_ceiling = bandwidth / cost.weight_bytes_per_token
     prompt_tokens = engine.extra["prompt_tokens"]
+    contended = engine_single.contended
     return {
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
@@ -427,6 +444,8 @@ def build_report(
             ),
             "other_cores": engine.other_cores,
             "single_other_cores": engine_single.other_cores,
+            "single_decode_contended_tokens_per_s": contended and contended.decode_tokens_per_s,
+            "single_contended_other_cores": contended and contended.other_cores,
             **engine.extra,
         },
         "generate": None
@@ -455,11 +474,15 @@ def build_report(
             "engine_single_decode_vs_generate": ratio(
                 engine_single.decode_tokens_per_s, hf_single and hf_single.decode_tokens_per_s
             ),
+            "engine_single_decode_contended_vs_idle": ratio(
+                contended and contended.decode_tokens_per_s, engine_single.decode_tokens_per_s
+            ),
         },
         "bars": {
             "engine_vs_generate_batch": BAR_VS_GENERATE_BATCH,
             "engine_vs_generate": BAR_VS_GENERATE,
             "engine_single_decode_vs_generate": BAR_SINGLE_DECODE,
+            "engine_single_decode_contended_vs_idle": BAR_CONTENDED_DECODE,
         },
         "greedy_matches": matches,
     }
@@ -512,6 +535,17 @@ def print_report(report: dict[str, Any]) -> None:
             e["single_other_cores"],
         ]
     )
+    if e.get("single_decode_contended_tokens_per_s") is not None:
+        rows.append(
+            [
+                "engine, 1 request (decode), busy cores",
+                f"1 x {m}",
+                None,
+                e["single_decode_contended_tokens_per_s"],
+                fmt_share(e["single_decode_contended_tokens_per_s"], memory, "memory"),
+                e["single_contended_other_cores"],
+            ]
+        )
     if hf is not None:
         rows.append(
             [
@@ -569,6 +603,7 @@ def print_report(report: dict[str, Any]) -> None:
         "engine_vs_generate_batch": "engine vs generate_batch",
         "engine_vs_generate": "engine vs generate one at a time",
         "engine_single_decode_vs_generate": "engine 1-request decode vs generate",
+        "engine_single_decode_contended_vs_idle": "engine 1-request decode, contended vs idle",
     }
     for key, label in labels.items():
         value, bar = ratios[key], bars[key]
@@ -590,6 +625,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"ratio_generate={fmt_x(ratios['engine_vs_generate'])}",
         f"single_decode={fmt_rate(e['single_decode_tokens_per_s'])}",
         f"ratio_single={fmt_x(ratios['engine_single_decode_vs_generate'])}",
+        f"contended={fmt_x(ratios['engine_single_decode_contended_vs_idle'])}",
         f"ceiling={compute:.0f}tok/s",
         f"share={100 * e['share_of_compute_ceiling']:.1f}%",
     ]

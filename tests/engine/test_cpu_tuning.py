@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from serverless_llm.engine import cpu_tuning
+from serverless_llm.engine.cpu_tuning import ThreadGovernor, cpu_times
 
 # A fresh interpreter, since oneDNN reads its cache sizes once per process. It packs one weight,
 # calls it at 240 distinct batch sizes (each builds a new kernel) and reports the resident memory
@@ -61,3 +62,68 @@ def test_cap_kernel_caches_keeps_a_setting_from_the_environment(monkeypatch):
     monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
     caps = cpu_tuning.cap_kernel_caches(99)
     assert caps == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "3", "LRU_CACHE_CAPACITY": "99"}
+
+
+class _FakeMachine:
+    """CPU seconds as /proc would report them: `others` cores busy besides this process's
+    `own` cores, advanced by `tick(seconds)`."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own = 0.0, 0.0, 0.0
+        self.others, self.own_rate = 0.0, 1.0
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        self.own += self.own_rate * seconds
+        self.busy += (self.others + self.own_rate) * seconds
+
+    def times(self) -> tuple[float, float]:
+        return self.busy, self.own
+
+
+def test_thread_governor_follows_the_free_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    m, calls = _FakeMachine(), []
+    gov = ThreadGovernor(
+        4, cores=4, clock=lambda: m.now, read_times=m.times, set_threads=calls.append
+    )
+    assert gov.update() == 4  # the first sample only starts the interval
+    for others, want in [(0.0, 4), (2.2, 2), (3.9, 1), (8.0, 1), (1.4, 3), (0.3, 4)]:
+        m.others = others
+        m.tick(0.6)
+        assert gov.update() == want, others
+    assert calls == [2, 1, 3, 4]  # only changes reach torch
+    m.others = 3.0
+    m.tick(0.1)  # within the interval: no new sample
+    assert gov.update() == 4 and calls == [2, 1, 3, 4]
+
+
+def test_thread_governor_stays_off_when_the_operator_chose(monkeypatch):
+    m, calls = _FakeMachine(), []
+
+    def governor(threads: int) -> ThreadGovernor:
+        return ThreadGovernor(
+            threads, cores=2, clock=lambda: m.now, read_times=m.times, set_threads=calls.append
+        )
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    pinned = governor(2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    single = governor(1)
+    for _ in range(3):
+        m.others = 2.0
+        m.tick(1.0)
+        assert pinned.update() == 2 and single.update() == 1
+    assert calls == [] and not pinned.enabled and not single.enabled
+    # No /proc: off after the first look.
+    blind = ThreadGovernor(2, cores=2, read_times=lambda: None, set_threads=calls.append)
+    assert blind.update() == 2 and not blind.enabled
+
+
+def test_cpu_times_reads_proc():
+    times = cpu_times()
+    if not os.path.exists("/proc/stat"):
+        assert times is None
+        return
+    busy, own = times
+    assert busy >= own >= 0.0

@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from .beam_search import BeamSearchRunner
 from .config import ConfigError, EngineConfig
+from .cpu_tuning import ThreadGovernor
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
 from .kv_cache import BlockPool, allocate_kv_cache
 from .model_builder import load_model, num_kv_blocks
@@ -46,6 +49,10 @@ class LLMEngine:
             self.max_num_batched_tokens = config.max_num_batched_tokens
         else:
             self.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048
+        # CPU: the op thread count follows the cores other processes leave (cpu_tuning).
+        self._threads = (
+            ThreadGovernor(torch.get_num_threads()) if self.device.type == "cpu" else None
+        )
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
 
@@ -178,6 +185,8 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        if self._threads is not None:
+            self._threads.update()
         batch = self.scheduler.schedule()
         if not batch.requests and self.beams.drop_waiting_blocks():
             batch = self.scheduler.schedule()
