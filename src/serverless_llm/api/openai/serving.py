@@ -290,6 +290,7 @@ class OpenAIServing:
             REASONING_PARSERS[reasoning_parser] if reasoning_parser not in (None, "none") else None
         )
         self.structured_in_reasoning = structured_in_reasoning
+        self._reasoning_end_ids: tuple[int, ...] | None = None
         self.served_model_name = served_model_name
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
@@ -546,7 +547,11 @@ class OpenAIServing:
         tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip()
         if tail.endswith(REASONING_END):
             return ()
-        return tuple(tokenizer.encode(REASONING_END, add_special_tokens=False))
+        if self._reasoning_end_ids is None:  # once: the tokenizer does not change
+            self._reasoning_end_ids = tuple(
+                tokenizer.encode(REASONING_END, add_special_tokens=False)
+            )
+        return self._reasoning_end_ids
 
     def _completion_plan(self, body: Any) -> _Plan:
         self._check_limits(body, chat=False)
