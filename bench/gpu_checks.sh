@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 3's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
+# Issues 3's and 13's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
 # triton, transformers and pytest (nothing else is needed: the engine imports the rest lazily):
 #   bash bench/gpu_checks.sh
-# runs `pytest -m gpu tests/kernels` and `bench/kernels.py`, and leaves the device description,
+# runs `pytest -m gpu tests/kernels tests/engine`, `bench/kernels.py` and `bench/capture.py`
+# (CUDA graphs against eager decode steps), and leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
 # docs/benchmarks.md by hand, with the device and the date.
 set -uo pipefail
@@ -19,9 +20,11 @@ PY=${PYTHON:-python3}
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/device.txt"
 
-"$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest-gpu.log"
+"$PY" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest-gpu.log"
 tests=${PIPESTATUS[0]}
 "$PY" bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 bench=${PIPESTATUS[0]}
-echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench"
-exit $((tests || bench))
+"$PY" bench/capture.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/capture.log"
+capture=${PIPESTATUS[0]}
+echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py exit $capture"
+exit $((tests || bench || capture))

@@ -64,3 +64,14 @@ def test_soak_tiny(tiny_llama, tmp_path):
     assert report["http_5xx"] == 0 and report["worker_deaths"] == 0, run.stdout[-4000:]
     assert report["checks"]["no_leaked_blocks"], run.stdout[-4000:]
     assert report["kv_blocks"]["free"] == report["kv_blocks"]["total"] > 0
+
+
+def test_capture_tiny(tiny_llama, capsys):
+    """bench/capture.py on CPU: the eager-replay twin against eager, at a tiny size."""
+    from bench.capture import main
+
+    args = ["--model", tiny_llama, "--num-prompts", "3", "--max-tokens", "4", "--rounds", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "capture: replay, buckets [1, 2, 3]" in out
+    assert "captured vs eager: 1-request decode" in out

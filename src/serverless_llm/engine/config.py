@@ -25,6 +25,7 @@ DTYPE_CHOICES = ("auto", *_DTYPES)
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DECODE_CAPTURE_MODES = ("auto", "off", "replay")
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,13 @@ class EngineConfig:
     # Execution.
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    # Decode steps captured as CUDA graphs (decode_capture.py) unless enforce_eager; contexts
+    # longer than max_seq_len_to_capture run eagerly. `decode_capture`: "auto" (CUDA graphs on
+    # CUDA, nothing on CPU), "off", or "replay" (the capture buffers with an eager replay: the
+    # CPU twin tests run; it saves nothing).
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    decode_capture: str = "auto"
     show_progress: bool = True
     # Structured output: each grammar compiles in a compile process, killed after this many
     # seconds (0: no limit); a schema, regex, grammar or choice list longer than this many
@@ -81,6 +89,12 @@ class EngineConfig:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]"
             )
+        if self.decode_capture not in DECODE_CAPTURE_MODES:
+            raise ConfigError(
+                f"decode_capture={self.decode_capture!r}: allowed {', '.join(DECODE_CAPTURE_MODES)}"
+            )
+        if self.max_seq_len_to_capture < 1:
+            raise ConfigError(f"max_seq_len_to_capture={self.max_seq_len_to_capture}: must be >= 1")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:

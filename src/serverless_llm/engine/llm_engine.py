@@ -17,6 +17,7 @@ import torch
 from .beam_search import BeamSearchRunner
 from .config import ConfigError, EngineConfig
 from .cpu_tuning import ThreadGovernor
+from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
 from .kv_cache import BlockPool, allocate_kv_cache
 from .model_builder import load_model, num_kv_blocks
@@ -96,6 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, self.block_size, self.device
         )
+        self.runner.captured = self._capture_decodes(config)
         self.sampler = Sampler(config.seed, self.device)
         self.beams = BeamSearchRunner(self.scheduler, self.block_pool, self.kv_caches, self.inputs)
         self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps
@@ -104,9 +106,10 @@ class LLMEngine:
         # others in the step went on. The caller takes them from here after each step.
         self.failed: dict[str, Exception] = {}
         self._bitmask = None
+        captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s device=%s backend=%s max_model_len=%d "
-            "kv_blocks=%d (block_size %d, %d tokens)",
+            "kv_blocks=%d (block_size %d, %d tokens) decode_capture=%s",
             time.perf_counter() - t0,
             self.resolved.source,
             str(self.dtype).replace("torch.", ""),
@@ -116,7 +119,36 @@ class LLMEngine:
             num_blocks,
             self.block_size,
             num_blocks * self.block_size,
+            "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
         )
+
+    def _capture_decodes(self, config: EngineConfig) -> CapturedDecode | None:
+        """Captured decode steps (decode_capture.py): CUDA graphs on CUDA unless enforce_eager;
+        the eager-replay twin when asked for; None when off or when capture failed its
+        self-check (then every step runs eagerly, and the warning says why)."""
+        mode = config.decode_capture
+        if mode == "auto":
+            mode = "cuda" if self.device.type == "cuda" and not config.enforce_eager else "off"
+        elif mode == "replay" and config.enforce_eager:
+            mode = "off"
+        if mode == "off":
+            return None
+        if mode == "cuda" and self.backend.name != "triton":
+            # The torch backend syncs with the host inside a step (its KV write index, its
+            # gather sizes), which a graph cannot hold.
+            logger.info("decode capture off: it needs the triton attention backend")
+            return None
+        captured = CapturedDecode(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            self.block_size,
+            self.device,
+            max_num_seqs=config.max_num_seqs,
+            max_seq_len=min(config.max_seq_len_to_capture, self.max_model_len),
+            mode=mode,
+        )
+        return captured if captured.capture() else None
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .decode_capture import CapturedDecode
 from .layers.attention import AttentionBackend, AttentionMetadata
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
@@ -29,6 +30,23 @@ class PromptLogprobWork:
     targets: list[int] = field(default_factory=list)
 
 
+@dataclass
+class HostBatch:
+    """A step's flat inputs on the host, before they become device tensors (or fill a captured
+    step's buffers)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor  # [requests, max blocks] int32, padded with 0
+    num_decodes: int
+    sample_reqs: list[Request]
+    sample_idx: list[int]
+    prompt_work: PromptLogprobWork
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -43,12 +61,10 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.captured: CapturedDecode | None = None  # set by the engine when capture is on
 
-    def prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, AttentionMetadata, list[Request], list[int], PromptLogprobWork
-    ]:
+    def host_inputs(self, batch: ScheduledBatch) -> HostBatch:
+        """The step's flat inputs as host lists, decodes first."""
         # Decodes first: the backend then finds them as one contiguous run of tokens.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         bs = self.block_size
@@ -97,42 +113,75 @@ class ModelRunner:
         table = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
         for r, t in enumerate(tables):
             table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return HostBatch(
+            input_ids,
+            positions,
+            slots,
+            query_lens,
+            seq_lens,
+            table,
+            num_decodes,
+            sample_reqs,
+            sample_idx,
+            prompt_work,
+        )
+
+    def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """input_ids, positions and the attention metadata on the model's device."""
         dev = self.device
         qsl = [0]
-        for n in query_lens:
+        for n in h.query_lens:
             qsl.append(qsl[-1] + n)
-        seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-        q_t = torch.tensor(query_lens, dtype=torch.int32)
+        seq_t = torch.tensor(h.seq_lens, dtype=torch.int32)
+        q_t = torch.tensor(h.query_lens, dtype=torch.int32)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
             seq_lens=seq_t.to(dev),
             context_lens=(seq_t - q_t).to(dev),
-            block_tables=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-            block_size=bs,
+            block_tables=h.block_table.to(dev),
+            slot_mapping=torch.tensor(h.slots, dtype=torch.int64).to(dev),
+            num_decodes=h.num_decodes,
+            max_query_len=max(h.query_lens),
+            max_seq_len=max(h.seq_lens),
+            query_lens_host=h.query_lens,
+            seq_lens_host=h.seq_lens,
+            block_size=self.block_size,
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
-        return ids_t, pos_t, meta, sample_reqs, sample_idx, prompt_work
+        ids_t = torch.tensor(h.input_ids, dtype=torch.int64).to(dev)
+        pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
+        return ids_t, pos_t, meta
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor | None]:
         """Runs one step; returns the requests that sample and their logits [N, vocab]. Prompt
         logprobs of the step are appended to their requests."""
-        input_ids, positions, meta, sample_reqs, sample_idx, prompt_work = self.prepare(batch)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if prompt_work.requests:
-            self._prompt_logprobs(hidden, prompt_work)
-        if not sample_reqs:
+        h = self.host_inputs(batch)
+        size = self._captured_bucket(h)
+        if size is not None:
+            hidden = self.captured.run(
+                size, h.input_ids, h.positions, h.slots, h.seq_lens, h.block_table
+            )
+        else:
+            input_ids, positions, meta = self.device_inputs(h)
+            self.backend.prepare(meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if h.prompt_work.requests:
+            self._prompt_logprobs(hidden, h.prompt_work)
+        if not h.sample_reqs:
             return [], None
-        idx = torch.tensor(sample_idx, dtype=torch.int64, device=hidden.device)
-        return sample_reqs, self.model.compute_logits(hidden.index_select(0, idx))
+        if len(h.sample_idx) == hidden.shape[0]:  # every row samples, in order (decodes)
+            return h.sample_reqs, self.model.compute_logits(hidden)
+        idx = torch.tensor(h.sample_idx, dtype=torch.int64, device=hidden.device)
+        return h.sample_reqs, self.model.compute_logits(hidden.index_select(0, idx))
+
+    def _captured_bucket(self, h: HostBatch) -> int | None:
+        """The capture bucket of a decode-only step without prompt logprobs, else None."""
+        if self.captured is None or h.prompt_work.requests:
+            return None
+        rows = len(h.query_lens)
+        if h.num_decodes != rows:
+            return None
+        return self.captured.bucket(rows, max(h.seq_lens))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, work: PromptLogprobWork) -> None:
         idx = torch.tensor(work.positions, dtype=torch.int64, device=hidden.device)

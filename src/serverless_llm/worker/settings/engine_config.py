@@ -47,6 +47,8 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         num_kv_blocks=s.num_gpu_blocks_override,
         device=s.device,
         attention_backend=s.attention_backend,
+        enforce_eager=s.enforce_eager,
+        max_seq_len_to_capture=s.max_seq_len_to_capture,
         enable_prefix_caching=s.enable_prefix_caching,
         grammar_compile_timeout=s.grammar_compile_timeout,
         grammar_max_chars=s.grammar_max_chars,

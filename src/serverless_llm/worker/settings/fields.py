@@ -267,8 +267,10 @@ class SettingsFields(BaseSettings):
         "ENFORCE_EAGER",
         title="Enforce Eager",
         description=(
-            "Always run eagerly, without CUDA graphs. The engine does not capture CUDA graphs "
-            "yet, so it always runs eagerly."
+            "Always run eagerly, without CUDA graphs. By default a GPU worker captures its "
+            "decode steps as CUDA graphs at start (batch sizes 1, 2, 4, 8, 16, ... up to "
+            "MAX_NUM_SEQS, at most 256) and checks each against the eager forward; steps with a "
+            "prefill in them run eagerly. No effect on CPU."
         ),
     )
     max_seq_len_to_capture: int = _system(
@@ -277,8 +279,8 @@ class SettingsFields(BaseSettings):
         "MAX_CONTEXT_LEN_TO_CAPTURE",
         title="Max Sequence Length to Capture",
         description=(
-            "Longest context covered by CUDA graphs. Not supported yet (no CUDA graphs): a value "
-            "set explicitly is reported at start-up."
+            "Longest context covered by CUDA graphs: a decode step with a longer context runs "
+            "eagerly. Capped at the model's maximum length."
         ),
         ge=1,
     )

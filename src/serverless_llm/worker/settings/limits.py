@@ -67,12 +67,6 @@ LIMITS: tuple[Limit, ...] = (
         lambda s: s.swap_space > 0,
         "swapping to CPU memory is not supported yet; preempted requests are recomputed",
     ),
-    Limit(
-        "MAX_SEQ_LEN_TO_CAPTURE",
-        "warning",
-        lambda s: "max_seq_len_to_capture" in s.model_fields_set,
-        "CUDA graphs are not supported yet; every step runs eagerly",
-    ),
 )
 
 

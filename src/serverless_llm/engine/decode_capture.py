@@ -1,0 +1,353 @@
+"""Captured decode steps: the model's forward pass of a decode-only step, for batch sizes padded
+up to a few buckets, recorded once and replayed every step (CUDA graphs), so a step costs one
+launch instead of the ~35 kernel launches per layer of an eager pass.
+
+What a captured step reads lives in fixed buffers (`StaticDecodeBatch`): token ids, positions,
+cache slots, block tables and sequence lengths for up to the largest bucket's rows. A step of
+`n` decode rows fills the first `n` and pads the bucket's remaining rows: token 0 at position 0,
+cache slot -1 (the KV write skips negative slots, so a padded row never writes the cache), one
+key of block 0 to attend to (always finite memory), and its hidden state is never read (the
+runner samples only the real rows). The attention metadata a capture sees is fixed too: every
+row a decode, and the longest context the capture serves (`max_seq_len`), so the Triton decode
+launch sizes its split-KV grid for that length; the kernel reads the real lengths from
+`seq_lens` at replay, and a split with no keys left contributes nothing.
+
+A step runs captured only when it is decode-only (every request brings one new token), fits the
+largest bucket, and no request's context exceeds `max_seq_len`; anything else runs eagerly.
+
+Two ways to "capture", one set of buffers and checks:
+- `cuda`: a `torch.cuda.CUDAGraph` per bucket, largest first, sharing one memory pool;
+- `replay`: the same buffers and padding with an eager forward at replay (CPU). It saves
+  nothing; it is the twin that lets CPU tests exercise the bucketing, padding and self-check
+  every CUDA step depends on.
+
+Capture ends with a self-check: per bucket, a probe batch (one row short of the bucket, so
+padding is exercised) with contexts of different lengths runs eagerly and replayed, and the
+hidden states must agree. Any capture error or mismatch turns capture off with a warning line,
+so a bad capture can never serve wrong tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from .layers.attention import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_LIMIT = 256  # the largest bucket, whatever max_num_seqs is (vLLM captures as many)
+PROBE_MAX_CONTEXT = 2048  # the self-check's longest probe context
+
+# A test hook: when set, applied to every replayed probe result of the self-check of captures
+# made without a `check_hook` of their own (so a test can make an engine's capture mismatch).
+SELF_CHECK_HOOK: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def capture_sizes(max_num_seqs: int, limit: int | None = None) -> list[int]:
+    """The buckets: 1, 2, 4, then every multiple of 8, up to min(max_num_seqs, limit) (limit
+    default: CAPTURE_LIMIT); that top itself is a bucket, so every batch the scheduler can form
+    up to it has one."""
+    top = max(1, min(max_num_seqs, CAPTURE_LIMIT if limit is None else limit))
+    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+def bucket_for(rows: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds `rows`, or None past the largest."""
+    i = bisect.bisect_left(sizes, rows)
+    return sizes[i] if i < len(sizes) else None
+
+
+class StaticDecodeBatch:
+    """The fixed input buffers of captured steps, on the model's device."""
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(max_rows, dtype=i64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=i64, device=device)
+        self.slot_mapping = torch.full((max_rows,), -1, dtype=i64, device=device)
+        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=i32, device=device)
+        self.seq_lens = torch.ones(max_rows, dtype=i32, device=device)
+        self.context_lens = torch.zeros(max_rows, dtype=i32, device=device)
+        self.query_start_loc = torch.arange(max_rows + 1, dtype=i32, device=device)
+
+    def fill(
+        self,
+        size: int,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,  # [rows, <= max_blocks] int32, on the host
+    ) -> None:
+        """Rows 0..n-1 from the step, rows n..size-1 as padding."""
+        n = len(input_ids)
+        w = block_tables.shape[1]
+        if n > size or size > self.max_rows or w > self.max_blocks:
+            raise ValueError(f"{n} rows x {w} blocks do not fit bucket {size}")
+        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.int64), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.seq_lens[:n].copy_(lens, non_blocking=True)
+        self.context_lens[:n].copy_(lens - 1, non_blocking=True)
+        self.block_tables[:n, :w].copy_(block_tables, non_blocking=True)
+        self.block_tables[:n, w:].zero_()
+        self.pad(n, size)
+
+    def pad(self, start: int, end: int) -> None:
+        """Rows start..end-1 as padding: token 0 at position 0, no cache write, one key of
+        block 0."""
+        if start >= end:
+            return
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(-1)
+        self.block_tables[start:end].zero_()
+        self.seq_lens[start:end].fill_(1)
+        self.context_lens[start:end].zero_()
+
+    def metadata(self, size: int, seq_lens_host: list[int], block_size: int) -> AttentionMetadata:
+        """Attention metadata viewing the first `size` rows: all decodes. `seq_lens_host` is what
+        host-side choices see (a capture's: its longest context on every row)."""
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            num_decodes=size,
+            max_query_len=1,
+            max_seq_len=max(seq_lens_host),
+            query_lens_host=[1] * size,
+            seq_lens_host=list(seq_lens_host),
+            block_size=block_size,
+        )
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, list, AttentionMetadata], torch.Tensor]
+
+
+class CapturedDecode:
+    """Decode buckets captured (`mode="cuda"`) or replayed eagerly on the same buffers
+    (`mode="replay"`, the CPU twin); see the module docstring. `check_hook`, for tests, is
+    applied to a replay's hidden states inside the self-check only."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+        max_num_seqs: int,
+        max_seq_len: int,
+        mode: str = "cuda",
+        check_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if mode not in ("cuda", "replay"):
+            raise ValueError(f"capture mode {mode!r}: allowed cuda, replay")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.mode = mode
+        self.max_seq_len = max_seq_len
+        self.sizes = capture_sizes(max_num_seqs)
+        self.check_hook = check_hook
+        max_blocks = -(-max_seq_len // block_size)
+        self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.enabled = False
+        self.off_reason: str | None = "not captured"
+        self.capture_seconds = 0.0
+        self.replays = 0  # steps served captured (tests, stats)
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def capture(self) -> bool:
+        """Captures every bucket, then runs the self-check; True if captured steps are on."""
+        t0 = time.perf_counter()
+        try:
+            if self.mode == "cuda":
+                self._capture_cuda()
+            self._self_check()
+        except Exception as exc:  # a capture must never stop the engine: eager is always right
+            self._turn_off(f"{type(exc).__name__}: {exc}")
+            return False
+        finally:
+            self.capture_seconds = time.perf_counter() - t0
+        if not self.enabled:
+            return False
+        logger.info(
+            "decode steps captured (%s) for batch sizes %s, contexts up to %d tokens, in %.1f s; "
+            "self-check passed",
+            "CUDA graphs" if self.mode == "cuda" else "eager replay",
+            _sizes_text(self.sizes),
+            self.max_seq_len,
+            self.capture_seconds,
+        )
+        return True
+
+    def _turn_off(self, reason: str) -> None:
+        self.enabled = False
+        self.off_reason = reason
+        self.graphs.clear()
+        logger.warning("decode capture turned off, every step runs eagerly: %s", reason)
+
+    @torch.inference_mode()
+    def _capture_cuda(self) -> None:
+        s = self.static
+        s.pad(0, s.max_rows)  # captures write no cache slot and read block 0 only
+        pool = None
+        for size in reversed(self.sizes):
+            meta = s.metadata(size, [self.max_seq_len] * size, self.block_size)
+            self.backend.prepare(meta)
+            ids, pos = s.input_ids[:size], s.positions[:size]
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+                for _ in range(2):
+                    self.model(ids, pos, self.kv_caches, meta)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(ids, pos, self.kv_caches, meta)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(self.device)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def bucket(self, rows: int, max_seq_len: int) -> int | None:
+        """The bucket a decode-only step of `rows` rows runs in, or None (eager)."""
+        if not self.enabled or max_seq_len > self.max_seq_len:
+            return None
+        return bucket_for(rows, self.sizes)
+
+    def run(
+        self,
+        size: int,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step's n rows, through bucket `size`. The
+        result is a view of the capture's output buffer: valid until the next step."""
+        n = len(input_ids)
+        self.static.fill(size, input_ids, positions, slots, seq_lens, block_tables)
+        self.replays += 1
+        return self._replay(size, seq_lens + [1] * (size - n))[:n]
+
+    def _replay(self, size: int, seq_lens_host: list[int]) -> torch.Tensor:
+        if self.mode == "cuda":
+            graph, out = self.graphs[size]
+            graph.replay()
+            return out
+        # The twin: the same buffers and metadata shape, run now (host lengths are the step's,
+        # which the torch backend sizes its gather by).
+        meta = self.static.metadata(size, seq_lens_host, self.block_size)
+        self.backend.prepare(meta)
+        s = self.static
+        return self.model(s.input_ids[:size], s.positions[:size], self.kv_caches, meta)
+
+    # -- the self-check ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        """Each bucket against the eager forward on a probe batch; sets `enabled`."""
+        cache = self.kv_caches[0]
+        bs = self.block_size
+        num_blocks = cache.shape[1]
+        longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT, num_blocks * bs))
+        probe_blocks = -(-longest // bs)
+        # The probe's keys: finite values in the blocks it reads (an unused cache may hold
+        # anything, NaN included). Nothing is served yet, so the blocks are free to scribble on.
+        g = torch.Generator(device="cpu").manual_seed(0)
+        for layer_cache in self.kv_caches:
+            junk = torch.randn(
+                (2, probe_blocks, *layer_cache.shape[2:]), generator=g, dtype=torch.float32
+            )
+            layer_cache[:, :probe_blocks].copy_(junk.to(layer_cache.dtype) * 0.5)
+        table = torch.arange(probe_blocks, dtype=torch.int32)
+        vocab = self.model.embed_tokens.num_embeddings
+        tol = 1e-3 if cache.dtype == torch.float32 else 3e-2
+        self.enabled = True  # for `run` below; reset on any failure
+        for size in self.sizes:
+            n = max(1, size - 1)
+            # Different lengths per row, each row's new token at its own last position; rows that
+            # share a length would write one slot twice, so lengths are distinct where they fit.
+            lens = [1 + (longest - 1 - (r * 131) % longest) for r in range(n)]
+            ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+            positions = [x - 1 for x in lens]
+            # Rows past `longest` repeat a length: they write nothing (two writes of one slot in
+            # one step would race on a GPU), reading what the others wrote.
+            taken: set[int] = set()
+            slots = []
+            for p in positions:
+                slots.append(-1 if p in taken else int(table[p // bs]) * bs + p % bs)
+                taken.add(p)
+            tables = table[: max(-(-x // bs) for x in lens)].expand(n, -1).contiguous()
+            expected = self._eager(ids, positions, slots, lens, tables)
+            got = self.run(size, ids, positions, slots, lens, tables).clone()
+            hook = self.check_hook or SELF_CHECK_HOOK
+            if hook is not None:
+                got = hook(got)
+            err = _mismatch(got, expected)
+            if not err <= tol:
+                self.enabled = False
+                raise RuntimeError(
+                    f"self-check: bucket {size} differs from the eager forward by {err:.3g} "
+                    f"(tolerance {tol:g})"
+                )
+        self.replays = 0
+        self.off_reason = None
+
+    def _eager(self, ids, positions, slots, lens, tables) -> torch.Tensor:
+        dev = self.device
+        n = len(ids)
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor([x - 1 for x in lens], dtype=torch.int32).to(dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            num_decodes=n,
+            max_query_len=1,
+            max_seq_len=max(lens),
+            query_lens_host=[1] * n,
+            seq_lens_host=list(lens),
+            block_size=self.block_size,
+        )
+        self.backend.prepare(meta)
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
+        return self.model(ids_t, pos_t, self.kv_caches, meta).clone()
+
+
+def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest difference relative to the values' scale (inf when shapes differ or a value is
+    not finite)."""
+    if got.shape != expected.shape or not bool(torch.isfinite(got).all()):
+        return float("inf")
+    scale = max(1.0, float(expected.abs().max()))
+    return float((got.float() - expected.float()).abs().max()) / scale
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    return (
+        ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}..{sizes[-1]} ({len(sizes)})"
+    )
