@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from serverless_llm.engine.kernels.kv_write import (  # noqa: E402
+    kv_write_index,
     reshape_and_cache,
     reshape_and_cache_reference,
 )
@@ -75,3 +76,19 @@ def test_all_padding_writes_nothing():
     k = torch.randn(5, 1, 64, device=DEVICE)
     reshape_and_cache(k, k, cache, torch.full((5,), -1, dtype=torch.int64, device=DEVICE))
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("slots", [[5, -1, 17, 40, -1, 3], [9, 0, 31]], ids=["padding", "none"])
+def test_reference_with_the_steps_index_writes_the_same(slots):
+    """The torch backend computes the write index once a step (`kv_write_index`) and hands it
+    to every layer's write: the same cache as computing it per call."""
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    k = torch.randn(len(slots), 2, 16)
+    v = torch.randn(len(slots), 2, 16)
+    cache = torch.randn(2, 6, 8, 2, 16)
+    expected = cache.clone()
+    reshape_and_cache_reference(k, v, expected, slot_mapping)
+    index = kv_write_index(slot_mapping, 8)
+    assert (index[0] is None) == (-1 not in slots)
+    reshape_and_cache_reference(k, v, cache, slot_mapping, index)
+    assert torch.equal(cache, expected)

@@ -18,17 +18,33 @@ from .triton_lazy import cdiv, jit, next_power_of_2
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 
+KvWriteIndex = tuple  # (rows to keep or None, (block ids, offsets))
+
+
+def kv_write_index(slot_mapping: torch.Tensor, block_size: int) -> KvWriteIndex:
+    """Where the torch reference writes: the rows with a real slot (None: all of them) and
+    their (block, offset) pairs. The same for every layer of a step, so a backend makes it once
+    a step."""
+    valid = slot_mapping >= 0
+    keep = None if bool(valid.all()) else valid
+    slots = slot_mapping if keep is None else slot_mapping[keep]
+    return keep, (slots // block_size, slots % block_size)
+
+
 def reshape_and_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    index: KvWriteIndex | None = None,
 ) -> None:
     """The torch reference (what the torch backend runs): each token's K and V at its slot;
     padding slots (< 0) are skipped. Indexed by (block, offset), so it writes any cache layout
-    (the torch backend's is head-major, see `allocate_kv_cache`)."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    block_size = kv_cache.shape[2]
-    at = (slot_mapping // block_size, slot_mapping % block_size)
+    (the torch backend's is head-major, see `allocate_kv_cache`). `index`: the step's
+    `kv_write_index`, when the caller has it."""
+    keep, at = index if index is not None else kv_write_index(slot_mapping, kv_cache.shape[2])
+    if keep is not None:
+        k, v = k[keep], v[keep]
     kv_cache[0].index_put_(at, k)
     kv_cache[1].index_put_(at, v)
 

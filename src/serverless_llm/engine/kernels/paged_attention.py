@@ -563,6 +563,7 @@ def plan_torch_decodes(meta: AttentionMetadata) -> None:
     # length.
     st["decode_blocks"] = meta.block_tables[:nd, :num_blocks].long()
     st["decode_valid"] = valid
+    st["decode_masked"] = ~valid[:, None, None, :]  # [nd, 1, 1, L]: the scores' shape
     st["decode_pos"] = pos
     st["decode_last"] = lens - 1
     # Positions past a decode's length in its last block may never have been written (the cache
@@ -619,10 +620,11 @@ def _decode_torch(q, kv_cache, meta, spec):
         if spec.alibi_slopes is not None:
             rel = st["decode_pos"][None, :] - st["decode_last"][:, None]  # [nd, L]: j - p
             scores = scores + _slopes(spec, q.device, kvh, g, 1) * rel[:, None, None, :]
-    mask = valid
+    masked = st["decode_masked"]
     if spec.sliding_window is not None:
-        mask = mask & (st["decode_last"][:, None] - st["decode_pos"][None, :] < spec.sliding_window)
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        inside = st["decode_last"][:, None] - st["decode_pos"][None, :] < spec.sliding_window
+        masked = ~(valid & inside)[:, None, None, :]
+    scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     o = torch.matmul(probs, values)  # [nd, KVH, G, D]
     return o.reshape(nd, kvh * g * d)

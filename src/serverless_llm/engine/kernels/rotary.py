@@ -36,10 +36,11 @@ def gather_cos_sin(cache: Tensor, positions: Tensor, dtype: torch.dtype) -> tupl
 
 def apply_rotary_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Neox layout (rotate halves), as Llama/Mistral/Qwen2 use. q: [T, H, D], k: [T, KVH, D]."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return rotate_neox_ref(q, cos, sin), rotate_neox_ref(k, cos, sin)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate_neox_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D] rotated by halves; cos, sin [T, 1, D] (gather_cos_sin's)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..kernels.kv_write import reshape_and_cache, reshape_and_cache_reference
+from ..kernels.kv_write import kv_write_index, reshape_and_cache, reshape_and_cache_reference
 from ..kernels.metadata import AttentionMetadata, AttentionSpec
 from ..kernels.paged_attention import (
     TileConfig,
@@ -63,9 +63,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         plan_torch_decodes(meta)
+        meta.backend_state["kv_write"] = kv_write_index(meta.slot_mapping, meta.block_size)
 
     def forward(self, q, k, v, kv_cache, meta, spec):
-        reshape_and_cache_reference(k, v, kv_cache, meta.slot_mapping)
+        index = meta.backend_state.get("kv_write")
+        reshape_and_cache_reference(k, v, kv_cache, meta.slot_mapping, index)
         return paged_attention_torch(q, k, v, kv_cache, meta, spec)
 
 

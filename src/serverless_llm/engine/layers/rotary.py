@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rotary import gather_cos_sin, rotary_embedding, rotary_embedding_reference
+from ..kernels.rotary import (
+    gather_cos_sin,
+    rotary_embedding,
+    rotary_embedding_reference,
+    rotate_neox_ref,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "su")
 
@@ -148,3 +153,10 @@ def apply_rotary(
         return rotary_embedding(step.positions, q, k, step.cache, is_neox)
     cos_sin = None if step.cos is None else (step.cos, step.sin)
     return rotary_embedding_reference(step.positions, q, k, step.cache, is_neox, cos_sin=cos_sin)
+
+
+def rotate_gathered(x: torch.Tensor, step: RotaryStep) -> torch.Tensor:
+    """x [T, heads, D] rotated with the step's gathered cos/sin (the torch path of a full-width
+    neox rotation: `step.cos` is set). One call can rotate q and k together when they are
+    neighbours in one tensor."""
+    return rotate_neox_ref(x, step.cos, step.sin)

@@ -31,7 +31,7 @@ from ..layers.activation import Activation, check_activation, gated_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from ..layers.linear import PackedLinear, pack_linears_for_cpu
 from ..layers.norm import LayerNorm, RMSNorm
-from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step
+from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
 
 # -- the description ---------------------------------------------------------------------------
 
@@ -219,6 +219,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        if rope is not None and rope.cos is not None and self.qk_norm is None:
+            # The torch path of a full-width neox rotation: q and k are neighbours in the fused
+            # projection, so one rotation covers both heads' sets (half the ops of two).
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
+            q, k = rotate_gathered(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "rms_full":
             q, k = self.q_norm(q), self.k_norm(k)
