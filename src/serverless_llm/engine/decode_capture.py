@@ -89,11 +89,14 @@ class StaticDecodeBatch:
         seq_lens: list[int],
         block_tables: torch.Tensor,  # [rows, <= max_blocks] int32, on the host
     ) -> None:
-        """Rows 0..n-1 from the step, rows n..size-1 as padding."""
+        """Rows 0..n-1 from the step, rows n..size-1 as padding. Table columns past
+        `max_blocks` are dropped: no row of a captured step (context <= the capture's longest)
+        reads them, whatever else its request holds."""
         n = len(input_ids)
+        if n > size or size > self.max_rows:
+            raise ValueError(f"{n} rows do not fit bucket {size} (largest {self.max_rows})")
+        block_tables = block_tables[:, : self.max_blocks]
         w = block_tables.shape[1]
-        if n > size or size > self.max_rows or w > self.max_blocks:
-            raise ValueError(f"{n} rows x {w} blocks do not fit bucket {size}")
         self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.int64), non_blocking=True)
         self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
