@@ -23,8 +23,12 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch  # noqa: E402
 
-from bench.common import chat_prompt_ids, cpu_model_name, default_model_dir  # noqa: E402
-from bench.linears import cpu_flags  # noqa: E402
+from bench.common import (  # noqa: E402
+    chat_prompt_ids,
+    cpu_flags,
+    cpu_model_name,
+    default_model_dir,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -108,6 +108,19 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> list[str]:
+    """The SIMD flags that decide the CPU paths' speed (of avx2, avx512f, avx512_bf16, amx_tile)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def load_average() -> tuple[float, float, float] | None:
     try:
         return os.getloadavg()
@@ -121,6 +134,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu_model_name(),
         "cores": cpu_count(),
+        "flags": cpu_flags(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -28,22 +28,10 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch  # noqa: E402
 
-from bench.common import cpu_count, cpu_model_name  # noqa: E402
+from bench.common import cpu_count, cpu_flags, cpu_model_name  # noqa: E402
 
 SHAPES = ["576x576", "576x192", "576x1536", "1536x576", "576x49152", "2048x2048", "2048x8192"]
 ROWS = (1, 4, 32, 256)
-
-
-def cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in have]
-    except OSError:
-        pass
-    return []
 
 
 def time_us(fn: Callable[[], torch.Tensor], budget_s: float = 0.2) -> float:
