@@ -40,6 +40,7 @@ class EngineConfig:
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # None: as the checkpoint says (loader/quantization.py)
     dtype: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False

@@ -20,6 +20,7 @@ from .layers.attention import (
     TritonAttentionBackend,
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
+from .loader.quantization import check_quantization
 from .models import DecoderModel, describe_model
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = config.resolve_device()
     resolved = resolve_model(config)
     hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+    check_quantization(config.quantization, hf_config, resolved.source)
     dtype = resolve_dtype(
         config.dtype,
         getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),

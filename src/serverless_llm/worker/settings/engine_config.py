@@ -33,6 +33,7 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         tokenizer=s.tokenizer_name,
         tokenizer_revision=s.tokenizer_revision,
         load_format=s.load_format,
+        quantization=s.quantization,
         dtype=s.dtype,
         seed=s.seed,
         trust_remote_code=s.trust_remote_code,

@@ -158,7 +158,8 @@ class SettingsFields(BaseSettings):
         title="Quantization",
         description=(
             "Quantization method of an already quantized checkpoint. Not supported yet: setting "
-            "it stops start-up (use an unquantized model, or a `.gguf` file)."
+            "it stops start-up (use an unquantized model, or a `.gguf` file), and a checkpoint "
+            "quantized with any method is refused at load with the method named."
         ),
         choices=QUANTIZATION_METHODS,
     )
