@@ -170,7 +170,8 @@ class CapturedDecode:
         self.check_hook = check_hook
         max_blocks = -(-max_seq_len // block_size)
         self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its output buffer, the metadata it was captured with)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         self.enabled = False
         self.off_reason: str | None = "not captured"
         self.capture_seconds = 0.0
@@ -228,7 +229,9 @@ class CapturedDecode:
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(ids, pos, self.kv_caches, meta)
             pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            # The metadata stays alive with its graph: the backend's per-step plans cached in it
+            # during the warm-up were made outside the graph's pool, and the graph reads them.
+            self.graphs[size] = (graph, out, meta)
         torch.cuda.synchronize(self.device)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -257,7 +260,7 @@ class CapturedDecode:
 
     def _replay(self, size: int, seq_lens_host: list[int]) -> torch.Tensor:
         if self.mode == "cuda":
-            graph, out = self.graphs[size]
+            graph, out, _ = self.graphs[size]
             graph.replay()
             return out
         # The twin: the same buffers and metadata shape, run now (host lengths are the step's,
