@@ -327,6 +327,7 @@ class CapturedDecode:
         self.off_reason = None
 
     def _eager(self, ids, positions, slots, lens, tables, host_lens) -> torch.Tensor:
+        # Built without StaticDecodeBatch on purpose: the check must not share the code it checks.
         dev = self.device
         n = len(ids)
         meta = AttentionMetadata(
