@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 CAPTURE_LIMIT = 256  # the largest bucket, whatever max_num_seqs is (vLLM captures as many)
 PROBE_MAX_CONTEXT = 2048  # the self-check's longest probe context
 
-# A test hook: when set, applied to every replayed probe result of the self-check of captures
-# made without a `check_hook` of their own (so a test can make an engine's capture mismatch).
+# A test hook: when set, applied to every replayed probe result of the self-check (so a test can
+# make an engine's capture mismatch).
 SELF_CHECK_HOOK: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
@@ -137,13 +137,9 @@ class StaticDecodeBatch:
         )
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, list, AttentionMetadata], torch.Tensor]
-
-
 class CapturedDecode:
     """Decode buckets captured (`mode="cuda"`) or replayed eagerly on the same buffers
-    (`mode="replay"`, the CPU twin); see the module docstring. `check_hook`, for tests, is
-    applied to a replay's hidden states inside the self-check only."""
+    (`mode="replay"`, the CPU twin); see the module docstring."""
 
     def __init__(
         self,
@@ -155,7 +151,6 @@ class CapturedDecode:
         max_num_seqs: int,
         max_seq_len: int,
         mode: str = "cuda",
-        check_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if mode not in ("cuda", "replay"):
             raise ValueError(f"capture mode {mode!r}: allowed cuda, replay")
@@ -167,13 +162,11 @@ class CapturedDecode:
         self.mode = mode
         self.max_seq_len = max_seq_len
         self.sizes = capture_sizes(max_num_seqs)
-        self.check_hook = check_hook
         max_blocks = -(-max_seq_len // block_size)
         self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device)
         # bucket -> (graph, its output buffer, the metadata it was captured with)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         self.enabled = False
-        self.off_reason: str | None = "not captured"
         self.capture_seconds = 0.0
         self.replays = 0  # steps served captured (tests, stats)
 
@@ -205,7 +198,6 @@ class CapturedDecode:
 
     def _turn_off(self, reason: str) -> None:
         self.enabled = False
-        self.off_reason = reason
         self.graphs.clear()
         logger.warning("decode capture turned off, every step runs eagerly: %s", reason)
 
@@ -313,9 +305,8 @@ class CapturedDecode:
             host = lens if self.mode == "replay" else [self.max_seq_len] * n
             expected = self._eager(ids, positions, slots, lens, tables, host)
             got = self.run(size, ids, positions, slots, lens, tables).clone()
-            hook = self.check_hook or SELF_CHECK_HOOK
-            if hook is not None:
-                got = hook(got)
+            if SELF_CHECK_HOOK is not None:
+                got = SELF_CHECK_HOOK(got)
             err = _mismatch(got, expected)
             if not err <= tol:
                 self.enabled = False
@@ -324,7 +315,6 @@ class CapturedDecode:
                     f"(tolerance {tol:g})"
                 )
         self.replays = 0
-        self.off_reason = None
 
     def _eager(self, ids, positions, slots, lens, tables, host_lens) -> torch.Tensor:
         # Built without StaticDecodeBatch on purpose: the check must not share the code it checks.
