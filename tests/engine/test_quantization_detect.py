@@ -1,6 +1,6 @@
-"""Quantized checkpoints are recognised from their config and refused with their method named,
-before any weight is read; QUANTIZATION must agree with the checkpoint; squeezellm gets its own
-answer (issue 16 item 1; the quantized layers themselves are not built yet)."""
+"""Quantized checkpoints are recognised from their config: GPTQ and AWQ read into a QuantScheme,
+other methods and unsupported variants refused with the reason named before any weight is read;
+QUANTIZATION must agree with the checkpoint; squeezellm gets its own answer (issue 16 item 1)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import pytest
 from serverless_llm import LLM
 from serverless_llm.engine import model_builder
 from serverless_llm.engine.config import ConfigError
-from serverless_llm.engine.loader.quantization import checkpoint_quantization
+from serverless_llm.engine.loader.quantization import (
+    QuantScheme,
+    check_quantization,
+    checkpoint_quantization,
+)
 
 
 def _quantized_copy(src: str, tmp_path, qc: dict | None) -> str:
@@ -36,26 +40,56 @@ def no_weight_reads(monkeypatch):
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
 
 
-def test_a_quantized_checkpoint_is_refused_with_its_method(tiny_llama, tmp_path, no_weight_reads):
-    model = _quantized_copy(tiny_llama, tmp_path, GPTQ)
-    with pytest.raises(ConfigError, match="is a gptq checkpoint; quantized checkpoints are not"):
+def test_an_unserved_method_is_refused_with_its_name(tiny_llama, tmp_path, no_weight_reads):
+    model = _quantized_copy(tiny_llama, tmp_path, {"quant_method": "fp8"})
+    with pytest.raises(
+        ConfigError, match="is a fp8 checkpoint; of the quantized formats only gptq"
+    ):
         LLM(model, num_kv_blocks=16)
 
 
+def test_quantization_must_agree_with_the_checkpoint(tiny_llama, tmp_path, no_weight_reads):
+    model = _quantized_copy(tiny_llama, tmp_path, GPTQ)
+    with pytest.raises(
+        ConfigError, match="quantization='awq' contradicts .* quantized with 'gptq'"
+    ):
+        LLM(model, num_kv_blocks=16, quantization="awq")
+
+
+class _Cfg:
+    def __init__(self, qc):
+        self.quantization_config = qc
+
+
+@pytest.mark.parametrize("requested", [None, "gptq", "gptq_marlin"])
+def test_an_agreeing_request_reads_the_scheme(requested):
+    scheme = check_quantization(requested, _Cfg(dict(GPTQ, desc_act=True)), "m")
+    assert scheme == QuantScheme("gptq", 4, 128, True)
+
+
 @pytest.mark.parametrize(
-    ("requested", "message"),
+    ("qc", "message"),
     [
-        ("awq", "quantization='awq' contradicts .* quantized with 'gptq'"),
-        ("gptq_marlin", "is a gptq checkpoint"),  # the same format under vLLM's kernel name
-        ("gptq", "is a gptq checkpoint"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3 is not supported"),
+        (dict(GPTQ, checkpoint_format="gptq_v2"), "checkpoint_format='gptq_v2'"),
+        (dict(GPTQ, lm_head=True), "quantized lm_head"),
+        (dict(GPTQ, group_size=0), "group_size=0"),
+        (dict(GPTQ, bits="4"), "bits='4' is not an integer"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
+        ({"quant_method": "awq", "bits": 8, "group_size": 128}, "AWQ with bits=8"),
+        ({"quant_method": "compressed-tensors"}, "is a compressed-tensors checkpoint"),
+        ({"bits": 4}, "is a unknown checkpoint"),
     ],
 )
-def test_quantization_must_agree_with_the_checkpoint(
-    tiny_llama, tmp_path, no_weight_reads, requested, message
-):
-    model = _quantized_copy(tiny_llama, tmp_path, GPTQ)
+def test_unsupported_variants_are_named(qc, message):
     with pytest.raises(ConfigError, match=message):
-        LLM(model, num_kv_blocks=16, quantization=requested)
+        check_quantization(None, _Cfg(qc), "m")
+
+
+def test_awq_defaults_as_autoawq_writes_them():
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM"}
+    assert check_quantization(None, _Cfg(qc), "m") == QuantScheme("awq", 4, 64)
 
 
 def test_quantization_on_an_unquantized_checkpoint(tiny_llama, no_weight_reads):

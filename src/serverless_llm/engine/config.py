@@ -41,6 +41,10 @@ class EngineConfig:
     tokenizer_revision: str | None = None
     load_format: str = "auto"
     quantization: str | None = None  # None: as the checkpoint says (loader/quantization.py)
+    # How GPTQ/AWQ weights are held (layers/quant_linear.py): "packed" (at their bit width,
+    # dequantized inside the matmul), "dequantize" (float once at load), or "auto": packed on
+    # CUDA, dequantized elsewhere (faster on CPU: docs/quantization.md).
+    quantized_weights: str = "auto"
     dtype: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
@@ -89,6 +93,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]"
+            )
+        if self.quantized_weights not in ("auto", "packed", "dequantize"):
+            raise ConfigError(
+                f"quantized_weights={self.quantized_weights!r}: allowed auto, packed, dequantize"
             )
         if self.decode_capture not in DECODE_CAPTURE_MODES:
             raise ConfigError(

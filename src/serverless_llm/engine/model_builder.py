@@ -45,7 +45,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = config.resolve_device()
     resolved = resolve_model(config)
     hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
-    check_quantization(config.quantization, hf_config, resolved.source)
+    scheme = check_quantization(config.quantization, hf_config, resolved.source)
     dtype = resolve_dtype(
         config.dtype,
         getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
@@ -60,12 +60,19 @@ def load_model(config: EngineConfig) -> LoadedModel:
     spec = describe_model(hf_config)
     with torch.device("meta"):
         model = DecoderModel(spec, hf_config, backend, max_position=max_model_len)
-    model = model.materialize(device)
+        if scheme is not None:
+            mode = config.quantized_weights
+            if mode == "auto":
+                mode = "packed" if device.type == "cuda" else "dequantize"
+            model.quantize(scheme, mode)
+    # In the model's dtype before any storage exists: materialized in float32 and converted
+    # after loading, a 7B float16 model would need 28 GB on the device for a moment.
+    model = model.to(dtype).materialize(device)
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)
     else:
         model.load_weights(iter_weights(resolved, show_progress=config.show_progress))
-    model = model.to(dtype).eval()
+    model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     if device.type == "cpu":
         model.optimize_for_cpu()
     return LoadedModel(resolved, hf_config, device, dtype, max_model_len, backend, model)

@@ -27,6 +27,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .triton_lazy import cdiv, jit
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field k of an AWQ int32 holds column AWQ_ORDER[k]
 
 
@@ -80,3 +84,180 @@ def dequantize_awq(qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: 
     g = torch.arange(q.shape[0], device=q.device) // group_size
     w = (q - zeros[g]).to(scales.dtype) * scales[g]
     return w.t().contiguous()
+
+
+def pack_int32(values: Tensor, bits: int, dim: int) -> Tensor:
+    """The inverse of `unpack_int32` without an order: `values` (0 <= v < 2**bits) laid out
+    along `dim`, 32 // bits to an int32, the first in the lowest bits."""
+    per = 32 // bits
+    moved = values.movedim(dim, -1).to(torch.int64)
+    if moved.shape[-1] % per:
+        raise ValueError(f"{moved.shape[-1]} values do not fill {bits}-bit int32 words")
+    fields = moved.reshape(*moved.shape[:-1], -1, per)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    words = (fields << shifts).sum(-1)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # two's complement int32
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def dequantize_grouped(q: Tensor, zeros: Tensor, scales: Tensor, g_idx: Tensor) -> Tensor:
+    """Weight [out, in] in float32 from unpacked values q [out, in], zeros and scales
+    [out, groups] and the group of each input column g_idx [in]: (q - zero) * scale, computed
+    exactly (an integer times a 16-bit scale fits float32's mantissa)."""
+    g = g_idx.long()
+    return (q.float() - zeros.float()[:, g]) * scales.float()[:, g]
+
+
+def w4a16_linear_ref(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    g_idx: Tensor,
+    perm: Tensor | None,
+    bits: int,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """The engine's packed integer-weight linear, as torch: x [M, in] times the weight held as
+    `qweight` int32 [in / (32 / bits), out] (input rows packed, lowest bits first, in the order
+    `perm` gives: row j is input column perm[j]), `scales` and `zeros` [groups, out] and
+    g_idx [in] (the group of packed row j). Dequantizes the whole weight, then matmuls."""
+    q = unpack_int32(qweight, bits, dim=0)  # [in, out]
+    g = g_idx.long()
+    w = (q.float() - zeros.float()[g]) * scales.float()[g]
+    xs = x if perm is None else x.index_select(-1, perm)
+    out = torch.matmul(xs.float(), w).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+# -- the Triton GEMM -----------------------------------------------------------------------------
+
+
+@jit
+def _w4a16_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_os,
+    stride_om,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[split, m, n] = sum over this split's k of x[m, k] * w[k, n], w dequantized in the K
+    loop: field k % (32 / BITS) of qweight row k // (32 / BITS), minus the zero point and times
+    the scale of group g_idx[k]. float32 partial sums; the launcher adds the splits."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    per = 32 // BITS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        words = tl.load(
+            qw_ptr + (offs_k // per)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+            mask=mask_kn,
+            other=0,
+        )
+        q = (words >> ((offs_k % per) * BITS)[:, None]) & ((1 << BITS) - 1)
+        g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+        at = g[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
+        s = tl.load(s_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s
+        if x.dtype == tl.float32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _gemm_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits of K). Few rows (decoding) read the weight once with
+    narrow tiles, and split K so that enough programs run to pull the weight from memory at
+    full bandwidth; many rows use wider tiles. Every size a power of two, at least 16 (tl.dot)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 32 else 128
+    block_k = 64
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    k_blocks = cdiv(k, block_k)
+    splits = 1
+    if m <= 32:
+        while splits * 2 <= k_blocks // 2 and tiles * splits < 512:
+            splits *= 2
+    return block_m, block_n, block_k, splits
+
+
+def w4a16_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    g_idx: Tensor,
+    perm: Tensor | None,
+    bits: int,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """The Triton kernel with `w4a16_linear_ref`'s contract (the same packed layout); x [M, in]
+    in float16, bfloat16 or float32 (float32 accumulation), the result in x's dtype."""
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    x = x.contiguous()
+    if not (qweight.stride(1) == scales.stride(1) == zeros.stride(1) == 1):
+        raise ValueError("w4a16_linear reads qweight, scales and zeros row-major")
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_m, block_n, block_k, splits = _gemm_blocks(m, n, k)
+    k_per_split = cdiv(cdiv(k, splits), block_k) * block_k
+    splits = cdiv(k, k_per_split)
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (cdiv(m, block_m), cdiv(n, block_n), splits)
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        g_idx,
+        partial,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        partial.stride(0),
+        partial.stride(1),
+        BITS=bits,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    out = (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
+    return out if bias is None else out + bias

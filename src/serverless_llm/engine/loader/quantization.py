@@ -1,19 +1,44 @@
-"""Which quantization a checkpoint uses, and the engine's answer to it (issue 16 item 1).
+"""Which quantization a checkpoint uses, and the engine's answer to it (issue 16).
 
-A quantized checkpoint says how in its config: `quantization_config.quant_method`, as
-transformers and the quantizers (AutoGPTQ, AutoAWQ, llm-compressor, ...) write it. The engine's
+A quantized checkpoint says how in its config: `quantization_config`, as transformers and the
+quantizers (AutoGPTQ / GPTQModel, AutoAWQ, llm-compressor, ...) write it. The engine's
 `quantization` (the QUANTIZATION setting) may name a method too; it must agree with the
-checkpoint. The quantized linear layers are not built yet, so every quantized checkpoint is
-refused here with its method named, before any weight is read: otherwise the first `qweight`
-tensor would fail the weight mapping with an error that says nothing about quantization.
+checkpoint. `check_quantization` reads the config into a `QuantScheme` the linear layers are
+built from, or refuses what cannot be served with the reason named, before any weight is read:
+otherwise the first `qweight` tensor would fail the weight mapping with an error that says
+nothing about quantization.
+
+Served today: GPTQ (v1 checkpoint format, 4 and 8 bits, any group size, act-order) and AWQ
+(GEMM layout, 4 bits, with zero points). FP8 and compressed-tensors are recognised and refused.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..config import ConfigError
 
 # vLLM's kernel-specific names for the checkpoint formats they read.
 _SAME_FORMAT = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}
+SERVED = ("gptq", "awq")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a checkpoint's linear layers are quantized: integer weights of `bits` bits in groups
+    of `group_size` input rows (the whole input when -1), each group with a scale and a zero
+    point per output column. A linear the quantizer left alone (AWQ's
+    `modules_to_not_convert`) is recognised by its plain `weight` tensor at load."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int
+    desc_act: bool = False
+
+
+def _get(qc, key, default=None):
+    value = qc.get(key, default) if isinstance(qc, dict) else getattr(qc, key, default)
+    return getattr(value, "value", value)  # transformers keeps some as an enum
 
 
 def checkpoint_quantization(hf_config) -> str | None:
@@ -22,14 +47,57 @@ def checkpoint_quantization(hf_config) -> str | None:
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers keeps some as an enum
+    method = _get(qc, "quant_method")
     return str(method).lower() if method else "unknown"
 
 
-def check_quantization(requested: str | None, hf_config, source: str) -> None:
-    """Raises ConfigError for what cannot be served: squeezellm, a requested method the
-    checkpoint contradicts or lacks, and (for now) any quantized checkpoint."""
+def _int(qc, key: str, source: str, default=None) -> int:
+    value = _get(qc, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source}: quantization_config.{key}={value!r} is not an integer")
+    return value
+
+
+def _scheme(method: str, qc, source: str) -> QuantScheme:
+    if method == "gptq":
+        fmt = str(_get(qc, "checkpoint_format", "gptq") or "gptq").lower()
+        if fmt != "gptq":
+            raise ConfigError(
+                f"{source}: GPTQ checkpoint_format={fmt!r} is not supported (only the v1 format "
+                "'gptq', which AutoGPTQ and GPTQModel write by default)"
+            )
+        bits = _int(qc, "bits", source)
+        if bits not in (4, 8):
+            raise ConfigError(f"{source}: GPTQ with bits={bits} is not supported (4 or 8)")
+        group = _int(qc, "group_size", source, -1)
+        if group != -1 and group <= 0:
+            raise ConfigError(f"{source}: GPTQ group_size={group} (a positive size or -1)")
+        if _get(qc, "lm_head", False):
+            raise ConfigError(
+                f"{source}: a GPTQ checkpoint with a quantized lm_head is not supported"
+            )
+        return QuantScheme("gptq", bits, group, bool(_get(qc, "desc_act", False)))
+    bits = _int(qc, "bits", source, _get(qc, "w_bit", 4))
+    group = _int(qc, "group_size", source, _get(qc, "q_group_size", 128))
+    version = str(_get(qc, "version", "gemm") or "gemm").lower()
+    if bits != 4:
+        raise ConfigError(f"{source}: AWQ with bits={bits} is not supported (4)")
+    if group <= 0:
+        raise ConfigError(f"{source}: AWQ group_size={group} (a positive size)")
+    if version != "gemm":
+        raise ConfigError(
+            f"{source}: AWQ version={version!r} is not supported (only the GEMM layout, which "
+            "AutoAWQ writes by default)"
+        )
+    if not _get(qc, "zero_point", True):
+        raise ConfigError(f"{source}: AWQ without zero points (zero_point=false) is not supported")
+    return QuantScheme("awq", bits, group)
+
+
+def check_quantization(requested: str | None, hf_config, source: str) -> QuantScheme | None:
+    """The checkpoint's QuantScheme (None: unquantized). Raises ConfigError for what cannot be
+    served: squeezellm, a requested method the checkpoint contradicts or lacks, methods not
+    built yet, and GPTQ/AWQ variants outside the supported layouts."""
     if requested == "squeezellm":
         raise ConfigError(
             "quantization='squeezellm' is not supported: SqueezeLLM's format was dropped by vLLM "
@@ -47,8 +115,13 @@ def check_quantization(requested: str | None, hf_config, source: str) -> None:
                 f"quantization={requested!r} contradicts {source}, which is quantized with "
                 f"{found!r}: unset QUANTIZATION or set it to {found!r}"
             )
-    if found is not None:
+    if found is None:
+        return None
+    method = _SAME_FORMAT.get(found, found)
+    if method not in SERVED:
         raise ConfigError(
-            f"{source} is a {found} checkpoint; quantized checkpoints are not supported yet: "
-            "serve its unquantized model, or a .gguf file (dequantized at load)"
+            f"{source} is a {found} checkpoint; of the quantized formats only "
+            f"{' and '.join(SERVED)} are supported so far: serve a GPTQ or AWQ checkpoint, its "
+            "unquantized model, or a .gguf file (dequantized at load)"
         )
+    return _scheme(method, hf_config.quantization_config, source)

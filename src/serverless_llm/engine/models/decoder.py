@@ -31,6 +31,7 @@ from ..layers.activation import Activation, check_activation, gated_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from ..layers.linear import PackedLinear, pack_linears_for_cpu
 from ..layers.norm import LayerNorm, RMSNorm
+from ..layers.quant_linear import WHOLE, QuantLinear, QuantLoadError
 from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
 
 # -- the description ---------------------------------------------------------------------------
@@ -448,11 +449,38 @@ class DecoderModel(nn.Module):
 
     # -- weights -------------------------------------------------------------------------------
 
+    def quantize(self, scheme, mode: str) -> None:
+        """Swaps every linear of the decoder layers for a QuantLinear of `scheme` (before
+        `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
+        checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
+        s = self.spec
+        kv = s.num_kv_heads * s.head_dim
+        parts_of = {"qkv_proj": (s.num_heads * s.head_dim, kv, kv), "gate_up_proj": None}
+        for layer in self.layers:
+            for parent in layer.modules():
+                for name, child in list(parent.named_children()):
+                    if type(child) is not nn.Linear:
+                        continue
+                    parts = parts_of.get(name, (child.out_features,))
+                    if parts is None:
+                        parts = (child.out_features // 2,) * 2
+                    quant = QuantLinear(
+                        child.in_features,
+                        child.out_features,
+                        child.bias is not None,
+                        scheme,
+                        parts,
+                        mode,
+                        self.use_kernels,
+                    )
+                    setattr(parent, name, quant)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies each checkpoint tensor into its place (see `WeightNames`); raises KeyError for
         a tensor with no place and for parameters the checkpoint leaves unset."""
         names = self.spec.names
         params = dict(self.named_parameters())
+        quant = {n: m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
         loaded: set[str] = set()
         layer_prefix = names.layers_prefix + "."
         for name, tensor in weights:
@@ -477,12 +505,58 @@ class DecoderModel(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
             internal, how = (target, None) if isinstance(target, str) else target
             pname = f"{prefix}{internal}.{kind}"
+            if f"{prefix}{internal}" in quant and kind != "bias":
+                self._take_quantized(quant[f"{prefix}{internal}"], name, kind, how, tensor)
+                continue
             if pname not in params:
+                if kind == "bias" and f"{prefix}{internal}" in quant:
+                    # GPTQ writers save a bias for every quantized linear, zeros where the
+                    # model has none.
+                    if not bool((tensor == 0).all()):
+                        raise QuantLoadError(
+                            f"checkpoint tensor {name!r} is a non-zero bias for a linear that "
+                            f"has none in {self.spec.arch}"
+                        )
+                    continue
                 raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {pname!r}")
             self._place(params[pname], pname, how, tensor, loaded)
         missing = [p for p, t in params.items() if not self._complete(p, t, loaded)]
+        for mname, m in quant.items():
+            missing += [f"{mname}: {what}" for what in m.missing()]
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        if quant and not any(m.packed is not None or m.took_quantized for m in quant.values()):
+            scheme = next(iter(quant.values())).scheme
+            raise QuantLoadError(
+                f"the config says {scheme.method}, but no linear of the checkpoint is quantized "
+                "(no qweight tensors): a config from the quantized repo with unquantized weights?"
+            )
+        self._settle_quantized()
+
+    def _take_quantized(self, module: QuantLinear, name, kind, how, tensor) -> None:
+        if how in self._SHARDS:
+            module.take(kind, self._SHARDS[how], name, tensor)
+        elif how in ("qkv_heads", "qkv_grouped"):
+            module.take(kind, WHOLE, name, tensor, rows=lambda t: self._reorder_rows(how, t))
+        elif how is None:
+            module.take(kind, WHOLE, name, tensor)
+        else:
+            raise QuantLoadError(
+                f"checkpoint tensor {name!r}: quantized {self.spec.arch} checkpoints are not "
+                f"supported (its weights are stored as {how!r})"
+            )
+
+    def _settle_quantized(self) -> None:
+        """QuantLinears settle on the CPU, where the checkpoint is read: each moves to the
+        model's device, and a "dequantize" one becomes a plain nn.Linear (which the CPU packing
+        then serves)."""
+        device = self.embed_tokens.weight.device
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, QuantLinear):
+                    child.to(device)
+                    if child.weight is not None:
+                        setattr(parent, name, child.to_linear())
 
     @staticmethod
     def _complete(pname: str, param: torch.Tensor, loaded: set[str]) -> bool:
@@ -511,16 +585,8 @@ class DecoderModel(nn.Module):
             return
         if how == "t":
             tensor = tensor.t()
-        elif how == "qkv_heads":  # [H, 3, D, ...] -> [3, H, D, ...]
-            h, d = s.num_heads, s.head_dim
-            tensor = tensor.reshape(h, 3, d, *tensor.shape[1:]).transpose(0, 1)
-        elif how == "qkv_grouped":  # [KVH, G + 2, D, ...] -> q rows, then k, then v
-            kvh, d = s.num_kv_heads, s.head_dim
-            g = s.num_heads // kvh
-            t = tensor.reshape(kvh, g + 2, d, *tensor.shape[1:])
-            tensor = torch.cat(
-                [t[:, :g].flatten(0, 2), t[:, g].flatten(0, 1), t[:, g + 1].flatten(0, 1)]
-            )
+        elif how in ("qkv_heads", "qkv_grouped"):
+            tensor = self._reorder_rows(how, tensor)
         elif how is not None and how.startswith("head:"):
             data[int(how[5:])].copy_(tensor)
             loaded.add(f"{pname}#{how}")
@@ -532,6 +598,18 @@ class DecoderModel(nn.Module):
         data.copy_(tensor.reshape(data.shape))
         loaded.add(pname)
 
+    def _reorder_rows(self, how: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A fused qkv tensor's output rows (dim 0) in the order of qkv_proj: [q | k | v]."""
+        s = self.spec
+        if how == "qkv_heads":  # [H, 3, D, ...] -> [3, H, D, ...]
+            h, d = s.num_heads, s.head_dim
+            return tensor.reshape(h, 3, d, *tensor.shape[1:]).transpose(0, 1)
+        # qkv_grouped: [KVH, G + 2, D, ...] -> q rows, then k, then v
+        kvh, d = s.num_kv_heads, s.head_dim
+        g = s.num_heads // kvh
+        t = tensor.reshape(kvh, g + 2, d, *tensor.shape[1:])
+        return torch.cat([t[:, :g].flatten(0, 2), t[:, g].flatten(0, 1), t[:, g + 1].flatten(0, 1)])
+
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights from the config alone (LOAD_FORMAT=dummy), for benchmarks."""
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -542,3 +620,7 @@ class DecoderModel(nn.Module):
                 p.data.zero_()
             else:
                 p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for m in self.modules():
+            if isinstance(m, QuantLinear):
+                m.init_dummy(g)
+        self._settle_quantized()

@@ -157,9 +157,11 @@ class SettingsFields(BaseSettings):
         "QUANTIZATION",
         title="Quantization",
         description=(
-            "Quantization method of an already quantized checkpoint. Not supported yet: setting "
-            "it stops start-up (use an unquantized model, or a `.gguf` file), and a checkpoint "
-            "quantized with any method is refused at load with the method named."
+            "Quantization method of an already quantized checkpoint. Unset, the method comes "
+            "from the checkpoint's `quantization_config`; set, it must agree with it. GPTQ (4 "
+            "and 8 bits, act-order) and AWQ (4 bits, GEMM layout) are served (the `*marlin` "
+            "names read as their base format); the other methods stop start-up for now. "
+            "See docs/quantization.md."
         ),
         choices=QUANTIZATION_METHODS,
     )

@@ -14,6 +14,8 @@ from typing import Literal
 
 from .fields import SettingsFields, shown_value
 
+SERVED_QUANTIZATION = ("awq", "gptq", "marlin", "awq_marlin", "gptq_marlin")
+
 
 @dataclass(frozen=True)
 class Limitation:
@@ -38,9 +40,10 @@ LIMITS: tuple[Limit, ...] = (
     Limit(
         "QUANTIZATION",
         "error",
-        lambda s: s.quantization is not None,
-        "quantized checkpoints are not supported yet; unset QUANTIZATION and serve an "
-        "unquantized model or a .gguf file (dequantized at load)",
+        lambda s: s.quantization not in (None, *SERVED_QUANTIZATION),
+        "of the quantized formats only GPTQ and AWQ checkpoints are supported yet "
+        "(QUANTIZATION awq, gptq, or their marlin names; unset, it follows the checkpoint); serve "
+        "one of those, an unquantized model, or a .gguf file (dequantized at load)",
     ),
     Limit(
         "KV_CACHE_DTYPE",

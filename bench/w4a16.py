@@ -1,0 +1,79 @@
+"""The W4A16 Triton GEMM against float16 `torch.matmul` on the same GPU (issue 16's kernel
+bar: faster than fp16 at M <= 16), for 4096x4096 and 4096x14336 weights at M = 1, 16, 256 and
+4096, 4-bit GPTQ layout with group 128 (act-order off: the permutation is one gather of x).
+
+    python bench/w4a16.py            # needs a CUDA device
+
+Times are medians of `triton.testing.do_bench`. Prints one row per shape and M with both
+times, the ratio fp16 / w4a16 (above 1: the 4-bit kernel is faster) and the 4-bit kernel's
+weight bandwidth against the device's copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import format_table  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 14336)]
+ROWS = [1, 16, 256, 4096]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench/w4a16.py needs a CUDA device", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench
+
+    from serverless_llm.engine.kernels.w4a16 import pack_int32, w4a16_linear
+
+    def timed(fn) -> float:
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_ms = timed(big.clone)
+    copy_gbs = 2 * big.numel() / copy_ms / 1e6
+    big = None
+    rows = []
+    for k, n in SHAPES:
+        q = torch.randint(0, 16, (k, n), device="cuda")
+        qweight = pack_int32(q, 4, 0)
+        scales = torch.rand(k // 128, n, device="cuda", dtype=torch.float16) * 0.01
+        zeros = torch.full((k // 128, n), 8.0, device="cuda", dtype=torch.float16)
+        g_idx = (torch.arange(k, device="cuda") // 128).int()
+        w16 = torch.randn(k, n, device="cuda", dtype=torch.float16)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            t4 = timed(partial(w4a16_linear, x, qweight, scales, zeros, g_idx, None, 4))
+            t16 = timed(partial(torch.matmul, x, w16))
+            weight_bytes = qweight.numel() * 4 + scales.numel() * 4
+            bw = weight_bytes / t4 / 1e6
+            rows.append(
+                [
+                    f"{k}x{n}",
+                    m,
+                    f"{t16 * 1e3:.1f} us",
+                    f"{t4 * 1e3:.1f} us",
+                    t16 / t4,
+                    f"{bw / copy_gbs:.0%}",
+                ]
+            )
+    print(torch.cuda.get_device_name(), f"copy bandwidth {copy_gbs:.0f} GB/s")
+    print(format_table(["weight", "M", "fp16 matmul", "w4a16", "fp16/w4a16", "w4 bw"], rows))
+    small = [r[4] for r in rows if r[1] <= 16]
+    print(
+        f"M <= 16: w4a16 faster than fp16 in {sum(r > 1 for r in small)} of {len(small)} "
+        f"(bar: all); worst {min(small):.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

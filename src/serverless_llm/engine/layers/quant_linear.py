@@ -1,0 +1,310 @@
+"""Linear layers of GPTQ and AWQ checkpoints (issue 16).
+
+A `QuantLinear` takes the place of an nn.Linear in a decoder layer before the weights load. The
+loader hands it the checkpoint's tensors (`take`) as they stream past: `qweight`, `qzeros`,
+`scales` and, for GPTQ, `g_idx` per part (the q, k and v of a fused qkv_proj, the gate and
+up of a gate_up_proj, or the whole module), or a plain `weight` for a module the quantizer
+left alone. As soon as a part's tensors are all there, they are checked against the scheme and
+the module's shape (an error names the tensor) and unpacked into one common form, whatever the
+producer's packing: values q [out, in], zero points and scales [out, groups], and the group of
+each input column. When every part is in, the module settles into its working form:
+
+- "dequantize": the float weight, (q - zero) * scale in float32, handed back as a plain
+  nn.Linear (on CPU the packed oneDNN linears then serve it: see docs/quantization.md for why
+  this beats torch's int4 CPU kernels);
+- "packed": the weight stays at `bits` bits in memory. Input columns are sorted by group
+  (act-order checkpoints hold them permuted; the input is permuted to match at each call),
+  packed 32 // bits to an int32 along the input, with scales and zero points [groups, out].
+  Forward runs the Triton kernel where the backend uses kernels, else its torch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.w4a16 import (
+    AWQ_ORDER,
+    dequantize_grouped,
+    pack_int32,
+    unpack_int32,
+    w4a16_linear,
+    w4a16_linear_ref,
+)
+from ..loader.quantization import QuantScheme
+
+WHOLE = -1  # part index of a tensor that covers every part at once (a fused checkpoint tensor)
+_QUANT_KINDS = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+}
+MODES = ("dequantize", "packed")
+
+
+class QuantLoadError(KeyError):
+    """A checkpoint tensor disagrees with its config or its module; the message names it."""
+
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0])
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        parts: tuple[int, ...],
+        mode: str,
+        use_kernels: bool = False,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"quantized linear mode {mode!r}: allowed {', '.join(MODES)}")
+        if sum(parts) != out_features:
+            raise ValueError(f"parts {parts} do not add up to {out_features} outputs")
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.parts, self.mode, self.use_kernels = scheme, parts, mode, use_kernels
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.group_size = in_features if scheme.group_size == -1 else scheme.group_size
+        self.num_groups = -(-in_features // self.group_size)
+        self._staged: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}
+        self._ready: dict[int, tuple] = {}  # part -> unpacked form (or ("float", weight))
+        self.rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.weight: torch.Tensor | None = None  # "dequantize", or a module left unquantized
+        self.packed: nn.ModuleList | None = None  # "packed": PackedWeight, one per act-order
+        self.settled = False
+        self.took_quantized = False  # some part came as integer tensors
+
+    def extra_repr(self) -> str:
+        s = self.scheme
+        return (
+            f"in={self.in_features}, out={self.out_features}, {s.method} {s.bits}-bit, "
+            f"group={s.group_size}, mode={self.mode}"
+        )
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def _part_size(self, part: int) -> int:
+        return self.out_features if part == WHOLE else self.parts[part]
+
+    def take(
+        self,
+        kind: str,
+        part: int,
+        name: str,
+        tensor: torch.Tensor,
+        rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """One checkpoint tensor `name` of kind `kind` for part `part` (WHOLE: all parts);
+        `rows` reorders the output rows of a whole fused tensor into the module's order."""
+        kinds = _QUANT_KINDS[self.scheme.method]
+        if kind not in (*kinds, "weight"):
+            raise QuantLoadError(
+                f"checkpoint tensor {name!r}: a {self.scheme.method} module has no {kind!r} "
+                f"tensor (expected {', '.join(kinds)})"
+            )
+        if self.settled or part in self._ready or (part != WHOLE and WHOLE in self._staged):
+            raise QuantLoadError(f"checkpoint tensor {name!r} arrives twice")
+        if rows is not None:
+            self.rows = rows
+        staged = self._staged.setdefault(part, {})
+        if kind in staged:
+            raise QuantLoadError(f"checkpoint tensor {name!r} arrives twice")
+        staged[kind] = (name, tensor)
+        self._try_unpack(part, final=False)
+
+    def _try_unpack(self, part: int, final: bool) -> None:
+        """Unpacks `part` once its tensors are all staged. GPTQ's g_idx is optional (absent, it
+        is i // group_size), so before the last tensor (`final`) a part waits for it."""
+        staged = self._staged[part]
+        if "weight" in staged:
+            name, w = staged.pop("weight")
+            if staged:
+                other = next(iter(staged.values()))[0]
+                raise QuantLoadError(f"checkpoint tensor {name!r} is unquantized, but {other!r} is")
+            shape = (self._part_size(part), self.in_features)
+            if tuple(w.shape) != shape:
+                raise QuantLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {shape}"
+                )
+            self._ready[part] = ("float", w.float())
+        else:
+            need = [k for k in _QUANT_KINDS[self.scheme.method] if k != "g_idx" or not final]
+            if any(k not in staged for k in need):
+                return
+            self._ready[part] = self._unpack(part, staged)
+            self.took_quantized = True
+        del self._staged[part]
+        if WHOLE in self._ready or all(i in self._ready for i in range(len(self.parts))):
+            self._settle()
+
+    def _unpack(self, part: int, staged: dict) -> tuple:
+        s = self.scheme
+        n, k, groups = self._part_size(part), self.in_features, self.num_groups
+        per = 32 // s.bits
+
+        def tensor(kind: str, shape: tuple[int, ...], dtypes: tuple) -> torch.Tensor:
+            name, t = staged[kind]
+            if tuple(t.shape) != shape:
+                raise QuantLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {shape} "
+                    f"for {s.bits}-bit {s.method} with group_size {s.group_size} "
+                    f"({k} inputs, {n} outputs)"
+                )
+            if t.dtype not in dtypes:
+                raise QuantLoadError(
+                    f"checkpoint tensor {name!r} is {t.dtype}, expected one of {dtypes}"
+                )
+            return t
+
+        ints = (torch.int32,)
+        floats = (torch.float16, torch.bfloat16, torch.float32)
+        packed_n = -(-n // per)
+        if s.method == "gptq":
+            if k % per:
+                raise QuantLoadError(f"{staged['qweight'][0]!r}: {k} inputs do not pack by {per}")
+            q = unpack_int32(tensor("qweight", (k // per, n), ints), s.bits, dim=0).t()
+            zeros = unpack_int32(tensor("qzeros", (groups, packed_n), ints), s.bits, dim=1)
+            zeros = zeros[:, :n] + 1  # the v1 format stores each zero point minus one
+            if "g_idx" in staged:
+                g_idx = tensor("g_idx", (k,), (torch.int32, torch.int64)).long()
+                if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+                    raise QuantLoadError(
+                        f"checkpoint tensor {staged['g_idx'][0]!r} names groups outside "
+                        f"0..{groups - 1}"
+                    )
+            else:
+                g_idx = torch.arange(k) // self.group_size
+        else:
+            qw = tensor("qweight", (k, packed_n), ints)
+            q = unpack_int32(qw, s.bits, dim=1, order=AWQ_ORDER)[:, :n].t()
+            zeros = unpack_int32(tensor("qzeros", (groups, packed_n), ints), 4, 1, AWQ_ORDER)
+            zeros = zeros[:, :n]
+            g_idx = torch.arange(k) // self.group_size
+        scales = tensor("scales", (groups, n), floats)
+        return q.to(torch.uint8).contiguous(), zeros.t().contiguous(), scales.t(), g_idx
+
+    def missing(self) -> list[str]:
+        """What the checkpoint left out, after the last tensor (also unpacks GPTQ parts that
+        came without g_idx)."""
+        for part in list(self._staged):
+            self._try_unpack(part, final=True)
+        if self.settled:
+            return []
+        kinds = _QUANT_KINDS[self.scheme.method]
+        if self._staged:
+            part, staged = next(iter(self._staged.items()))
+            lack = [k for k in kinds if k not in staged and k != "g_idx"]
+            module = next(iter(staged.values()))[0].rpartition(".")[0]
+            return [f"{module}.{k}" for k in lack]
+        return [f"part {i} of {self.parts}" for i in range(len(self.parts)) if i not in self._ready]
+
+    def _settle(self) -> None:
+        forms = (
+            [self._ready[WHOLE]]
+            if WHOLE in self._ready
+            else [self._ready[i] for i in range(len(self.parts))]
+        )
+        self._ready.clear()
+        quantized = [f for f in forms if not isinstance(f[0], str)]
+        if self.mode == "dequantize" or len(quantized) != len(forms):
+            w = torch.cat(
+                [f[1] if isinstance(f[0], str) else dequantize_grouped(*f) for f in forms]
+            )
+            self.weight = w if self.rows is None else self.rows(w).reshape(w.shape)
+            self.settled = True
+            return
+        # Parts that share their act-order permutation (q, k and v of one input, as GPTQ
+        # writes them: they see the same Hessian) pack into one weight; a part with its own
+        # permutation gets its own packed weight and matmul.
+        runs: list[list[tuple]] = []
+        for f in quantized:
+            if runs and torch.equal(runs[-1][0][3], f[3]):
+                runs[-1].append(f)
+            else:
+                runs.append([f])
+        packed = []
+        for run in runs:
+            q, zeros, scales = (torch.cat([f[i] for f in run]) for i in range(3))
+            if self.rows is not None:
+                q, zeros, scales = (self.rows(t).reshape(t.shape) for t in (q, zeros, scales))
+            packed.append(PackedWeight(q, zeros, scales, run[0][3], self.scheme.bits))
+        self.packed = nn.ModuleList(packed)  # on CPU: the model moves it (`_settle_quantized`)
+        self.settled = True
+
+    def init_dummy(self, g: torch.Generator) -> None:
+        """Random weights (LOAD_FORMAT=dummy) in the scheme's shape: values uniform over the
+        range, the zero point mid-range, scales like a 0.02-std float weight."""
+        bits, n, k = self.scheme.bits, self.out_features, self.in_features
+        top = 1 << bits
+        q = torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
+        zeros = torch.full((n, self.num_groups), top // 2, dtype=torch.int32)
+        scales = torch.full((n, self.num_groups), 0.04 / top, dtype=torch.float16)
+        g_idx = torch.arange(k) // self.group_size
+        self._ready = {WHOLE: (q, zeros, scales, g_idx)}
+        self._settle()
+
+    # -- running -------------------------------------------------------------------------------
+
+    def to_linear(self) -> nn.Linear:
+        """The settled float weight as a plain nn.Linear (mode "dequantize")."""
+        lin = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None, device="meta"
+        )
+        lin.weight = nn.Parameter(self.weight, requires_grad=False)
+        if self.bias is not None:
+            lin.bias = self.bias
+        return lin
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype/device) must reach the float weight of a settled "dequantize" module,
+        # a plain attribute rather than a parameter.
+        super()._apply(fn, recurse)
+        if self.weight is not None:
+            self.weight = fn(self.weight)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        outs = [p(flat, self.use_kernels) for p in self.packed]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class PackedWeight(nn.Module):
+    """A weight at its bit width: `qweight` int32 [in / (32 / bits), out], input rows sorted by
+    group and packed lowest bits first; `scales`, `zeros` [groups, out]; `g_idx` int32 [in],
+    the group of each packed row; `perm` (None when already in order) the input column of
+    each packed row."""
+
+    def __init__(self, q, zeros, scales, g_idx, bits: int) -> None:
+        super().__init__()
+        self.bits = bits
+        self.perm = None
+        if bool((g_idx[1:] < g_idx[:-1]).any()):
+            self.perm = torch.argsort(g_idx, stable=True)
+            q, g_idx = q[:, self.perm], g_idx[self.perm]
+        self.register_buffer("qweight", pack_int32(q.t(), bits, dim=0))
+        self.register_buffer("scales", scales.t().contiguous())
+        self.register_buffer("zeros", zeros.t().to(scales.dtype).contiguous())
+        self.register_buffer("g_idx", g_idx.to(torch.int32))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.perm is not None:  # a plain attribute: model.to(device) must still move it
+            self.perm = fn(self.perm)
+        return self
+
+    def forward(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+        fn = w4a16_linear if use_kernels else w4a16_linear_ref
+        return fn(x, self.qweight, self.scales, self.zeros, self.g_idx, self.perm, self.bits)

@@ -1,0 +1,192 @@
+"""GPTQ and AWQ checkpoints load and generate the tokens transformers generates on the weights
+they stand for (issue 16): a tiny Llama and a tiny Qwen2 (qkv bias) quantized by the test
+packer (tests/quant_checkpoints.py) with odd group counts and act-order, served with the
+weights dequantized at load (the CPU default) and packed at their bit width (the CUDA form, its
+torch reference here); and checkpoints that contradict their config fail naming the tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine.config import EngineConfig
+from serverless_llm.engine.layers.quant_linear import QuantLinear
+from serverless_llm.engine.model_builder import load_model
+from tests.engine.reference import hf_greedy
+from tests.engine.test_engine_vs_transformers import prompts_for
+from tests.quant_checkpoints import write_quantized
+from tests.tiny_models import build_tiny_model
+
+# hidden 96 and intermediate 160: groups of 32 give 3 and 5 groups (odd counts).
+SHAPE = dict(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)
+# (family, method, bits, group size, act-order, symmetric, act-order shared by q/k/v, gate/up)
+CASES = {
+    "llama-gptq4-g32-actorder": ("llama", "gptq", 4, 32, True, False, True),
+    "llama-gptq8-whole-sym": ("llama", "gptq", 8, -1, False, True, True),
+    "qwen2-gptq4-g32-actorder-unshared": ("qwen2", "gptq", 4, 32, True, False, False),
+    "qwen2-awq-g32": ("qwen2", "awq", 4, 32, False, False, True),
+    "llama-awq-g32": ("llama", "awq", 4, 32, False, False, True),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    made: dict[str, tuple[str, str]] = {}
+
+    def get(case: str) -> tuple[str, str]:
+        if case not in made:
+            kind, method, bits, group, act_order, sym, shared = CASES[case]
+            src = build_tiny_model(str(root / f"{case}-src"), kind, seed=3, **SHAPE)
+            made[case] = write_quantized(
+                src,
+                str(root / f"{case}-float"),
+                str(root / f"{case}-quant"),
+                method,
+                bits,
+                group,
+                act_order,
+                sym,
+                shared,
+            )
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_match_transformers_on_the_dequantized_weights(quantized, case, mode):
+    float_dir, quant_dir = quantized(case)
+    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64, quantized_weights=mode)
+    prompts = prompts_for(llm.engine.vocab_size, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 32), (case, len(prompt))
+
+
+def test_packed_weights_stay_at_their_bit_width(quantized):
+    _, quant_dir = quantized("llama-gptq4-g32-actorder")
+    loaded = load_model(EngineConfig(model=quant_dir, quantized_weights="packed"))
+    quant = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    for m in quant:
+        assert m.weight is None and len(m.packed) == 1  # q, k, v share their act-order
+        (p,) = m.packed
+        assert p.qweight.dtype == torch.int32
+        assert p.qweight.shape == (m.in_features // 8, m.out_features)
+        assert p.perm is not None  # act-order: the input is permuted at each call
+    loaded = load_model(EngineConfig(model=quant_dir, quantized_weights="dequantize"))
+    assert not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+
+
+# -- checkpoints that contradict their config ----------------------------------------------------
+
+
+def _edit(quant_dir: str, tmp_path, edit) -> str:
+    out = str(tmp_path / "edited")
+    shutil.copytree(quant_dir, out)
+    path = os.path.join(out, "model.safetensors")
+    state = load_file(path)
+    edit(state, out)
+    save_file(state, path)
+    return out
+
+
+def _config(out: str, **changes) -> None:
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"].update(changes)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+LAYER0 = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda s, d: s.pop(LAYER0 + ".scales"),
+            rf"checkpoint lacks 1 tensors, e\.g\. .*{LAYER0}\.scales",
+        ),
+        (
+            lambda s, d: s.__setitem__(LAYER0 + ".qweight", s[LAYER0 + ".qweight"][:-1]),
+            rf"'{LAYER0}\.qweight' has shape \(11, 96\), expected \(12, 96\)",
+        ),
+        (
+            lambda s, d: _config(d, bits=8),
+            r"'model\.layers\.0\.\w+\.\w+_proj\.qweight' has shape \((\d+), \d+\), expected "
+            r"\((\d+), \d+\) for 8-bit gptq",
+        ),
+        (
+            lambda s, d: _config(d, group_size=48),
+            r"'model\.layers\.0\.\w+\.\w+_proj\.\w+' has shape \(\d+, \d+\), expected .* group_size 48",
+        ),
+        (
+            lambda s, d: s.__setitem__(LAYER0 + ".g_idx", s[LAYER0 + ".g_idx"] + 5),
+            rf"'{LAYER0}\.g_idx' names groups outside 0\.\.2",
+        ),
+        (
+            lambda s, d: s.__setitem__(LAYER0 + ".scales", s[LAYER0 + ".scales"].int()),
+            rf"'{LAYER0}\.scales' is torch\.int32",
+        ),
+    ],
+    ids=[
+        "missing-scales",
+        "short-qweight",
+        "bits-contradict",
+        "group-contradicts",
+        "g_idx",
+        "dtype",
+    ],
+)
+def test_a_checkpoint_that_contradicts_its_config_names_the_tensor(
+    quantized, tmp_path, edit, message
+):
+    _, quant_dir = quantized("llama-gptq4-g32-actorder")
+    bad = _edit(quant_dir, tmp_path, edit)
+    with pytest.raises(KeyError, match=message):
+        LLM(bad, num_kv_blocks=16)
+
+
+def test_a_quantized_config_over_float_weights_is_refused(tiny_llama, tmp_path):
+    out = str(tmp_path / "float-weights")
+    shutil.copytree(tiny_llama, out)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(KeyError, match="the config says gptq, but no linear of the checkpoint"):
+        LLM(out, num_kv_blocks=16)
+
+
+def test_a_linear_left_unquantized_loads_beside_quantized_ones(quantized, tmp_path):
+    """AWQ's modules_to_not_convert: such a linear is saved as a plain weight."""
+    float_dir, quant_dir = quantized("llama-awq-g32")
+    twin = load_file(os.path.join(float_dir, "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj"
+
+    def unquantize(state, d):
+        for kind in ("qweight", "qzeros", "scales"):
+            del state[f"{name}.{kind}"]
+        state[f"{name}.weight"] = twin[f"{name}.weight"]
+
+    mixed = _edit(quant_dir, tmp_path, unquantize)
+    for mode in ("packed", "dequantize"):
+        llm = LLM(mixed, block_size=8, num_kv_blocks=64, quantized_weights=mode)
+        prompt = prompts_for(llm.engine.vocab_size, seed=2)[4]
+        out = llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        )
+        assert out[0].outputs[0].token_ids == hf_greedy(float_dir, prompt, 16)

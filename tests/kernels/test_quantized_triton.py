@@ -1,0 +1,44 @@
+"""End to end: a GPTQ act-order and an AWQ tiny model held packed at 4 bits, every linear of
+the decoder layers through the Triton W4A16 GEMM (interpreted on CPU), generate the greedy
+tokens transformers generates on the float weights they stand for."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from serverless_llm import LLM, SamplingParams  # noqa: E402
+from serverless_llm.engine.layers.quant_linear import QuantLinear  # noqa: E402
+from tests.engine.reference import hf_greedy  # noqa: E402
+from tests.engine.test_engine_vs_transformers import prompts_for  # noqa: E402
+from tests.quant_checkpoints import write_quantized  # noqa: E402
+from tests.tiny_models import build_tiny_model  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("kind", "method", "act_order"), [("llama", "gptq", True), ("qwen2", "awq", False)]
+)
+def test_packed_model_through_the_triton_gemm(tmp_path, monkeypatch, kind, method, act_order):
+    src = build_tiny_model(
+        str(tmp_path / "src"), kind, seed=5, hidden_size=96, intermediate_size=160
+    )
+    float_dir, quant_dir = write_quantized(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), method, 4, 32, act_order
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(
+        quant_dir,
+        attention_backend="triton",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=256,
+        quantized_weights="packed",
+    )
+    quant = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert quant and all(m.use_kernels and m.packed is not None for m in quant)
+    prompts = prompts_for(llm.engine.vocab_size, seed=4, lengths=(3, 17, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 12), len(prompt)

@@ -1,0 +1,47 @@
+"""The W4A16 GEMM compiled for a real GPU at Llama-3-8B linear shapes (4096 -> 4096, 4096 ->
+14336, 14336 -> 4096), 4 and 8 bits, act-order, float16 and bfloat16, rows 1 to 256. Run with
+`pytest -m gpu` on a CUDA machine; skipped elsewhere.
+
+Tolerance: the kernel rounds each dequantized weight to the activation dtype before the dot
+(the reference multiplies in float32) and sums K = 4096-14336 products in another order:
+relative to the output's largest magnitude, 1e-2 for float16 and 4e-2 for bfloat16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from serverless_llm.engine.kernels.w4a16 import pack_int32, w4a16_linear, w4a16_linear_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="TRITON_INTERPRET=1 is set: these tests are for compiled kernels",
+    ),
+]
+TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 14336), (14336, 4096)], ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gemm_at_model_shapes(m, shape, bits, dtype):
+    k, n = shape
+    g = torch.Generator().manual_seed(m + bits)
+    group = 128
+    q = torch.randint(0, 1 << bits, (k, n), generator=g)
+    scales = (torch.rand(k // group, n, generator=g) * 0.01 + 0.001).to(dtype)
+    zeros = torch.randint(1, 1 << bits, (k // group, n), generator=g).to(dtype)
+    g_idx = (torch.arange(k) // group).int()
+    perm = torch.randperm(k, generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    dev = [t.cuda() for t in (pack_int32(q, bits, 0), scales, zeros, g_idx, perm)]
+    got = w4a16_linear(x.cuda(), *dev, bits)
+    want = w4a16_linear_ref(x.cuda(), *dev, bits)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale, rtol=0)

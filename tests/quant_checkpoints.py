@@ -1,0 +1,248 @@
+"""GPTQ and AWQ checkpoints written for tests, from the formats' published descriptions and
+without the engine's code: each decoder linear of a float checkpoint is quantized (min/max per
+group and output column), packed field by field in plain Python, and saved beside a float twin
+holding exactly the weights the quantized one stands for, (q - zero) * scale, which
+transformers then runs as the reference.
+
+GPTQ (v1, as AutoGPTQ writes it): qweight int32 [in / p, out] with p = 32 / bits consecutive
+input rows per word, the first in the lowest bits; qzeros int32 [groups, out / p] packed along
+the outputs the same way, each zero point stored minus one; scales fp16 [groups, out]; g_idx
+int32 [in], the group of each input row (a shuffled assignment under act-order); a zero bias
+for every quantized linear, as AutoGPTQ saves one.
+AWQ (GEMM, as AutoAWQ writes it): qweight int32 [in, out / 8], field k of each word holding
+output column 8c + [0, 2, 4, 6, 1, 3, 5, 7][k]; qzeros int32 [groups, out / 8] the same way,
+stored as is; scales fp16 [groups, out].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+AWQ_FIELD_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]
+LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+
+
+def _int32(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _quantize(w: torch.Tensor, bits: int, groups: list[int], n_groups: int, sym: bool):
+    """Per (group, output column): scale and zero from the min and max of the group's inputs.
+    Returns q [in][out], zeros [groups][out] (1..top-1), scales fp16 [groups, out] and the
+    float weight [out, in] they stand for."""
+    top = (1 << bits) - 1
+    n_out, n_in = w.shape
+    scales = torch.empty(n_groups, n_out, dtype=torch.float16)
+    zeros = [[0] * n_out for _ in range(n_groups)]
+    for g in range(n_groups):
+        cols = [i for i in range(n_in) if groups[i] == g]
+        block = w[:, cols]
+        lo, hi = block.min(1).values.clamp(max=0), block.max(1).values.clamp(min=0)
+        if sym:
+            amax = torch.maximum(-lo, hi)
+            lo, hi = -amax, amax
+        s = ((hi - lo) / top).clamp(min=1e-5).half()
+        scales[g] = s
+        for o in range(n_out):
+            z = (1 << (bits - 1)) if sym else round(-float(lo[o]) / float(s[o]))
+            zeros[g][o] = min(max(z, 1), top)
+    q = [[0] * n_out for _ in range(n_in)]
+    deq = torch.empty(n_out, n_in)
+    for i in range(n_in):
+        g = groups[i]
+        for o in range(n_out):
+            s = float(scales[g, o])
+            v = min(max(round(float(w[o, i]) / s) + zeros[g][o], 0), top)
+            q[i][o] = v
+            deq[o, i] = (v - zeros[g][o]) * s
+    return q, zeros, scales, deq
+
+
+def pack_gptq(q, zeros, bits: int):
+    per = 32 // bits
+    n_in, n_out = len(q), len(q[0])
+    qweight = [
+        [_int32(sum(q[r * per + j][o] << (bits * j) for j in range(per))) for o in range(n_out)]
+        for r in range(n_in // per)
+    ]
+    qzeros = [
+        [
+            _int32(sum((z[c * per + j] - 1) << (bits * j) for j in range(per)))
+            for c in range(n_out // per)
+        ]
+        for z in zeros
+    ]
+    return torch.tensor(qweight, dtype=torch.int32), torch.tensor(qzeros, dtype=torch.int32)
+
+
+def pack_awq(rows) -> torch.Tensor:
+    return torch.tensor(
+        [
+            [
+                _int32(sum(row[8 * c + AWQ_FIELD_COLUMN[k]] << (4 * k) for k in range(8)))
+                for c in range(len(row) // 8)
+            ]
+            for row in rows
+        ],
+        dtype=torch.int32,
+    )
+
+
+def write_quantized(
+    src: str,
+    float_dir: str,
+    quant_dir: str,
+    method: str,
+    bits: int = 4,
+    group_size: int = 32,
+    act_order: bool = False,
+    sym: bool = False,
+    shared_order: bool = True,
+    seed: int = 0,
+) -> tuple[str, str]:
+    """Quantizes the float checkpoint in `src`; writes the quantized checkpoint to `quant_dir`
+    and its exact float twin to `float_dir` (both with src's tokenizer). Under act-order, the
+    linears that read the same input (q, k, v; gate, up) share one group assignment, as GPTQ
+    gives them (the same Hessian), unless `shared_order` is False."""
+    rng = random.Random(seed)
+    orders: dict[str, list[int]] = {}
+    state = load_file(os.path.join(src, "model.safetensors"))
+    twin, packed = {}, {}
+    for name, w in state.items():
+        if not LINEAR.match(name):
+            twin[name] = packed[name] = w
+            continue
+        n_in = w.shape[1]
+        gs = n_in if group_size == -1 else group_size
+        groups = [i // gs for i in range(n_in)]
+        if act_order:
+            key = re.sub(r"(q|k|v|gate|up)_proj\.weight$", "in", name) if shared_order else name
+            if key not in orders:
+                rng.shuffle(groups)
+                orders[key] = groups
+            groups = orders[key]
+        n_groups = -(-n_in // gs)
+        q, zeros, scales, deq = _quantize(w.float(), bits, groups, n_groups, sym)
+        twin[name] = deq
+        base = name[: -len(".weight")]
+        if method == "gptq":
+            qweight, qzeros = pack_gptq(q, zeros, bits)
+            packed[base + ".g_idx"] = torch.tensor(groups, dtype=torch.int32)
+            if base + ".bias" not in state:
+                packed[base + ".bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
+        else:
+            qweight, qzeros = pack_awq(q), pack_awq(zeros)
+        packed[base + ".qweight"] = qweight
+        packed[base + ".qzeros"] = qzeros
+        packed[base + ".scales"] = scales
+    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
+        shutil.copytree(src, out)
+        os.remove(os.path.join(out, "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
+        )
+    cfg_path = os.path.join(quant_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if method == "gptq":
+        qc = {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "desc_act": act_order,
+            "sym": sym,
+            "checkpoint_format": "gptq",
+        }
+    else:
+        qc = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    cfg["quantization_config"] = qc
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return float_dir, quant_dir
+
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def write_fp8(
+    src: str, float_dir: str, quant_dir: str, style: str, strategy: str, static_input: bool = False
+) -> tuple[str, str]:
+    """src's decoder linears as FP8 (e4m3) weights with a float32 scale per tensor or per
+    output channel (amax / 448), written in `style` "fp8" (vLLM's / transformers'
+    `quant_method: fp8`, scalar scales) or "compressed-tensors" (llm-compressor's
+    float-quantized format: scales [1] or [out, 1]); `static_input` adds an input_scale. The
+    float twin holds weight.float() * scale."""
+    state = load_file(os.path.join(src, "model.safetensors"))
+    twin, packed = {}, {}
+    for name, w in state.items():
+        if not LINEAR.match(name):
+            twin[name] = packed[name] = w
+            continue
+        w = w.float()
+        if strategy == "tensor":
+            scale = (w.abs().max() / FP8_MAX).reshape(())
+        else:
+            scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+        w8 = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        twin[name] = w8.float() * scale
+        base = name[: -len(".weight")]
+        packed[name] = w8
+        if style == "compressed-tensors" and strategy == "tensor":
+            scale = scale.reshape(1)
+        packed[base + ".weight_scale"] = scale.float()
+        if static_input:
+            packed[base + ".input_scale"] = torch.tensor([0.02])
+    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
+        shutil.copytree(src, out)
+        os.remove(os.path.join(out, "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
+        )
+    if style == "fp8":
+        qc = {"quant_method": "fp8", "activation_scheme": "static" if static_input else "dynamic"}
+    else:
+        act = {"num_bits": 8, "type": "float", "symmetric": True}
+        act.update(
+            {"strategy": "tensor", "dynamic": False}
+            if static_input
+            else {"strategy": "token", "dynamic": True}
+        )
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": strategy,
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": act,
+                }
+            },
+            "ignore": ["lm_head"],
+            "quantization_status": "compressed",
+        }
+    cfg_path = os.path.join(quant_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return float_dir, quant_dir
