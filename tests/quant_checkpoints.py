@@ -246,3 +246,88 @@ def write_fp8(
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return float_dir, quant_dir
+
+
+def write_pack_quantized(
+    src: str,
+    float_dir: str,
+    quant_dir: str,
+    bits: int = 4,
+    group_size: int = 32,
+    act_order: bool = False,
+    seed: int = 0,
+) -> tuple[str, str]:
+    """src's decoder linears in compressed-tensors' pack-quantized format (llm-compressor's
+    W4A16 preset: symmetric integers in groups along the inputs): each row's signed values
+    q in [-2^(b-1), 2^(b-1) - 1], stored plus 2^(b-1), packed 32 / b to an int32 along the
+    row, the first in the lowest bits (`weight_packed` [out, in / p]); `weight_scale` fp16
+    [out, groups] (max |w| of the group over 2^(b-1) - 1); `weight_shape` [out, in]; with
+    act-order a shuffled group per input row in `weight_g_idx`. The twin holds q * scale."""
+    rng = random.Random(seed)
+    half = 1 << (bits - 1)
+    per = 32 // bits
+    state = load_file(os.path.join(src, "model.safetensors"))
+    twin, packed = {}, {}
+    for name, w in state.items():
+        if not LINEAR.match(name):
+            twin[name] = packed[name] = w
+            continue
+        w = w.float()
+        n, k = w.shape
+        groups = [i // group_size for i in range(k)]
+        if act_order:
+            rng.shuffle(groups)
+        n_groups = -(-k // group_size)
+        scales = torch.empty(n, n_groups, dtype=torch.float16)
+        for g in range(n_groups):
+            cols = [i for i in range(k) if groups[i] == g]
+            scales[:, g] = (w[:, cols].abs().amax(1) / (half - 1)).clamp(min=1e-5).half()
+        deq = torch.empty(n, k)
+        words = []
+        for o in range(n):
+            stored = []
+            for i in range(k):
+                s = float(scales[o, groups[i]])
+                q = min(max(round(float(w[o, i]) / s), -half), half - 1)
+                deq[o, i] = q * s
+                stored.append(q + half)
+            words.append(
+                [
+                    _int32(sum(stored[c * per + j] << (bits * j) for j in range(per)))
+                    for c in range(k // per)
+                ]
+            )
+        twin[name] = deq
+        base = name[: -len(".weight")]
+        packed[base + ".weight_packed"] = torch.tensor(words, dtype=torch.int32)
+        packed[base + ".weight_scale"] = scales
+        packed[base + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        if act_order:
+            packed[base + ".weight_g_idx"] = torch.tensor(groups, dtype=torch.int32)
+    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
+        shutil.copytree(src, out)
+        os.remove(os.path.join(out, "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
+        )
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": group_size,
+        "actorder": "group" if act_order else None,
+    }
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+    cfg_path = os.path.join(quant_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return float_dir, quant_dir

@@ -172,9 +172,9 @@ def test_builder_needs_a_model_and_refuses_bad_settings(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "error: MODEL_NAME is not set: pass --build-arg MODEL_NAME=<hub repo id>"
     ]
-    proc = run_builder({**env, "MODEL_NAME": "org/tiny", "QUANTIZATION": "fp8"})
+    proc = run_builder({**env, "MODEL_NAME": "org/tiny", "QUANTIZATION": "bitsandbytes"})
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: QUANTIZATION='fp8'")
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: QUANTIZATION='bitsandbytes'")
 
 
 def worker_env(**extra: str) -> dict[str, str]:

@@ -41,10 +41,8 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
 
 
 def test_an_unserved_method_is_refused_with_its_name(tiny_llama, tmp_path, no_weight_reads):
-    model = _quantized_copy(tiny_llama, tmp_path, {"quant_method": "fp8"})
-    with pytest.raises(
-        ConfigError, match="is a fp8 checkpoint; of the quantized formats only gptq"
-    ):
+    model = _quantized_copy(tiny_llama, tmp_path, {"quant_method": "bitsandbytes"})
+    with pytest.raises(ConfigError, match="is a bitsandbytes checkpoint; of the quantized"):
         LLM(model, num_kv_blocks=16)
 
 
@@ -67,6 +65,14 @@ def test_an_agreeing_request_reads_the_scheme(requested):
     assert scheme == QuantScheme("gptq", 4, 128, True)
 
 
+PACKED = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": True}
+
+
+def _ct(weights: dict) -> dict:
+    group = {"targets": ["Linear"], "weights": weights}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
+
+
 @pytest.mark.parametrize(
     ("qc", "message"),
     [
@@ -78,13 +84,35 @@ def test_an_agreeing_request_reads_the_scheme(requested):
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, "AWQ with bits=8"),
-        ({"quant_method": "compressed-tensors"}, "is a compressed-tensors checkpoint"),
+        ({"quant_method": "compressed-tensors"}, "with 0 config groups"),
+        (_ct({"type": "int", "num_bits": 4, "strategy": "group"}), "4-bit int weights"),
+        (_ct({"type": "float", "num_bits": 8, "strategy": "block"}), "strategy='block'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        (
+            dict(_ct(dict(PACKED, symmetric=False)), format="pack-quantized"),
+            "asymmetric weights",
+        ),
+        (dict(_ct(dict(PACKED, strategy="block")), format="pack-quantized"), "strategy='block'"),
         ({"bits": 4}, "is a unknown checkpoint"),
     ],
 )
 def test_unsupported_variants_are_named(qc, message):
     with pytest.raises(ConfigError, match=message):
         check_quantization(None, _Cfg(qc), "m")
+
+
+def test_pack_quantized_reads_as_packed_integers():
+    qc = dict(_ct(PACKED), format="pack-quantized")
+    assert check_quantization(None, _Cfg(qc), "m") == QuantScheme("packed_int", 4, 128)
+    qc = dict(_ct(dict(PACKED, strategy="channel", num_bits=8)), format="pack-quantized")
+    assert check_quantization(None, _Cfg(qc), "m") == QuantScheme("packed_int", 8, -1)
+
+
+def test_fp8_in_both_styles_reads_as_fp8():
+    fp8 = QuantScheme("fp8", 8, -1)
+    assert check_quantization(None, _Cfg({"quant_method": "fp8"}), "m") == fp8
+    ct = _ct({"type": "float", "num_bits": 8, "strategy": "channel"})
+    assert check_quantization("compressed-tensors", _Cfg(ct), "m") == fp8
 
 
 def test_awq_defaults_as_autoawq_writes_them():

@@ -20,7 +20,7 @@ from serverless_llm.engine.layers.quant_linear import QuantLinear
 from serverless_llm.engine.model_builder import load_model
 from tests.engine.reference import hf_greedy
 from tests.engine.test_engine_vs_transformers import prompts_for
-from tests.quant_checkpoints import write_quantized
+from tests.quant_checkpoints import write_fp8, write_pack_quantized, write_quantized
 from tests.tiny_models import build_tiny_model
 
 # hidden 96 and intermediate 160: groups of 32 give 3 and 5 groups (odd counts).
@@ -190,3 +190,97 @@ def test_a_linear_left_unquantized_loads_beside_quantized_ones(quantized, tmp_pa
             [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         )
         assert out[0].outputs[0].token_ids == hf_greedy(float_dir, prompt, 16)
+
+
+# -- FP8 weights ----------------------------------------------------------------------------------
+
+FP8_CASES = {
+    "fp8-tensor": ("llama", "fp8", "tensor", False),
+    "ct-channel": ("qwen2", "compressed-tensors", "channel", False),
+    "ct-tensor-static": ("llama", "compressed-tensors", "tensor", True),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    made: dict[str, tuple[str, str]] = {}
+
+    def get(case: str) -> tuple[str, str]:
+        if case not in made:
+            kind, style, strategy, static = FP8_CASES[case]
+            src = build_tiny_model(str(root / f"{case}-src"), kind, seed=4, **SHAPE)
+            made[case] = write_fp8(
+                src,
+                str(root / f"{case}-float"),
+                str(root / f"{case}-quant"),
+                style,
+                strategy,
+                static,
+            )
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_greedy_tokens_match_transformers_on_the_dequantized_weights(fp8_checkpoints, case):
+    float_dir, quant_dir = fp8_checkpoints(case)
+    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64)  # CPU: dequantized at load
+    prompts = prompts_for(llm.engine.vocab_size, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 32), (case, len(prompt))
+
+
+def test_fp8_packed_keeps_the_bytes_and_quantizes_activations_per_token(fp8_checkpoints):
+    _, quant_dir = fp8_checkpoints("ct-channel")
+    loaded = load_model(EngineConfig(model=quant_dir, quantized_weights="packed"))
+    quant = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 8
+    state = load_file(os.path.join(quant_dir, "model.safetensors"))
+    layer = loaded.model.layers[1].mlp.down_proj
+    (packed,) = layer.packed
+    w8 = state["model.layers.1.mlp.down_proj.weight"]
+    assert packed.weight_bits.dtype == torch.uint8 and packed.weight_bits.shape == w8.shape
+    assert torch.equal(packed.weight_bits.view(torch.float8_e4m3fn).float(), w8.float())
+    assert packed.scale.dtype == torch.float32
+    # The layer's output: each row of x scaled to FP8's range (max |x| -> 448), rounded to FP8.
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    xs = x.abs().amax(1, keepdim=True) / 448
+    x8 = (x / xs).to(torch.float8_e4m3fn).float() * xs
+    scale = state["model.layers.1.mlp.down_proj.weight_scale"].reshape(-1, 1)
+    want = x8 @ (w8.float() * scale).t()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_scale_of_the_wrong_shape_names_the_tensor(fp8_checkpoints, tmp_path):
+    _, quant_dir = fp8_checkpoints("ct-channel")
+    name = "model.layers.0.mlp.up_proj.weight_scale"
+    bad = _edit(quant_dir, tmp_path, lambda s, d: s.__setitem__(name, s[name][:5]))
+    with pytest.raises(KeyError, match=rf"'{name}' is torch.float32 \(5, 1\); a scale per tensor"):
+        LLM(bad, num_kv_blocks=16)
+
+
+# -- compressed-tensors pack-quantized (W4A16) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+@pytest.mark.parametrize(("kind", "act_order"), [("llama", True), ("qwen2", False)])
+def test_pack_quantized_greedy_matches_transformers(tmp_path, kind, act_order, mode):
+    src = build_tiny_model(str(tmp_path / "src"), kind, seed=6, **SHAPE)
+    float_dir, quant_dir = write_pack_quantized(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), 4, 32, act_order
+    )
+    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64, quantized_weights=mode)
+    prompts = prompts_for(llm.engine.vocab_size, seed=1)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 32), len(prompt)
+
+
+def test_the_start_up_line_names_the_quantization(quantized, caplog):
+    _, quant_dir = quantized("llama-gptq4-g32-actorder")
+    with caplog.at_level("INFO", logger="serverless_llm.engine.llm_engine"):
+        LLM(quant_dir, num_kv_blocks=64, max_model_len=256, quantized_weights="packed")
+    assert "quantization=gptq 4-bit group 32 act-order, packed " in caplog.text

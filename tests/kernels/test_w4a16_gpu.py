@@ -1,4 +1,4 @@
-"""The W4A16 GEMM compiled for a real GPU at Llama-3-8B linear shapes (4096 -> 4096, 4096 ->
+"""The W4A16 GEMM and the FP8 path compiled for a real GPU at Llama-3-8B linear shapes (4096 -> 4096, 4096 ->
 14336, 14336 -> 4096), 4 and 8 bits, act-order, float16 and bfloat16, rows 1 to 256. Run with
 `pytest -m gpu` on a CUDA machine; skipped elsewhere.
 
@@ -45,3 +45,20 @@ def test_gemm_at_model_shapes(m, shape, bits, dtype):
     want = w4a16_linear_ref(x.cuda(), *dev, bits)
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fp8_scaled_mm_at_model_shapes(m, dtype):
+    """FP8 weights through torch._scaled_mm (H100/H200 run it natively: the probe must pick
+    it) against the float32 reference."""
+    from serverless_llm.engine.kernels.fp8 import FP8, fp8_linear, fp8_linear_ref, native_out_dtype
+
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert native_out_dtype(torch.device("cuda"), dtype) is not None
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(4096, 4096, generator=g) * 100).clamp(-448, 448).to(FP8).cuda()
+    s = (torch.rand(4096, generator=g) * 0.001).cuda()
+    x = torch.randn(m, 4096, generator=g).to(dtype).cuda()
+    got, want = fp8_linear(x, w, s).float(), fp8_linear_ref(x, w, s).float()
+    torch.testing.assert_close(got, want, atol=TOL[dtype] * want.abs().max().item(), rtol=0)

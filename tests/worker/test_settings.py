@@ -196,7 +196,7 @@ def test_booleans(raw, expected):
         ({"DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "0"}, ["DEFAULT_BATCH_SIZE_GROWTH_FACTOR", "> 0"]),
         ({"MIN_BATCH_SIZE": "zero"}, ["MIN_BATCH_SIZE", "'zero'"]),  # named as the user set it
         ({"KV_CACHE_DTYPE": "int4"}, ["KV_CACHE_DTYPE", "'int4'", "fp8"]),
-        ({"QUANTIZATION": "fp8"}, ["QUANTIZATION", "'fp8'", "only GPTQ and AWQ"]),
+        ({"QUANTIZATION": "bitsandbytes"}, ["QUANTIZATION", "'bitsandbytes'", "only GPTQ, AWQ"]),
         ({"ATTENTION_BACKEND": "flash"}, ["ATTENTION_BACKEND", "'flash'", "triton"]),
     ],
 )

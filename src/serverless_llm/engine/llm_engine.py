@@ -108,11 +108,12 @@ class LLMEngine:
         self._bitmask = None
         captured = self.runner.captured
         logger.info(
-            "engine ready in %.1fs: model=%s dtype=%s device=%s backend=%s max_model_len=%d "
-            "kv_blocks=%d (block_size %d, %d tokens) decode_capture=%s",
+            "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens) decode_capture=%s",
             time.perf_counter() - t0,
             self.resolved.source,
             str(self.dtype).replace("torch.", ""),
+            getattr(self.model, "quantization", "none"),
             self.device,
             self.backend.name,
             self.max_model_len,

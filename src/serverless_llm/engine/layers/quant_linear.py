@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.fp8 import FP8, fp8_linear, fp8_linear_ref
 from ..kernels.w4a16 import (
     AWQ_ORDER,
     dequantize_grouped,
@@ -40,7 +41,15 @@ WHOLE = -1  # part index of a tensor that covers every part at once (a fused che
 _QUANT_KINDS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
+    "fp8": ("weight", "weight_scale"),
+    "packed_int": ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx"),
 }
+# The group of each input row: optional (absent, i // group_size), so a part waits for it only
+# until the last tensor.
+_OPTIONAL = {"g_idx", "weight_g_idx"}
+# Tensors a checkpoint may carry that the engine does not need: a static FP8 activation scale
+# (activations are quantized per token at each call instead; docs/quantization.md).
+_UNUSED_KINDS = {"fp8": ("input_scale",)}
 MODES = ("dequantize", "packed")
 
 
@@ -103,6 +112,8 @@ class QuantLinear(nn.Module):
         """One checkpoint tensor `name` of kind `kind` for part `part` (WHOLE: all parts);
         `rows` reorders the output rows of a whole fused tensor into the module's order."""
         kinds = _QUANT_KINDS[self.scheme.method]
+        if kind in _UNUSED_KINDS.get(self.scheme.method, ()):
+            return
         if kind not in (*kinds, "weight"):
             raise QuantLoadError(
                 f"checkpoint tensor {name!r}: a {self.scheme.method} module has no {kind!r} "
@@ -122,7 +133,7 @@ class QuantLinear(nn.Module):
         """Unpacks `part` once its tensors are all staged. GPTQ's g_idx is optional (absent, it
         is i // group_size), so before the last tensor (`final`) a part waits for it."""
         staged = self._staged[part]
-        if "weight" in staged:
+        if "weight" in staged and staged["weight"][1].dtype != FP8:
             name, w = staged.pop("weight")
             if staged:
                 other = next(iter(staged.values()))[0]
@@ -132,9 +143,9 @@ class QuantLinear(nn.Module):
                 raise QuantLoadError(
                     f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {shape}"
                 )
-            self._ready[part] = ("float", w.float())
+            self._ready[part] = ("float", w.float())  # a linear the quantizer left alone
         else:
-            need = [k for k in _QUANT_KINDS[self.scheme.method] if k != "g_idx" or not final]
+            need = [k for k in _QUANT_KINDS[self.scheme.method] if k not in _OPTIONAL or not final]
             if any(k not in staged for k in need):
                 return
             self._ready[part] = self._unpack(part, staged)
@@ -144,6 +155,9 @@ class QuantLinear(nn.Module):
             self._settle()
 
     def _unpack(self, part: int, staged: dict) -> tuple:
+        """The part in one common form: ("int", q [out, in] uint8, zeros and scales
+        [out, groups], g_idx [in]) for GPTQ and AWQ, ("fp8", weight [out, in], float32 scale
+        [out]) for FP8."""
         s = self.scheme
         n, k, groups = self._part_size(part), self.in_features, self.num_groups
         per = 32 // s.bits
@@ -165,21 +179,48 @@ class QuantLinear(nn.Module):
         ints = (torch.int32,)
         floats = (torch.float16, torch.bfloat16, torch.float32)
         packed_n = -(-n // per)
+        if s.method == "fp8":
+            w = tensor("weight", (n, k), (FP8,))
+            name, scale = staged["weight_scale"]
+            if scale.dtype not in floats or tuple(scale.shape) not in ((), (1,), (n,), (n, 1)):
+                raise QuantLoadError(
+                    f"checkpoint tensor {name!r} is {scale.dtype} {tuple(scale.shape)}; a scale "
+                    f"per tensor (() or (1,)) or per output channel (({n},) or ({n}, 1)) in a "
+                    "float dtype was expected"
+                )
+            return ("fp8", w, scale.float().reshape(-1).expand(n).contiguous())
+
+        def group_of_rows(kind: str) -> torch.Tensor:
+            if kind not in staged:
+                return torch.arange(k) // self.group_size
+            g_idx = tensor(kind, (k,), (torch.int32, torch.int64)).long()
+            if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+                raise QuantLoadError(
+                    f"checkpoint tensor {staged[kind][0]!r} names groups outside 0..{groups - 1}"
+                )
+            return g_idx
+
+        if s.method == "packed_int":
+            # compressed-tensors pack-quantized: values packed along each output row's inputs,
+            # stored with the offset 2 ** (bits - 1) that makes a signed value unsigned.
+            name, shape = staged["weight_shape"]
+            if [int(v) for v in shape.reshape(-1).tolist()] != [n, k]:
+                raise QuantLoadError(
+                    f"checkpoint tensor {name!r} says {shape.tolist()}, expected [{n}, {k}]"
+                )
+            packed_k = -(-k // per)
+            q = unpack_int32(tensor("weight_packed", (n, packed_k), ints), s.bits, dim=1)[:, :k]
+            scales = tensor("weight_scale", (n, groups), floats)
+            zeros = torch.full((n, groups), 1 << (s.bits - 1), dtype=torch.int32)
+            g_idx = group_of_rows("weight_g_idx")
+            return ("int", q.to(torch.uint8).contiguous(), zeros, scales, g_idx)
         if s.method == "gptq":
             if k % per:
                 raise QuantLoadError(f"{staged['qweight'][0]!r}: {k} inputs do not pack by {per}")
             q = unpack_int32(tensor("qweight", (k // per, n), ints), s.bits, dim=0).t()
             zeros = unpack_int32(tensor("qzeros", (groups, packed_n), ints), s.bits, dim=1)
             zeros = zeros[:, :n] + 1  # the v1 format stores each zero point minus one
-            if "g_idx" in staged:
-                g_idx = tensor("g_idx", (k,), (torch.int32, torch.int64)).long()
-                if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-                    raise QuantLoadError(
-                        f"checkpoint tensor {staged['g_idx'][0]!r} names groups outside "
-                        f"0..{groups - 1}"
-                    )
-            else:
-                g_idx = torch.arange(k) // self.group_size
+            g_idx = group_of_rows("g_idx")
         else:
             qw = tensor("qweight", (k, packed_n), ints)
             q = unpack_int32(qw, s.bits, dim=1, order=AWQ_ORDER)[:, :n].t()
@@ -187,7 +228,7 @@ class QuantLinear(nn.Module):
             zeros = zeros[:, :n]
             g_idx = torch.arange(k) // self.group_size
         scales = tensor("scales", (groups, n), floats)
-        return q.to(torch.uint8).contiguous(), zeros.t().contiguous(), scales.t(), g_idx
+        return ("int", q.to(torch.uint8).contiguous(), zeros.t().contiguous(), scales.t(), g_idx)
 
     def missing(self) -> list[str]:
         """What the checkpoint left out, after the last tensor (also unpacks GPTQ parts that
@@ -199,7 +240,7 @@ class QuantLinear(nn.Module):
         kinds = _QUANT_KINDS[self.scheme.method]
         if self._staged:
             part, staged = next(iter(self._staged.items()))
-            lack = [k for k in kinds if k not in staged and k != "g_idx"]
+            lack = [k for k in kinds if k not in staged and k not in _OPTIONAL]
             module = next(iter(staged.values()))[0].rpartition(".")[0]
             return [f"{module}.{k}" for k in lack]
         return [f"part {i} of {self.parts}" for i in range(len(self.parts)) if i not in self._ready]
@@ -211,29 +252,33 @@ class QuantLinear(nn.Module):
             else [self._ready[i] for i in range(len(self.parts))]
         )
         self._ready.clear()
-        quantized = [f for f in forms if not isinstance(f[0], str)]
-        if self.mode == "dequantize" or len(quantized) != len(forms):
-            w = torch.cat(
-                [f[1] if isinstance(f[0], str) else dequantize_grouped(*f) for f in forms]
-            )
+        if self.mode == "dequantize" or any(f[0] == "float" for f in forms):
+            w = torch.cat([_dequantize(f) for f in forms])
             self.weight = w if self.rows is None else self.rows(w).reshape(w.shape)
+            self.settled = True
+            return
+        if forms[0][0] == "fp8":
+            w, scale = (torch.cat([f[i] for f in forms]) for i in (1, 2))
+            if self.rows is not None:
+                w, scale = (self.rows(t).reshape(t.shape) for t in (w, scale))
+            self.packed = nn.ModuleList([Fp8Weight(w, scale)])
             self.settled = True
             return
         # Parts that share their act-order permutation (q, k and v of one input, as GPTQ
         # writes them: they see the same Hessian) pack into one weight; a part with its own
         # permutation gets its own packed weight and matmul.
         runs: list[list[tuple]] = []
-        for f in quantized:
-            if runs and torch.equal(runs[-1][0][3], f[3]):
+        for f in forms:
+            if runs and torch.equal(runs[-1][0][4], f[4]):
                 runs[-1].append(f)
             else:
                 runs.append([f])
         packed = []
         for run in runs:
-            q, zeros, scales = (torch.cat([f[i] for f in run]) for i in range(3))
+            q, zeros, scales = (torch.cat([f[i] for f in run]) for i in (1, 2, 3))
             if self.rows is not None:
                 q, zeros, scales = (self.rows(t).reshape(t.shape) for t in (q, zeros, scales))
-            packed.append(PackedWeight(q, zeros, scales, run[0][3], self.scheme.bits))
+            packed.append(PackedWeight(q, zeros, scales, run[0][4], self.scheme.bits))
         self.packed = nn.ModuleList(packed)  # on CPU: the model moves it (`_settle_quantized`)
         self.settled = True
 
@@ -241,12 +286,17 @@ class QuantLinear(nn.Module):
         """Random weights (LOAD_FORMAT=dummy) in the scheme's shape: values uniform over the
         range, the zero point mid-range, scales like a 0.02-std float weight."""
         bits, n, k = self.scheme.bits, self.out_features, self.in_features
+        if self.scheme.method == "fp8":
+            w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8)
+            self._ready = {WHOLE: ("fp8", w, torch.full((n,), 2e-4))}
+            self._settle()
+            return
         top = 1 << bits
         q = torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
         zeros = torch.full((n, self.num_groups), top // 2, dtype=torch.int32)
         scales = torch.full((n, self.num_groups), 0.04 / top, dtype=torch.float16)
         g_idx = torch.arange(k) // self.group_size
-        self._ready = {WHOLE: (q, zeros, scales, g_idx)}
+        self._ready = {WHOLE: ("int", q, zeros, scales, g_idx)}
         self._settle()
 
     # -- running -------------------------------------------------------------------------------
@@ -300,7 +350,7 @@ class PackedWeight(nn.Module):
         self.register_buffer("g_idx", g_idx.to(torch.int32))
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+        _apply_keeping_dtype(self, fn, recurse, ("scales", "zeros"))
         if self.perm is not None:  # a plain attribute: model.to(device) must still move it
             self.perm = fn(self.perm)
         return self
@@ -308,3 +358,43 @@ class PackedWeight(nn.Module):
     def forward(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
         fn = w4a16_linear if use_kernels else w4a16_linear_ref
         return fn(x, self.qweight, self.scales, self.zeros, self.g_idx, self.perm, self.bits)
+
+
+def _dequantize(form: tuple) -> torch.Tensor:
+    """A part's float32 weight [out, in] from its unpacked form."""
+    if form[0] == "float":
+        return form[1]
+    if form[0] == "fp8":
+        return form[1].float() * form[2][:, None]
+    return dequantize_grouped(*form[1:])
+
+
+class Fp8Weight(nn.Module):
+    """An FP8 (e4m3) weight [out, in] with a float32 scale per output channel; activations are
+    quantized per token at each call (kernels/fp8.py: `torch._scaled_mm` on GPUs that run it,
+    else the float32 reference). The weight is kept as its bytes (uint8), which model.to(dtype)
+    leaves alone, and the scales stay float32."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight_bits", weight.contiguous().view(torch.uint8))
+        self.register_buffer("scale", scale.float())
+
+    def _apply(self, fn, recurse=True):
+        return _apply_keeping_dtype(self, fn, recurse, ("scale",))
+
+    def forward(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+        weight = self.weight_bits.view(FP8)
+        fn = fp8_linear if use_kernels else fp8_linear_ref
+        return fn(x, weight, self.scale)
+
+
+def _apply_keeping_dtype(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]):
+    """nn.Module._apply, except that buffers `names` only follow the device: model.to(dtype)
+    must not round quantization scales (float16 GPTQ scales in a bfloat16 model lose three
+    bits; the kernels read any float dtype)."""
+    kept = {n: module._buffers[n] for n in names}
+    nn.Module._apply(module, fn, recurse)
+    for n, t in kept.items():
+        module._buffers[n] = t.to(module._buffers[n].device)
+    return module

@@ -8,8 +8,10 @@ built from, or refuses what cannot be served with the reason named, before any w
 otherwise the first `qweight` tensor would fail the weight mapping with an error that says
 nothing about quantization.
 
-Served today: GPTQ (v1 checkpoint format, 4 and 8 bits, any group size, act-order) and AWQ
-(GEMM layout, 4 bits, with zero points). FP8 and compressed-tensors are recognised and refused.
+Served today: GPTQ (v1 checkpoint format, 4 and 8 bits, any group size, act-order), AWQ (GEMM
+layout, 4 bits, with zero points) and FP8 weights (e4m3, a scale per tensor or per output
+channel), the last both as `quant_method: fp8` and as compressed-tensors' float-quantized
+format.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..config import ConfigError
 
 # vLLM's kernel-specific names for the checkpoint formats they read.
 _SAME_FORMAT = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}
-SERVED = ("gptq", "awq")
+SERVED = ("gptq", "awq", "fp8", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class QuantScheme:
     point per output column. A linear the quantizer left alone (AWQ's
     `modules_to_not_convert`) is recognised by its plain `weight` tensor at load."""
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "fp8" | "packed_int" (compressed-tensors pack-quantized)
     bits: int
     group_size: int
     desc_act: bool = False
@@ -94,6 +96,53 @@ def _scheme(method: str, qc, source: str) -> QuantScheme:
     return QuantScheme("awq", bits, group)
 
 
+def _fp8_scheme(qc, source: str) -> QuantScheme:
+    if _get(qc, "weight_block_size"):
+        raise ConfigError(
+            f"{source}: block-wise FP8 (weight_block_size={_get(qc, 'weight_block_size')}) is not "
+            "supported; FP8 checkpoints with a scale per tensor or per channel are"
+        )
+    return QuantScheme("fp8", 8, -1)
+
+
+def _compressed_tensors_scheme(qc, source: str) -> QuantScheme:
+    """llm-compressor's format: one config group whose `weights` say what the tensors hold."""
+    groups = _get(qc, "config_groups") or {}
+    if len(groups) != 1:
+        raise ConfigError(
+            f"{source}: compressed-tensors with {len(groups)} config groups is not supported (one)"
+        )
+    weights = next(iter(groups.values())).get("weights") or {}
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    if kind == "float" and bits == 8:
+        if strategy not in ("tensor", "channel"):
+            raise ConfigError(
+                f"{source}: compressed-tensors FP8 weights with strategy={strategy!r} are not "
+                "supported ('tensor' or 'channel')"
+            )
+        return QuantScheme("fp8", 8, -1)
+    fmt = _get(qc, "format")
+    if kind == "int" and bits in (4, 8) and fmt == "pack-quantized":
+        if not weights.get("symmetric", True):
+            raise ConfigError(
+                f"{source}: compressed-tensors pack-quantized with asymmetric weights (zero "
+                "points) is not supported yet; symmetric (the W4A16 preset) is"
+            )
+        if strategy == "channel":
+            return QuantScheme("packed_int", bits, -1)
+        group = weights.get("group_size")
+        if strategy != "group" or not isinstance(group, int) or group <= 0:
+            raise ConfigError(
+                f"{source}: compressed-tensors pack-quantized with strategy={strategy!r}, "
+                f"group_size={group!r} is not supported ('group' with a size, or 'channel')"
+            )
+        return QuantScheme("packed_int", bits, group)
+    raise ConfigError(
+        f"{source}: compressed-tensors {fmt!r} with {bits}-bit {kind} weights is not supported "
+        "yet (float-quantized FP8 and pack-quantized 4/8-bit integers are)"
+    )
+
+
 def check_quantization(requested: str | None, hf_config, source: str) -> QuantScheme | None:
     """The checkpoint's QuantScheme (None: unquantized). Raises ConfigError for what cannot be
     served: squeezellm, a requested method the checkpoint contradicts or lacks, methods not
@@ -121,7 +170,12 @@ def check_quantization(requested: str | None, hf_config, source: str) -> QuantSc
     if method not in SERVED:
         raise ConfigError(
             f"{source} is a {found} checkpoint; of the quantized formats only "
-            f"{' and '.join(SERVED)} are supported so far: serve a GPTQ or AWQ checkpoint, its "
-            "unquantized model, or a .gguf file (dequantized at load)"
+            f"{', '.join(SERVED)} are supported so far: serve one of those, its unquantized "
+            "model, or a .gguf file (dequantized at load)"
         )
-    return _scheme(method, hf_config.quantization_config, source)
+    qc = hf_config.quantization_config
+    if method == "fp8":
+        return _fp8_scheme(qc, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(qc, source)
+    return _scheme(method, qc, source)

@@ -352,6 +352,7 @@ class DecoderModel(nn.Module):
         elif s.lm_head_bias:
             self.lm_head_bias = nn.Parameter(torch.zeros(s.vocab_size))
         self.packed_lm_head = None
+        self.quantization = "none"  # for the start-up line; `quantize` says which
 
     def _attention_spec(self, i: int, slopes: torch.Tensor | None = None) -> AttentionSpec:
         s = self.spec
@@ -454,6 +455,9 @@ class DecoderModel(nn.Module):
         `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
         checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
         s = self.spec
+        group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
+        act = " act-order" if scheme.desc_act else ""
+        self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
         kv = s.num_kv_heads * s.head_dim
         parts_of = {"qkv_proj": (s.num_heads * s.head_dim, kv, kv), "gate_up_proj": None}
         for layer in self.layers:

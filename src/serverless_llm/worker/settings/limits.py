@@ -14,7 +14,15 @@ from typing import Literal
 
 from .fields import SettingsFields, shown_value
 
-SERVED_QUANTIZATION = ("awq", "gptq", "marlin", "awq_marlin", "gptq_marlin")
+SERVED_QUANTIZATION = (
+    "awq",
+    "gptq",
+    "marlin",
+    "awq_marlin",
+    "gptq_marlin",
+    "fp8",
+    "compressed-tensors",
+)
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,10 @@ LIMITS: tuple[Limit, ...] = (
         "QUANTIZATION",
         "error",
         lambda s: s.quantization not in (None, *SERVED_QUANTIZATION),
-        "of the quantized formats only GPTQ and AWQ checkpoints are supported yet "
-        "(QUANTIZATION awq, gptq, or their marlin names; unset, it follows the checkpoint); serve "
-        "one of those, an unquantized model, or a .gguf file (dequantized at load)",
+        "of the quantized formats only GPTQ, AWQ, FP8 and compressed-tensors FP8 checkpoints are "
+        "supported yet (QUANTIZATION awq, gptq, fp8, compressed-tensors, or the marlin names; "
+        "unset, it follows the checkpoint); serve one of those, an unquantized model, or a .gguf "
+        "file (dequantized at load)",
     ),
     Limit(
         "KV_CACHE_DTYPE",
