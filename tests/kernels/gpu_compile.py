@@ -20,7 +20,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from serverless_llm.engine.kernels import activation, kv_write, layer_norm, rms_norm, rotary
+from serverless_llm.engine.kernels import (
+    activation,
+    kv_write,
+    layer_norm,
+    rms_norm,
+    rotary,
+    w4a16,
+)
 from serverless_llm.engine.kernels import paged_attention as pa
 from serverless_llm.engine.kernels.triton_lazy import LazyKernel
 
@@ -38,7 +45,7 @@ POINTER_TYPES = {
     "cache_ptr": "*fp32",
     "alibi_ptr": "*fp32",
 }
-FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps"}
+FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps", "k_scale", "v_scale", "fp8_max"}
 # Integer arguments that are multiples of 16 at real shapes (Triton specialises on that).
 # (split, window, soft-cap and ALiBi) of the attention kernel: plain, split with a window, and
 # with a window, soft-cap and ALiBi (Gemma 2, BLOOM).
@@ -46,16 +53,19 @@ OPTION_SETS = ((False, False, False), (True, True, False), (False, True, True))
 ALIGNED = re.compile(r"^stride_(q|o|k|v|c)|^num_heads$")
 
 
-def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int, warps: int, stages: int):
+def compile_kernel(
+    kernel, dtype: str, constexprs: dict, arch: int, warps: int, stages: int, pointers=None
+):
     # A kernel not launched yet is still the module's LazyKernel: its JIT function is `.jit`.
     fn = kernel.jit if isinstance(kernel, LazyKernel) else kernel
     signature: dict[str, str] = {}
     attrs = {}
+    types = {**POINTER_TYPES, **(pointers or {})}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = POINTER_TYPES.get(name, f"*{dtype}")
+            signature[name] = types.get(name, f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOAT_ARGS:
             signature[name] = "fp32"
@@ -100,6 +110,7 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         HAS_ALIBI=flags.get("alibi", False),
         SPLIT=flags.get("split", False),
         IEEE=dtype == "fp32",
+        KV_FP8=flags.get("kv_fp8", False),
     )
 
 
@@ -112,10 +123,12 @@ def main(quick: bool = False) -> int:
     shapes = ((4, 128), (1, 64)) if quick else ((4, 128), (1, 64), (8, 128), (32, 128))
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def attempt(label: str, jit_fn, dtype, constexprs, arch, warps, stages, no_spill=False):
+    def attempt(
+        label: str, jit_fn, dtype, constexprs, arch, warps, stages, no_spill=False, pointers=None
+    ):
         nonlocal failed
         try:
-            kernel = compile_kernel(jit_fn, dtype, constexprs, arch, warps, stages)
+            kernel = compile_kernel(jit_fn, dtype, constexprs, arch, warps, stages, pointers)
         except Exception as e:  # noqa: BLE001 - report every failure, keep going
             failed += 1
             print(f"FAIL sm{arch} {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
@@ -165,8 +178,48 @@ def main(quick: bool = False) -> int:
                         )
             ce = dict(HEAD_DIM=128, D_PAD=128, S_PAD=32, HEADS=1)
             attempt(f"reduce {dtype}", pa._reduce_splits_kernel, dtype, ce, arch, 4, 1)
-            ce = dict(CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
+            ce = dict(QUANT=False, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
             attempt(f"kv_write {dtype}", kv_write._kv_write_kernel, dtype, ce, arch, 4, 1)
+            # The 8-bit float KV cache (KV_CACHE_DTYPE fp8): written, and read by attention.
+            for fp8 in ("fp8e4nv", "fp8e5"):
+                caches = {"k_cache_ptr": f"*{fp8}", "v_cache_ptr": f"*{fp8}"}
+                ce = dict(QUANT=True, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
+                kernel = kv_write._kv_write_kernel
+                attempt(f"kv_write {dtype} {fp8}", kernel, dtype, ce, arch, 4, 1, pointers=caches)
+                for kind in ("decode", "prefill"):
+                    cfg = (
+                        pa.decode_tiles(4, 128, tdt)
+                        if kind == "decode"
+                        else pa.prefill_tiles(4, 128, 2048, tdt)
+                    )
+                    ce = attention_constexprs(4, cfg, 128, dtype, kv_fp8=True)
+                    attempt(
+                        f"attention {dtype} {kind} {fp8} cache",
+                        pa._paged_attention_kernel,
+                        dtype,
+                        ce,
+                        arch,
+                        cfg.num_warps,
+                        cfg.num_stages,
+                        pointers=caches,
+                    )
+            # The GPTQ/AWQ GEMM, at decode and prefill row counts, 4 and 8 bits.
+            if dtype != "fp32":
+                w4 = {"qw_ptr": "*i32", "g_ptr": "*i32", "out_ptr": "*fp32"}
+                for bits in (4, 8):
+                    for m in (1, 256):
+                        bm, bn, bk, _ = w4a16._gemm_blocks(m, 4096, 4096)
+                        ce = dict(BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                        attempt(
+                            f"w4a16 {dtype} bits={bits} m={m}",
+                            w4a16._w4a16_kernel,
+                            dtype,
+                            ce,
+                            arch,
+                            4,
+                            1,
+                            pointers=w4,
+                        )
             for res in (False, True):
                 block, warps = rms_norm._launch_shape(4096)
                 ce = dict(HAS_RESIDUAL=res, BLOCK=block)

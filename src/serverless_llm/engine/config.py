@@ -23,6 +23,12 @@ _DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+# The KV cache's element type: "auto" is the model dtype; "fp8" is e4m3 (vLLM's meaning).
+KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_CAPTURE_MODES = ("auto", "off", "replay")
@@ -45,6 +51,8 @@ class EngineConfig:
     # dequantized inside the matmul), "dequantize" (float once at load), or "auto": packed on
     # CUDA, dequantized elsewhere (faster on CPU: docs/quantization.md).
     quantized_weights: str = "auto"
+    # "auto" (the model dtype) or an 8-bit float: fp8 / fp8_e4m3, fp8_e5m2 (kv_cache.py).
+    kv_cache_dtype: str = "auto"
     dtype: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
@@ -93,6 +101,11 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]"
+            )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: allowed auto, "
+                + ", ".join(KV_CACHE_DTYPES)
             )
         if self.quantized_weights not in ("auto", "packed", "dequantize"):
             raise ConfigError(

@@ -279,7 +279,7 @@ class CapturedDecode:
             junk = torch.randn(
                 (2, probe_blocks, *layer_cache.shape[2:]), generator=g, dtype=torch.float32
             )
-            layer_cache[:, :probe_blocks].copy_(junk.to(layer_cache.dtype) * 0.5)
+            layer_cache[:, :probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
         table = torch.arange(probe_blocks, dtype=torch.int32)
         vocab = self.model.embed_tokens.num_embeddings
         tol = 1e-3 if cache.dtype == torch.float32 else 3e-2

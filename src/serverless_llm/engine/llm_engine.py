@@ -43,6 +43,7 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.cache_dtype = loaded.cache_dtype
         self.max_model_len = loaded.max_model_len
         self.backend = loaded.backend
         self.model = model = loaded.model
@@ -86,7 +87,7 @@ class LLMEngine:
             self.block_size,
             model.num_kv_heads,
             model.head_dim,
-            self.dtype,
+            loaded.cache_dtype,
             self.device,
             head_major=self.backend.head_major_cache,
         )
@@ -109,7 +110,7 @@ class LLMEngine:
         captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
-            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens) decode_capture=%s",
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) decode_capture=%s",
             time.perf_counter() - t0,
             self.resolved.source,
             str(self.dtype).replace("torch.", ""),
@@ -120,6 +121,7 @@ class LLMEngine:
             num_blocks,
             self.block_size,
             num_blocks * self.block_size,
+            str(self.cache_dtype).replace("torch.", ""),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
         )
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ATTENTION_BACKENDS, ConfigError, EngineConfig, resolve_dtype
+from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, ConfigError, EngineConfig, resolve_dtype
 from .cpu_tuning import cap_kernel_caches, tune_allocator
 from .kv_cache import allocate_kv_cache, bytes_per_block
 from .layers.attention import (
@@ -20,7 +20,7 @@ from .layers.attention import (
     TritonAttentionBackend,
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
-from .loader.quantization import check_quantization
+from .loader.quantization import check_quantization, read_side_config
 from .models import DecoderModel, describe_model
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class LoadedModel:
     max_model_len: int
     backend: AttentionBackend
     model: torch.nn.Module
+    cache_dtype: torch.dtype  # the KV cache's: the model dtype, or an 8-bit float
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -45,6 +46,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = config.resolve_device()
     resolved = resolve_model(config)
     hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+    read_side_config(hf_config, resolved.model_dir)
     scheme = check_quantization(config.quantization, hf_config, resolved.source)
     dtype = resolve_dtype(
         config.dtype,
@@ -75,7 +77,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     if device.type == "cpu":
         model.optimize_for_cpu()
-    return LoadedModel(resolved, hf_config, device, dtype, max_model_len, backend, model)
+    cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
+    return LoadedModel(
+        resolved, hf_config, device, dtype, max_model_len, backend, model, cache_dtype
+    )
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -142,7 +147,9 @@ def num_kv_blocks(
     """NUM_KV_BLOCKS when set; on CUDA what GPU_MEMORY_UTILIZATION leaves after a profiled
     peak step; on CPU the configured cache size."""
     m = loaded.model
-    per_block = bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
+    per_block = bytes_per_block(
+        m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.cache_dtype
+    )
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if loaded.device.type == "cuda":
@@ -171,7 +178,7 @@ def _profile_cuda_blocks(
         block_size,
         m.num_kv_heads,
         m.head_dim,
-        loaded.dtype,
+        loaded.cache_dtype,
         dev,
         head_major=loaded.backend.head_major_cache,
     )

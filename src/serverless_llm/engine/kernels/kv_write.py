@@ -7,6 +7,10 @@ s % block_size of block s // block_size. A negative slot marks a padding token a
 A program of the kernel copies a few whole tokens (all their heads), so each row it moves is
 contiguous. Triton is imported at the kernel's first launch, never for the reference (see
 `triton_lazy`).
+
+An 8-bit float cache (KV_CACHE_DTYPE fp8) stores k / k_scale and v / v_scale, computed in float32,
+clamped to the format's largest finite value and rounded to it (`quantize_kv`); the readers
+multiply the scale back (`dequantize_kv`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,23 @@ tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 
 KvWriteIndex = tuple  # (rows to keep or None, (block ids, offsets))
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in `dtype`, clamped to its finite range (an 8-bit float cache)."""
+    top = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-top, top).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """An 8-bit float cache's values back in `dtype` (x * scale, in float32)."""
+    return (x.float() * scale).to(dtype)
 
 
 def kv_write_index(slot_mapping: torch.Tensor, block_size: int) -> KvWriteIndex:
@@ -37,14 +58,19 @@ def reshape_and_cache_reference(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     index: KvWriteIndex | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """The torch reference (what the torch backend runs): each token's K and V at its slot;
     padding slots (< 0) are skipped. Indexed by (block, offset), so it writes any cache layout
     (the torch backend's is head-major, see `allocate_kv_cache`). `index`: the step's
-    `kv_write_index`, when the caller has it."""
+    `kv_write_index`, when the caller has it. An 8-bit float cache gets k / k_scale and
+    v / v_scale."""
     keep, at = index if index is not None else kv_write_index(slot_mapping, kv_cache.shape[2])
     if keep is not None:
         k, v = k[keep], v[keep]
+    if is_fp8(kv_cache.dtype):
+        k, v = quantize_kv(k, k_scale, kv_cache.dtype), quantize_kv(v, v_scale, kv_cache.dtype)
     kv_cache[0].index_put_(at, k)
     kv_cache[1].index_put_(at, v)
 
@@ -66,6 +92,10 @@ def _kv_write_kernel(
     stride_ch,
     num_kv_heads,
     head_dim,
+    k_scale,
+    v_scale,
+    fp8_max,
+    QUANT: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     TOKENS: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -91,8 +121,14 @@ def _kv_write_kernel(
     dst = dst[:, None] + (heads * stride_ch + dims)[None, :]
     k = tl.load(k_ptr + src_k, mask=mask, other=0.0)
     v = tl.load(v_ptr + src_v, mask=mask, other=0.0)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # k / k_scale, clamped to the 8-bit format's range (no variable changes type)
+        kq = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
+        vq = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
+        tl.store(k_cache_ptr + dst, kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # Elements a program moves (per tensor): enough to amortise a program, small in registers.
@@ -100,9 +136,15 @@ KV_WRITE_TILE = 4096
 
 
 def reshape_and_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """k, v: [T, KVH, D] (any token/head strides, unit stride on D); kv_cache as above."""
+    """k, v: [T, KVH, D] (any token/head strides, unit stride on D); kv_cache as above (an
+    8-bit float cache gets k / k_scale and v / v_scale)."""
     T, kvh, d = k.shape
     if T == 0:
         return
@@ -133,6 +175,10 @@ def reshape_and_cache(
         key_cache.stride(2),
         kvh,
         d,
+        float(k_scale),
+        float(v_scale),
+        float(torch.finfo(kv_cache.dtype).max) if is_fp8(kv_cache.dtype) else 0.0,
+        QUANT=is_fp8(kv_cache.dtype),
         CACHE_BLOCK=block_size,
         TOKENS=tokens,
         D_PAD=d_pad,

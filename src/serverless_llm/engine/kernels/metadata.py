@@ -52,6 +52,10 @@ class AttentionSpec:
     sliding_window: int | None = None  # a query attends to the last `sliding_window` keys
     logit_softcap: float | None = None
     alibi_slopes: torch.Tensor | None = None
+    # An 8-bit float cache holds k / k_scale and v / v_scale (kv_write); readers multiply back.
+    # Per layer; 1.0 unless the checkpoint gives them. Unused by a cache in the model dtype.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self) -> None:
         slopes = self.alibi_slopes
@@ -70,6 +74,8 @@ class AttentionSpec:
             self.scale,
             self.sliding_window,
             self.logit_softcap,
+            self.k_scale,
+            self.v_scale,
         )
 
     def __eq__(self, other: object) -> bool:

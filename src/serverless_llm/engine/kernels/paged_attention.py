@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kv_write import dequantize_kv, is_fp8
 from .metadata import AttentionMetadata, AttentionSpec
 from .triton_lazy import cdiv, jit, next_power_of_2
 
@@ -106,6 +107,8 @@ def _paged_attention_kernel(
     stride_vh,
     stride_bt,
     num_heads,
+    k_scale,
+    v_scale,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -119,6 +122,7 @@ def _paged_attention_kernel(
     HAS_ALIBI: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -176,9 +180,13 @@ def _paged_attention_kernel(
         blk = tl.load(table_row + keys // CACHE_BLOCK, mask=kmask, other=0).to(tl.int64)
         in_blk = keys % CACHE_BLOCK
         kv_mask = kmask[:, None] & dmask[None, :]
-        k = _load_kv_tile(
+        k_tile = _load_kv_tile(
             k_cache_ptr, blk, in_blk, kv_head, stride_kb, stride_kt, stride_kh, dims, kv_mask
         )
+        if KV_FP8:  # an 8-bit float cache holds k / k_scale
+            k = (k_tile.to(tl.float32) * k_scale).to(q.dtype)
+        else:
+            k = k_tile
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -196,9 +204,13 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
+        v_tile = _load_kv_tile(
             v_cache_ptr, blk, in_blk, kv_head, stride_vb, stride_vt, stride_vh, dims, kv_mask
         )
+        if KV_FP8:
+            v = (v_tile.to(tl.float32) * v_scale).to(q.dtype)
+        else:
+            v = v_tile
         acc = acc * alpha[:, None]
         if IEEE:
             acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -461,6 +473,8 @@ def _launch(
         value_cache.stride(2),
         meta.block_tables.stride(0),
         H,
+        float(spec.k_scale),
+        float(spec.v_scale),
         GROUP=group,
         G_PAD=g_pad,
         BLOCK_Q=block_q,
@@ -474,6 +488,7 @@ def _launch(
         HAS_ALIBI=slopes is not None,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
+        KV_FP8=is_fp8(key_cache.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -611,6 +626,9 @@ def _decode_torch(q, kv_cache, meta, spec):
     # the batch.)
     keys = gather_blocks(kv_cache[0], blocks, rows)  # [nd, KVH, L, D]
     values = gather_blocks(kv_cache[1], blocks, rows)
+    if is_fp8(kv_cache.dtype):
+        keys = dequantize_kv(keys, spec.k_scale, q.dtype)
+        values = dequantize_kv(values, spec.v_scale, q.dtype)
     n_idx, p_idx = st["decode_unwritten"]
     values[n_idx, :, p_idx] = 0
     qg = q.view(nd, kvh, g, d)
@@ -635,10 +653,14 @@ def _prefill_torch(q, k, v, kv_cache, meta, spec, i):
     seq_len = meta.seq_lens_host[i]
     ctx = seq_len - n
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, n, D]
-    if ctx > 0:
+    fp8 = is_fp8(kv_cache.dtype)
+    if ctx > 0 or fp8:  # an 8-bit float cache: attend to what it holds, as the kernel does
         blocks = meta.block_tables[i, : -(-seq_len // meta.block_size)]
         kh = gather_blocks(kv_cache[0], blocks)[:, :seq_len]
         vh = gather_blocks(kv_cache[1], blocks)[:, :seq_len]
+        if fp8:
+            kh = dequantize_kv(kh, spec.k_scale, q.dtype)
+            vh = dequantize_kv(vh, spec.v_scale, q.dtype)
     if spec.logit_softcap is not None:
         # tanh between the scores and the softmax: no fused kernel has room for it.
         return _attend_explicit(q, kh, vh, ctx, spec)
@@ -721,8 +743,11 @@ def paged_attention_reference(
         ctx = seq_len - (e - s)
         slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
         at = (slots // meta.block_size, slots % meta.block_size)  # logical: any cache layout
-        keys = kv_cache[0][at].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        values = kv_cache[1][at].float().repeat_interleave(group, dim=1)
+        k_scale, v_scale = (
+            s if is_fp8(kv_cache.dtype) else 1.0 for s in (spec.k_scale, spec.v_scale)
+        )
+        keys = (kv_cache[0][at].float() * k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
+        values = (kv_cache[1][at].float() * v_scale).repeat_interleave(group, dim=1)
         qi = q[s:e].float()  # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", qi, keys) * spec.scale
         if spec.logit_softcap is not None:

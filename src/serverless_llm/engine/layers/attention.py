@@ -67,7 +67,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, spec):
         index = meta.backend_state.get("kv_write")
-        reshape_and_cache_reference(k, v, kv_cache, meta.slot_mapping, index)
+        reshape_and_cache_reference(
+            k, v, kv_cache, meta.slot_mapping, index, spec.k_scale, spec.v_scale
+        )
         return paged_attention_torch(q, k, v, kv_cache, meta, spec)
 
 
@@ -96,7 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._sms: dict[torch.device, int] = {}
 
     def forward(self, q, k, v, kv_cache, meta, spec):
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, spec.k_scale, spec.v_scale)
         sms = self._sms.get(q.device)
         if sms is None:
             sms = self._sms[q.device] = num_sms(q.device)

@@ -52,7 +52,14 @@ TOKENIZER_PATTERNS = [
     "chat_template.json",
     "*.tiktoken",
 ]
-MODEL_PATTERNS = [*TOKENIZER_PATTERNS, "generation_config.json"]
+# With the quantizers' own settings files: older AutoGPTQ and AutoAWQ repos keep them there
+# rather than in config.json (loader/quantization.py reads them).
+MODEL_PATTERNS = [
+    *TOKENIZER_PATTERNS,
+    "generation_config.json",
+    "quantize_config.json",
+    "quant_config.json",
+]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")

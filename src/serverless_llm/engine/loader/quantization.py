@@ -16,6 +16,8 @@ format.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 from ..config import ConfigError
@@ -41,6 +43,32 @@ class QuantScheme:
 def _get(qc, key, default=None):
     value = qc.get(key, default) if isinstance(qc, dict) else getattr(qc, key, default)
     return getattr(value, "value", value)  # transformers keeps some as an enum
+
+
+# Settings files of the quantizers, read when config.json has no quantization_config, with the
+# method each implies when the file does not name one.
+SIDE_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def read_side_config(hf_config, model_dir: str) -> None:
+    """Sets hf_config.quantization_config from AutoGPTQ's quantize_config.json or AutoAWQ's
+    quant_config.json in `model_dir` when config.json has none (older repos keep it there)."""
+    if getattr(hf_config, "quantization_config", None):
+        return
+    for name, method in SIDE_FILES:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                qc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from e
+        if not isinstance(qc, dict):
+            raise ConfigError(f"{path} is not a JSON object")
+        qc.setdefault("quant_method", method)
+        hf_config.quantization_config = qc
+        return
 
 
 def checkpoint_quantization(hf_config) -> str | None:

@@ -19,6 +19,7 @@ kernel; `residual is None` means the stream is x itself.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -487,10 +488,14 @@ class DecoderModel(nn.Module):
         quant = {n: m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
         loaded: set[str] = set()
         layer_prefix = names.layers_prefix + "."
+        kv_scales: dict[int, dict[str, float]] = {}
         for name, tensor in weights:
             if any(part in name for part in names.ignore):
                 continue
             module, _, kind = name.rpartition(".")
+            if kind in ("k_scale", "v_scale", "kv_scale") and module.startswith(layer_prefix):
+                self._take_kv_scale(kv_scales, module[len(layer_prefix) :], kind, name, tensor)
+                continue
             if module == "lm_head" and self.tied:  # a tied checkpoint may still save the head
                 if kind == "bias" and "lm_head_bias" in params:
                     self._place(params["lm_head_bias"], "lm_head_bias", None, tensor, loaded)
@@ -529,6 +534,9 @@ class DecoderModel(nn.Module):
             missing += [f"{mname}: {what}" for what in m.missing()]
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for i, scales in kv_scales.items():
+            attn = self.layers[i].self_attn
+            attn.spec = dataclasses.replace(attn.spec, **scales)
         if quant and not any(m.packed is not None or m.took_quantized for m in quant.values()):
             scheme = next(iter(quant.values())).scheme
             raise QuantLoadError(
@@ -536,6 +544,19 @@ class DecoderModel(nn.Module):
                 "(no qweight tensors): a config from the quantized repo with unquantized weights?"
             )
         self._settle_quantized()
+
+    def _take_kv_scale(self, scales: dict, local: str, kind: str, name: str, tensor) -> None:
+        """A layer's KV cache scale (FP8 checkpoints made with a quantized KV cache write
+        `self_attn.k_scale` and `v_scale`, older ones one `kv_scale`): what an 8-bit float cache
+        divides K or V by. Read whatever the cache dtype; used only by an 8-bit cache."""
+        idx = local.partition(".")[0]
+        if not idx.isdigit() or int(idx) >= len(self.layers) or tensor.numel() != 1:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
+        value = float(tensor.float().reshape(()))
+        if not math.isfinite(value) or value <= 0:
+            raise KeyError(f"checkpoint tensor {name!r} is {value}: a KV scale must be > 0")
+        names = ("k_scale", "v_scale") if kind == "kv_scale" else (kind,)
+        scales.setdefault(int(idx), {}).update(dict.fromkeys(names, value))
 
     def _take_quantized(self, module: QuantLinear, name, kind, how, tensor) -> None:
         if how in self._SHARDS:

@@ -34,6 +34,7 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         tokenizer_revision=s.tokenizer_revision,
         load_format=s.load_format,
         quantization=s.quantization,
+        kv_cache_dtype=s.kv_cache_dtype,
         dtype=s.dtype,
         seed=s.seed,
         trust_remote_code=s.trust_remote_code,

@@ -55,13 +55,6 @@ LIMITS: tuple[Limit, ...] = (
         "file (dequantized at load)",
     ),
     Limit(
-        "KV_CACHE_DTYPE",
-        "warning",
-        lambda s: s.kv_cache_dtype != "auto",
-        "an fp8 KV cache is not supported yet; the cache uses the model's dtype (more memory, "
-        "same outputs)",
-    ),
-    Limit(
         "TENSOR_PARALLEL_SIZE",
         "warning",
         lambda s: s.tensor_parallel_size > 1,
