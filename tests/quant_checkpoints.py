@@ -29,7 +29,7 @@ AWQ_FIELD_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]
 LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
 
 
-def _int32(word: int) -> int:
+def int32_word(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
@@ -69,12 +69,12 @@ def pack_gptq(q, zeros, bits: int):
     per = 32 // bits
     n_in, n_out = len(q), len(q[0])
     qweight = [
-        [_int32(sum(q[r * per + j][o] << (bits * j) for j in range(per))) for o in range(n_out)]
+        [int32_word(sum(q[r * per + j][o] << (bits * j) for j in range(per))) for o in range(n_out)]
         for r in range(n_in // per)
     ]
     qzeros = [
         [
-            _int32(sum((z[c * per + j] - 1) << (bits * j) for j in range(per)))
+            int32_word(sum((z[c * per + j] - 1) << (bits * j) for j in range(per)))
             for c in range(n_out // per)
         ]
         for z in zeros
@@ -86,13 +86,31 @@ def pack_awq(rows) -> torch.Tensor:
     return torch.tensor(
         [
             [
-                _int32(sum(row[8 * c + AWQ_FIELD_COLUMN[k]] << (4 * k) for k in range(8)))
+                int32_word(sum(row[8 * c + AWQ_FIELD_COLUMN[k]] << (4 * k) for k in range(8)))
                 for c in range(len(row) // 8)
             ]
             for row in rows
         ],
         dtype=torch.int32,
     )
+
+
+def _save(src: str, float_dir: str, quant_dir: str, twin: dict, packed: dict, qc: dict):
+    """src's files with its weights replaced: `twin` in float_dir, `packed` in quant_dir, whose
+    config.json gets `qc` as its quantization_config. Returns (float_dir, quant_dir)."""
+    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
+        shutil.copytree(src, out)
+        os.remove(os.path.join(out, "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
+        )
+    cfg_path = os.path.join(quant_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return float_dir, quant_dir
 
 
 def write_quantized(
@@ -142,15 +160,6 @@ def write_quantized(
         packed[base + ".qweight"] = qweight
         packed[base + ".qzeros"] = qzeros
         packed[base + ".scales"] = scales
-    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
-        shutil.copytree(src, out)
-        os.remove(os.path.join(out, "model.safetensors"))
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
-        )
-    cfg_path = os.path.join(quant_dir, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
     if method == "gptq":
         qc = {
             "quant_method": "gptq",
@@ -168,10 +177,7 @@ def write_quantized(
             "zero_point": True,
             "version": "gemm",
         }
-    cfg["quantization_config"] = qc
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return float_dir, quant_dir
+    return _save(src, float_dir, quant_dir, twin, packed, qc)
 
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
@@ -205,12 +211,6 @@ def write_fp8(
         packed[base + ".weight_scale"] = scale.float()
         if static_input:
             packed[base + ".input_scale"] = torch.tensor([0.02])
-    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
-        shutil.copytree(src, out)
-        os.remove(os.path.join(out, "model.safetensors"))
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
-        )
     if style == "fp8":
         qc = {"quant_method": "fp8", "activation_scheme": "static" if static_input else "dynamic"}
     else:
@@ -239,13 +239,7 @@ def write_fp8(
             "ignore": ["lm_head"],
             "quantization_status": "compressed",
         }
-    cfg_path = os.path.join(quant_dir, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return float_dir, quant_dir
+    return _save(src, float_dir, quant_dir, twin, packed, qc)
 
 
 def write_pack_quantized(
@@ -293,7 +287,7 @@ def write_pack_quantized(
                 stored.append(q + half)
             words.append(
                 [
-                    _int32(sum(stored[c * per + j] << (bits * j) for j in range(per)))
+                    int32_word(sum(stored[c * per + j] << (bits * j) for j in range(per)))
                     for c in range(k // per)
                 ]
             )
@@ -304,12 +298,6 @@ def write_pack_quantized(
         packed[base + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
         if act_order:
             packed[base + ".weight_g_idx"] = torch.tensor(groups, dtype=torch.int32)
-    for out, tensors in ((float_dir, twin), (quant_dir, packed)):
-        shutil.copytree(src, out)
-        os.remove(os.path.join(out, "model.safetensors"))
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors")
-        )
     weights = {
         "num_bits": bits,
         "type": "int",
@@ -324,10 +312,4 @@ def write_pack_quantized(
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
         "ignore": ["lm_head"],
     }
-    cfg_path = os.path.join(quant_dir, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return float_dir, quant_dir
+    return _save(src, float_dir, quant_dir, twin, packed, qc)

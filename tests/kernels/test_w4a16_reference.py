@@ -1,6 +1,7 @@
-"""The GPTQ and AWQ readers (kernels/w4a16.py) against checkpoints packed here, field by field
-in plain Python from the formats' descriptions (not with the reader's code): every dequantized
-weight equals scale * (q - zero) computed from the unpacked integers."""
+"""The GPTQ and AWQ readers (kernels/w4a16.py) against checkpoints packed field by field in
+plain Python by tests/quant_checkpoints.py from the formats' descriptions (not with the
+reader's code): every dequantized weight equals scale * (q - zero) computed from the unpacked
+integers."""
 
 from __future__ import annotations
 
@@ -10,45 +11,7 @@ import pytest
 import torch
 
 from serverless_llm.engine.kernels.w4a16 import dequantize_awq, dequantize_gptq, unpack_int32
-
-AWQ_FIELD_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack order: field k holds this column
-
-
-def _int32(word: int) -> int:
-    """An unsigned 32-bit pattern as the signed int32 a checkpoint stores."""
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
-def pack_gptq(q: list[list[int]], zeros: list[list[int]], bits: int):
-    """q [in][out], zeros [groups][out] (the real zero points) -> qweight, qzeros (v1: zero - 1)."""
-    per = 32 // bits
-    n_in, n_out = len(q), len(q[0])
-    qweight = [
-        [_int32(sum(q[r * per + j][o] << (bits * j) for j in range(per))) for o in range(n_out)]
-        for r in range(n_in // per)
-    ]
-    qzeros = [
-        [
-            _int32(sum((z[c * per + j] - 1) << (bits * j) for j in range(per)))
-            for c in range(n_out // per)
-        ]
-        for z in zeros
-    ]
-    return torch.tensor(qweight, dtype=torch.int32), torch.tensor(qzeros, dtype=torch.int32)
-
-
-def pack_awq(rows: list[list[int]]) -> torch.Tensor:
-    """rows [n][out] of 4-bit values -> [n][out / 8] int32 in AWQ's field order."""
-    return torch.tensor(
-        [
-            [
-                _int32(sum(row[8 * c + AWQ_FIELD_COLUMN[k]] << (4 * k) for k in range(8)))
-                for c in range(len(row) // 8)
-            ]
-            for row in rows
-        ],
-        dtype=torch.int32,
-    )
+from tests.quant_checkpoints import int32_word, pack_awq, pack_gptq
 
 
 def _random_ints(rng: random.Random, n: int, m: int, top: int) -> list[list[int]]:
@@ -111,7 +74,7 @@ def test_awq_dequantizes_each_weight(group):
 
 
 def test_fields_with_the_sign_bit_set_unpack_unsigned():
-    word = torch.tensor([[_int32(0xF0000000 | 0x9)]], dtype=torch.int32)  # fields 9, 0.., 15
+    word = torch.tensor([[int32_word(0xF0000000 | 0x9)]], dtype=torch.int32)  # fields 9, 0.., 15
     assert unpack_int32(word, 4, dim=1).tolist() == [[9, 0, 0, 0, 0, 0, 0, 15]]
     assert unpack_int32(word, 8, dim=0).tolist() == [[9], [0], [0], [0xF0]]
 

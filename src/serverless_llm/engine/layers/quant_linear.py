@@ -1,21 +1,25 @@
-"""Linear layers of GPTQ and AWQ checkpoints (issue 16).
+"""Linear layers of quantized checkpoints: GPTQ, AWQ, compressed-tensors pack-quantized and
+FP8 (issue 16; the layouts are described in docs/quantization.md).
 
 A `QuantLinear` takes the place of an nn.Linear in a decoder layer before the weights load. The
-loader hands it the checkpoint's tensors (`take`) as they stream past: `qweight`, `qzeros`,
-`scales` and, for GPTQ, `g_idx` per part (the q, k and v of a fused qkv_proj, the gate and
-up of a gate_up_proj, or the whole module), or a plain `weight` for a module the quantizer
-left alone. As soon as a part's tensors are all there, they are checked against the scheme and
-the module's shape (an error names the tensor) and unpacked into one common form, whatever the
-producer's packing: values q [out, in], zero points and scales [out, groups], and the group of
-each input column. When every part is in, the module settles into its working form:
+loader hands it the checkpoint's tensors (`take`) as they stream past, per part (the q, k and v
+of a fused qkv_proj, the gate and up of a gate_up_proj, or the whole module): `qweight`,
+`qzeros`, `scales` and GPTQ's `g_idx`; `weight_packed`, `weight_scale`, `weight_shape`; or an
+FP8 `weight` with its `weight_scale`; or a plain float `weight` for a module the quantizer left
+alone. As soon as a part's tensors are all there, they are checked against the scheme and the
+module's shape (an error names the tensor) and unpacked into one common form, whatever the
+producer's packing: for integers, values q [out, in], zero points and scales [out, groups] and
+the group of each input column; for FP8, the weight and a float32 scale per output row. When
+every part is in, the module settles into its working form:
 
-- "dequantize": the float weight, (q - zero) * scale in float32, handed back as a plain
-  nn.Linear (on CPU the packed oneDNN linears then serve it: see docs/quantization.md for why
-  this beats torch's int4 CPU kernels);
-- "packed": the weight stays at `bits` bits in memory. Input columns are sorted by group
-  (act-order checkpoints hold them permuted; the input is permuted to match at each call),
-  packed 32 // bits to an int32 along the input, with scales and zero points [groups, out].
-  Forward runs the Triton kernel where the backend uses kernels, else its torch reference.
+- "dequantize": the float weight, computed once in float32, handed back as a plain nn.Linear
+  (on CPU the packed oneDNN linears then serve it: see docs/quantization.md for why this beats
+  torch's int4 CPU kernels);
+- "packed": the weight stays at its bit width in memory. Integer weights: input columns sorted
+  by group (act-order checkpoints hold them permuted; the input is permuted to match at each
+  call), packed 32 // bits to an int32 along the input, with scales and zero points
+  [groups, out] (`PackedWeight`; the Triton GEMM where the backend uses kernels, else its torch
+  reference). FP8 weights: their bytes and scales (`Fp8Weight`).
 """
 
 from __future__ import annotations
