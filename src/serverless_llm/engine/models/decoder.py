@@ -31,6 +31,7 @@ from torch import nn
 from ..layers.activation import Activation, check_activation, gated_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from ..layers.linear import PackedLinear, pack_linears_for_cpu
+from ..layers.moe import ROUTINGS, StackedWeight, experts_forward, route
 from ..layers.norm import LayerNorm, RMSNorm
 from ..layers.quant_linear import WHOLE, QuantLinear, QuantLoadError
 from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
@@ -66,6 +67,40 @@ class RopeSpec:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
 
 
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse MLP block: `top_k` of `num_experts` gated MLPs of width `intermediate_size` per
+    token, chosen by a bias-free router (`route` in layers/moe.py says what `routing` and
+    `renormalize` mean), plus an optional shared expert of width `shared_size` that every token
+    goes through, scaled by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str = "softmax_topk"
+    renormalize: bool = False
+    shared_size: int = 0
+    shared_gate: bool = False
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown MoE routing {self.routing!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} with {self.num_experts} experts")
+
+
+def expert_names(prefix: str, num_experts: int, gate: str, up: str, down: str) -> dict:
+    """WeightNames.layer entries for per-expert checkpoint tensors (`prefix`.e.`gate` ...): each
+    expert's gate and up fill its rows of the stacked [gate | up] weight, its down its slice of
+    the stacked down weight."""
+    names = {}
+    for e in range(num_experts):
+        names[f"{prefix}.{e}.{gate}"] = ("mlp.experts.w13", f"expert:{e}:gate")
+        names[f"{prefix}.{e}.{up}"] = ("mlp.experts.w13", f"expert:{e}:up")
+        names[f"{prefix}.{e}.{down}"] = ("mlp.experts.w2", f"expert:{e}")
+    return names
+
+
 @dataclass
 class WeightNames:
     """Where each checkpoint tensor goes. `layer` maps a module path inside decoder layer i
@@ -76,7 +111,9 @@ class WeightNames:
     - "qkv_heads": a fused qkv stored per head as [heads, 3, head_dim] rows (GPT-NeoX, Bloom);
     - "qkv_grouped": [kv_heads, group + 2, head_dim] rows (Falcon's new decoder);
     - "t": a GPT-2 Conv1D weight, stored [in, out];
-    - "head:<h>": the row h of a per-head norm weight [heads, head_dim] (StableLM).
+    - "head:<h>": the row h of a per-head norm weight [heads, head_dim] (StableLM);
+    - "expert:<e>", "expert:<e>:gate", "expert:<e>:up": expert e's matrix of a stacked MoE
+      weight [experts, out, in], or the gate or up half of its rows (`expert_names`).
 
     Tensors whose name contains one of `ignore` are buffers a checkpoint may carry (rotary
     tables, causal masks) and are skipped. A checkpoint saved from the bare base model (GPT-2's
@@ -121,6 +158,7 @@ class DecoderSpec:
     attn_softcap: float | None = None
     windows: tuple[int | None, ...] | None = None  # per layer; None: no sliding window
     clip_qkv: float | None = None
+    clip_after_norm: bool = False  # OLMoE clips q and k after their norms, not before
     alibi_scale: float | None = None  # ALiBi, slopes times this (Falcon scales them by `scale`)
     alibi_bias_max: float = 8.0  # the slopes' geometric sequence ends at 2 ** -this (MPT's)
     # positions
@@ -128,6 +166,8 @@ class DecoderSpec:
     learned_positions: int = 0  # table size of learned absolute positions (GPT-2, OPT)
     position_offset: int = 0  # OPT's table starts at 2
     # MLP
+    moe: MoESpec | None = None
+    moe_layers: tuple[bool, ...] | None = None  # per layer, with `moe`: sparse (else dense MLP)
     gated: bool = True
     act: str = "silu"
     mlp_bias: bool = False
@@ -148,6 +188,10 @@ class DecoderSpec:
             self.windows = (None,) * n
         if self.rope is None:
             self.rope = (None,) * n
+        if self.moe_layers is None:
+            self.moe_layers = (self.moe is not None,) * n
+        if len(self.moe_layers) != n:
+            raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
         if len(self.windows) != n or len(self.rope) != n:
             raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
 
@@ -199,6 +243,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         self.clip_qkv = s.clip_qkv
+        self.clip_after_norm = s.clip_after_norm and s.clip_qkv is not None
         self.qk_norm = s.qk_norm
         eps = s.qk_norm_eps if s.qk_norm_eps is not None else s.norm.eps
         if s.qk_norm == "rms_head":
@@ -219,7 +264,7 @@ class Attention(nn.Module):
     def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.clip_qkv is not None:
+        if self.clip_qkv is not None and not self.clip_after_norm:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if rope is not None and rope.cos is not None and self.qk_norm is None:
             # The torch path of a full-width neox rotation: q and k are neighbours in the fused
@@ -231,6 +276,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "rms_full":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_after_norm:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -245,20 +292,57 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, s: DecoderSpec, use_kernels: bool):
+    def __init__(self, s: DecoderSpec, use_kernels: bool, intermediate_size: int | None = None):
         super().__init__()
         self.gated = s.gated
+        inter = intermediate_size or s.intermediate_size
         if s.gated:
-            self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+            self.gate_up_proj = nn.Linear(s.hidden_size, 2 * inter, bias=s.mlp_bias)
             self.act_fn = gated_activation(s.act, use_kernels)
         else:
-            self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+            self.up_proj = nn.Linear(s.hidden_size, inter, bias=s.mlp_bias)
             self.act_fn = Activation(s.act, use_kernels)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(inter, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x):
         up = self.gate_up_proj(x) if self.gated else self.up_proj(x)
         return self.down_proj(self.act_fn(up))
+
+
+class Experts(nn.Module):
+    """The stacked expert weights of a sparse block (layers/moe.py) and their activation."""
+
+    def __init__(self, s: DecoderSpec, m: MoESpec, use_kernels: bool):
+        super().__init__()
+        self.w13 = StackedWeight(m.num_experts, 2 * m.intermediate_size, s.hidden_size)
+        self.w2 = StackedWeight(m.num_experts, s.hidden_size, m.intermediate_size)
+        self.act_fn = gated_activation(s.act, use_kernels)
+
+    def forward(self, x, weights, ids):
+        return experts_forward(x, self.w13.weight, self.w2.weight, weights, ids, self.act_fn)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP: router, experts, and the shared expert when the family has one."""
+
+    def __init__(self, s: DecoderSpec, use_kernels: bool):
+        super().__init__()
+        m = self.moe = s.moe
+        self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
+        self.experts = Experts(s, m, use_kernels)
+        self.shared_expert = MLP(s, use_kernels, m.shared_size) if m.shared_size else None
+        self.shared_expert_gate = nn.Linear(s.hidden_size, 1, bias=False) if m.shared_gate else None
+
+    def forward(self, x):
+        m = self.moe
+        weights, ids = route(self.gate(x), m.top_k, m.routing, m.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
 
 
 def _add_norm(norm, x, residual):
@@ -272,11 +356,13 @@ def _add_norm(norm, x, residual):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: DecoderSpec, attn: AttentionSpec, backend: AttentionBackend, rope):
+    def __init__(
+        self, s: DecoderSpec, attn: AttentionSpec, backend: AttentionBackend, rope, sparse=False
+    ):
         super().__init__()
         uk = backend.use_kernels
         self.self_attn = Attention(s, attn, backend, rope)
-        self.mlp = MLP(s, uk)
+        self.mlp = SparseMoE(s, uk) if sparse else MLP(s, uk)
         for slot in ("in", "post_attn", "mlp", "post_mlp"):
             norm = make_norm(s.norm, s.hidden_size, uk) if slot in s.layer_norms else None
             setattr(self, f"{slot}_norm", norm)
@@ -340,7 +426,7 @@ class DecoderModel(nn.Module):
         self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in s.rope]
         self.rope_caches: list[torch.Tensor] = []
         self.layers = nn.ModuleList(
-            DecoderLayer(s, self._attention_spec(i), backend, s.rope[i])
+            DecoderLayer(s, self._attention_spec(i), backend, s.rope[i], s.moe_layers[i])
             for i in range(s.num_layers)
         )
         self.norm = make_norm(s.norm, s.hidden_size, uk) if s.final_norm else None
@@ -456,6 +542,11 @@ class DecoderModel(nn.Module):
         `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
         checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
         s = self.spec
+        if s.moe is not None:
+            raise QuantLoadError(
+                f"quantized {s.arch} checkpoints are not supported yet: the mixture-of-experts "
+                "layers load only from float weights"
+            )
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
         act = " act-order" if scheme.desc_act else ""
         self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
@@ -591,7 +682,10 @@ class DecoderModel(nn.Module):
             return True
         parts = sum(1 for name in loaded if name.startswith(pname + "#"))
         target = pname.rsplit(".", 2)[-2]
-        need = {"qkv_proj": 3, "gate_up_proj": 2}.get(target, param.shape[0])
+        # per-head norms: a part per row; stacked experts: one per expert (two with gate | up)
+        need = {"qkv_proj": 3, "gate_up_proj": 2, "w13": 2 * param.shape[0]}.get(
+            target, param.shape[0]
+        )
         return parts > 0 and parts == need
 
     _SHARDS = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
@@ -614,6 +708,20 @@ class DecoderModel(nn.Module):
             tensor = self._reorder_rows(how, tensor)
         elif how is not None and how.startswith("head:"):
             data[int(how[5:])].copy_(tensor)
+            loaded.add(f"{pname}#{how}")
+            return
+        elif how is not None and how.startswith("expert:"):
+            _, e, half = (how.split(":") + [""])[:3]
+            dest = data[int(e)]
+            if half:
+                rows = dest.shape[0] // 2
+                dest = dest.narrow(0, 0 if half == "gate" else rows, rows)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise KeyError(
+                    f"checkpoint tensor for {pname} ({how}) is {tuple(tensor.shape)}, expected "
+                    f"{tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
             loaded.add(f"{pname}#{how}")
             return
         elif how is not None:

@@ -58,12 +58,15 @@ def base_shape(config, head_dim: int | None = None) -> dict:
     )
 
 
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
 def sliding_windows(config) -> tuple[int | None, ...]:
     """The window of each layer: transformers 5 names layer kinds in `layer_types`; older
     configs put one `sliding_window` on every layer (Qwen2/3 only with use_sliding_window)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if getattr(config, "model_type", "") in ("qwen2", "qwen3") and not getattr(
+    if getattr(config, "model_type", "") in QWEN_TYPES and not getattr(
         config, "use_sliding_window", False
     ):
         window = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import families_alibi, families_gpt, families_remote  # noqa: F401  (they register)
+from . import families_alibi, families_gpt, families_moe, families_remote  # noqa: F401
 from .decoder import DecoderSpec
 from .families import FAMILIES
 
