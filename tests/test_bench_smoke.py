@@ -45,6 +45,15 @@ def test_families_tiny(tiny_llama, tmp_path):
     assert results["llama"]["vs_llama"] == 1.0
 
 
+def test_moe_tiny(tiny_llama, tmp_path):
+    """The MoE benchmark: a tiny Qwen3-MoE against generate_batch, and its dense twin."""
+    run = run_bench("moe.py", tiny_llama, tmp_path, timeout=400)
+    assert run.summary.startswith("SUMMARY moe_vs_generate_batch="), run.stdout[-4000:]
+    results = run.report["results"]
+    assert all(results[k]["tok_s"] > 0 for k in ("engine", "generate_batch", "dense"))
+    assert run.report["params"]["moe"] > run.report["params"]["dense"]
+
+
 def test_families_rounds_keep_each_systems_best():
     from bench.families import _best
 

@@ -67,10 +67,70 @@ def _config(name: str, tok):
             attention_multiplier=0.2,
             logits_scaling=2.0,
         )
+    if name == "dbrx":
+        # fused Wqkv clipped, top-3 of 8 renormalised by the 2-norm, the rope base given where
+        # DBRX checkpoints write it (attn_config) and where transformers 5 reads it
+        return transformers.DbrxConfig(
+            vocab_size=len(tok),
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=512,
+            attn_config={"kv_n_heads": 2, "clip_qkv": 0.8, "rope_theta": 5000.0},
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+            ffn_config={
+                "ffn_hidden_size": 48,
+                "moe_num_experts": 8,
+                "moe_top_k": 3,
+                "moe_normalize_expert_weights": 2.0,
+            },
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    if name == "phimoe":
+        # sparsemixer routing (a wide jitter threshold, so its softmaxes mix several experts),
+        # LayerNorms with bias, q/k/v/o and LM-head biases, window 16
+        return transformers.PhimoeConfig(
+            **tiny_dims(tok),
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.2,
+            attention_bias=True,
+            lm_head_bias=True,
+            sliding_window=16,
+        )
+    if name == "phimoe_longrope":
+        # Phi-3.5-MoE's LongRoPE: cos and sin scaled by short_mscale (= long_mscale)
+        d = 16
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.3 * i for i in range(d // 2)],
+            "long_factor": [2.0 + i for i in range(d // 2)],
+            "short_mscale": 1.4,
+            "long_mscale": 1.4,
+            "original_max_position_embeddings": 4096,
+        }
+        return transformers.PhimoeConfig(
+            **tiny_dims(tok, max_position_embeddings=4 * 4096),
+            num_local_experts=6,
+            router_jitter_noise=0.2,
+            rope_parameters=rope,
+        )
     raise ValueError(name)
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]
+FAMILIES = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "granitemoe",
+    "dbrx",
+    "phimoe",
+    "phimoe_longrope",
+]
 
 
 @pytest.fixture(scope="module")
@@ -225,14 +285,62 @@ def test_moe_routing_matches_transformers_routers():
         (transformers.models.granitemoe.modeling_granitemoe.GraniteMoeTopKRouter,
          transformers.GraniteMoeConfig(hidden_size=16, num_local_experts=6, num_experts_per_tok=3),
          "topk_softmax", False),
+        (transformers.models.phimoe.modeling_phimoe.PhimoeTopKRouter,
+         transformers.PhimoeConfig(hidden_size=16, num_local_experts=8, router_jitter_noise=0.01),
+         "sparsemixer", False),
+        (transformers.models.phimoe.modeling_phimoe.PhimoeTopKRouter,
+         transformers.PhimoeConfig(hidden_size=16, num_local_experts=6, router_jitter_noise=0.3),
+         "sparsemixer", False),
     ]  # fmt: skip
     for cls, config, routing, renorm in cases:
-        router = cls(config)
+        router = cls(config).eval()  # PhiMoE samples its experts in training mode
         torch.nn.init.normal_(router.weight)
         _, ref_w, ref_ids = router(x)
-        w, ids = route(x @ router.weight.t(), ref_ids.shape[1], routing, renorm)
+        eps = getattr(config, "router_jitter_noise", 0.0)
+        w, ids = route(x @ router.weight.t(), ref_ids.shape[1], routing, renorm, eps)
         assert torch.equal(ids, ref_ids), cls.__name__
         torch.testing.assert_close(w.to(ref_w.dtype), ref_w)
+
+
+@pytest.mark.parametrize("p", [None, 1.0, 2.0, 0.5])
+def test_moe_routing_matches_dbrx_normalisation(p):
+    """DBRX's softmax, top-k and p-norm renormalisation (moe_normalize_expert_weights)."""
+    from serverless_llm.engine.layers.moe import route
+
+    torch.manual_seed(1)
+    config = transformers.DbrxConfig(
+        d_model=16,
+        attn_config={"rope_theta": 10000.0},
+        ffn_config={"moe_num_experts": 8, "moe_top_k": 3, "moe_normalize_expert_weights": p},
+    )
+    logits = torch.randn(11, 8) * 3
+    ffn = transformers.models.dbrx.modeling_dbrx.DbrxFFN(config)
+    ref_w, ref_ids = ffn.route_tokens_to_experts(logits)
+    w, ids = route(logits, 3, "softmax_topk", False if p is None else p)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w)
+
+
+def test_dbrx_rope_base_from_attn_config():
+    """DBRX checkpoints write the rope base in attn_config (500000 for dbrx-instruct), which
+    transformers 5 no longer reads: the engine does; without it, rope_parameters'."""
+    from serverless_llm.engine.models.families_moe import dbrx
+
+    raw = {
+        "architectures": ["DbrxForCausalLM"],
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 500000},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    }
+    spec = dbrx(transformers.DbrxConfig.from_dict(raw))
+    assert spec.rope[0].params_dict()["rope_theta"] == 500000
+    assert (spec.clip_qkv, spec.num_kv_heads, spec.moe.renormalize) == (8, 2, 1.0)
+    del raw["attn_config"]["rope_theta"]
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
+    spec = dbrx(transformers.DbrxConfig.from_dict(raw))
+    assert spec.rope[0].params_dict()["rope_theta"] == 20000.0
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 8])
@@ -257,7 +365,7 @@ def test_experts_forward_against_a_token_loop(top_k):
         gate, up = h.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    got = experts_forward(x, w13, w2, weights, ids, act)
+    got = experts_forward(x, w13, w2, weights, ids, "silu", use_kernels=False)
     want = torch.zeros_like(x)
     for t in range(T):
         for j in range(top_k):

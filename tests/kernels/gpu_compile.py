@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from serverless_llm.engine.kernels import (
     activation,
+    fused_moe,
     kv_write,
     layer_norm,
     rms_norm,
@@ -220,6 +221,22 @@ def main(quick: bool = False) -> int:
                             1,
                             pointers=w4,
                         )
+            # The fused MoE grouped GEMM: decode and prefill tiles, gate/up and down (weighted).
+            moe_ptrs = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32"}
+            for rows in (2, 4096):
+                bm, bn, bk, warps = fused_moe.moe_tiles(rows, 8, tdt)
+                for a_div, weighted in ((2, False), (1, True)):
+                    ce = dict(A_DIV=a_div, MUL_WEIGHT=weighted, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                    attempt(
+                        f"fused_moe {dtype} rows={rows} weighted={weighted}",
+                        fused_moe._moe_gemm_kernel,
+                        dtype,
+                        ce,
+                        arch,
+                        warps,
+                        1,
+                        pointers=moe_ptrs,
+                    )
             for res in (False, True):
                 block, warps = rms_norm._launch_shape(4096)
                 ce = dict(HAS_RESIDUAL=res, BLOCK=block)

@@ -20,3 +20,13 @@ def test_family_on_triton_backend(tmp_path, name):
     LayerNorm without bias, gpt-j layout rotary, parallel block."""
     path = save_family_model(str(tmp_path / name), _config(name, build_tokenizer()))
     assert_matches_transformers(path, new_tokens=8, lengths=(3, 20), attention_backend="triton")
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "granitemoe"])
+def test_moe_family_on_triton_backend(tmp_path, name):
+    """The fused MoE kernels in a whole model: Qwen2-MoE (a dense layer, a shared expert, top-3
+    of 8) and Granite-MoE (top-3 of 6, softmax over the top-k logits)."""
+    from tests.engine.test_families_moe import _config as moe_config
+
+    path = save_family_model(str(tmp_path / name), moe_config(name, build_tokenizer()))
+    assert_matches_transformers(path, new_tokens=8, lengths=(3, 20), attention_backend="triton")

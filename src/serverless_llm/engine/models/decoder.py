@@ -70,15 +70,17 @@ class RopeSpec:
 @dataclass(frozen=True)
 class MoESpec:
     """A sparse MLP block: `top_k` of `num_experts` gated MLPs of width `intermediate_size` per
-    token, chosen by a bias-free router (`route` in layers/moe.py says what `routing` and
-    `renormalize` mean), plus an optional shared expert of width `shared_size` that every token
-    goes through, scaled by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE)."""
+    token, chosen by a bias-free router (`route` in layers/moe.py says what `routing`,
+    `renormalize` (True, or the p of a p-norm) and `jitter_eps` (sparsemixer's threshold) mean),
+    plus an optional shared expert of width `shared_size` that every token goes through, scaled
+    by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     routing: str = "softmax_topk"
-    renormalize: bool = False
+    renormalize: bool | float = False
+    jitter_eps: float = 0.0
     shared_size: int = 0
     shared_gate: bool = False
 
@@ -113,7 +115,15 @@ class WeightNames:
     - "t": a GPT-2 Conv1D weight, stored [in, out];
     - "head:<h>": the row h of a per-head norm weight [heads, head_dim] (StableLM);
     - "expert:<e>", "expert:<e>:gate", "expert:<e>:up": expert e's matrix of a stacked MoE
-      weight [experts, out, in], or the gate or up half of its rows (`expert_names`).
+      weight [experts, out, in], or the gate or up half of its rows (`expert_names`);
+    - "experts:gate", "experts:up": every expert's gate (or up) matrix in one 2-D tensor
+      [experts * out, in], into that half of each expert's rows of the stacked w13 (DBRX);
+    - "experts:t": every expert's down matrix stored transposed in one 2-D tensor
+      [experts * in, out], into the stacked w2 [experts, out, in] (DBRX).
+
+    A checkpoint tensor that is a bare parameter rather than a module's weight or bias (DBRX's
+    `ffn.experts.mlp.w1`) is looked up in `layer` by its full path and fills the target
+    module's weight.
 
     Tensors whose name contains one of `ignore` are buffers a checkpoint may carry (rotary
     tables, causal masks) and are skipped. A checkpoint saved from the bare base model (GPT-2's
@@ -316,10 +326,12 @@ class Experts(nn.Module):
         super().__init__()
         self.w13 = StackedWeight(m.num_experts, 2 * m.intermediate_size, s.hidden_size)
         self.w2 = StackedWeight(m.num_experts, s.hidden_size, m.intermediate_size)
-        self.act_fn = gated_activation(s.act, use_kernels)
+        self.act = check_activation(s.act)
+        self.use_kernels = use_kernels
 
     def forward(self, x, weights, ids):
-        return experts_forward(x, self.w13.weight, self.w2.weight, weights, ids, self.act_fn)
+        w13, w2 = self.w13.weight, self.w2.weight
+        return experts_forward(x, w13, w2, weights, ids, self.act, self.use_kernels)
 
 
 class SparseMoE(nn.Module):
@@ -335,7 +347,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         m = self.moe
-        weights, ids = route(self.gate(x), m.top_k, m.routing, m.renormalize)
+        weights, ids = route(self.gate(x), m.top_k, m.routing, m.renormalize, m.jitter_eps)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -597,6 +609,8 @@ class DecoderModel(nn.Module):
             if module.startswith(layer_prefix):
                 idx, _, local = module[len(layer_prefix) :].partition(".")
                 target = names.layer.get(local)
+                if target is None and f"{local}.{kind}" in names.layer:  # a bare parameter
+                    target, kind = names.layer[f"{local}.{kind}"], "weight"
                 prefix = f"layers.{idx}."
             else:
                 target = names.top.get(module)
@@ -709,6 +723,26 @@ class DecoderModel(nn.Module):
         elif how is not None and how.startswith("head:"):
             data[int(how[5:])].copy_(tensor)
             loaded.add(f"{pname}#{how}")
+            return
+        elif how in ("experts:gate", "experts:up", "experts:t"):
+            e, rows, cols = data.shape  # w13: [E, 2I, H]; w2: [E, H, I]
+            if how == "experts:t":
+                dest, stored = data, (e, cols, rows)
+            else:
+                half = rows // 2
+                dest = data.narrow(1, 0 if how == "experts:gate" else half, half)
+                stored = (e, half, cols)
+            if tensor.numel() != math.prod(stored) or tensor.shape[-1] != stored[-1]:
+                raise KeyError(
+                    f"checkpoint tensor for {pname} ({how}) is {tuple(tensor.shape)}, expected "
+                    f"({stored[0] * stored[1]}, {stored[2]})"
+                )
+            tensor = tensor.reshape(stored)
+            dest.copy_(tensor.transpose(1, 2) if how == "experts:t" else tensor)
+            if how == "experts:t":
+                loaded.add(pname)
+            else:  # each expert's half, as the per-expert placements count them
+                loaded.update(f"{pname}#expert:{i}:{how[8:]}" for i in range(e))
             return
         elif how is not None and how.startswith("expert:"):
             _, e, half = (how.split(":") + [""])[:3]

@@ -1,0 +1,237 @@
+"""The mixture-of-experts MLP: a Triton grouped GEMM over tokens sorted by expert, and its torch
+reference (the CPU path).
+
+Each token goes to `top_k` experts; the (token, slot) pairs are its T * top_k "rows". Both paths
+compute, for every token t,
+
+    out[t] = sum over j < top_k of weight[t, j] * W2[e] @ act_and_mul(W13[e] @ x[t]),  e = ids[t, j]
+
+with W13 [E, 2I, H] (each expert's gate rows, then its up rows) and W2 [E, H, I].
+
+**Reference** (`fused_moe_reference`): the rows gathered in expert order, one pair of matmuls per
+expert that received any row (an expert with no row costs nothing), each output scaled by its
+router weight in x's dtype and the top_k outputs of a token summed in expert order.
+
+**Kernel** (`fused_moe`): `moe_align` sorts the rows by expert and pads each expert's run to a
+multiple of BLOCK_M with a sentinel row, so every block of BLOCK_M sorted rows belongs to one
+expert; `block_expert` names it (-1 for the blocks past the end). One launch of
+`_moe_gemm_kernel` computes the gate/up GEMM for every block (reading its expert's weight tile
+once per BLOCK_M rows, the x rows gathered by index), the gated activation runs on the
+[rows, 2I] result, and a second launch the down GEMM with the router weight applied in float32
+before the store. The top_k outputs of a token are then summed. The alignment is torch ops with
+no host synchronisation and a grid sized by an upper bound (T * top_k + min(T * top_k, E) *
+(BLOCK_M - 1) rows), so a decode step that uses it can be captured in a CUDA graph.
+
+**Tiles** (`moe_tiles`): the rows per active expert decide BLOCK_M. A decode step sends one or
+a few rows to each expert, so a 16-row tile (the least tl.dot takes) wastes the least on padding
+while still reading each weight tile once; a prefill sends dozens to hundreds, and 32- or
+64-row tiles reuse each weight tile over more rows. BLOCK_N is 64 for narrow row tiles (more
+programs to cover the weight when there are few blocks) and 128 for 64-row tiles; BLOCK_K is 64
+for 16-bit inputs and 32 for float32 (half the bytes per K step, the same shared memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .activation import act_and_mul, act_and_mul_reference
+from .triton_lazy import cdiv, jit
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
+
+
+# -- the torch reference -------------------------------------------------------------------------
+
+
+def group_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, list[int]]:
+    """The rows of `ids` [T, k] in expert order, as flat indices into ids.view(-1) (stable: one
+    expert's rows keep their token order), and each expert's row count."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def fused_moe_reference(
+    x: Tensor,  # [T, H]
+    w13,  # [E, 2I, H]
+    w2,  # [E, H, I]
+    weights: Tensor,  # [T, k], any float dtype
+    ids: Tensor,  # [T, k]
+    act: str = "silu",
+    linear=F.linear,
+) -> Tensor:
+    """The torch path (see the module docstring), in x's dtype. `w13` and `w2` are stacked
+    tensors, or any per-expert sequences `linear(rows, w13[e])` accepts (the CPU path passes
+    oneDNN-packed weights and their matmul)."""
+    T, k = ids.shape
+    order, counts = group_by_expert(ids, len(w13))
+    tokens = order // k
+    rows = x[tokens]
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg = rows[start : start + n]
+        out[start : start + n] = linear(act_and_mul_reference(linear(seg, w13[e]), act), w2[e])
+        start += n
+    out = out * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+# -- alignment -------------------------------------------------------------------------------------
+
+
+def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """(sorted_rows int32 [capacity], block_expert int32 [capacity / block_m]).
+
+    sorted_rows lists the flat rows of `ids` (index t * k + j) grouped by expert, each expert's
+    run padded to a multiple of `block_m` with the sentinel T * k; block_expert[b] is the expert
+    of rows [b * block_m, (b + 1) * block_m), or -1 past the last expert's run. `capacity` is the
+    bound T * k + min(T * k, E) * (block_m - 1), rounded up to block_m: fixed by the shapes, so
+    nothing here waits for the device."""
+    flat = ids.reshape(-1).long()
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[experts]
+    dest = (ends - padded)[experts] + rank
+    capacity = cdiv(n + min(n, num_experts) * (block_m - 1), block_m) * block_m
+    sorted_rows = torch.full((capacity,), n, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    starts = torch.arange(0, capacity, block_m, device=device)
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_rows, block_expert
+
+
+# -- the Triton kernel ---------------------------------------------------------------------------
+
+
+@jit
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    weight_ptr,
+    N,
+    K,
+    num_rows,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    A_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[r, n] = sum over k of a[r // A_DIV, k] * w[e, n, k] for the rows r of this block (one
+    expert e), times weight[r] when MUL_WEIGHT. Sentinel rows (>= num_rows) are neither read nor
+    written; a block past the end (expert -1) returns at once."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(rows_ptr + offs_m)
+    mask_m = rows < num_rows
+    a_rows = rows // A_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(
+            a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        if a.dtype == tl.float32:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    if MUL_WEIGHT:
+        scale = tl.load(weight_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def moe_tiles(num_rows: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `num_rows` (tokens x top_k) spread over
+    `num_experts`; the reasoning is in the module docstring."""
+    per_expert = num_rows / max(1, min(num_experts, num_rows))
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    block_n = 128 if block_m == 64 else 64
+    block_k = 32 if dtype == torch.float32 else 64
+    return block_m, block_n, block_k, 8 if block_m == 64 else 4
+
+
+def _grouped_gemm(a, w, rows, block_expert, weights, num_rows, a_div, tiles) -> Tensor:
+    block_m, block_n, block_k, warps = tiles
+    n, k = w.shape[1], w.shape[2]
+    out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
+    grid = (block_expert.numel(), cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        rows,
+        block_expert,
+        weights if weights is not None else a,
+        n,
+        k,
+        num_rows,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_DIV=a_div,
+        MUL_WEIGHT=weights is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+    return out
+
+
+def fused_moe(
+    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, act: str = "silu"
+) -> Tensor:
+    """The Triton path with `fused_moe_reference`'s contract; x [T, H] in float16, bfloat16 or
+    float32 (float32 accumulation), the result in x's dtype."""
+    T, k = ids.shape
+    num_rows = T * k
+    if num_rows == 0:
+        return torch.zeros_like(x)
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_moe reads the expert weights row-major")
+    x = x.contiguous()
+    tiles = moe_tiles(num_rows, w13.shape[0], x.dtype)
+    rows, block_expert = moe_align(ids, w13.shape[0], tiles[0])
+    h = _grouped_gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
+    h = act_and_mul(h, act)
+    scale = weights.reshape(-1).to(torch.float32).contiguous()
+    out = _grouped_gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
+    return out.view(T, k, -1).sum(dim=1)

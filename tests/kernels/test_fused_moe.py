@@ -1,0 +1,111 @@
+"""The fused MoE Triton kernels (interpreted on CPU, compiled on a GPU) against the torch path,
+float32 and float16, over random routings that include experts receiving no token, one token and
+every token; top-k from 1 to 8; token counts that are not multiples of the row tile. Also the
+alignment on its own: every row appears once, in its expert's run, and blocks name the right
+expert.
+
+Tolerances: float32 differs from the reference only in summation order; float16 rounds the
+gate/up output to float16 like the reference, but applies the router weight in float32 before
+the store and sums a token's k outputs in float32 (the reference rounds after each), so float16
+compares within a few fp16 ulps of the output's scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from serverless_llm.engine.kernels.fused_moe import (  # noqa: E402
+    fused_moe,
+    fused_moe_reference,
+    moe_align,
+    moe_tiles,
+)
+from tests.kernels.batch import DEVICE  # noqa: E402
+
+
+def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    scores = torch.randn(tokens, experts, generator=g)
+    scores[:, 0] += 100  # expert 0 gets every token
+    if top_k < experts:
+        scores[:, experts - 1] -= 100  # the last expert gets none
+    if _one_token_expert(tokens, experts, top_k):
+        scores[:, 1] -= 50  # expert 1 gets exactly one token
+        scores[tokens // 2, 1] += 100
+    ids = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=g)
+    return x, w13, w2, weights, ids
+
+
+def _one_token_expert(tokens: int, experts: int, top_k: int) -> bool:
+    return tokens > 1 and 2 <= top_k <= experts - 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k",
+    [(1, 8, 2), (5, 8, 1), (13, 8, 3), (37, 6, 2), (19, 8, 8), (70, 4, 2)],
+)
+def test_fused_moe_matches_the_torch_path(dtype, tokens, experts, top_k):
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, 48, 40, seed=tokens + top_k)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert counts[0] == tokens
+    if top_k < experts:
+        assert counts[experts - 1] == 0
+    if _one_token_expert(tokens, experts, top_k):
+        assert counts[1] == 1
+    args = [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights)]
+    ids = ids.to(DEVICE)
+    got = fused_moe(*args, ids)
+    want = fused_moe_reference(*args, ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh"])
+def test_fused_moe_other_activation(act):
+    x, w13, w2, weights, ids = _case(9, 6, 2, 32, 24, seed=5)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights)]
+    got = fused_moe(*args, ids.to(DEVICE), act)
+    want = fused_moe_reference(*args, ids.to(DEVICE), act)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,block_m", [(1, 64, 2, 16), (29, 8, 3, 16), (50, 5, 2, 32)]
+)
+def test_alignment_groups_rows_by_expert(tokens, experts, top_k, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    rows, block_expert = moe_align(ids, experts, block_m)
+    n = tokens * top_k
+    assert rows.numel() % block_m == 0 and block_expert.numel() == rows.numel() // block_m
+    real = rows[rows < n]
+    assert sorted(real.tolist()) == list(range(n))  # every row once
+    flat = ids.reshape(-1)
+    for b, e in enumerate(block_expert.tolist()):
+        block = rows[b * block_m : (b + 1) * block_m]
+        block = block[block < n]
+        if e < 0:
+            assert block.numel() == 0
+        else:
+            assert bool((flat[block.long()] == e).all())
+    # within an expert, rows keep their order (a stable sort)
+    for e in range(experts):
+        mine = real[flat[real.long()] == e].tolist()
+        assert mine == sorted(mine)
+    # the decode case needs few blocks: at most one per chosen expert
+    if tokens == 1:
+        assert (block_expert >= 0).sum() == top_k
+
+
+def test_tiles_grow_with_rows_per_expert():
+    assert moe_tiles(2, 64, torch.float16)[0] == 16  # decode: a few rows per expert
+    assert moe_tiles(4096, 8, torch.float16)[0] == 64  # prefill: hundreds per expert
+    assert moe_tiles(4096, 8, torch.float32)[2] == 32
