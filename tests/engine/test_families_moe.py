@@ -181,7 +181,8 @@ def test_moe_layers_and_router_follow_the_config(moe_models):
     from serverless_llm.engine.models.decoder import MLP, SparseMoE
 
     path = moe_models("qwen2_moe")
-    llm = LLM(path, num_kv_blocks=32, max_model_len=128, dtype="float32")
+    # bfloat16: the stacked weights stay (float32 on CPU packs them per expert for oneDNN)
+    llm = LLM(path, num_kv_blocks=32, max_model_len=128, dtype="bfloat16")
     kinds = [type(layer.mlp) for layer in llm.engine.model.layers]
     assert kinds == [SparseMoE, MLP, SparseMoE]
     moe = llm.engine.model.layers[0].mlp
@@ -192,7 +193,11 @@ def test_moe_layers_and_router_follow_the_config(moe_models):
 
     state = load_file(os.path.join(path, "model.safetensors"))
     up = state["model.layers.0.mlp.experts.3.up_proj.weight"]
-    assert torch.equal(moe.experts.w13.weight[3, 32:], up)
+    assert torch.equal(moe.experts.w13.weight[3, 32:], up.to(torch.bfloat16))
+    packed = LLM(path, num_kv_blocks=32, max_model_len=128, dtype="float32")
+    experts = packed.engine.model.layers[2].mlp.experts
+    if experts.packed is not None:  # oneDNN's packed linear exists in this torch build
+        assert [len(p) for p in experts.packed] == [8, 8] and not hasattr(experts, "w13")
     broken = os.path.join(os.path.dirname(path), "broken")
     os.makedirs(broken, exist_ok=True)
     for f in os.listdir(path):
@@ -213,7 +218,7 @@ def test_moe_dummy_weights_serve(moe_models):
 
 
 _PEAK_SCRIPT = """
-import gc, json, sys
+import gc, json, os, sys
 from serverless_llm import LLM
 
 def status(key):
@@ -229,7 +234,8 @@ with open("/proc/self/clear_refs", "w") as f:
 before = status("VmRSS")
 llm = LLM(sys.argv[1], num_kv_blocks=16, max_model_len=64, dtype="float32")
 peak = status("VmHWM")
-weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+weights = sum(os.path.getsize(os.path.join(sys.argv[1], f)) for f in os.listdir(sys.argv[1])
+              if f.endswith(".safetensors"))
 print(json.dumps({"before": before, "peak": peak, "weights": weights, "warm_peak": warm_peak}))
 """
 
@@ -237,7 +243,8 @@ print(json.dumps({"before": before, "peak": peak, "weights": weights, "warm_peak
 def test_moe_load_peak_memory_stays_near_the_weights(tmp_path, moe_models):
     """Loading a ~150 MB Qwen3-MoE checkpoint (20 MB shards) raises the process's peak resident
     memory by less than 1.3x the model's weight bytes: each expert tensor goes straight into its
-    slice of the stacked weights, with no second copy of the model at any point. A tiny MoE
+    slice of the stacked weights, with no second copy of the model at any point (the CPU
+    packing after the load also goes one projection at a time). A tiny MoE
     model is loaded first in the same process, so imports and the tokenizer are not counted; the
     rest over 1.0x is the shard being read (its mapped pages count as resident)."""
     tok = build_tokenizer()

@@ -36,6 +36,30 @@ def _packed_ops_work() -> bool:
         return False
 
 
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """A float32 [out, in] weight in oneDNN's packed layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _PACK_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear(x, w, bias) for w packed by `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_ops_work() -> bool:
+    """Whether this torch build has oneDNN's packed linear and it agrees with F.linear (probed
+    once per process)."""
+    global _PACKED_OK
+    if _PACKED_OK is None:
+        _PACKED_OK = _packed_ops_work()
+        if not _PACKED_OK:
+            logger.info("oneDNN packed linear unavailable; using F.linear")
+    return _PACKED_OK
+
+
+_PACKED_OK: bool | None = None
+
+
 class PackedLinear(nn.Module):
     """Inference-only replacement for nn.Linear holding a oneDNN-packed weight."""
 
@@ -43,17 +67,16 @@ class PackedLinear(nn.Module):
         super().__init__()
         w = (linear.weight if linear is not None else weight).detach()
         self.out_features, self.in_features = w.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_BATCH_HINT)
+        self.packed = pack_weight(w)
         self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 def pack_linears_for_cpu(model: nn.Module) -> bool:
     """Swaps every float32 nn.Linear of `model` for a PackedLinear; True if it did."""
-    if not _packed_ops_work():
-        logger.info("oneDNN packed linear unavailable; using F.linear")
+    if not packed_ops_work():
         return False
     targets = [
         (parent, name)

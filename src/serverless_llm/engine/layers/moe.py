@@ -13,6 +13,7 @@ does; `experts_forward` runs the experts by the Triton grouped GEMM or its torch
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fused_moe import fused_moe, fused_moe_reference
@@ -82,9 +83,12 @@ class StackedWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
 
-def experts_forward(x, w13, w2, weights, ids, act: str, use_kernels: bool) -> torch.Tensor:
+def experts_forward(
+    x, w13, w2, weights, ids, act: str, use_kernels: bool, linear=F.linear
+) -> torch.Tensor:
     """The experts' weighted sum for each token: the Triton grouped GEMM when `use_kernels`,
-    else its torch reference (kernels/fused_moe.py)."""
+    else its torch reference (kernels/fused_moe.py), whose matmuls are `linear` (per-expert
+    packed weights on CPU)."""
     if use_kernels:
         return fused_moe(x, w13, w2, weights, ids, act)
-    return fused_moe_reference(x, w13, w2, weights, ids, act)
+    return fused_moe_reference(x, w13, w2, weights, ids, act, linear)
