@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issues 3's, 13's and 16's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
+# Issues 3's, 13's, 16's and 17's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
 # triton, transformers and pytest (nothing else is needed: the engine imports the rest lazily):
 #   bash bench/gpu_checks.sh
 # runs `pytest -m gpu tests/kernels tests/engine`, `bench/kernels.py`, `bench/capture.py`
-# (CUDA graphs against eager decode steps) and `bench/w4a16.py` (the 4-bit GEMM against float16
-# matmul), and leaves the device description,
+# (CUDA graphs against eager decode steps), `bench/w4a16.py` (the 4-bit GEMM against float16
+# matmul) and `bench/moe_kernel.py` (the fused MoE kernels against a per-expert torch loop), and
+# leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
 # docs/benchmarks.md by hand, with the device and the date.
 set -uo pipefail
@@ -29,6 +30,8 @@ bench=${PIPESTATUS[0]}
 capture=${PIPESTATUS[0]}
 "$PY" bench/w4a16.py 2>&1 | tee "$OUT/w4a16.log"
 w4a16=${PIPESTATUS[0]}
+"$PY" bench/moe_kernel.py 2>&1 | tee "$OUT/moe_kernel.log"
+moe=${PIPESTATUS[0]}
 echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py exit $capture;" \
-    "bench/w4a16.py exit $w4a16"
-exit $((tests || bench || capture || w4a16))
+    "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe"
+exit $((tests || bench || capture || w4a16 || moe))
