@@ -1,8 +1,9 @@
 """A serverless LLM worker with its own paged-attention engine."""
 
+from .engine.lora import LoRARequest
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling.params import SamplingParams
 from .llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

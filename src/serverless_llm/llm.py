@@ -13,6 +13,7 @@ from typing import Any
 
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
+from .engine.lora import LoRARequest
 from .engine.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -48,7 +49,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's `LLM.generate`; `lora_request`: one adapter for every prompt, or one (or
+        None, the base model) per prompt."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -64,17 +68,27 @@ class LLM:
                 raise ValueError(
                     f"{len(prompts)} prompts but {len(params)} sampling params: give one or one each"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"{len(prompts)} prompts but {len(loras)} LoRA requests: give one or one each"
+                )
         engine = self.engine
         # Validate everything before scheduling anything, so a bad prompt leaves nothing behind.
         # A prompt with n (or best_of) sequences becomes that many engine requests (a beam
         # search, one).
         groups: list[list[Request]] = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             group = []
             children = sequence_params(p)
             for i, child in enumerate(children):
                 rid = f"llm-{self._counter}" + (f".{i}" if len(children) > 1 else "")
-                group.append(engine.inputs.make_request(prompt, child, request_id=rid))
+                req = engine.inputs.make_request(prompt, child, request_id=rid)
+                engine.attach_lora(req, lora)
+                group.append(req)
             self._counter += 1
             groups.append(group)
         requests = [req for group in groups for req in group]

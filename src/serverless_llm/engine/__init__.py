@@ -15,6 +15,7 @@ from .config import (
 from .cpu_tuning import release_free_memory, resident_bytes
 from .input_processor import ContextLengthError, InvalidRequestError, PromptInput
 from .loader import ModelLoadError
+from .lora import LoRAError, LoRARequest
 from .models import UnsupportedModelError
 from .outputs import EngineOutput, EngineStats
 from .sampling.logprobs import TokenLogprob
@@ -47,6 +48,8 @@ __all__ = [
     "EngineOutput",
     "EngineStats",
     "InvalidRequestError",
+    "LoRAError",
+    "LoRARequest",
     "ModelInfo",
     "ModelLoadError",
     "PromptInput",

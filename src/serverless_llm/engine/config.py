@@ -84,6 +84,14 @@ class EngineConfig:
     # characters is refused before compiling (0: no limit).
     grammar_compile_timeout: float = 15.0
     grammar_max_chars: int = 256 << 10
+    # LoRA (lora.py): adapters named per request, `max_loras` of them in one step (the model's
+    # slots), ranks up to `max_lora_rank`, `max_cpu_loras` kept read on the host (None: as
+    # many as max_loras); `lora_dtype` "auto" is the model dtype.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -129,6 +137,16 @@ class EngineConfig:
             )
         if self.grammar_max_chars < 0:
             raise ConfigError(f"grammar_max_chars={self.grammar_max_chars}: must be >= 0")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(
+                f"max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}: must be >= 1"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras={self.max_cpu_loras}: must be >= max_loras ({self.max_loras})"
+            )
+        if self.lora_dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"lora_dtype={self.lora_dtype!r}: allowed {', '.join(DTYPE_CHOICES)}")
         if self.kv_cache_space_gib <= 0:
             raise ConfigError(f"kv_cache_space_gib={self.kv_cache_space_gib}: must be > 0")
 

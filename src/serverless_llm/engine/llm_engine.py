@@ -15,11 +15,12 @@ import time
 import torch
 
 from .beam_search import BeamSearchRunner
-from .config import ConfigError, EngineConfig
+from .config import _DTYPES, ConfigError, EngineConfig
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
 from .kv_cache import BlockPool, allocate_kv_cache
+from .lora import LoRAManager, LoRARequest
 from .model_builder import load_model, num_kv_blocks
 from .model_runner import ModelRunner
 from .output_processor import make_output, process_token
@@ -92,12 +93,28 @@ class LLMEngine:
             head_major=self.backend.head_major_cache,
         )
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.lora = None
+        if config.enable_lora:
+            lora_dtype = self.dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
+            self.lora = LoRAManager(
+                model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                lora_dtype,
+            )
         self.scheduler = Scheduler(
-            self.block_pool, self.block_size, config.max_num_seqs, self.max_num_batched_tokens
+            self.block_pool,
+            self.block_size,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            config.max_loras if config.enable_lora else 0,
         )
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, self.block_size, self.device
         )
+        if self.lora is not None:
+            self.runner.lora_step = self.lora.step
         self.runner.captured = self._capture_decodes(config)
         self.sampler = Sampler(config.seed, self.device)
         self.beams = BeamSearchRunner(self.scheduler, self.block_pool, self.kv_caches, self.inputs)
@@ -135,6 +152,10 @@ class LLMEngine:
         elif mode == "replay" and config.enforce_eager:
             mode = "off"
         if mode == "off":
+            return None
+        if self.lora is not None:
+            # The adapters' rows change every step (host-side groups), which a graph cannot hold.
+            logger.info("decode capture off: LoRA is enabled")
             return None
         if mode == "cuda" and self.backend.name != "triton":
             # The torch backend syncs with the host inside a step (its KV write index, its
@@ -185,10 +206,25 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         req = self.inputs.make_request(prompt, params or SamplingParams(), request_id)
+        self.attach_lora(req, lora_request)
         self.add(req)
         return req
+
+    def attach_lora(self, req: Request, lora_request: LoRARequest | None) -> None:
+        """Gives `req` its adapter, read now (LoRAError, a bad request, if it cannot be)."""
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise InvalidRequestError(
+                f"adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                "(enable_lora / ENABLE_LORA)",
+                param="model",
+            )
+        self.lora.get(lora_request)
+        req.lora = lora_request
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         """Stops a request and frees its blocks now. Unknown or finished ids are ignored."""
@@ -230,6 +266,9 @@ class LLMEngine:
                 # Nothing fits (only possible if a single request outgrew the cache).
                 raise RuntimeError("scheduler made no progress: the KV cache is too small")
             return []
+        if self.lora is not None:
+            loras = [r.lora for r in batch.requests if r.lora is not None]
+            self.runner.lora_slots = self.lora.prepare(loras) if loras else {}
         sample_reqs, logits = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n

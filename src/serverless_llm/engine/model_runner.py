@@ -45,6 +45,7 @@ class HostBatch:
     sample_reqs: list[Request]
     sample_idx: list[int]
     prompt_work: PromptLogprobWork
+    lora_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (lora id, start, n)
 
 
 class ModelRunner:
@@ -62,6 +63,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.captured: CapturedDecode | None = None  # set by the engine when capture is on
+        self.lora_step = None  # the model's LoRAStep, set by the engine when LoRA is on
+        self.lora_slots: dict[int, int] = {}  # this step's adapter id -> slot (the engine's)
 
     def host_inputs(self, batch: ScheduledBatch) -> HostBatch:
         """The step's flat inputs as host lists, decodes first."""
@@ -77,6 +80,7 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         sample_idx: list[int] = []
         prompt_work = PromptLogprobWork()
+        lora_rows: list[tuple[int, int, int]] = []
         num_decodes = 0
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
@@ -94,6 +98,8 @@ class ModelRunner:
                     prompt_work.counts.append(hi - lo)
                     prompt_work.positions.extend(range(base + lo, base + hi))
                     prompt_work.targets.extend(req.prompt_token_ids[lo + 1 : hi + 1])
+            if req.lora_id:
+                lora_rows.append((req.lora_id, len(input_ids), n))
             input_ids.extend(req.token_slice(start, end))
             blocks = req.block_ids
             if n == 1:
@@ -124,6 +130,7 @@ class ModelRunner:
             sample_reqs,
             sample_idx,
             prompt_work,
+            lora_rows,
         )
 
     def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -151,12 +158,28 @@ class ModelRunner:
         pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
         return ids_t, pos_t, meta
 
+    def lora_groups(self, h: HostBatch, slots: dict[int, int]) -> list:
+        """Each adapter slot's rows of the step: a slice when they are one run, else indices."""
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for lid, start, n in h.lora_rows:
+            rows.setdefault(slots[lid], []).append((start, n))
+        groups = []
+        for slot, runs in rows.items():
+            first, last = runs[0][0], runs[-1][0] + runs[-1][1]
+            if sum(n for _, n in runs) == last - first:
+                groups.append((slot, slice(first, last)))
+            else:
+                idx = [i for start, n in runs for i in range(start, start + n)]
+                groups.append((slot, torch.tensor(idx, dtype=torch.int64, device=self.device)))
+        return groups
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor | None]:
         """Runs one step; returns the requests that sample and their logits [N, vocab]. Prompt
-        logprobs of the step are appended to their requests."""
+        logprobs of the step are appended to their requests. The step's adapters are in the
+        slots `lora_slots` names (set by the engine before the step)."""
         h = self.host_inputs(batch)
-        size = self._captured_bucket(h)
+        size = None if h.lora_rows else self._captured_bucket(h)
         if size is not None:
             hidden = self.captured.run(
                 size, h.input_ids, h.positions, h.slots, h.seq_lens, h.block_table
@@ -164,7 +187,13 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.device_inputs(h)
             self.backend.prepare(meta)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if h.lora_rows:
+                self.lora_step.groups = self.lora_groups(h, self.lora_slots)
+            try:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            finally:
+                if self.lora_step is not None:
+                    self.lora_step.groups = []
         if h.prompt_work.requests:
             self._prompt_logprobs(hidden, h.prompt_work)
         if not h.sample_reqs:

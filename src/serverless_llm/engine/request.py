@@ -10,6 +10,7 @@ from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from .beam_search import BeamGroup
+    from .lora import LoRARequest
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured.grammar import GrammarMatcher
@@ -63,6 +64,16 @@ class Request:
     # False until the output reaches params.structured_after: the grammar waits (no mask, no
     # tokens fed to it) while a reasoning model thinks.
     grammar_open: bool = True
+    lora: LoRARequest | None = None  # the adapter this request runs with
+
+    @property
+    def lora_id(self) -> int:
+        return self.lora.lora_int_id if self.lora is not None else 0
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What else keys this request's prefix-cache blocks (its adapter)."""
+        return self.lora.cache_salt if self.lora is not None else b""
 
     @property
     def num_prompt_tokens(self) -> int:

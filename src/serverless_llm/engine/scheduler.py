@@ -38,9 +38,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, block_pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int = 0,
     ) -> None:
         self.pool = block_pool
+        self.max_loras = max_loras  # distinct adapters running at once (0: no adapters)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,6 +140,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            if req.lora_id and not self._lora_fits(req.lora_id):
+                break  # first come, first served: it waits for an adapter slot to free
             self._take_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + num_new):
@@ -147,6 +155,10 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _lora_fits(self, lora_id: int) -> bool:
+        active = {r.lora_id for r in self.running if r.lora_id}
+        return lora_id in active or len(active) < self.max_loras
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -162,7 +174,7 @@ class Scheduler:
         if max_blocks == 0:
             return
         tokens = req.prompt_token_ids + req.output_token_ids
-        blocks, hashes = self.pool.lookup(tokens, self.block_size, max_blocks)
+        blocks, hashes = self.pool.lookup(tokens, self.block_size, max_blocks, req.cache_salt)
         req.block_ids = blocks
         req.block_hashes = hashes
         req.num_computed_tokens = len(blocks) * self.block_size
@@ -176,7 +188,7 @@ class Scheduler:
         parent = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), full):
             tokens = req.token_slice(i * bs, (i + 1) * bs)
-            parent = block_hash(parent, tokens)
+            parent = block_hash(parent, tokens, req.cache_salt)
             self.pool.register(req.block_ids[i], parent, tokens)
             req.block_hashes.append(parent)
 

@@ -1,0 +1,254 @@
+"""LoRA adapters (issue 18) on CPU against transformers + peft: random adapters made with peft on
+a tiny Llama (two, of different ranks and target modules, one on the MLP too, one with rsLoRA)
+and a tiny Qwen2; each adapter's greedy tokens equal peft's `merge_and_unload` model's, and the
+base model and both adapters mixed in one `generate` call give the same tokens as run apart.
+Also: more adapters than slots (eviction and reload), prefix caching kept apart per adapter,
+and each bad adapter refused with its reason while the engine goes on serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from serverless_llm import LLM, LoRARequest, SamplingParams
+from serverless_llm.engine import LoRAError
+from tests.engine.family_check import family_prompts, save_family_model, tiny_dims
+from tests.engine.reference import hf_greedy
+from tests.tiny_models import build_tokenizer
+
+peft = pytest.importorskip("peft")
+
+NEW = 32
+ADAPTERS = {
+    # name: (base, r, alpha, target modules, rslora)
+    "attn8": ("llama", 8, 16, ["q_proj", "v_proj", "o_proj"], False),
+    "all4": ("llama", 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"], True),
+    "qwen16": ("qwen2", 16, 8, ["q_proj", "k_proj", "gate_proj", "down_proj"], False),
+}  # fmt: skip
+IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
+
+
+def _make_adapter(base: str, out: str, r, alpha, targets, rslora, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+    )
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():  # wide enough to change greedy picks, as the base weights are
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    pm.save_pretrained(out)
+    merged = pm.merge_and_unload()
+    merged.save_pretrained(out + "-merged")
+    build_tokenizer().save_pretrained(out + "-merged")
+
+
+@pytest.fixture(scope="module")
+def lora_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    tok = build_tokenizer()
+    bases = {
+        "llama": save_family_model(str(root / "llama"), transformers.LlamaConfig(**tiny_dims(tok))),
+        "qwen2": save_family_model(
+            str(root / "qwen2"),
+            transformers.Qwen2Config(**tiny_dims(tok), tie_word_embeddings=True),
+        ),
+    }
+    adapters = {}
+    for i, (name, (base, r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        out = str(root / name)
+        _make_adapter(bases[base], out, r, alpha, targets, rslora, seed=10 + i)
+        adapters[name] = out
+    return bases, adapters
+
+
+def _req(adapters, name):
+    return LoRARequest(name, IDS[name], adapters[name])
+
+
+def _llm(path, **kw):
+    args = dict(
+        block_size=8, num_kv_blocks=160, max_model_len=256, dtype="float32", enable_lora=True,
+        max_loras=2, max_lora_rank=16,
+    )  # fmt: skip
+    args.update(kw)
+    return LLM(path, **args)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_adapter_matches_peft_merged(lora_env, name):
+    bases, adapters = lora_env
+    base = ADAPTERS[name][0]
+    prompts = family_prompts(len(build_tokenizer()))
+    llm = _llm(bases[base])
+    outs = llm.generate(prompts, GREEDY, lora_request=_req(adapters, name))
+    merged = adapters[name] + "-merged"
+    base_outs = []
+    for prompt, out in zip(prompts, outs):
+        want = hf_greedy(merged, prompt, NEW)
+        assert out.outputs[0].token_ids == want, f"prompt of {len(prompt)} tokens"
+        base_outs.append(hf_greedy(bases[base], prompt, NEW))
+    # the adapter changes the output (else the test would prove nothing)
+    assert [o.outputs[0].token_ids for o in outs] != base_outs
+    pool = llm.engine.block_pool
+    assert pool.num_free == pool.num_blocks
+
+
+def test_base_and_two_adapters_mixed_in_one_call(lora_env):
+    bases, adapters = lora_env
+    prompts = family_prompts(len(build_tokenizer()))
+    llm = _llm(bases["llama"])
+    a1, a2 = _req(adapters, "attn8"), _req(adapters, "all4")
+    apart = {
+        None: llm.generate(prompts, GREEDY),
+        a1: llm.generate(prompts, GREEDY, lora_request=a1),
+        a2: llm.generate(prompts, GREEDY, lora_request=a2),
+    }
+    choice = [None, a1, a2, a1, None, a2, a2, a1]
+    mixed = llm.generate(prompts, GREEDY, lora_request=choice)
+    for i, (lora, out) in enumerate(zip(choice, mixed)):
+        assert out.outputs[0].token_ids == apart[lora][i].outputs[0].token_ids
+
+
+def test_more_adapters_than_slots(lora_env):
+    """Three adapters on the base model (two copies of one under other ids) with one slot:
+    every request finishes with its adapter's tokens; slots were reloaded."""
+    bases, adapters = lora_env
+    prompts = family_prompts(len(build_tokenizer()))[:6]
+    ref = _llm(bases["llama"])
+    want = {
+        n: ref.generate(prompts, GREEDY, lora_request=_req(adapters, n)) for n in ("attn8", "all4")
+    }
+    llm = _llm(bases["llama"], max_loras=1, max_cpu_loras=1)
+    a3 = LoRARequest("attn8-again", 7, adapters["attn8"])
+    choice = [_req(adapters, "attn8"), _req(adapters, "all4"), a3] * 2
+    outs = llm.generate(prompts, GREEDY, lora_request=choice)
+    for i, (lora, out) in enumerate(zip(choice, outs)):
+        name = "all4" if lora.lora_name == "all4" else "attn8"
+        assert out.outputs[0].token_ids == want[name][i].outputs[0].token_ids
+    assert llm.engine.lora.slot_loads >= 3
+    assert llm.engine.lora.adapter_reads >= 3  # one host slot: read again after eviction
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(lora_env):
+    bases, adapters = lora_env
+    prompt = family_prompts(len(build_tokenizer()), lengths=(40,))[0]
+    llm = _llm(bases["llama"])
+    a1 = _req(adapters, "attn8")
+    base_first = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    hits = llm.engine.block_pool.hits
+    with_adapter = llm.generate([prompt], GREEDY, lora_request=a1)[0].outputs[0].token_ids
+    assert llm.engine.block_pool.hits == hits  # the base model's blocks were not reused
+    again = llm.generate([prompt], GREEDY, lora_request=a1)[0].outputs[0].token_ids
+    assert llm.engine.block_pool.hits > hits  # the adapter's own blocks were
+    assert again == with_adapter != base_first
+
+
+def _broken(adapters, tmp_path, change) -> str:
+    out = str(tmp_path / "broken")
+    shutil.copytree(adapters["attn8"], out)
+    change(out)
+    return out
+
+
+def _edit_config(**kv):
+    def change(path):
+        p = os.path.join(path, "adapter_config.json")
+        cfg = json.load(open(p))
+        cfg.update(kv)
+        json.dump(cfg, open(p, "w"))
+
+    return change
+
+
+def _edit_tensors(fn):
+    def change(path):
+        from safetensors.torch import load_file, save_file
+
+        p = os.path.join(path, "adapter_model.safetensors")
+        state = load_file(p)
+        fn(state)
+        save_file(state, p)
+
+    return change
+
+
+def _first(state, part):
+    return next(k for k in sorted(state) if part in k)
+
+
+BAD = {
+    "dora": (_edit_config(use_dora=True), "DoRA is not supported"),
+    "modules_to_save": (_edit_config(modules_to_save=["lm_head"]), "modules_to_save"),
+    "embedding": (
+        _edit_tensors(
+            lambda s: s.update(
+                {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 10)}
+            )
+        ),
+        "not a LoRA A or B weight",
+    ),
+    "lm_head": (
+        _edit_tensors(
+            lambda s: s.update(
+                {
+                    "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
+                    "base_model.model.lm_head.lora_B.weight": torch.zeros(100, 8),
+                }
+            )
+        ),
+        "module 'lm_head'",
+    ),
+    "rank": (
+        _edit_tensors(
+            lambda s: [
+                s.update({k: torch.zeros(32, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 32)})
+                for k, v in list(s.items())
+            ]
+        ),
+        "above max_lora_rank 16",
+    ),
+    "shape": (
+        _edit_tensors(lambda s: s.update({_first(s, "lora_A"): torch.zeros(8, 63)})),
+        "do not fit the base layer",
+    ),
+    "missing_b": (
+        _edit_tensors(lambda s: s.pop(_first(s, "lora_B"))),
+        "lacks its lora_A or lora_B",
+    ),
+    "no_config": (lambda p: os.remove(os.path.join(p, "adapter_config.json")), "no adapter_config"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_adapter_is_refused_and_the_engine_goes_on(lora_env, tmp_path, case):
+    bases, adapters = lora_env
+    change, message = BAD[case]
+    path = _broken(adapters, tmp_path, change)
+    llm = _llm(bases["llama"])
+    with pytest.raises(LoRAError, match=message) as e:
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("bad", 9, path))
+    assert "'bad'" in str(e.value)
+    out = llm.generate([[5, 6, 7]], GREEDY, lora_request=_req(adapters, "attn8"))
+    assert len(out[0].outputs[0].token_ids) == NEW
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
+def test_lora_not_enabled_is_a_clear_error(lora_env):
+    bases, adapters = lora_env
+    llm = LLM(bases["llama"], num_kv_blocks=32, max_model_len=128)
+    from serverless_llm.engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
+        llm.generate([[5, 6]], GREEDY, lora_request=_req(adapters, "attn8"))
