@@ -19,9 +19,10 @@ from serverless_llm import LLM, LoRARequest, SamplingParams
 from serverless_llm.engine import LoRAError
 from tests.engine.family_check import family_prompts, save_family_model, tiny_dims
 from tests.engine.reference import hf_greedy
+from tests.lora_adapters import make_adapter
 from tests.tiny_models import build_tokenizer
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 NEW = 32
 ADAPTERS = {
@@ -32,23 +33,6 @@ ADAPTERS = {
     "qwen16": ("qwen2", 16, 8, ["q_proj", "k_proj", "gate_proj", "down_proj"], False),
 }  # fmt: skip
 IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
-
-
-def _make_adapter(base: str, out: str, r, alpha, targets, rslora, seed: int) -> None:
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = peft.LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
-    )
-    pm = peft.get_peft_model(model, cfg)
-    with torch.no_grad():  # wide enough to change greedy picks, as the base weights are
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    pm.save_pretrained(out)
-    merged = pm.merge_and_unload()
-    merged.save_pretrained(out + "-merged")
-    build_tokenizer().save_pretrained(out + "-merged")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +49,7 @@ def lora_env(tmp_path_factory):
     adapters = {}
     for i, (name, (base, r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
         out = str(root / name)
-        _make_adapter(bases[base], out, r, alpha, targets, rslora, seed=10 + i)
+        make_adapter(bases[base], out, r, alpha, targets, rslora, seed=10 + i)
         adapters[name] = out
     return bases, adapters
 
@@ -252,3 +236,23 @@ def test_lora_not_enabled_is_a_clear_error(lora_env):
 
     with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
         llm.generate([[5, 6]], GREEDY, lora_request=_req(adapters, "attn8"))
+
+
+def test_adapter_from_the_hub_cache(lora_env, tmp_path):
+    """A hub repo id as the path: read from the cache under download_dir (offline here); a repo
+    not in the cache is that adapter's error."""
+    from pathlib import Path
+
+    from tests.engine.test_loader import populate_hub_cache
+
+    bases, adapters = lora_env
+    cache = tmp_path / "hub"
+    populate_hub_cache(cache, "someone/attn8-adapter", Path(adapters["attn8"]), "c" * 40)
+    llm = _llm(bases["llama"], download_dir=str(cache))
+    prompts = family_prompts(len(build_tokenizer()))[:3]
+    hubbed = LoRARequest("hubbed", 5, "someone/attn8-adapter")
+    got = llm.generate(prompts, GREEDY, lora_request=hubbed)
+    want = llm.generate(prompts, GREEDY, lora_request=_req(adapters, "attn8"))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    with pytest.raises(LoRAError, match="'missing'.*not in the cache"):
+        llm.generate(prompts, GREEDY, lora_request=LoRARequest("missing", 6, "someone/nothing"))

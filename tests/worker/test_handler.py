@@ -128,6 +128,7 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "limits": RequestLimits(),
         "reasoning_parser": "auto",  # REASONING_PARSER unset: read from the chat template
         "structured_in_reasoning": False,
+        "lora_modules": [],
     }
     assert serving.calls[0] == (
         "/v1/chat/completions",

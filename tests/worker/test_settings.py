@@ -198,6 +198,10 @@ def test_booleans(raw, expected):
         ({"KV_CACHE_DTYPE": "int4"}, ["KV_CACHE_DTYPE", "'int4'", "fp8"]),
         ({"QUANTIZATION": "bitsandbytes"}, ["QUANTIZATION", "'bitsandbytes'", "only GPTQ, AWQ"]),
         ({"ATTENTION_BACKEND": "flash"}, ["ATTENTION_BACKEND", "'flash'", "triton"]),
+        ({"ENABLE_LORA": "1", "LORA_MODULES": "{oops"}, ["LORA_MODULES", "'{oops'"]),
+        ({"ENABLE_LORA": "1", "LORA_MODULES": "a=/x a=/y"}, ["LORA_MODULES", "'a=/x a=/y'"]),
+        ({"LORA_MODULES": "a=/x"}, ["LORA_MODULES is set but ENABLE_LORA is not"]),
+        ({"MAX_LORAS": "0"}, ["MAX_LORAS", "'0'", ">= 1"]),
     ],
 )
 def test_bad_values_give_one_line(env, must_contain):
@@ -422,3 +426,27 @@ def test_a_local_model_path_is_served_by_its_last_component(tmp_path, monkeypatc
         assert Settings.from_env({"MODEL_NAME": name}).served_model_name == served, name
     both = {"MODEL_NAME": str(model_dir), "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "a/b"}
     assert Settings.from_env(both).served_model_name == "a/b"
+
+
+def test_lora_modules_in_both_formats():
+    """worker-vllm's JSON (one object or a list) and vLLM's name=path pairs."""
+    json_list = (
+        '[{"name": "sql", "path": "org/sql-lora", "base_model_name": "base"},'
+        ' {"name": "chat", "path": "/adapters/chat"}]'
+    )
+    cases = {
+        json_list: [("sql", 1, "org/sql-lora", "base"), ("chat", 2, "/adapters/chat", None)],
+        '{"name": "one", "path": "/a"}': [("one", 1, "/a", None)],
+        "sql=/a/sql, chat=org/chat": [("sql", 1, "/a/sql", None), ("chat", 2, "org/chat", None)],
+    }
+    for text, want in cases.items():
+        settings = Settings.from_env(
+            {"ENABLE_LORA": "true", "LORA_MODULES": text, "MAX_LORAS": "2"}
+        )
+        got = [
+            (r.lora_name, r.lora_int_id, r.lora_path, r.base_model_name)
+            for r in settings.lora_requests()
+        ]
+        assert got == want
+        config = settings.engine_config()
+        assert config.enable_lora and config.max_loras == 2

@@ -31,7 +31,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -42,6 +42,7 @@ from ..engine import (
     EngineClient,
     EngineOutput,
     InvalidRequestError,
+    LoRARequest,
     SamplingParams,
     apply_chat_template,
     sequence_params,
@@ -83,6 +84,8 @@ class NativeRequest(BaseModel):
     apply_chat_template: bool = False
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
+    # A served LoRA adapter's name (LORA_MODULES), or the model's own; unset: the model.
+    model: str | None = None
 
     @model_validator(mode="after")
     def _needs_input(self) -> NativeRequest:
@@ -122,8 +125,14 @@ class NativeServing:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         log_requests: bool = False,
         limits: RequestLimits | None = None,
+        served_model_name: str | None = None,
+        lora_modules: Sequence[LoRARequest] = (),
     ) -> None:
+        """`lora_modules`: the adapters a job may name in `model` (besides
+        `served_model_name`, the model itself)."""
         self.engine = engine
+        self.served_model_name = served_model_name
+        self.loras = {r.lora_name: r for r in lora_modules}
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
         self.default_max_tokens = default_max_tokens
@@ -219,9 +228,18 @@ class NativeServing:
             )
         return params, prompt_ids
 
+    def _lora_of(self, model: str | None) -> LoRARequest | None:
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        names = [n for n in (self.served_model_name, *self.loras) if n]
+        raise NativeJobError(f"unknown model {model!r}: this worker serves {', '.join(names)}")
+
     async def _generate(
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
+        lora = self._lora_of(request.model)
         params, prompt_ids = await prepare(self._prepare, request)
         num_input = len(prompt_ids)
         if self.log_requests:
@@ -234,8 +252,9 @@ class NativeServing:
                 params,
             )
         seq = next(self._ids)
+        extra = {} if lora is None else {"lora_request": lora}
         streams = [
-            self.engine.generate(prompt_ids, p, f"{job_id}#{seq}.{i}")
+            self.engine.generate(prompt_ids, p, f"{job_id}#{seq}.{i}", **extra)
             for i, p in enumerate(sequence_params(params))
         ]
         view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer))

@@ -27,6 +27,7 @@ from .client import ModelInfo
 from .config import EngineConfig
 from .input_processor import InvalidRequestError, PromptInput
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar
@@ -107,6 +108,11 @@ class AsyncEngine:
             num_kv_blocks=core.block_pool.num_blocks,
         )
 
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        if self.core.lora is None:
+            raise InvalidRequestError("LoRA is not enabled (enable_lora / ENABLE_LORA)")
+        self.core.lora.get(lora_request)
+
     def stats(self) -> EngineStats:
         """A snapshot (read between steps without a lock: counts may be one step old)."""
         return self.core.stats()
@@ -145,9 +151,11 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yields one EngineOutput per step that produced tokens for this request; the last
-        has `finished` set. Invalid input raises InvalidRequestError before anything is queued."""
+        has `finished` set. Invalid input raises InvalidRequestError before anything is queued
+        (a bad or unknown adapter among them: LoRAError, read off the event loop)."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if request_id is None:
@@ -161,6 +169,10 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = self.core.inputs.make_request(prompt, params, request_id, compiled_grammar=compiled)
+        if lora_request is not None:
+            await asyncio.to_thread(self.core.attach_lora, req, lora_request)
+            if request_id in self._queues:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)

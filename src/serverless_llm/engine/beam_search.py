@@ -70,7 +70,7 @@ class BeamGroup:
                 output_token_ids=list(beam.token_ids),
             )
             member.sampling = self.sampling
-            member.lora = root.lora
+            member.lora, member.lora_adapter = root.lora, root.lora_adapter
             member.beam = self
             member.beam_index = j
             if member.params.prompt_logprobs is not None:

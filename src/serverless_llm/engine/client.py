@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .input_processor import PromptInput
+from .lora import LoRARequest
 from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar
@@ -66,7 +67,12 @@ class EngineClient(Protocol):
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput]: ...
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Reads an adapter now (at start, for the adapters a worker serves); LoRAError if it
+        cannot be served."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -102,6 +102,8 @@ class LLMEngine:
                 config.max_lora_rank,
                 config.max_cpu_loras or config.max_loras,
                 lora_dtype,
+                cache_dir=config.download_dir,
+                token=config.hf_token,
             )
         self.scheduler = Scheduler(
             self.block_pool,
@@ -223,7 +225,7 @@ class LLMEngine:
                 "(enable_lora / ENABLE_LORA)",
                 param="model",
             )
-        self.lora.get(lora_request)
+        req.lora_adapter = self.lora.get(lora_request)
         req.lora = lora_request
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
@@ -267,7 +269,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress: the KV cache is too small")
             return []
         if self.lora is not None:
-            loras = [r.lora for r in batch.requests if r.lora is not None]
+            loras = [r.lora_adapter for r in batch.requests if r.lora_adapter is not None]
             self.runner.lora_slots = self.lora.prepare(loras) if loras else {}
         sample_reqs, logits = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens):

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -54,7 +55,7 @@ class LoRAError(InvalidRequestError):
 class LoRAAdapter:
     name: str
     int_id: int
-    path: str
+    source: str  # the request's lora_path (a directory or a hub repo id)
     # internal module path -> [(part index or None for the whole output, A [r, in], B [out, r])]
     weights: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict
@@ -88,11 +89,13 @@ def _read_tensors(path: str, name: str) -> dict[str, torch.Tensor]:
     )
 
 
-def read_adapter(req: LoRARequest, model, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """The adapter of `req` for `model` (a DecoderModel with LoRA enabled), B scaled by
-    alpha / r (alpha / sqrt(r) with rsLoRA), in `dtype`; LoRAError for anything the engine
-    cannot apply exactly."""
-    name, path = req.lora_name, req.lora_path
+def read_adapter(
+    req: LoRARequest, path: str, model, max_rank: int, dtype: torch.dtype
+) -> LoRAAdapter:
+    """The adapter of `req`, read from directory `path`, for `model` (a DecoderModel with LoRA
+    enabled), B scaled by alpha / r (alpha / sqrt(r) with rsLoRA), in `dtype`; LoRAError for
+    anything the engine cannot apply exactly."""
+    name = req.lora_name
     cfg_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_path):
         raise LoRAError(f"adapter {name!r}: {path} has no adapter_config.json")
@@ -130,7 +133,7 @@ def read_adapter(req: LoRARequest, model, max_rank: int, dtype: torch.dtype) -> 
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor
     if not pairs:
         raise LoRAError(f"adapter {name!r}: no LoRA weights in {path}")
-    adapter = LoRAAdapter(name, req.lora_int_id, path)
+    adapter = LoRAAdapter(name, req.lora_int_id, req.lora_path)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoRAError(f"adapter {name!r}: module {module!r} lacks its lora_A or lora_B")
@@ -163,12 +166,43 @@ def read_adapter(req: LoRARequest, model, max_rank: int, dtype: torch.dtype) -> 
     return adapter
 
 
+def adapter_dir(req: LoRARequest, cache_dir: str | None, token: str | None) -> str:
+    """The local directory of `req`'s adapter: its path when that is a directory, else the
+    snapshot of the hub repo it names (from the cache, downloaded when the hub is reachable)."""
+    path = os.path.expanduser(req.lora_path)
+    if os.path.isdir(path):
+        return path
+    from .loader import ModelLoadError
+    from .loader.hub import adapter_snapshot, looks_like_hub_id
+
+    if not looks_like_hub_id(req.lora_path):
+        raise LoRAError(f"adapter {req.lora_name!r}: {req.lora_path} is not a directory")
+    try:
+        return adapter_snapshot(req.lora_path, cache_dir=cache_dir, token=token)
+    except ModelLoadError as e:
+        raise LoRAError(f"adapter {req.lora_name!r}: {e}") from e
+
+
 class LoRAManager:
     """The model's adapter slots and the host's LRU of read adapters (see the module
-    docstring). `slot_loads` and `adapter_reads` count copies into slots and reads from disk."""
+    docstring). `slot_loads` and `adapter_reads` count copies into slots and reads from disk.
+    `get` may run on any thread (a request's adapter is read before it is queued); `prepare`
+    runs on the step's."""
 
-    def __init__(self, model, max_loras: int, max_rank: int, max_cpu_loras: int, dtype):
+    def __init__(
+        self,
+        model,
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        dtype,
+        cache_dir: str | None = None,
+        token: str | None = None,
+    ):
         self.model = model
+        self.cache_dir = cache_dir
+        self.token = token
+        self._lock = threading.Lock()
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
@@ -181,29 +215,32 @@ class LoRAManager:
         self.adapter_reads = 0
 
     def get(self, req: LoRARequest) -> LoRAAdapter:
-        """The adapter, read from disk unless the host LRU holds it."""
-        known = self.host.get(req.lora_int_id)
-        if known is not None:
-            if known.name != req.lora_name or known.path != req.lora_path:
-                raise LoRAError(
-                    f"lora_int_id {req.lora_int_id} is adapter {known.name!r} "
-                    f"({known.path}); {req.lora_name!r} cannot reuse it"
-                )
-            self.host.move_to_end(req.lora_int_id)
-            return known
-        adapter = read_adapter(req, self.model, self.max_rank, self.dtype)
-        self.adapter_reads += 1
-        self.host[req.lora_int_id] = adapter
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)  # a slot keeps its own copy
-        return adapter
+        """The adapter, read from disk unless the host LRU holds it. A request keeps the
+        adapter it got, so an adapter the LRU drops stays alive while requests use it."""
+        with self._lock:
+            known = self.host.get(req.lora_int_id)
+            if known is not None:
+                if known.name != req.lora_name or known.source != req.lora_path:
+                    raise LoRAError(
+                        f"lora_int_id {req.lora_int_id} is adapter {known.name!r} "
+                        f"({known.source}); {req.lora_name!r} cannot reuse it"
+                    )
+                self.host.move_to_end(req.lora_int_id)
+                return known
+            local = adapter_dir(req, self.cache_dir, self.token)
+            adapter = read_adapter(req, local, self.model, self.max_rank, self.dtype)
+            self.adapter_reads += 1
+            self.host[req.lora_int_id] = adapter
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
+            return adapter
 
-    def prepare(self, loras: list[LoRARequest]) -> dict[int, int]:
+    def prepare(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
         """Slots for this step's distinct adapters (at most max_loras): int id -> slot."""
-        wanted = list(dict.fromkeys(r.lora_int_id for r in loras))
+        wanted = list(dict.fromkeys(a.int_id for a in adapters))
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"{len(wanted)} adapters in one step; max_loras={self.max_loras}")
-        by_id = {r.lora_int_id: r for r in loras}
+        by_id = {a.int_id: a for a in adapters}
         for lid in wanted:
             if lid in self.slot_of:
                 self.slot_of.move_to_end(lid)
@@ -215,7 +252,7 @@ class LoRAManager:
             else:  # evict the least recently used adapter this step does not need
                 victim = next(v for v in self.slot_of if v not in wanted)
                 slot = self.slot_of.pop(victim)
-            self._load(slot, self.get(by_id[lid]))
+            self._load(slot, by_id[lid])
             self.slot_of[lid] = slot
         return {lid: self.slot_of[lid] for lid in wanted}
 

@@ -10,7 +10,7 @@ from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from .beam_search import BeamGroup
-    from .lora import LoRARequest
+    from .lora import LoRAAdapter, LoRARequest
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured.grammar import GrammarMatcher
@@ -65,6 +65,7 @@ class Request:
     # tokens fed to it) while a reasoning model thinks.
     grammar_open: bool = True
     lora: LoRARequest | None = None  # the adapter this request runs with
+    lora_adapter: LoRAAdapter | None = None  # its weights, read when the request came in
 
     @property
     def lora_id(self) -> int:

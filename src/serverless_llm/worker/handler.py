@@ -26,6 +26,8 @@ from ..engine import (
     AsyncEngine,
     ConfigError,
     EngineStats,
+    InvalidRequestError,
+    LoRARequest,
     ModelLoadError,
     UnsupportedModelError,
 )
@@ -52,6 +54,8 @@ class Worker:
     def __init__(self, settings: Settings | None = None, engine: AsyncEngine | None = None) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         self.engine: AsyncEngine | None = engine
+        # The adapters served (LORA_MODULES, those that read), once the engine exists.
+        self.loras: list[LoRARequest] = [] if engine is None else self._load_loras(engine)
         self._load_lock = threading.Lock()
         self._native: NativeServing | None = None
         self._openai: Any = None
@@ -69,7 +73,23 @@ class Worker:
                 self.settings.log_startup(logger)
                 self.engine = AsyncEngine.from_config(self.settings.engine_config())
                 self.engine.warm_up_grammars()
+                self.loras = self._load_loras(self.engine)
             return self.engine
+
+    def _load_loras(self, engine: AsyncEngine) -> list[LoRARequest]:
+        """Reads each LORA_MODULES adapter now; one that cannot be served is logged with its
+        reason and left out (the worker serves the model and the other adapters)."""
+        served = []
+        for req in self.settings.lora_requests():
+            try:
+                engine.load_lora(req)
+            except InvalidRequestError as e:
+                logger.error("LoRA adapter %r is not served: %s", req.lora_name, e)
+                continue
+            served.append(req)
+        if served:
+            logger.info("LoRA adapters: %s", ", ".join(r.lora_name for r in served))
+        return served
 
     async def start(self) -> None:
         """Loads the model in a thread (the event loop keeps serving health checks); idempotent
@@ -148,6 +168,8 @@ class Worker:
                 chat_template=self.settings.custom_chat_template,
                 log_requests=not self.settings.disable_log_requests,
                 limits=self.settings.request_limits,
+                served_model_name=self.settings.served_model_name,
+                lora_modules=self.loras,
             )
         return self._native
 
@@ -166,6 +188,7 @@ class Worker:
                 limits=self.settings.request_limits,
                 reasoning_parser=self.settings.reasoning_parser or "auto",
                 structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
+                lora_modules=self.loras,
             )
         return self._openai
 

@@ -42,6 +42,7 @@ from serverless_llm.engine import (
     EngineDeadError,
     EngineOutput,
     InvalidRequestError,
+    LoRARequest,
     SamplingParams,
     SamplingParamsError,
     chat_template_source,
@@ -229,6 +230,7 @@ class _Plan:
     include_usage: bool
     continuous_usage: bool
     formatter: ChatFormatter | CompletionFormatter
+    lora: LoRARequest | None = None  # the adapter the request's `model` names
 
     @property
     def n(self) -> int:
@@ -256,6 +258,7 @@ class OpenAIServing:
         limits: RequestLimits | None = None,
         reasoning_parser: str | None = None,
         structured_in_reasoning: bool = False,
+        lora_modules: Sequence[LoRARequest] = (),
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
@@ -264,7 +267,9 @@ class OpenAIServing:
         TOOL_CALL_PARSER (a registered parser name; plugins are loaded before).
         `limits`: what one request may ask for (api.limits).
         `structured_in_reasoning`: a request's structured output constrains the reasoning
-        too (STRUCTURED_OUTPUTS_ENABLE_IN_REASONING); off, it starts after `</think>`."""
+        too (STRUCTURED_OUTPUTS_ENABLE_IN_REASONING); off, it starts after `</think>`.
+        `lora_modules`: the adapters served (LORA_MODULES); a request whose `model` is an
+        adapter's name runs with it, and /v1/models lists them after the base model."""
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
@@ -295,6 +300,7 @@ class OpenAIServing:
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
         )
+        self.loras = {r.lora_name: r for r in lora_modules}
         self.response_role = response_role
         self.raw_output = raw_output
         self.max_model_len = engine.max_model_len
@@ -339,10 +345,18 @@ class OpenAIServing:
         try:
             kind, arg = parse_route(route)
             if kind == "models":
-                yield list_models(self.model_names, self.created, self.max_model_len)
+                yield list_models(
+                    self.model_names, self.created, self.max_model_len, self._adapter_cards()
+                )
                 return
             if kind == "model":
-                yield retrieve_model(arg or "", self.model_names, self.created, self.max_model_len)
+                yield retrieve_model(
+                    arg or "",
+                    self.model_names,
+                    self.created,
+                    self.max_model_len,
+                    self._adapter_cards(),
+                )
                 return
             # Parsing, the chat template and the tokenizer run off the event loop.
             responses: ResponseFormatter | None = None
@@ -403,9 +417,16 @@ class OpenAIServing:
         A missing or empty name means the served model, as in vLLM."""
         if not model:
             return self.served_model_name
-        if model in self.model_names:
+        if model in self.model_names or model in self.loras:
             return model
         raise OpenAIServingError(model_not_found(model))
+
+    def _adapter_cards(self) -> list[tuple[str, str, str]]:
+        """(name, root, parent) of each served adapter, vLLM's model cards for them."""
+        return [
+            (r.lora_name, r.lora_path, r.base_model_name or self.served_model_name)
+            for r in self.loras.values()
+        ]
 
     def _fit_prompt(
         self, ids: list[int], truncate: int | None, max_tokens: int | None, param: str
@@ -509,6 +530,7 @@ class OpenAIServing:
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats),
             formatter=formatter,
+            lora=self.loras.get(model),
         )
 
     def _responses_plan(self, body: Any) -> tuple[_Plan, ResponseFormatter]:
@@ -597,6 +619,7 @@ class OpenAIServing:
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats),
             formatter=formatter,
+            lora=self.loras.get(model),
         )
 
     # -- plan -> outputs --------------------------------------------------------------------
@@ -605,8 +628,9 @@ class OpenAIServing:
         """One engine request per sequence of each prompt, with ids derived from the response
         id (unique). Stream p * len(sequences) + i is sequence i of prompt p."""
         count = len(plan.sequences)
+        extra = {} if plan.lora is None else {"lora_request": plan.lora}
         return [
-            self.engine.generate(ids, seq, f"{plan.response_id}-{p * count + i}")
+            self.engine.generate(ids, seq, f"{plan.response_id}-{p * count + i}", **extra)
             for p, ids in enumerate(plan.prompts)
             for i, seq in enumerate(plan.sequences)
         ]

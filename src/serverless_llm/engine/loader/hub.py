@@ -309,3 +309,48 @@ def hub_snapshot(
     if problem is not None:
         raise ModelLoadError(f"downloaded {label} to {folder} but it is incomplete: {problem}")
     return folder, fmt
+
+
+# What a PEFT LoRA adapter repo holds that the engine reads.
+ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"]
+
+
+def adapter_snapshot(repo_id: str, *, cache_dir: str | None, token: str | None) -> str:
+    """The snapshot folder of LoRA adapter repo `repo_id` (main), from the cache when it holds
+    adapter_config.json and weights, else downloaded unless the hub is offline."""
+
+    def complete(folder: str | None) -> bool:
+        if folder is None or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            return False
+        return any(os.path.isfile(os.path.join(folder, f)) for f in ADAPTER_PATTERNS[1:])
+
+    try:
+        folder: str | None = snapshot_download(
+            repo_id, cache_dir=cache_dir, local_files_only=True, allow_patterns=ADAPTER_PATTERNS
+        )
+    except LocalEntryNotFoundError:
+        folder = None
+    except HFValidationError as e:
+        raise _hub_error(e, repo_id, "main", token) from e
+    if complete(folder):
+        return folder
+    if hub_offline():
+        where = folder or storage_folder(repo_id, cache_dir)
+        raise ModelLoadError(
+            f"adapter repo {repo_id} is not in the cache at {where} and the hub is offline "
+            "(HF_HUB_OFFLINE=1)"
+        )
+    try:
+        logger.info("downloading adapter %s from the hub", repo_id)
+        folder = snapshot_download(
+            repo_id,
+            cache_dir=cache_dir,
+            token=token,
+            allow_patterns=ADAPTER_PATTERNS,
+            etag_timeout=_metadata_timeout(),
+        )
+    except Exception as e:  # noqa: BLE001 - every hub failure becomes a load error naming it
+        raise _hub_error(e, repo_id, "main", token) from e
+    if not complete(folder):
+        raise ModelLoadError(f"adapter repo {repo_id} has no adapter_config.json and weights")
+    return folder

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
+from ...engine import LoRARequest
 from ...engine.config import EngineConfig
-from .fields import DEFAULT_BASE_PATH, SettingsFields
+from .fields import DEFAULT_BASE_PATH, SettingsFields, parse_lora_modules
 
 
 def download_dir(base_path: str) -> str | None:
@@ -54,4 +55,19 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         enable_prefix_caching=s.enable_prefix_caching,
         grammar_compile_timeout=s.grammar_compile_timeout,
         grammar_max_chars=s.grammar_max_chars,
+        enable_lora=s.enable_lora,
+        max_loras=s.max_loras,
+        max_lora_rank=s.max_lora_rank,
+        max_cpu_loras=s.max_cpu_loras,
+        lora_dtype=s.lora_dtype,
     )
+
+
+def lora_requests(settings: SettingsFields) -> list[LoRARequest]:
+    """The adapters LORA_MODULES names, with ids 1, 2, ... in order."""
+    if not settings.lora_modules:
+        return []
+    return [
+        LoRARequest(m["name"], i, m["path"], m["base_model_name"])
+        for i, m in enumerate(parse_lora_modules(settings.lora_modules), start=1)
+    ]

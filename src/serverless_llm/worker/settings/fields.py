@@ -8,6 +8,7 @@ the checks across fields are in `validation`.
 
 from __future__ import annotations
 
+import json
 import re
 from functools import partial
 from typing import Any
@@ -191,6 +192,57 @@ class SettingsFields(BaseSettings):
             "per-layer K and V scales from the checkpoint (`k_scale`, `v_scale`) or 1.0."
         ),
         choices=KV_CACHE_DTYPES,
+    )
+    enable_lora: bool = _llm(
+        False,
+        "ENABLE_LORA",
+        title="Enable LoRA",
+        description=(
+            "Serve LoRA adapters on top of the model: the ones LORA_MODULES names, each by its "
+            "name as the request's `model`."
+        ),
+    )
+    lora_modules: str | None = _llm(
+        None,
+        "LORA_MODULES",
+        title="LoRA Modules",
+        description=(
+            'Adapters to serve: JSON, one object or a list of `{"name": ..., "path": ..., '
+            '"base_model_name": ...}` (path: a local directory or a hub repo id, downloaded '
+            "into BASE_PATH like the model), or vLLM's `name=path` pairs separated by spaces "
+            "or commas. Needs ENABLE_LORA."
+        ),
+    )
+    max_loras: int = _llm(
+        1,
+        "MAX_LORAS",
+        title="Max LoRAs",
+        description="Most distinct adapters in one step (the model's adapter slots).",
+        ge=1,
+    )
+    max_lora_rank: int = _llm(
+        16,
+        "MAX_LORA_RANK",
+        title="Max LoRA Rank",
+        description="Highest adapter rank served; an adapter above it is refused.",
+        ge=1,
+    )
+    max_cpu_loras: int | None = _llm(
+        None,
+        "MAX_CPU_LORAS",
+        title="Max CPU LoRAs",
+        description=(
+            "Adapters kept read in host memory (least recently used dropped first); unset: "
+            "MAX_LORAS."
+        ),
+        ge=1,
+    )
+    lora_dtype: str = _llm(
+        "auto",
+        "LORA_DTYPE",
+        title="LoRA Data Type",
+        description="Data type of the adapter weights; `auto`: the model's.",
+        choices=DTYPE_CHOICES,
     )
     dtype: str = _llm(
         "auto",
@@ -631,12 +683,60 @@ class SettingsFields(BaseSettings):
             raise ValueError("not one of the choices")
         return value
 
+    @field_validator("lora_modules", mode="after")
+    @classmethod
+    def _check_lora_modules(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_lora_modules(value)
+        return value
+
     @field_validator("device", mode="after")
     @classmethod
     def _check_device(cls, value: str) -> str:
         if not _DEVICE_RE.match(value):
             raise ValueError("not a device")
         return value
+
+
+def parse_lora_modules(text: str) -> list[dict[str, str | None]]:
+    """LORA_MODULES as [{"name", "path", "base_model_name"}]: worker-vllm's JSON (one object
+    or a list) or vLLM's `name=path` pairs; ValueError saying what is wrong."""
+    text = text.strip()
+    if not text:
+        return []
+    if text[0] in "[{":
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+        items = data if isinstance(data, list) else [data]
+        out = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise ValueError('each adapter must be an object with "name" and "path"')
+            if not isinstance(item.get("path"), str) or not item["path"]:
+                raise ValueError(f'adapter {item["name"]!r} has no "path"')
+            unknown = set(item) - {"name", "path", "base_model_name"}
+            if unknown:
+                raise ValueError(f"adapter {item['name']!r}: unknown keys {sorted(unknown)}")
+            out.append(
+                {
+                    "name": item["name"],
+                    "path": item["path"],
+                    "base_model_name": item.get("base_model_name"),
+                }
+            )
+    else:
+        out = []
+        for pair in re.split(r"[\s,]+", text):
+            name, sep, path = pair.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"{pair!r} is not name=path")
+            out.append({"name": name, "path": path, "base_model_name": None})
+    names = [m["name"] for m in out]
+    if len(set(names)) != len(names):
+        raise ValueError("adapter names must be unique")
+    return out
 
 
 # -- what a field is, in words -----------------------------------------------------------------

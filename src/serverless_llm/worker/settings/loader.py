@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from ...api.batching import BatchSizes
 from ...api.limits import RequestLimits
+from ...engine import LoRARequest
 from ...engine.config import EngineConfig
 from . import engine_config as _engine_config
 from .fields import EMBEDDED_MODEL_NAME, ENV_TO_FIELD, SettingsFields, field_extra, shown_value
@@ -93,6 +94,10 @@ class Settings(SettingsFields):
     def download_dir(self) -> str | None:
         """Where models are downloaded (see `engine_config.download_dir`)."""
         return _engine_config.download_dir(self.base_path)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The adapters LORA_MODULES names (ids 1, 2, ... in order)."""
+        return _engine_config.lora_requests(self)
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration from these settings. Raises ConfigError when the engine

@@ -50,6 +50,8 @@ def check(settings: SettingsFields) -> None:
     if errors:
         raise SettingsError(errors[0].message)
     check_tool_parser(settings)
+    if settings.lora_modules and not settings.enable_lora:
+        raise SettingsError("LORA_MODULES is set but ENABLE_LORA is not: set ENABLE_LORA=true")
     try:
         engine_config(settings)
     except ConfigError as e:
