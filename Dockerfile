@@ -68,6 +68,9 @@ ARG TOKENIZER_NAME=""
 # hadolint ignore=DL3064
 ARG TOKENIZER_REVISION=""
 ARG QUANTIZATION=""
+# LoRA adapters to bake beside the model (docs/lora.md): hub repos are downloaded too.
+ARG ENABLE_LORA=""
+ARG LORA_MODULES=""
 RUN --mount=type=secret,id=HF_TOKEN,required=false \
     --mount=type=cache,target=/root/.cache/huggingface \
     if [ -n "$MODEL_NAME" ]; then python builder/download_model.py --no-progress; fi

@@ -9,7 +9,9 @@ off.
 
 Configured like the worker, by environment variables (the Dockerfile's build args): MODEL_NAME
 (required), MODEL_REVISION, TOKENIZER_NAME, TOKENIZER_REVISION, BASE_PATH, QUANTIZATION,
-LOAD_FORMAT, TRUST_REMOTE_CODE. The Hugging Face token is read from the BuildKit secret file
+LOAD_FORMAT, TRUST_REMOTE_CODE, and LORA_MODULES with ENABLE_LORA (each adapter given as a hub
+repo is downloaded into the same cache and the list is recorded, so the worker serves them
+offline unless the endpoint sets its own LORA_MODULES). The Hugging Face token is read from the BuildKit secret file
 (`RUN --mount=type=secret,id=HF_TOKEN` puts it at /run/secrets/HF_TOKEN), else from HF_TOKEN; it
 is handed to the loader and nowhere else, and never printed.
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serverless_llm.engine.config import ConfigError
     from serverless_llm.engine.loader import ModelLoadError, load_hf_config, resolve_model
+    from serverless_llm.engine.loader.hub import adapter_snapshot
     from serverless_llm.engine.models import describe_model
     from serverless_llm.engine.tokenizer import load_tokenizer
     from serverless_llm.worker.settings import Settings, SettingsError
@@ -91,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         hf_config = load_hf_config(resolved, trust_remote_code=cfg.trust_remote_code)
         describe_model(hf_config)
         load_tokenizer(resolved.tokenizer_dir, trust_remote_code=cfg.trust_remote_code)
+        for lora in settings.lora_requests():  # LORA_MODULES: hub adapters into the same cache
+            if not os.path.isdir(lora.lora_path):
+                adapter_snapshot(lora.lora_path, cache_dir=download_dir, token=token)
     except (ModelLoadError, ConfigError) as e:
         return fail(str(e), 1)
     except Exception as e:  # unsupported architecture, unreadable tokenizer
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=resolved.model_dir,
         tokenizer_dir=resolved.tokenizer_dir,
         load_format=resolved.load_format,
+        lora_modules=settings.lora_modules,
     )
     try:
         write_baked_model(baked, output)

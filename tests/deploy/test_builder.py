@@ -355,3 +355,41 @@ def test_apply_baked_model_without_a_file_or_with_a_bad_one(tmp_path: Path) -> N
     bad.write_text(json.dumps({"format_version": 99}))
     with pytest.raises(BakedModelError, match="rebuild the image"):
         apply_baked_model({}, str(bad))
+
+
+def test_builder_bakes_lora_adapters(hub_cache: Path, tiny_llama: str, tmp_path: Path) -> None:
+    """LORA_MODULES at build time: each hub adapter is read from (or put into) the same cache,
+    the list is recorded, and the worker's environment gets it when the endpoint sets none; an
+    adapter repo the builder cannot get fails the build naming it."""
+    pytest.importorskip("peft")
+    from serverless_llm.worker.baked import apply_baked_model
+    from tests.lora_adapters import make_adapter
+
+    adapter = make_adapter(tiny_llama, str(tmp_path / "adapter"), 4, 8, ["q_proj"])
+    populate_hub_cache(
+        hub_cache / "huggingface-cache" / "hub", "org/tiny-lora", Path(adapter), "d" * 40
+    )
+    out = tmp_path / "baked-model.json"
+    env = clean_env(
+        MODEL_NAME="org/tiny",
+        BASE_PATH=str(hub_cache),
+        HF_HUB_OFFLINE="1",
+        HOME=str(tmp_path),
+        ENABLE_LORA="true",
+        LORA_MODULES="sql=org/tiny-lora",
+    )
+    proc = run_builder(env, "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert read_baked_model(str(out)).lora_modules == "sql=org/tiny-lora"
+    worker_env: dict[str, str] = {}
+    apply_baked_model(worker_env, str(out))
+    assert worker_env["LORA_MODULES"] == "sql=org/tiny-lora"
+    assert worker_env["ENABLE_LORA"] == "true"
+    worker_env = {"LORA_MODULES": "other=/x"}
+    apply_baked_model(worker_env, str(out))
+    assert worker_env["LORA_MODULES"] == "other=/x"  # the endpoint's own list wins
+
+    env["LORA_MODULES"] = "sql=org/missing-lora"
+    proc = run_builder(env, "--output", str(tmp_path / "other.json"))
+    assert proc.returncode == 1
+    assert "org/missing-lora" in proc.stderr and "not in the cache" in proc.stderr

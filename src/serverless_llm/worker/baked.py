@@ -43,6 +43,9 @@ class BakedModel:
     model_dir: str  # the resolved snapshot: config, tokenizer and weights
     tokenizer_dir: str
     load_format: str
+    # LORA_MODULES at build time (their hub repos are in the cache too); the worker serves them
+    # when the endpoint sets no LORA_MODULES of its own.
+    lora_modules: str | None = None
 
 
 def baked_model_file(environ: MutableMapping[str, str] | None = None) -> str:
@@ -75,7 +78,10 @@ def read_baked_model(path: str) -> BakedModel | None:
             f"{path} is not a baked-model file of format {FORMAT_VERSION}: rebuild the image"
         )
     try:
-        return BakedModel(**{f.name: raw[f.name] for f in fields(BakedModel)})
+        return BakedModel(
+            **{f.name: raw[f.name] for f in fields(BakedModel) if f.name != "lora_modules"},
+            lora_modules=raw.get("lora_modules"),
+        )
     except KeyError as e:
         raise BakedModelError(f"{path} lacks the field {e.args[0]}: rebuild the image") from e
 
@@ -140,6 +146,9 @@ def apply_baked_model(
             offline = False  # another tokenizer was asked for: it may need the hub
     if not env.get("OPENAI_SERVED_MODEL_NAME_OVERRIDE"):
         env["OPENAI_SERVED_MODEL_NAME_OVERRIDE"] = baked.model_name
+    if baked.lora_modules and not env.get("LORA_MODULES"):
+        env["LORA_MODULES"] = baked.lora_modules
+        env.setdefault("ENABLE_LORA", "true")
     if not offline:
         logger.info("baked model %s at %s; the hub stays on", baked.model_name, baked.model_dir)
         return baked
