@@ -54,6 +54,13 @@ def test_moe_tiny(tiny_llama, tmp_path):
     assert run.report["params"]["moe"] > run.report["params"]["dense"]
 
 
+def test_lora_tiny(tiny_llama, tmp_path):
+    """The LoRA benchmark: four random adapters on every projection against no adapter."""
+    run = run_bench("lora.py", tiny_llama, tmp_path)
+    assert run.summary.startswith("SUMMARY lora_vs_base="), run.stdout[-4000:]
+    assert run.report["tok_s"]["base"] > 0 and run.report["tok_s"]["lora"] > 0
+
+
 def test_families_rounds_keep_each_systems_best():
     from bench.families import _best
 

@@ -225,10 +225,18 @@ def main(quick: bool = False) -> int:
             moe_ptrs = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32"}
             for rows in (2, 4096):
                 bm, bn, bk, warps = fused_moe.moe_tiles(rows, 8, tdt)
-                for a_div, weighted in ((2, False), (1, True)):
-                    ce = dict(A_DIV=a_div, MUL_WEIGHT=weighted, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                # gate/up; down with the router weight; LoRA's expand (adds into the output)
+                for a_div, weighted, acc in ((2, False, False), (1, True, False), (1, False, True)):
+                    ce = dict(
+                        A_DIV=a_div,
+                        MUL_WEIGHT=weighted,
+                        ACCUMULATE=acc,
+                        BLOCK_M=bm,
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                    )
                     attempt(
-                        f"fused_moe {dtype} rows={rows} weighted={weighted}",
+                        f"grouped gemm {dtype} rows={rows} weighted={weighted} accumulate={acc}",
                         fused_moe._moe_gemm_kernel,
                         dtype,
                         ce,

@@ -263,4 +263,6 @@ class LoRAManager:
             layer = self.layers[internal]
             for part, a, b in parts:
                 layer.set_part(slot, part, a.to(layer.lora_a.device), b.to(layer.lora_b.device))
+        for layer in self.layers.values():
+            layer.repack()
         self.slot_loads += 1

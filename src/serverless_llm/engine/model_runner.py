@@ -158,11 +158,14 @@ class ModelRunner:
         pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
         return ids_t, pos_t, meta
 
-    def lora_groups(self, h: HostBatch, slots: dict[int, int]) -> list:
-        """Each adapter slot's rows of the step: a slice when they are one run, else indices."""
+    def lora_groups(self, h: HostBatch, slots: dict[int, int]) -> tuple[list, torch.Tensor]:
+        """Each adapter slot's rows of the step (a slice when they are one run, else indices),
+        and each token's slot (-1: none)."""
         rows: dict[int, list[tuple[int, int]]] = {}
+        token_slots = torch.full((len(h.input_ids),), -1, dtype=torch.int64)
         for lid, start, n in h.lora_rows:
             rows.setdefault(slots[lid], []).append((start, n))
+            token_slots[start : start + n] = slots[lid]
         groups = []
         for slot, runs in rows.items():
             first, last = runs[0][0], runs[-1][0] + runs[-1][1]
@@ -171,7 +174,7 @@ class ModelRunner:
             else:
                 idx = [i for start, n in runs for i in range(start, start + n)]
                 groups.append((slot, torch.tensor(idx, dtype=torch.int64, device=self.device)))
-        return groups
+        return groups, token_slots.to(self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor | None]:
@@ -188,12 +191,12 @@ class ModelRunner:
             input_ids, positions, meta = self.device_inputs(h)
             self.backend.prepare(meta)
             if h.lora_rows:
-                self.lora_step.groups = self.lora_groups(h, self.lora_slots)
+                self.lora_step.set(*self.lora_groups(h, self.lora_slots))
             try:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             finally:
                 if self.lora_step is not None:
-                    self.lora_step.groups = []
+                    self.lora_step.clear()
         if h.prompt_work.requests:
             self._prompt_logprobs(hidden, h.prompt_work)
         if not h.sample_reqs:

@@ -133,13 +133,15 @@ def _moe_gemm_kernel(
     stride_om,
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[r, n] = sum over k of a[r // A_DIV, k] * w[e, n, k] for the rows r of this block (one
-    expert e), times weight[r] when MUL_WEIGHT. Sentinel rows (>= num_rows) are neither read nor
-    written; a block past the end (expert -1) returns at once."""
+    expert e), times weight[r] when MUL_WEIGHT, plus out's own value when ACCUMULATE. Sentinel
+    rows (>= num_rows) are neither read nor written; a block with expert -1 (past the end, or a
+    group to skip) returns at once."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -174,7 +176,10 @@ def _moe_gemm_kernel(
         scale = tl.load(weight_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out, mask=mask_out, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
 def moe_tiles(num_rows: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -187,10 +192,18 @@ def moe_tiles(num_rows: int, num_experts: int, dtype: torch.dtype) -> tuple[int,
     return block_m, block_n, block_k, 8 if block_m == 64 else 4
 
 
-def _grouped_gemm(a, w, rows, block_expert, weights, num_rows, a_div, tiles) -> Tensor:
+def grouped_gemm(
+    a, w, rows, block_expert, weights, num_rows, a_div, tiles, out=None, accumulate=False
+) -> Tensor:
+    """One launch of `_moe_gemm_kernel` over the blocks `moe_align` made: out [num_rows, N]
+    (new, or `out` itself, added to when `accumulate`) from rows of `a` and each block's
+    matrix of `w` [groups, N, K] (any strides, K contiguous)."""
     block_m, block_n, block_k, warps = tiles
     n, k = w.shape[1], w.shape[2]
-    out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
+    if w.stride(2) != 1:
+        raise ValueError("grouped_gemm reads w with K contiguous")
+    if out is None:
+        out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a,
@@ -208,6 +221,7 @@ def _grouped_gemm(a, w, rows, block_expert, weights, num_rows, a_div, tiles) -> 
         out.stride(0),
         A_DIV=a_div,
         MUL_WEIGHT=weights is not None,
+        ACCUMULATE=accumulate,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -230,8 +244,8 @@ def fused_moe(
     x = x.contiguous()
     tiles = moe_tiles(num_rows, w13.shape[0], x.dtype)
     rows, block_expert = moe_align(ids, w13.shape[0], tiles[0])
-    h = _grouped_gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
+    h = grouped_gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
     h = act_and_mul(h, act)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    out = _grouped_gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
+    out = grouped_gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
     return out.view(T, k, -1).sum(dim=1)

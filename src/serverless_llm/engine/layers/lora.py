@@ -13,15 +13,37 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..kernels.lora import add_lora_reference
+from ..kernels.lora import add_lora, add_lora_masked, add_lora_reference, slot_mask
+from .linear import pack_weight, packed_linear, packed_ops_work
 
 
 @dataclass
 class LoRAStep:
-    """The current step's tokens per adapter slot: (slot, rows), rows a slice or an index
-    tensor into the step's flat token batch. Empty when no token of the step has an adapter."""
+    """The current step's adapters: `groups`, (slot, rows) with rows a slice or an index tensor
+    into the step's flat token batch (empty when no token of the step has an adapter), and
+    `token_slots`, each token's slot or -1. `masked` picks the all-slots form (the CPU path);
+    its masks are made once per step for each rank-block width. `use_kernels` picks the Triton
+    grouped GEMM (CUDA; the interpreter in tests)."""
 
     groups: list[tuple[int, slice | Tensor]] = field(default_factory=list)
+    token_slots: Tensor | None = None
+    num_slots: int = 1
+    masked: bool = False
+    use_kernels: bool = False
+    _masks: dict = field(default_factory=dict)
+
+    def set(self, groups, token_slots: Tensor | None) -> None:
+        self.groups, self.token_slots = groups, token_slots
+        self._masks = {}
+
+    def clear(self) -> None:
+        self.set([], None)
+
+    def mask(self, width: int, dtype: torch.dtype) -> Tensor:
+        key = (width, dtype)
+        if key not in self._masks:
+            self._masks[key] = slot_mask(self.token_slots, self.num_slots, width, dtype)
+        return self._masks[key]
 
 
 class LoRALinear(nn.Module):
@@ -51,18 +73,70 @@ class LoRALinear(nn.Module):
             "lora_a", torch.zeros(max_loras, ranks, in_features, dtype=dtype, device=device)
         )
         self.register_buffer(
-            "lora_b", torch.zeros(max_loras, out, ranks, dtype=dtype, device=device)
+            "lora_b", torch.zeros(out, max_loras, ranks, dtype=dtype, device=device)
         )
+        self.packed: tuple[Tensor, list[Tensor]] | None = None  # `repack`
+        self.whole: set[int] = set()  # slots holding one adapter over the whole output
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.base(x)
-        if self.step.groups:
-            add_lora_reference(out, x, self.lora_a, self.lora_b, self.step.groups)
+        step = self.step
+        if step.groups:
+            if step.use_kernels:
+                add_lora(out, x, self.lora_a, self.lora_b, step.token_slots)
+            elif step.masked:
+                mask = step.mask(self.lora_a.shape[1], x.dtype)
+                if self.packed is not None:
+                    self._packed_delta(out, x)
+                else:
+                    add_lora_masked(out, x, self.lora_a, self.lora_b, mask)
+            else:
+                add_lora_reference(out, x, self.lora_a, self.lora_b, step.groups)
         return out
+
+    def _packed_delta(self, out: Tensor, x: Tensor) -> None:
+        """The masked form through the packed matrices: one shrink for every part and slot,
+        then per part an expand over its own rank block of every slot into its own rows (a
+        fused layer's other parts' zeros are never multiplied)."""
+        pa, pbs = self.packed
+        r = self.max_rank if len(pbs) > 1 else self.lora_a.shape[1]
+        mask = self.step.mask(r, x.dtype)
+        shrunk = packed_linear(x, pa)
+        width = mask.shape[1]
+        for p, pb in enumerate(pbs):
+            off, size = self.parts[p] if len(pbs) > 1 else (0, out.shape[1])
+            block = shrunk[:, p * width : (p + 1) * width] * mask
+            out[:, off : off + size] += packed_linear(block, pb)
+
+    def repack(self) -> None:
+        """The all-slots matrices packed for oneDNN (float32 on CPU, the masked path), after the
+        slots change. A part-major, [parts x slots x R, in]; B as one [size, slots x R] matrix
+        per part (or one [out, slots x all ranks] when a slot holds an adapter over the whole
+        output). The CPU's small matmuls through oneDNN's packed weights cost a fraction of
+        F.linear's (layers/linear.py)."""
+        a, b = self.lora_a, self.lora_b
+        if not (self.step.masked and a.dtype == torch.float32 and packed_ops_work()):
+            return
+        s, ranks, k = a.shape
+        parts = len(self.parts)
+        if parts == 1 or self.whole:
+            self.packed = (
+                pack_weight(a.reshape(s * ranks, k)),
+                [pack_weight(b.reshape(-1, s * ranks))],
+            )
+            return
+        r = self.max_rank
+        a_pm = a.reshape(s, parts, r, k).transpose(0, 1).reshape(parts * s * r, k)
+        b_parts = [
+            b[off : off + size].reshape(size, s, parts, r)[:, :, p].reshape(size, s * r)
+            for p, (off, size) in enumerate(self.parts)
+        ]
+        self.packed = (pack_weight(a_pm), [pack_weight(bp) for bp in b_parts])
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_b[:, slot].zero_()
+        self.whole.discard(slot)
 
     def set_part(self, slot: int, part: int | None, a: Tensor, b: Tensor) -> None:
         """Part `part`'s adapter in `slot` (None: one adapter over the whole output, in the
@@ -70,9 +144,11 @@ class LoRALinear(nn.Module):
         rest of its block stays zero."""
         r = a.shape[0]
         if part is None:
-            off, size, lo = 0, self.lora_b.shape[1], 0
+            off, size, lo = 0, self.lora_b.shape[0], 0
+            if len(self.parts) > 1:
+                self.whole.add(slot)
         else:
             off, size = self.parts[part]
             lo = part * self.max_rank
         self.lora_a[slot, lo : lo + r].copy_(a)
-        self.lora_b[slot, off : off + size, lo : lo + r].copy_(b)
+        self.lora_b[off : off + size, slot, lo : lo + r].copy_(b)

@@ -580,7 +580,9 @@ class DecoderModel(nn.Module):
         s = self.spec
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         device = self.embed_tokens.weight.device
-        step = LoRAStep()
+        step = LoRAStep(
+            num_slots=max_loras, masked=device.type == "cpu", use_kernels=self.use_kernels
+        )
         layers: dict[str, LoRALinear] = {}
         for i, layer in enumerate(self.layers):
             for path in self.LORA_TARGETS:
@@ -626,7 +628,7 @@ class DecoderModel(nn.Module):
             part = self._SHARDS[how]
             out_rows = layer.parts[part][1]
         elif how is None:
-            part, out_rows = None, layer.lora_b.shape[1]
+            part, out_rows = None, layer.lora_b.shape[0]
         else:
             raise KeyError(f"its weight is stored as {how!r}, which adapters cannot target")
         return f"layers.{idx}.{internal}", part, layer.lora_a.shape[2], out_rows
