@@ -10,6 +10,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton reads TRITON_INTERPRET when it is imported, and some libraries the tests import at
+# collection import it (peft does): so it is set here, before any test module, not only in
+# tests/kernels/conftest.py (which documents it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from tests.tiny_models import build_tiny_model  # noqa: E402

@@ -1,6 +1,6 @@
 """Without CUDA, kernel tests run Triton's interpreter on the CPU. TRITON_INTERPRET must be set
-before any kernel is decorated (at import of the kernel modules), so it is set here, at
-collection time. With CUDA (and TRITON_INTERPRET not set to 1) the same tests run the compiled
+before Triton is imported (it reads the variable then), so tests/conftest.py sets it before any
+test module is collected, and this file again for runs rooted here. With CUDA (and TRITON_INTERPRET not set to 1) the same tests run the compiled
 kernels on the GPU (see `tests.kernels.batch.DEVICE`). Test modules that need Triton skip when
 it is not installed."""
 
