@@ -98,6 +98,8 @@ def test_build_args_and_runtime() -> None:
         "TOKENIZER_REVISION",
         "BASE_PATH",
         "QUANTIZATION",
+        "ENABLE_LORA",
+        "LORA_MODULES",
         "CUDA_VERSION",
     ):
         assert name in args, f"build arg {name} missing"
