@@ -26,7 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 AWQ_FIELD_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]
-LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+# The linears a quantizer converts: attention and MLP projections, MoE experts (Qwen-MoE's
+# mlp.experts.N.*_proj and shared_expert, Mixtral's block_sparse_moe.experts.N.w1/w2/w3); not
+# the routers.
+LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.\w+_proj|mlp(\.experts\.\d+|\.shared_expert)?\.\w+_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
+)
 
 
 def int32_word(word: int) -> int:
@@ -141,7 +147,11 @@ def write_quantized(
         gs = n_in if group_size == -1 else group_size
         groups = [i // gs for i in range(n_in)]
         if act_order:
-            key = re.sub(r"(q|k|v|gate|up)_proj\.weight$", "in", name) if shared_order else name
+            key = (
+                re.sub(r"((q|k|v|gate|up)_proj|w1|w3)\.weight$", "in", name)
+                if shared_order
+                else name
+            )
             if key not in orders:
                 rng.shuffle(groups)
                 orders[key] = groups

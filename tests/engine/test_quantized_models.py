@@ -284,3 +284,56 @@ def test_the_start_up_line_names_the_quantization(quantized, caplog):
     with caplog.at_level("INFO", logger="serverless_llm.engine.llm_engine"):
         LLM(quant_dir, num_kv_blocks=64, max_model_len=256, quantized_weights="packed")
     assert "quantization=gptq 4-bit group 32 act-order, packed " in caplog.text
+
+
+# -- mixture-of-experts checkpoints (experts quantized, routers float) -------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "method", "act_order"),
+    [("qwen2_moe", "gptq", True), ("mixtral", "awq", False), ("qwen3_moe", "gptq", False)],
+)
+def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order):
+    """Qwen2-MoE (shared expert, a dense layer) in GPTQ with act-order, Mixtral (w1/w2/w3
+    experts) in AWQ, Qwen3-MoE in GPTQ: every expert quantized by the packer, the routers left
+    in float as quantizers leave them; the experts dequantize into the stacked weights at load
+    and the tokens equal transformers' on the float twin."""
+    import transformers
+
+    from tests.engine.family_check import save_family_model, tiny_dims
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    config = _config(family, tok)
+    if family == "mixtral":  # expert width a multiple of AWQ's 8-column packing and the groups
+        config = transformers.MixtralConfig(
+            **tiny_dims(tok), num_local_experts=6, num_experts_per_tok=2
+        )
+    src = save_family_model(str(tmp_path / "src"), config, std=0.1)
+    float_dir, quant_dir = write_quantized(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), method, 4, 32, act_order
+    )
+    state = load_file(os.path.join(quant_dir, "model.safetensors"))
+    assert any(".experts.0." in k and k.endswith(".qweight") for k in state)
+    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64, max_model_len=256, dtype="float32")
+    assert "(experts dequantized)" in llm.engine.model.quantization
+    prompts = prompts_for(llm.engine.vocab_size, seed=1)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 24), len(prompt)
+
+
+def test_quantized_moe_missing_expert_tensor_is_named(tmp_path):
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen3_moe", build_tokenizer()))
+    _, quant_dir = write_quantized(src, str(tmp_path / "f"), str(tmp_path / "q"), "gptq", 4, 32)
+    path = os.path.join(quant_dir, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.mlp.experts.4.up_proj.scales"]
+    save_file(state, path)
+    with pytest.raises(KeyError, match="experts.4.up_proj.scales"):
+        LLM(quant_dir, num_kv_blocks=16, max_model_len=128)

@@ -330,6 +330,45 @@ class Experts(nn.Module):
         self.act = check_activation(s.act)
         self.use_kernels = use_kernels
         self.packed: tuple[list, list] | None = None  # `pack_for_cpu`
+        self.scheme = None  # a quantized checkpoint's scheme (`quantize`)
+        self.receivers: dict[tuple[str, int], QuantLinear] = {}
+
+    def quantize(self, scheme) -> None:
+        """The checkpoint's experts are quantized: each expert's tensors go to a QuantLinear
+        that unpacks and dequantizes them as they arrive, and its float weight is copied into
+        the expert's slice of the stacked weights at once (one expert in flight, never a
+        second copy of the model). The experts then run in float: the memory saving stays in
+        the attention and dense layers (a grouped W4A16 MoE kernel would keep it)."""
+        self.scheme = scheme
+
+    def take_quantized(self, which: str, how: str, kind: str, name: str, tensor) -> list[str]:
+        """A quantized checkpoint tensor of an expert (`how`: "expert:<e>[:gate|up]");
+        returns the load markers (as `_place` records them) of the expert once it is whole."""
+        _, e, half = (how.split(":") + [""])[:3]
+        e = int(e)
+        stacked = getattr(self, which).weight
+        rec = self.receivers.get((which, e))
+        if rec is None:
+            out, k = stacked.shape[1], stacked.shape[2]
+            parts = (out // 2, out // 2) if which == "w13" else (out,)
+            rec = QuantLinear(k, out, False, self.scheme, parts, "dequantize")
+            self.receivers[(which, e)] = rec
+        rec.take(kind, {"gate": 0, "up": 1}.get(half, WHOLE), name, tensor)
+        if rec.weight is None:
+            return []
+        stacked.data[e].copy_(rec.weight.reshape(stacked.shape[1:]))
+        del self.receivers[(which, e)]
+        pname = f"{which}.weight"
+        if which == "w13":
+            return [f"{pname}#expert:{e}:gate", f"{pname}#expert:{e}:up"]
+        return [f"{pname}#expert:{e}"]
+
+    def missing_quantized(self) -> list[str]:
+        """The tensors experts still wait for (a part of their quantized set came, not all)."""
+        out = []
+        for rec in self.receivers.values():
+            out += rec.missing()
+        return out
 
     def forward(self, x, weights, ids):
         if self.packed is not None:
@@ -640,21 +679,22 @@ class DecoderModel(nn.Module):
         `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
         checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
         s = self.spec
-        if s.moe is not None:
-            raise QuantLoadError(
-                f"quantized {s.arch} checkpoints are not supported yet: the mixture-of-experts "
-                "layers load only from float weights"
-            )
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
         act = " act-order" if scheme.desc_act else ""
         self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
+        if s.moe is not None:
+            self.quantization += " (experts dequantized)"
         kv = s.num_kv_heads * s.head_dim
         parts_of = {"qkv_proj": (s.num_heads * s.head_dim, kv, kv), "gate_up_proj": None}
         for layer in self.layers:
             for parent in layer.modules():
+                if isinstance(parent, Experts):
+                    parent.quantize(scheme)
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear:
                         continue
+                    if isinstance(parent, SparseMoE) and name in ("gate", "shared_expert_gate"):
+                        continue  # routers: quantizers leave them in float
                     parts = parts_of.get(name, (child.out_features,))
                     if parts is None:
                         parts = (child.out_features // 2,) * 2
@@ -675,6 +715,12 @@ class DecoderModel(nn.Module):
         names = self.spec.names
         params = dict(self.named_parameters())
         quant = {n: m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
+        quant_experts = {
+            f"{n}.{which}": (m, which)
+            for n, m in self.named_modules()
+            if isinstance(m, Experts) and m.scheme is not None
+            for which in ("w13", "w2")
+        }
         loaded: set[str] = set()
         layer_prefix = names.layers_prefix + "."
         kv_scales: dict[int, dict[str, float]] = {}
@@ -705,6 +751,16 @@ class DecoderModel(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
             internal, how = (target, None) if isinstance(target, str) else target
             pname = f"{prefix}{internal}.{kind}"
+            experts = quant_experts.get(f"{prefix}{internal}")
+            if experts is not None and (kind != "weight" or tensor.dtype == torch.float8_e4m3fn):
+                if kind == "bias":  # GPTQ's zero bias for every quantized linear
+                    if not bool((tensor == 0).all()):
+                        raise QuantLoadError(f"checkpoint tensor {name!r}: an expert has no bias")
+                    continue
+                module, which = experts
+                marks = module.take_quantized(which, how, kind, name, tensor)
+                loaded.update(f"{prefix}{internal.rpartition('.')[0]}.{m}" for m in marks)
+                continue
             if f"{prefix}{internal}" in quant and kind != "bias":
                 self._take_quantized(quant[f"{prefix}{internal}"], name, kind, how, tensor)
                 continue
@@ -723,6 +779,8 @@ class DecoderModel(nn.Module):
         missing = [p for p, t in params.items() if not self._complete(p, t, loaded)]
         for mname, m in quant.items():
             missing += [f"{mname}: {what}" for what in m.missing()]
+        for module, _ in quant_experts.values():
+            missing += module.missing_quantized()
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         for i, scales in kv_scales.items():
