@@ -337,3 +337,24 @@ def test_quantized_moe_missing_expert_tensor_is_named(tmp_path):
     save_file(state, path)
     with pytest.raises(KeyError, match="experts.4.up_proj.scales"):
         LLM(quant_dir, num_kv_blocks=16, max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    ("style", "strategy"), [("fp8", "tensor"), ("compressed-tensors", "channel")]
+)
+def test_fp8_moe_matches_transformers(tmp_path, style, strategy):
+    """FP8 experts (vLLM's fp8 and llm-compressor's float-quantized): dequantized into the
+    stacked weights with their scales."""
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    float_dir, quant_dir = write_fp8(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), style, strategy
+    )
+    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64, max_model_len=256, dtype="float32")
+    prompts = prompts_for(llm.engine.vocab_size, seed=1)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 16), len(prompt)
