@@ -409,3 +409,20 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
     return str(value)
+
+
+# -- GPU kernel timing -------------------------------------------------------------------------
+
+
+def gpu_time_ms(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of `fn` on the GPU (`triton.testing.do_bench`)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def gpu_copy_bandwidth() -> float:
+    """The device's copy bandwidth in GB/s (read + write of a 1 GiB clone), the ceiling a
+    weight-streaming kernel is compared with."""
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    return 2 * big.numel() / gpu_time_ms(big.clone) / 1e6

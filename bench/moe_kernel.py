@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch  # noqa: E402
 
-from bench.common import format_table  # noqa: E402
+from bench.common import format_table, gpu_copy_bandwidth, gpu_time_ms  # noqa: E402
 
 # name: (experts, top_k, hidden, expert width)
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
@@ -34,17 +34,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/moe_kernel.py needs a CUDA device", file=sys.stderr)
         return 2
-    from triton.testing import do_bench
-
     from serverless_llm.engine.kernels.fused_moe import fused_moe, fused_moe_reference
 
-    def timed(fn) -> float:
-        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    copy_ms = timed(big.clone)
-    copy_gbs = 2 * big.numel() / copy_ms / 1e6
-    big = None
+    timed = gpu_time_ms
+    copy_gbs = gpu_copy_bandwidth()
     rows = []
     dt = torch.bfloat16
     for name, (experts, top_k, hidden, inter) in SHAPES.items():

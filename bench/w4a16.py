@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch  # noqa: E402
 
-from bench.common import format_table  # noqa: E402
+from bench.common import format_table, gpu_copy_bandwidth, gpu_time_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336)]
 ROWS = [1, 16, 256, 4096]
@@ -30,17 +30,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/w4a16.py needs a CUDA device", file=sys.stderr)
         return 2
-    from triton.testing import do_bench
-
     from serverless_llm.engine.kernels.w4a16 import pack_int32, w4a16_linear
 
-    def timed(fn) -> float:
-        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    copy_ms = timed(big.clone)
-    copy_gbs = 2 * big.numel() / copy_ms / 1e6
-    big = None
+    timed = gpu_time_ms
+    copy_gbs = gpu_copy_bandwidth()
     rows = []
     for k, n in SHAPES:
         q = torch.randint(0, 16, (k, n), device="cuda")

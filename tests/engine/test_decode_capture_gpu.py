@@ -7,24 +7,16 @@ the same buffers and checks is tests/engine/test_decode_capture.py."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
-import torch
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import decode_capture
+from tests.gpu_marks import GPU_ONLY
 
 from .test_engine_core import GREEDY, random_prompts
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="TRITON_INTERPRET=1 is set: these tests are for compiled kernels",
-    ),
-]
+pytestmark = GPU_ONLY
 
 
 def _llm(model, **kw):

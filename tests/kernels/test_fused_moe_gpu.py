@@ -10,21 +10,13 @@ bfloat16."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from serverless_llm.engine.kernels.fused_moe import fused_moe, fused_moe_reference
+from tests.gpu_marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="TRITON_INTERPRET=1 is set: these tests are for compiled kernels",
-    ),
-]
+pytestmark = GPU_ONLY
 TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3-moe": (128, 8, 2048, 768)}
 

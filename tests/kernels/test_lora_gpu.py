@@ -6,21 +6,13 @@ skipped elsewhere. Tolerance relative to the largest delta: 1e-2 (fp16), 4e-2 (b
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from serverless_llm.engine.kernels.lora import add_lora, add_lora_reference
+from tests.gpu_marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="TRITON_INTERPRET=1 is set: these tests are for compiled kernels",
-    ),
-]
+pytestmark = GPU_ONLY
 TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 SHAPES = {"qkv": (4096, 6144, 48), "gate_up": (4096, 28672, 32), "down": (14336, 4096, 16)}
 

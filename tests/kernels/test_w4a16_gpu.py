@@ -8,21 +8,13 @@ relative to the output's largest magnitude, 1e-2 for float16 and 4e-2 for bfloat
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from serverless_llm.engine.kernels.w4a16 import pack_int32, w4a16_linear, w4a16_linear_ref
+from tests.gpu_marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="TRITON_INTERPRET=1 is set: these tests are for compiled kernels",
-    ),
-]
+pytestmark = GPU_ONLY
 TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
