@@ -289,15 +289,17 @@ def test_the_start_up_line_names_the_quantization(quantized, caplog):
 # -- mixture-of-experts checkpoints (experts quantized, routers float) -------------------------
 
 
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
 @pytest.mark.parametrize(
     ("family", "method", "act_order"),
     [("qwen2_moe", "gptq", True), ("mixtral", "awq", False), ("qwen3_moe", "gptq", False)],
 )
-def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order):
+def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order, mode):
     """Qwen2-MoE (shared expert, a dense layer) in GPTQ with act-order, Mixtral (w1/w2/w3
     experts) in AWQ, Qwen3-MoE in GPTQ: every expert quantized by the packer, the routers left
-    in float as quantizers leave them; the experts dequantize into the stacked weights at load
-    and the tokens equal transformers' on the float twin."""
+    in float as quantizers leave them; the experts dequantized into the stacked weights at load,
+    or kept packed (the packed MoE kernel's torch reference here): the tokens equal
+    transformers' on the float twin."""
     import transformers
 
     from tests.engine.family_check import save_family_model, tiny_dims
@@ -316,8 +318,13 @@ def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order)
     )
     state = load_file(os.path.join(quant_dir, "model.safetensors"))
     assert any(".experts.0." in k and k.endswith(".qweight") for k in state)
-    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64, max_model_len=256, dtype="float32")
-    assert "(experts dequantized)" in llm.engine.model.quantization
+    llm = LLM(quant_dir, block_size=8, num_kv_blocks=64, max_model_len=256, dtype="float32",
+              quantized_weights=mode)  # fmt: skip
+    assert ("(experts dequantized)" in llm.engine.model.quantization) == (mode == "dequantize")
+    if mode == "packed":
+        experts = next(m for m in llm.engine.model.modules() if hasattr(m, "quantized"))
+        assert experts.quantized["w13"].qweight.dtype == torch.int32
+        assert not hasattr(experts, "w13")  # no float copy of the experts
     prompts = prompts_for(llm.engine.vocab_size, seed=1)[:4]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):

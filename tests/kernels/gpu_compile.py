@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from serverless_llm.engine.kernels import (
     activation,
     fused_moe,
+    fused_moe_w4a16,
     kv_write,
     layer_norm,
     rms_norm,
@@ -244,6 +245,30 @@ def main(quick: bool = False) -> int:
                         warps,
                         1,
                         pointers=moe_ptrs,
+                    )
+            # The packed-expert MoE GEMM (GPTQ/AWQ experts kept at their bit width).
+            if dtype != "fp32":
+                ptrs = {**moe_ptrs, "qw_ptr": "*i32", "g_ptr": "*i32", "perm_ptr": "*i64"}
+                for rows, bits, perm in ((2, 4, True), (4096, 4, False), (2, 8, False)):
+                    bm, bn, bk, warps = fused_moe.moe_tiles(rows, 8, tdt)
+                    ce = dict(
+                        BITS=bits,
+                        HAS_PERM=perm,
+                        A_DIV=2,
+                        MUL_WEIGHT=rows > 2,
+                        BLOCK_M=bm,
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                    )
+                    attempt(
+                        f"moe w4a16 {dtype} rows={rows} bits={bits} perm={perm}",
+                        fused_moe_w4a16._moe_w4a16_kernel,
+                        dtype,
+                        ce,
+                        arch,
+                        warps,
+                        1,
+                        pointers=ptrs,
                     )
             for res in (False, True):
                 block, warps = rms_norm._launch_shape(4096)

@@ -42,3 +42,25 @@ def test_packed_model_through_the_triton_gemm(tmp_path, monkeypatch, kind, metho
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 12), len(prompt)
+
+
+def test_packed_moe_through_the_triton_kernels(tmp_path):
+    """A GPTQ act-order Qwen2-MoE held packed (experts included) on the Triton backend: the
+    packed MoE kernel and the W4A16 GEMM give transformers' tokens on the float twin."""
+    from serverless_llm.engine.layers.moe import Experts
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    float_dir, quant_dir = write_quantized(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), "gptq", 4, 32, True
+    )
+    llm = LLM(quant_dir, attention_backend="triton", dtype="float32", block_size=8,
+              num_kv_blocks=64, max_model_len=128, quantized_weights="packed")  # fmt: skip
+    experts = [m for m in llm.engine.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.use_kernels and m.quantized for m in experts)
+    prompts = prompts_for(llm.engine.vocab_size, seed=2)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 6), len(prompt)

@@ -54,7 +54,7 @@ _OPTIONAL = {"g_idx", "weight_g_idx"}
 # Tensors a checkpoint may carry that the engine does not need: a static FP8 activation scale
 # (activations are quantized per token at each call instead; docs/quantization.md).
 _UNUSED_KINDS = {"fp8": ("input_scale",)}
-MODES = ("dequantize", "packed")
+MODES = ("dequantize", "packed", "forms")  # "forms": the unpacked parts kept (`forms`), MoE experts
 
 
 class QuantLoadError(KeyError):
@@ -91,6 +91,7 @@ class QuantLinear(nn.Module):
         self.weight: torch.Tensor | None = None  # "dequantize", or a module left unquantized
         self.packed: nn.ModuleList | None = None  # "packed": PackedWeight, one per act-order
         self.settled = False
+        self.forms: list[tuple] | None = None  # mode "forms": the settled parts, unpacked
         self.took_quantized = False  # some part came as integer tensors
 
     def extra_repr(self) -> str:
@@ -256,6 +257,10 @@ class QuantLinear(nn.Module):
             else [self._ready[i] for i in range(len(self.parts))]
         )
         self._ready.clear()
+        if self.mode == "forms":
+            self.forms = forms
+            self.settled = True
+            return
         if self.mode == "dequantize" or any(f[0] == "float" for f in forms):
             w = torch.cat([_dequantize(f) for f in forms])
             self.weight = w if self.rows is None else self.rows(w).reshape(w.shape)

@@ -30,9 +30,9 @@ from torch import nn
 
 from ..layers.activation import Activation, check_activation, gated_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
-from ..layers.linear import PackedLinear, pack_linears_for_cpu, pack_weight, packed_linear
+from ..layers.linear import PackedLinear, pack_linears_for_cpu
 from ..layers.lora import LoRALinear, LoRAStep
-from ..layers.moe import ROUTINGS, StackedWeight, experts_forward, route
+from ..layers.moe import ROUTINGS, Experts, route
 from ..layers.norm import LayerNorm, RMSNorm
 from ..layers.quant_linear import WHOLE, QuantLinear, QuantLoadError
 from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
@@ -320,75 +320,6 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(up))
 
 
-class Experts(nn.Module):
-    """The stacked expert weights of a sparse block (layers/moe.py) and their activation."""
-
-    def __init__(self, s: DecoderSpec, m: MoESpec, use_kernels: bool):
-        super().__init__()
-        self.w13 = StackedWeight(m.num_experts, 2 * m.intermediate_size, s.hidden_size)
-        self.w2 = StackedWeight(m.num_experts, s.hidden_size, m.intermediate_size)
-        self.act = check_activation(s.act)
-        self.use_kernels = use_kernels
-        self.packed: tuple[list, list] | None = None  # `pack_for_cpu`
-        self.scheme = None  # a quantized checkpoint's scheme (`quantize`)
-        self.receivers: dict[tuple[str, int], QuantLinear] = {}
-
-    def quantize(self, scheme) -> None:
-        """The checkpoint's experts are quantized: each expert's tensors go to a QuantLinear
-        that unpacks and dequantizes them as they arrive, and its float weight is copied into
-        the expert's slice of the stacked weights at once (one expert in flight, never a
-        second copy of the model). The experts then run in float: the memory saving stays in
-        the attention and dense layers (a grouped W4A16 MoE kernel would keep it)."""
-        self.scheme = scheme
-
-    def take_quantized(self, which: str, how: str, kind: str, name: str, tensor) -> list[str]:
-        """A quantized checkpoint tensor of an expert (`how`: "expert:<e>[:gate|up]");
-        returns the load markers (as `_place` records them) of the expert once it is whole."""
-        _, e, half = (how.split(":") + [""])[:3]
-        e = int(e)
-        stacked = getattr(self, which).weight
-        rec = self.receivers.get((which, e))
-        if rec is None:
-            out, k = stacked.shape[1], stacked.shape[2]
-            parts = (out // 2, out // 2) if which == "w13" else (out,)
-            rec = QuantLinear(k, out, False, self.scheme, parts, "dequantize")
-            self.receivers[(which, e)] = rec
-        rec.take(kind, {"gate": 0, "up": 1}.get(half, WHOLE), name, tensor)
-        if rec.weight is None:
-            return []
-        stacked.data[e].copy_(rec.weight.reshape(stacked.shape[1:]))
-        del self.receivers[(which, e)]
-        pname = f"{which}.weight"
-        if which == "w13":
-            return [f"{pname}#expert:{e}:gate", f"{pname}#expert:{e}:up"]
-        return [f"{pname}#expert:{e}"]
-
-    def missing_quantized(self) -> list[str]:
-        """The tensors experts still wait for (a part of their quantized set came, not all)."""
-        out = []
-        for rec in self.receivers.values():
-            out += rec.missing()
-        return out
-
-    def forward(self, x, weights, ids):
-        if self.packed is not None:
-            w13, w2 = self.packed
-            return experts_forward(x, w13, w2, weights, ids, self.act, False, packed_linear)
-        w13, w2 = self.w13.weight, self.w2.weight
-        return experts_forward(x, w13, w2, weights, ids, self.act, self.use_kernels)
-
-    def pack_for_cpu(self) -> None:
-        """Each expert's matrices packed for oneDNN in place of the stacked float32 weights (the
-        CPU path: measured 10x faster than F.linear on expert slices at 4 rows per expert; the
-        Triton path keeps the stacked tensors). One projection at a time, so the peak holds one
-        projection twice, not the layer."""
-        packed = []
-        for name in ("w13", "w2"):
-            packed.append([pack_weight(w) for w in getattr(self, name).weight])
-            delattr(self, name)
-        self.packed = (packed[0], packed[1])
-
-
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP: router, experts, and the shared expert when the family has one."""
 
@@ -396,7 +327,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         m = self.moe = s.moe
         self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
-        self.experts = Experts(s, m, use_kernels)
+        self.experts = Experts(
+            m.num_experts, s.hidden_size, m.intermediate_size, s.act, use_kernels
+        )
         self.shared_expert = MLP(s, use_kernels, m.shared_size) if m.shared_size else None
         self.shared_expert_gate = nn.Linear(s.hidden_size, 1, bias=False) if m.shared_gate else None
 
@@ -682,14 +615,14 @@ class DecoderModel(nn.Module):
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
         act = " act-order" if scheme.desc_act else ""
         self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
-        if s.moe is not None:
+        if s.moe is not None and (mode != "packed" or scheme.method == "fp8"):
             self.quantization += " (experts dequantized)"
         kv = s.num_kv_heads * s.head_dim
         parts_of = {"qkv_proj": (s.num_heads * s.head_dim, kv, kv), "gate_up_proj": None}
         for layer in self.layers:
             for parent in layer.modules():
                 if isinstance(parent, Experts):
-                    parent.quantize(scheme)
+                    parent.quantize(scheme, mode)
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear:
                         continue
@@ -932,6 +865,6 @@ class DecoderModel(nn.Module):
             else:
                 p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
         for m in self.modules():
-            if isinstance(m, QuantLinear):
+            if isinstance(m, QuantLinear | Experts):
                 m.init_dummy(g)
         self._settle_quantized()
