@@ -365,3 +365,26 @@ def test_fp8_moe_matches_transformers(tmp_path, style, strategy):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 16), len(prompt)
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+def test_quantized_moe_without_g_idx(tmp_path, mode):
+    """GPTQ checkpoints may leave out g_idx (no act-order): each expert settles after the last
+    tensor, in both forms."""
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen3_moe", build_tokenizer()), std=0.1)
+    float_dir, quant_dir = write_quantized(
+        src, str(tmp_path / "f"), str(tmp_path / "q"), "gptq", 4, 32, False
+    )
+    path = os.path.join(quant_dir, "model.safetensors")
+    state = {k: v for k, v in load_file(path).items() if not k.endswith(".g_idx")}
+    save_file(state, path)
+    llm = LLM(quant_dir, num_kv_blocks=64, max_model_len=128, dtype="float32",
+              quantized_weights=mode)  # fmt: skip
+    prompt = prompts_for(llm.engine.vocab_size, seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert out == hf_greedy(float_dir, prompt, 12)

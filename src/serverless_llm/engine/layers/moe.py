@@ -188,20 +188,20 @@ class Experts(nn.Module):
         q, zeros, scales = (torch.cat([f[i] for f in forms]) for i in (1, 2, 3))
         return q, zeros, scales, forms[0][4]
 
-    def missing_quantized(self) -> list[str]:
-        """What the quantized experts still lack after the last tensor (GPTQ's optional g_idx
-        settles parts here)."""
-        out = []
+    def settle_pending(self) -> tuple[list[str], list[str]]:
+        """After the last tensor: (load markers of the experts that settle only now - GPTQ
+        parts wait for their optional g_idx until the end -, what the experts still lack)."""
+        marks, out = [], []
         for (which, e), rec in list(self.receivers.items()):
             out += rec.missing()
             if rec.settled:
-                self._flush(which, e)
+                marks += self._flush(which, e)
         if self.mode == "packed":
             for which in ("w13", "w2"):
                 if which not in self.quantized:
                     have = set(self.forms[which])
                     out += [f"expert {i} {which}" for i in range(self.num_experts) if i not in have]
-        return out
+        return marks, out
 
     def init_dummy(self, g: torch.Generator) -> None:
         """Random packed experts (LOAD_FORMAT=dummy) in the scheme's shape."""

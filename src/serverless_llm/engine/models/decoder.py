@@ -709,11 +709,15 @@ class DecoderModel(nn.Module):
                     continue
                 raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {pname!r}")
             self._place(params[pname], pname, how, tensor, loaded)
+        late: list[str] = []
+        for path in sorted({p.rpartition(".")[0] for p in quant_experts}):
+            marks, lack = quant_experts[f"{path}.w13"][0].settle_pending()
+            loaded.update(f"{path}.{m}" for m in marks)
+            late += lack
         missing = [p for p, t in params.items() if not self._complete(p, t, loaded)]
         for mname, m in quant.items():
             missing += [f"{mname}: {what}" for what in m.missing()]
-        for module, _ in quant_experts.values():
-            missing += module.missing_quantized()
+        missing += late
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         for i, scales in kv_scales.items():
