@@ -31,15 +31,18 @@ SHAPES = {
     "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000, False),
     "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256, True),
     "llama-2-7b": (4096, 11008, 32, 32, 32, 32000, False),
+    # Qwen3-MoE's proportions at ~1.1B: 32 experts of width 768 (top-4), hidden 1024
+    "qwen3-moe-1.1b": (1024, 768, 12, 16, 4, 32000, False),
 }
+MOE = {"qwen3-moe-1.1b": dict(num_experts=32, num_experts_per_tok=4)}
 BAR = 0.3
 
 
 def _config_dir(root: Path, name: str, quant: dict | None) -> str:
     hidden, inter, layers, heads, kv, vocab, tied = SHAPES[name]
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen3MoeForCausalLM" if name in MOE else "LlamaForCausalLM"],
+        "model_type": "qwen3_moe" if name in MOE else "llama",
         "hidden_size": hidden,
         "intermediate_size": inter,
         "num_hidden_layers": layers,
@@ -51,6 +54,8 @@ def _config_dir(root: Path, name: str, quant: dict | None) -> str:
         "rms_norm_eps": 1e-5,
         "torch_dtype": "float16",
     }
+    if name in MOE:
+        cfg.update(MOE[name], moe_intermediate_size=inter, head_dim=hidden // heads)
     if quant is not None:
         cfg["quantization_config"] = quant
     out = root / f"{name}-{'q' if quant else 'f'}"

@@ -323,7 +323,7 @@ def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order,
     assert ("(experts dequantized)" in llm.engine.model.quantization) == (mode == "dequantize")
     if mode == "packed":
         experts = next(m for m in llm.engine.model.modules() if hasattr(m, "quantized"))
-        assert experts.quantized["w13"].qweight.dtype == torch.int32
+        assert experts.w13_qweight.dtype == torch.int32
         assert not hasattr(experts, "w13")  # no float copy of the experts
     prompts = prompts_for(llm.engine.vocab_size, seed=1)[:4]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

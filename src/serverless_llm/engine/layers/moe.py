@@ -127,7 +127,7 @@ class Experts(nn.Module):
         self.mode = "float"
         self.receivers: dict[tuple[str, int], QuantLinear] = {}
         self.forms: dict[str, dict[int, tuple]] = {"w13": {}, "w2": {}}
-        self.quantized: dict[str, PackedExperts] = {}  # "packed": by projection
+        self.quantized: set[str] = set()  # "packed": projections held as `<which>_*` buffers
 
     def _shape(self, which: str) -> tuple[int, int]:
         return (2 * self.inter, self.hidden) if which == "w13" else (self.hidden, self.inter)
@@ -164,7 +164,7 @@ class Experts(nn.Module):
             self.forms[which][e] = self._one_form(which, e, rec.forms)
             if len(self.forms[which]) == self.num_experts:
                 forms = [self.forms[which].pop(i) for i in range(self.num_experts)]
-                self.quantized[which] = pack_experts(forms, self.scheme.bits)
+                self._hold(which, pack_experts(forms, self.scheme.bits))
         else:
             stacked = getattr(self, which).weight
             stacked.data[e].copy_(rec.weight.reshape(stacked.shape[1:]))
@@ -218,20 +218,24 @@ class Experts(nn.Module):
                 zeros = torch.full((out, groups), 1 << (bits - 1), dtype=torch.int32)
                 scales = torch.full((out, groups), 0.04 / (1 << bits), dtype=torch.float16)
                 forms.append((q, zeros, scales, torch.arange(k) // (group or k)))
-            self.quantized[which] = pack_experts(forms, bits)
+            self._hold(which, pack_experts(forms, bits))
 
-    def _apply(self, fn, recurse=True):
-        # model.to(device / dtype) must reach the packed experts, plain attributes.
-        super()._apply(fn, recurse)
-        for which, p in list(self.quantized.items()):
-            perm = None if p.perm is None else fn(p.perm)
-            moved = (fn(p.qweight), fn(p.scales), fn(p.zeros), fn(p.g_idx))
-            self.quantized[which] = PackedExperts(*moved, perm, p.bits)
-        return self
+    _PACKED_FIELDS = ("qweight", "scales", "zeros", "g_idx", "perm")
+
+    def _hold(self, which: str, packed: PackedExperts) -> None:
+        """Keeps a projection's packed experts as buffers (model.to moves them; the memory
+        counts see them)."""
+        for field in self._PACKED_FIELDS:
+            self.register_buffer(f"{which}_{field}", getattr(packed, field))
+        self.quantized.add(which)
+
+    def packed_experts(self, which: str) -> PackedExperts:
+        fields = [getattr(self, f"{which}_{f}") for f in self._PACKED_FIELDS]
+        return PackedExperts(*fields, self.scheme.bits)
 
     def forward(self, x, weights, ids):
         if self.quantized:
-            w13, w2 = self.quantized["w13"], self.quantized["w2"]
+            w13, w2 = self.packed_experts("w13"), self.packed_experts("w2")
             fn = fused_moe_w4a16 if self.use_kernels else fused_moe_w4a16_reference
             return fn(x, w13, w2, weights, ids, self.act)
         if self.packed is not None:
