@@ -178,12 +178,12 @@ class Experts(nn.Module):
         if any(f[0] != "int" for f in forms):
             raise QuantLoadError(
                 f"expert {e} ({which}) is not stored as integers like the others: serve this "
-                "checkpoint with QUANTIZED_WEIGHTS=dequantize"
+                "checkpoint with QUANTIZED_WEIGHTS=dequantize (quantized_weights)"
             )
         if len(forms) > 1 and not torch.equal(forms[0][4], forms[1][4]):
             raise QuantLoadError(
                 f"expert {e}: gate and up have different act-order (g_idx): serve this "
-                "checkpoint with QUANTIZED_WEIGHTS=dequantize"
+                "checkpoint with QUANTIZED_WEIGHTS=dequantize (quantized_weights)"
             )
         q, zeros, scales = (torch.cat([f[i] for f in forms]) for i in (1, 2, 3))
         return q, zeros, scales, forms[0][4]

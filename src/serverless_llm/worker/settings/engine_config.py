@@ -35,6 +35,7 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         tokenizer_revision=s.tokenizer_revision,
         load_format=s.load_format,
         quantization=s.quantization,
+        quantized_weights=s.quantized_weights,
         kv_cache_dtype=s.kv_cache_dtype,
         dtype=s.dtype,
         seed=s.seed,

@@ -193,6 +193,18 @@ class SettingsFields(BaseSettings):
         ),
         choices=KV_CACHE_DTYPES,
     )
+    quantized_weights: str = _llm(
+        "auto",
+        "QUANTIZED_WEIGHTS",
+        title="Quantized Weights",
+        description=(
+            "How GPTQ/AWQ/pack-quantized weights are held: `packed` (at their bit width, "
+            "dequantized inside the matmul; MoE experts too), `dequantize` (float once at "
+            "load: faster on CPU, 4x the memory), or `auto`: packed on CUDA, dequantized "
+            "elsewhere."
+        ),
+        choices=("auto", "packed", "dequantize"),
+    )
     enable_lora: bool = _llm(
         False,
         "ENABLE_LORA",
