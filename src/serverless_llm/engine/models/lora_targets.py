@@ -1,0 +1,76 @@
+"""Where LoRA adapters attach in a `DecoderModel` (a mixin of it): every attention and dense-MLP
+projection wrapped in a `LoRALinear` (layers/lora.py), and an adapter's module names mapped onto
+them through the family's `WeightNames`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.lora import LoRALinear, LoRAStep
+
+
+class DecoderLoRA:
+    LORA_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.up_proj",
+                    "mlp.down_proj")  # fmt: skip
+
+    def enable_lora(
+        self, max_loras: int, max_rank: int, dtype: torch.dtype
+    ) -> tuple[LoRAStep, dict[str, LoRALinear]]:
+        """Wraps every attention and dense-MLP projection of the decoder layers in a LoRALinear
+        with `max_loras` empty slots (after loading; the CPU packing may come before or after).
+        Returns the step object the runner fills and the wrapped layers by internal path."""
+        s = self.spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        device = self.embed_tokens.weight.device
+        step = LoRAStep(
+            num_slots=max_loras, masked=device.type == "cpu", use_kernels=self.use_kernels
+        )
+        layers: dict[str, LoRALinear] = {}
+        for i, layer in enumerate(self.layers):
+            for path in self.LORA_TARGETS:
+                parent_name, _, name = path.rpartition(".")
+                parent = layer.get_submodule(parent_name)
+                child = getattr(parent, name, None)
+                if child is None:  # a sparse layer's MLP has none of these
+                    continue
+                out = child.out_features
+                if name == "qkv_proj":
+                    parts = [(0, q), (q, kv), (q + kv, kv)]
+                elif name == "gate_up_proj":
+                    parts = [(0, out // 2), (out // 2, out // 2)]
+                else:
+                    parts = [(0, out)]
+                wrapped = LoRALinear(
+                    child, child.in_features, parts, max_loras, max_rank, dtype, device, step
+                )
+                setattr(parent, name, wrapped)
+                layers[f"layers.{i}.{path}"] = wrapped
+        self.lora_layers = layers
+        return step, layers
+
+    def lora_target(self, module: str) -> tuple[str, int | None, int, int]:
+        """Where an adapter's module (the checkpoint's name, e.g. model.layers.3.self_attn.q_proj)
+        lands: (internal layer path, part index or None for the whole output, in features, out
+        rows); KeyError saying why for a module adapters cannot target."""
+        names = self.spec.names
+        prefix = names.layers_prefix + "."
+        if not module.startswith(prefix):
+            raise KeyError("only the decoder layers' attention and MLP projections take adapters")
+        idx, _, local = module[len(prefix) :].partition(".")
+        target = names.layer.get(local)
+        if target is None or not idx.isdigit():
+            raise KeyError(f"no such module in {self.spec.arch}")
+        internal, how = (target, None) if isinstance(target, str) else target
+        layer = getattr(self, "lora_layers", {}).get(f"layers.{idx}.{internal}")
+        if layer is None:
+            raise KeyError(
+                "not a layer adapters can target here (attention and dense MLP projections)"
+            )
+        if how in self._SHARDS:
+            part = self._SHARDS[how]
+            out_rows = layer.parts[part][1]
+        elif how is None:
+            part, out_rows = None, layer.lora_b.shape[0]
+        else:
+            raise KeyError(f"its weight is stored as {how!r}, which adapters cannot target")
+        return f"layers.{idx}.{internal}", part, layer.lora_a.shape[2], out_rows

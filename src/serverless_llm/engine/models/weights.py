@@ -1,0 +1,283 @@
+"""A `DecoderModel`'s weights (a mixin of it): quantizing its linears before materializing,
+placing each checkpoint tensor (`load_weights`, by the family's `WeightNames`), and random
+weights for LOAD_FORMAT=dummy."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..layers.moe import Experts
+from ..layers.quant_linear import WHOLE, QuantLinear, QuantLoadError
+
+
+class DecoderWeights:
+    def quantize(self, scheme, mode: str) -> None:
+        """Swaps every linear of the decoder layers for a QuantLinear of `scheme` (before
+        `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
+        checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
+        s = self.spec
+        group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
+        act = " act-order" if scheme.desc_act else ""
+        self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
+        if s.moe is not None and (mode != "packed" or scheme.method == "fp8"):
+            self.quantization += " (experts dequantized)"
+        kv = s.num_kv_heads * s.head_dim
+        parts_of = {"qkv_proj": (s.num_heads * s.head_dim, kv, kv), "gate_up_proj": None}
+        for layer in self.layers:
+            for parent in layer.modules():
+                if isinstance(parent, Experts):
+                    parent.quantize(scheme, mode)
+                for name, child in list(parent.named_children()):
+                    if type(child) is not nn.Linear:
+                        continue
+                    if name in getattr(parent, "FLOAT_CHILDREN", ()):
+                        continue  # MoE routers: quantizers leave them in float
+                    parts = parts_of.get(name, (child.out_features,))
+                    if parts is None:
+                        parts = (child.out_features // 2,) * 2
+                    quant = QuantLinear(
+                        child.in_features,
+                        child.out_features,
+                        child.bias is not None,
+                        scheme,
+                        parts,
+                        mode,
+                        self.use_kernels,
+                    )
+                    setattr(parent, name, quant)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies each checkpoint tensor into its place (see `WeightNames`); raises KeyError for
+        a tensor with no place and for parameters the checkpoint leaves unset."""
+        names = self.spec.names
+        params = dict(self.named_parameters())
+        quant = {n: m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
+        quant_experts = {
+            f"{n}.{which}": (m, which)
+            for n, m in self.named_modules()
+            if isinstance(m, Experts) and m.scheme is not None
+            for which in ("w13", "w2")
+        }
+        loaded: set[str] = set()
+        layer_prefix = names.layers_prefix + "."
+        kv_scales: dict[int, dict[str, float]] = {}
+        for name, tensor in weights:
+            if any(part in name for part in names.ignore):
+                continue
+            module, _, kind = name.rpartition(".")
+            if kind in ("k_scale", "v_scale", "kv_scale") and module.startswith(layer_prefix):
+                self._take_kv_scale(kv_scales, module[len(layer_prefix) :], kind, name, tensor)
+                continue
+            if module == "lm_head" and self.tied:  # a tied checkpoint may still save the head
+                if kind == "bias" and "lm_head_bias" in params:
+                    self._place(params["lm_head_bias"], "lm_head_bias", None, tensor, loaded)
+                continue
+            if names.base_prefix and not module.startswith(names.base_prefix):
+                if not any(module == t or module.startswith(t + ".") for t in names.top):
+                    module = names.base_prefix + module
+            if module.startswith(layer_prefix):
+                idx, _, local = module[len(layer_prefix) :].partition(".")
+                target = names.layer.get(local)
+                if target is None and f"{local}.{kind}" in names.layer:  # a bare parameter
+                    target, kind = names.layer[f"{local}.{kind}"], "weight"
+                prefix = f"layers.{idx}."
+            else:
+                target = names.top.get(module)
+                prefix = ""
+            if target is None:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
+            internal, how = (target, None) if isinstance(target, str) else target
+            pname = f"{prefix}{internal}.{kind}"
+            experts = quant_experts.get(f"{prefix}{internal}")
+            if experts is not None and (kind != "weight" or tensor.dtype == torch.float8_e4m3fn):
+                if kind == "bias":  # GPTQ's zero bias for every quantized linear
+                    if not bool((tensor == 0).all()):
+                        raise QuantLoadError(f"checkpoint tensor {name!r}: an expert has no bias")
+                    continue
+                module, which = experts
+                marks = module.take_quantized(which, how, kind, name, tensor)
+                loaded.update(f"{prefix}{internal.rpartition('.')[0]}.{m}" for m in marks)
+                continue
+            if f"{prefix}{internal}" in quant and kind != "bias":
+                self._take_quantized(quant[f"{prefix}{internal}"], name, kind, how, tensor)
+                continue
+            if pname not in params:
+                if kind == "bias" and f"{prefix}{internal}" in quant:
+                    # GPTQ writers save a bias for every quantized linear, zeros where the
+                    # model has none.
+                    if not bool((tensor == 0).all()):
+                        raise QuantLoadError(
+                            f"checkpoint tensor {name!r} is a non-zero bias for a linear that "
+                            f"has none in {self.spec.arch}"
+                        )
+                    continue
+                raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {pname!r}")
+            self._place(params[pname], pname, how, tensor, loaded)
+        late: list[str] = []
+        for path in sorted({p.rpartition(".")[0] for p in quant_experts}):
+            marks, lack = quant_experts[f"{path}.w13"][0].settle_pending()
+            loaded.update(f"{path}.{m}" for m in marks)
+            late += lack
+        missing = [p for p, t in params.items() if not self._complete(p, t, loaded)]
+        for mname, m in quant.items():
+            missing += [f"{mname}: {what}" for what in m.missing()]
+        missing += late
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for i, scales in kv_scales.items():
+            attn = self.layers[i].self_attn
+            attn.spec = dataclasses.replace(attn.spec, **scales)
+        if quant and not any(m.packed is not None or m.took_quantized for m in quant.values()):
+            scheme = next(iter(quant.values())).scheme
+            raise QuantLoadError(
+                f"the config says {scheme.method}, but no linear of the checkpoint is quantized "
+                "(no qweight tensors): a config from the quantized repo with unquantized weights?"
+            )
+        self._settle_quantized()
+
+    def _take_kv_scale(self, scales: dict, local: str, kind: str, name: str, tensor) -> None:
+        """A layer's KV cache scale (FP8 checkpoints made with a quantized KV cache write
+        `self_attn.k_scale` and `v_scale`, older ones one `kv_scale`): what an 8-bit float cache
+        divides K or V by. Read whatever the cache dtype; used only by an 8-bit cache."""
+        idx = local.partition(".")[0]
+        if not idx.isdigit() or int(idx) >= len(self.layers) or tensor.numel() != 1:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
+        value = float(tensor.float().reshape(()))
+        if not math.isfinite(value) or value <= 0:
+            raise KeyError(f"checkpoint tensor {name!r} is {value}: a KV scale must be > 0")
+        names = ("k_scale", "v_scale") if kind == "kv_scale" else (kind,)
+        scales.setdefault(int(idx), {}).update(dict.fromkeys(names, value))
+
+    def _take_quantized(self, module: QuantLinear, name, kind, how, tensor) -> None:
+        if how in self._SHARDS:
+            module.take(kind, self._SHARDS[how], name, tensor)
+        elif how in ("qkv_heads", "qkv_grouped"):
+            module.take(kind, WHOLE, name, tensor, rows=lambda t: self._reorder_rows(how, t))
+        elif how is None:
+            module.take(kind, WHOLE, name, tensor)
+        else:
+            raise QuantLoadError(
+                f"checkpoint tensor {name!r}: quantized {self.spec.arch} checkpoints are not "
+                f"supported (its weights are stored as {how!r})"
+            )
+
+    def _settle_quantized(self) -> None:
+        """QuantLinears settle on the CPU, where the checkpoint is read: each moves to the
+        model's device, and a "dequantize" one becomes a plain nn.Linear (which the CPU packing
+        then serves)."""
+        device = self.embed_tokens.weight.device
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, QuantLinear):
+                    child.to(device)
+                    if child.weight is not None:
+                        setattr(parent, name, child.to_linear())
+
+    @staticmethod
+    def _complete(pname: str, param: torch.Tensor, loaded: set[str]) -> bool:
+        """Whether the checkpoint filled `pname`: whole, or every one of its parts (the three
+        of a qkv_proj, the two of a gate_up_proj, each head of a per-head norm)."""
+        if pname in loaded:
+            return True
+        parts = sum(1 for name in loaded if name.startswith(pname + "#"))
+        target = pname.rsplit(".", 2)[-2]
+        # per-head norms: a part per row; stacked experts: one per expert (two with gate | up)
+        need = {"qkv_proj": 3, "gate_up_proj": 2, "w13": 2 * param.shape[0]}.get(
+            target, param.shape[0]
+        )
+        return parts > 0 and parts == need
+
+    _SHARDS = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+
+    def _place(self, param, pname, how, tensor, loaded: set[str]) -> None:
+        s = self.spec
+        data = param.data
+        if how in self._SHARDS:
+            i = self._SHARDS[how]
+            if how in ("q", "k", "v"):
+                sizes = [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2
+            else:
+                sizes = [data.shape[0] // 2] * 2
+            data.narrow(0, sum(sizes[:i]), sizes[i]).copy_(tensor)
+            loaded.add(f"{pname}#{i}")
+            return
+        if how == "t":
+            tensor = tensor.t()
+        elif how in ("qkv_heads", "qkv_grouped"):
+            tensor = self._reorder_rows(how, tensor)
+        elif how is not None and how.startswith("head:"):
+            data[int(how[5:])].copy_(tensor)
+            loaded.add(f"{pname}#{how}")
+            return
+        elif how in ("experts:gate", "experts:up", "experts:t"):
+            e, rows, cols = data.shape  # w13: [E, 2I, H]; w2: [E, H, I]
+            if how == "experts:t":
+                dest, stored = data, (e, cols, rows)
+            else:
+                half = rows // 2
+                dest = data.narrow(1, 0 if how == "experts:gate" else half, half)
+                stored = (e, half, cols)
+            if tensor.numel() != math.prod(stored) or tensor.shape[-1] != stored[-1]:
+                raise KeyError(
+                    f"checkpoint tensor for {pname} ({how}) is {tuple(tensor.shape)}, expected "
+                    f"({stored[0] * stored[1]}, {stored[2]})"
+                )
+            tensor = tensor.reshape(stored)
+            dest.copy_(tensor.transpose(1, 2) if how == "experts:t" else tensor)
+            if how == "experts:t":
+                loaded.add(pname)
+            else:  # each expert's half, as the per-expert placements count them
+                loaded.update(f"{pname}#expert:{i}:{how[8:]}" for i in range(e))
+            return
+        elif how is not None and how.startswith("expert:"):
+            _, e, half = (how.split(":") + [""])[:3]
+            dest = data[int(e)]
+            if half:
+                rows = dest.shape[0] // 2
+                dest = dest.narrow(0, 0 if half == "gate" else rows, rows)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise KeyError(
+                    f"checkpoint tensor for {pname} ({how}) is {tuple(tensor.shape)}, expected "
+                    f"{tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{pname}#{how}")
+            return
+        elif how is not None:
+            raise ValueError(f"unknown weight placement {how!r}")
+        if s.norm_weight_offset and pname.endswith("norm.weight"):
+            tensor = tensor.float() + s.norm_weight_offset
+        data.copy_(tensor.reshape(data.shape))
+        loaded.add(pname)
+
+    def _reorder_rows(self, how: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A fused qkv tensor's output rows (dim 0) in the order of qkv_proj: [q | k | v]."""
+        s = self.spec
+        if how == "qkv_heads":  # [H, 3, D, ...] -> [3, H, D, ...]
+            h, d = s.num_heads, s.head_dim
+            return tensor.reshape(h, 3, d, *tensor.shape[1:]).transpose(0, 1)
+        # qkv_grouped: [KVH, G + 2, D, ...] -> q rows, then k, then v
+        kvh, d = s.num_kv_heads, s.head_dim
+        g = s.num_heads // kvh
+        t = tensor.reshape(kvh, g + 2, d, *tensor.shape[1:])
+        return torch.cat([t[:, :g].flatten(0, 2), t[:, g].flatten(0, 1), t[:, g + 1].flatten(0, 1)])
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights from the config alone (LOAD_FORMAT=dummy), for benchmarks."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            elif name.endswith("norm.bias") or name.endswith(".bias"):
+                p.data.zero_()
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for m in self.modules():
+            if isinstance(m, QuantLinear | Experts):
+                m.init_dummy(g)
+        self._settle_quantized()
