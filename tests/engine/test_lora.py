@@ -139,6 +139,23 @@ def test_prefix_cache_is_kept_apart_per_adapter(lora_env):
     assert again == with_adapter != base_first
 
 
+def test_a_reused_id_with_other_weights_shares_no_cache(lora_env):
+    """Once the host LRU forgot an adapter, its id may come back with another path: the prefix
+    cache keys include the path, so the old adapter's blocks are not reused."""
+    bases, adapters = lora_env
+    prompt = family_prompts(len(build_tokenizer()), lengths=(40,))[0]
+    llm = _llm(bases["llama"], max_loras=1, max_cpu_loras=1)
+    first = LoRARequest("a", 1, adapters["attn8"])
+    llm.generate([prompt], GREEDY, lora_request=first)
+    llm.generate([prompt], GREEDY, lora_request=_req(adapters, "all4"))  # evicts id 1
+    hits = llm.engine.block_pool.hits
+    again = LoRARequest("a", 1, adapters["all4"])  # id 1 and its name, other weights
+    got = llm.generate([prompt], GREEDY, lora_request=again)[0].outputs[0].token_ids
+    assert llm.engine.block_pool.hits == hits
+    want = llm.generate([prompt], GREEDY, lora_request=_req(adapters, "all4"))
+    assert got == want[0].outputs[0].token_ids
+
+
 def _broken(adapters, tmp_path, change) -> str:
     out = str(tmp_path / "broken")
     shutil.copytree(adapters["attn8"], out)

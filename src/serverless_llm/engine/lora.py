@@ -43,8 +43,9 @@ class LoRARequest:
 
     @property
     def cache_salt(self) -> bytes:
-        """What keys this adapter's prefix-cache blocks apart from the base model's."""
-        return f"lora:{self.lora_int_id}:{self.lora_name}".encode()
+        """What keys this adapter's prefix-cache blocks apart from the base model's and other
+        adapters' (its path too: an id the host LRU forgot may come back naming other weights)."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}:{self.lora_path}".encode()
 
 
 class LoRAError(InvalidRequestError):
