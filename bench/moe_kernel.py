@@ -9,7 +9,8 @@ Times are medians of `triton.testing.do_bench`. The loop is what a plain PyTorch
 (transformers' eager experts: per expert with tokens, gather, two matmuls, scatter-add); it is
 `fused_moe_reference` on the GPU. Prints both times, the ratio loop / kernel (above 1: the
 kernel is faster) and the kernel's expert-weight bandwidth (bytes of the experts the step
-touches) against the device's copy bandwidth measured in the same run.
+touches) against the device's copy bandwidth measured in the same run; then the packed-expert
+kernel (4-bit experts, kernels/fused_moe_w4a16.py) against the bfloat16 fused kernel.
 """
 
 from __future__ import annotations
@@ -35,22 +36,31 @@ def main() -> int:
         print("bench/moe_kernel.py needs a CUDA device", file=sys.stderr)
         return 2
     from serverless_llm.engine.kernels.fused_moe import fused_moe, fused_moe_reference
+    from serverless_llm.engine.kernels.fused_moe_w4a16 import fused_moe_w4a16, pack_experts
 
     timed = gpu_time_ms
     copy_gbs = gpu_copy_bandwidth()
-    rows = []
+    rows, packed_rows = [], []
     dt = torch.bfloat16
     for name, (experts, top_k, hidden, inter) in SHAPES.items():
         w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=dt) * 0.02
         w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=dt) * 0.02
+        q13, q2 = (_random_packed(e_out, e_in, experts) for e_out, e_in in
+                   ((2 * inter, hidden), (hidden, inter)))  # fmt: skip
+        q13, q2 = pack_experts(q13, 4).to("cuda"), pack_experts(q2, 4).to("cuda")
         for tokens in TOKENS:
             x = torch.randn(tokens, hidden, device="cuda", dtype=dt)
             logits = torch.randn(tokens, experts, device="cuda")
             weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
             t_kernel = timed(partial(fused_moe, x, w13, w2, weights, ids))
             t_loop = timed(partial(fused_moe_reference, x, w13, w2, weights, ids))
+            t_packed = timed(partial(fused_moe_w4a16, x, q13, q2, weights, ids))
             touched = ids.unique().numel()
             weight_bytes = touched * 3 * hidden * inter * 2
+            packed_rows.append(
+                [name, tokens, f"{t_kernel * 1e3:.1f} us", f"{t_packed * 1e3:.1f} us",
+                 t_kernel / t_packed]
+            )  # fmt: skip
             rows.append(
                 [
                     name,
@@ -69,7 +79,23 @@ def main() -> int:
     print(
         f"fused faster than the loop in {sum(r[5] > 1 for r in rows)} of {len(rows)}; worst {worst:.2f}x"
     )
+    print("4-bit packed experts (GPTQ layout, group 128) against the bfloat16 fused kernel:")
+    print(
+        format_table(["layer", "tokens", "bf16 fused", "4-bit packed", "bf16/4-bit"], packed_rows)
+    )
     return 0
+
+
+def _random_packed(out: int, k: int, experts: int, group: int = 128) -> list[tuple]:
+    """Random 4-bit experts in the unpacked form `pack_experts` takes."""
+    groups = -(-k // group)
+    forms = []
+    for _ in range(experts):
+        q = torch.randint(0, 16, (out, k), dtype=torch.uint8)
+        zeros = torch.full((out, groups), 8, dtype=torch.int32)
+        scales = torch.full((out, groups), 0.002, dtype=torch.float16)
+        forms.append((q, zeros, scales, torch.arange(k) // group))
+    return forms
 
 
 if __name__ == "__main__":
