@@ -230,22 +230,28 @@ def grouped_gemm(
     return out
 
 
-def fused_moe(
-    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, act: str = "silu"
-) -> Tensor:
-    """The Triton path with `fused_moe_reference`'s contract; x [T, H] in float16, bfloat16 or
-    float32 (float32 accumulation), the result in x's dtype."""
+def run_experts(x, w13, w2, weights, ids, num_experts: int, gemm, act: str) -> Tensor:
+    """The two grouped GEMMs of a MoE MLP with any weight form: the rows aligned by expert,
+    `gemm` (grouped_gemm's signature) for gate/up, the gated activation, `gemm` for down with
+    the router weight applied, then each token's top-k outputs summed."""
     T, k = ids.shape
     num_rows = T * k
     if num_rows == 0:
         return torch.zeros_like(x)
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("fused_moe reads the expert weights row-major")
     x = x.contiguous()
-    tiles = moe_tiles(num_rows, w13.shape[0], x.dtype)
-    rows, block_expert = moe_align(ids, w13.shape[0], tiles[0])
-    h = grouped_gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
+    tiles = moe_tiles(num_rows, num_experts, x.dtype)
+    rows, block_expert = moe_align(ids, num_experts, tiles[0])
+    h = gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
     h = act_and_mul(h, act)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    out = grouped_gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
+    out = gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
     return out.view(T, k, -1).sum(dim=1)
+
+
+def fused_moe(
+    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, act: str = "silu"
+) -> Tensor:
+    """The Triton path with `fused_moe_reference`'s contract; x [T, H] in float16, bfloat16 or
+    float32 (float32 accumulation), the result in x's dtype. `grouped_gemm` refuses expert
+    weights whose rows are not contiguous."""
+    return run_experts(x, w13, w2, weights, ids, w13.shape[0], grouped_gemm, act)

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .activation import act_and_mul
-from .fused_moe import fused_moe_reference, moe_align, moe_tiles
+from .fused_moe import fused_moe_reference, run_experts
 from .triton_lazy import cdiv, jit
 from .w4a16 import pack_int32, unpack_int32
 
@@ -244,15 +243,4 @@ def fused_moe_w4a16(
 ) -> Tensor:
     """The Triton path with `fused_moe_w4a16_reference`'s contract; x [T, H] in float16,
     bfloat16 or float32, the result in x's dtype."""
-    T, k = ids.shape
-    num_rows = T * k
-    if num_rows == 0:
-        return torch.zeros_like(x)
-    x = x.contiguous()
-    tiles = moe_tiles(num_rows, w13.num_experts, x.dtype)
-    rows, block_expert = moe_align(ids, w13.num_experts, tiles[0])
-    h = _packed_gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
-    h = act_and_mul(h, act)
-    scale = weights.reshape(-1).to(torch.float32).contiguous()
-    out = _packed_gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
-    return out.view(T, k, -1).sum(dim=1)
+    return run_experts(x, w13, w2, weights, ids, w13.num_experts, _packed_gemm, act)
