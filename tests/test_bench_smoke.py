@@ -91,3 +91,15 @@ def test_capture_tiny(tiny_llama, capsys):
     out = capsys.readouterr().out
     assert "capture: replay, buckets [1, 2, 3]" in out
     assert "captured vs eager: 1-request decode" in out
+
+
+def test_tensor_parallel_tiny(tiny_llama, capsys):
+    """bench/tensor_parallel.py: the communication table, and a tiny dummy Llama at TP 1 and 2
+    with the all-reduces of a step counted (2 per layer + the embedding's)."""
+    from bench.tensor_parallel import main
+
+    assert main(["--measure", "--tiny", "--tokenizer", tiny_llama]) == 0
+    out = capsys.readouterr().out
+    assert "llama-70b   8         161" in out
+    assert "TP 2: 9 all-reduces per step counted on rank 0" in out
+    assert "SUMMARY TP2/TP1 throughput" in out

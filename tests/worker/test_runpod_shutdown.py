@@ -178,3 +178,41 @@ def test_the_deployed_worker_on_a_real_model_ends_its_jobs_and_exits_0(platform,
     for job_id in ids:
         result = results[job_id]
         assert "output" in result or "shut down before" in result["error"], result
+
+
+FATAL_WORKER = """
+import sys
+from serverless_llm.worker.shutdown import GracefulShutdown, serve
+from tests.devserver.fake_worker import FakeWorker
+
+config = {"return_aggregate_stream": True, "concurrency_modifier": lambda current: 16}
+shutdown = GracefulShutdown(FakeWorker(), 30.0)
+worker_handle = shutdown.handle
+
+async def handle(job):
+    async for item in worker_handle(job):
+        yield item
+    if job["input"].get("die"):  # what the worker's engine does when a rank dies
+        shutdown.fail(RuntimeError("tensor-parallel rank 1 died (exit code -9)"))
+
+shutdown.handle = handle
+serve(shutdown, config)
+sys.exit(shutdown.exit_code)
+"""
+
+
+def test_an_engine_that_can_never_serve_again_makes_the_worker_exit_1(platform):
+    """A fatal engine error (a tensor-parallel rank died) stops the job intake, lets the
+    results be posted, and exits non-zero, so the platform replaces the worker."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = start_worker(platform, 30, log, argv=[sys.executable, "-c", FATAL_WORKER])
+        try:
+            platform.add("last", {"items": 1, "die": True})
+            proc.wait(timeout=30)  # not the 30 s grace: nothing is left running
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out = output_of(log)
+    assert proc.returncode == 1, out
+    assert "last" in platform.snapshot()[2], out  # its result was posted before the exit
+    assert "the engine stopped" in out, out

@@ -286,27 +286,24 @@ def test_limitations_warn_or_fail():
         }
     )
     lims = {lim.env: lim for lim in s.limitations()}
-    assert set(lims) == {
-        "TENSOR_PARALLEL_SIZE",
-        "SWAP_SPACE",
-        "MAX_PARALLEL_LOADING_WORKERS",
-    }
+    # Tensor parallelism and its loading limit are honoured (parallel/): not limitations.
+    assert set(lims) == {"SWAP_SPACE"}
     assert all(lim.level == "warning" for lim in lims.values())
-    assert lims["TENSOR_PARALLEL_SIZE"].message.startswith("TENSOR_PARALLEL_SIZE=2: ")
+    assert lims["SWAP_SPACE"].message.startswith("SWAP_SPACE=4.0: ")
     # Defaults, and values that ask for nothing, are not reported.
     quiet = {"TENSOR_PARALLEL_SIZE": "1", "SWAP_SPACE": "0", "ENFORCE_EAGER": "1"}
     assert Settings.from_env(quiet).limitations() == []
 
 
 def test_limitations_are_logged_at_startup(make_worker, caplog):
-    worker = make_worker(TENSOR_PARALLEL_SIZE="4", SWAP_SPACE="1")
+    worker = make_worker(DISABLE_CUSTOM_ALL_REDUCE="1", SWAP_SPACE="1")
     with caplog.at_level(logging.INFO):
         worker.load()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(w.startswith("TENSOR_PARALLEL_SIZE=4:") for w in warnings)
     assert any(w.startswith("SWAP_SPACE=1.0:") for w in warnings)
+    assert not any(w.startswith("DISABLE_CUSTOM_ALL_REDUCE") for w in warnings)
     info = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings: ")]
-    assert len(info) == 1 and "TENSOR_PARALLEL_SIZE=4" in info[0]
+    assert len(info) == 1 and "DISABLE_CUSTOM_ALL_REDUCE=" in info[0]
 
 
 def test_metadata_is_complete():

@@ -447,7 +447,7 @@ def create_app(
         counts = jm.health_counts()
         busy = counts["inProgress"] > 0
         out: dict[str, Any] = {
-            "ok": not jm.draining,
+            "ok": not jm.draining and getattr(worker, "fatal", None) is None,
             "jobs": counts,
             "workers": {
                 "ready": 1,
@@ -471,8 +471,21 @@ def _engine_stats(worker: Any) -> dict[str, Any] | None:
     stats = worker.engine_stats()
     if stats is None:
         return None
-    return {
+    out = {
         "kvBlocksFree": stats.num_free_kv_blocks,
         "kvBlocksTotal": stats.num_kv_blocks,
         "requests": stats.num_requests,
     }
+    if stats.ranks:  # tensor parallelism: each rank's process, device and weights
+        out["ranks"] = [
+            {
+                "rank": r["rank"],
+                "alive": r["alive"],
+                "device": r["device"],
+                "paramBytes": r["param_bytes"],
+            }
+            for r in stats.ranks
+        ]
+    if (fatal := getattr(worker, "fatal", None)) is not None:
+        out["error"] = str(fatal)
+    return out

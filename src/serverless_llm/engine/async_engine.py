@@ -29,6 +29,7 @@ from .input_processor import InvalidRequestError, PromptInput
 from .llm_engine import LLMEngine
 from .lora import LoRARequest
 from .outputs import EngineOutput, EngineStats
+from .parallel.group import TensorParallelError
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar
 from .sampling.structured.spec import StructuredOutputSpec
@@ -65,6 +66,8 @@ class AsyncEngine:
         self._executor = executor or _step_executor()
         self._ids = itertools.count()
         self._closed = False
+        self.dead: Exception | None = None  # set when the engine can never step again
+        self.on_fatal = None  # called with that error, once
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -106,6 +109,7 @@ class AsyncEngine:
             vocab_size=core.vocab_size,
             block_size=core.block_size,
             num_kv_blocks=core.block_pool.num_blocks,
+            tensor_parallel_size=core.tp.size,
         )
 
     def load_lora(self, lora_request: LoRARequest) -> None:
@@ -158,6 +162,8 @@ class AsyncEngine:
         (a bad or unknown adapter among them: LoRAError, read off the event loop)."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
         if request_id in self._queues:
@@ -209,6 +215,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.core.close()
 
     @property
     def num_unfinished(self) -> int:
@@ -248,6 +255,11 @@ class AsyncEngine:
                 outputs = await loop.run_in_executor(self._executor, self.core.step)
             except asyncio.CancelledError:
                 raise
+            except TensorParallelError as exc:  # a rank is gone: no step can run again
+                logger.error("engine stopped: %s; failing the requests in flight", exc)
+                self._fail_all(exc)
+                self._die(exc)
+                return
             except Exception as exc:  # a step failed: fail its requests, keep serving others
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(exc)
@@ -264,6 +276,15 @@ class AsyncEngine:
             # No yield here: the next step starts at once and the consumers turn these outputs
             # into responses while it computes (its tensor work releases the GIL). What they add
             # or abort meanwhile is applied at the following step boundary.
+
+    def _die(self, exc: Exception) -> None:
+        """The engine cannot serve again: later requests fail at once, and `on_fatal` (the
+        worker's: exit non-zero so the platform replaces it) is told."""
+        self.dead = exc
+        for rid in list(self._queues):
+            self._queues[rid].put_nowait(EngineDeadError(f"generation failed: {exc}"))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in list(self.core.requests):

@@ -12,12 +12,11 @@ move only through the scheduler's and the block pool's own interfaces.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from .input_processor import InputProcessor
-from .kv_cache import BlockPool, copy_blocks
+from .kv_cache import BlockPool
 from .outputs import EngineOutput
 from .request import FinishReason, Request, RequestStatus
 from .sampling.beam_search import BeamSearch, Hypothesis
@@ -87,12 +86,12 @@ class BeamSearchRunner:
         self,
         scheduler: Scheduler,
         block_pool: BlockPool,
-        kv_caches: list[torch.Tensor],
+        copy_blocks: Callable[[list[tuple[int, int]]], None],
         inputs: InputProcessor,
     ) -> None:
         self.scheduler = scheduler
         self.pool = block_pool
-        self.kv_caches = kv_caches
+        self.copy_blocks = copy_blocks  # the runner's: (src, dst) block pairs, in every layer
         self.inputs = inputs
         self._unfinished_steps: set[BeamGroup] = set()  # some beams reported, not all
 
@@ -207,7 +206,7 @@ class BeamSearchRunner:
                     copies.append((kv.block_ids[full], new[0]))
                     child.block_ids.append(new[0])
                     child.num_computed_tokens = kv.num_computed_tokens
-        copy_blocks(self.kv_caches, copies)
+        self.copy_blocks(copies)
 
     def _release_held(self, group: BeamGroup) -> None:
         for j, kv in enumerate(group.held):

@@ -26,6 +26,7 @@ class ModelInfo:
     vocab_size: int
     block_size: int
     num_kv_blocks: int
+    tensor_parallel_size: int = 1
 
 
 class EngineClient(Protocol):

@@ -92,6 +92,11 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # Tensor parallelism (parallel/): the model split across this many devices, one process
+    # each (CUDA: cuda:0..N-1; CPU: the cores divided among them); at most
+    # `max_parallel_loading_workers` ranks read their weights at once (None: all).
+    tensor_parallel_size: int = 1
+    max_parallel_loading_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -147,6 +152,12 @@ class EngineConfig:
             )
         if self.lora_dtype not in DTYPE_CHOICES:
             raise ConfigError(f"lora_dtype={self.lora_dtype!r}: allowed {', '.join(DTYPE_CHOICES)}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        if self.max_parallel_loading_workers is not None and self.max_parallel_loading_workers < 1:
+            raise ConfigError(
+                f"max_parallel_loading_workers={self.max_parallel_loading_workers}: must be >= 1"
+            )
         if self.kv_cache_space_gib <= 0:
             raise ConfigError(f"kv_cache_space_gib={self.kv_cache_space_gib}: must be > 0")
 

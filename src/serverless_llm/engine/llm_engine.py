@@ -9,6 +9,7 @@ input_processor.py, so an invalid request never reaches the scheduler or holds b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -21,10 +22,12 @@ from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
 from .kv_cache import BlockPool, allocate_kv_cache
 from .lora import LoRAManager, LoRARequest
-from .model_builder import load_model, num_kv_blocks
+from .model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
 from .model_runner import ModelRunner
 from .output_processor import make_output, process_token
 from .outputs import EngineOutput, EngineStats
+from .parallel.group import COLLECTIVE_TIMEOUT_S, SINGLE, TensorParallel, TensorParallelError
+from .parallel.workers import RankProcesses, backend_for, threads_per_rank
 from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
@@ -39,7 +42,45 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        loaded = load_model(config)
+        self.tp: TensorParallel = SINGLE
+        self.ranks: RankProcesses | None = None  # the other tensor-parallel ranks
+        if config.tensor_parallel_size > 1:
+            loaded = self._start_ranks(config)
+        else:
+            loaded = load_model(config)
+        try:
+            self._build(config, loaded, t0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_ranks(self, config: EngineConfig):
+        """Tensor parallelism: checks that the model splits, starts ranks 1..N-1 and loads
+        rank 0's shard beside them (parallel/workers.py)."""
+        prepared = prepare_model(config)  # a model that cannot be split fails before any spawn
+        device = config.resolve_device()
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(config.tensor_parallel_size))
+        self.ranks = RankProcesses(config)
+        try:
+            self.ranks.wait_for("joining")  # a rank that cannot start fails here, not in a wait
+            self.tp = TensorParallel.join(
+                0,
+                config.tensor_parallel_size,
+                self.ranks.init_file,
+                backend_for(device),
+                COLLECTIVE_TIMEOUT_S,
+            )
+            slots = self.ranks.load_slots
+            with slots if slots is not None else contextlib.nullcontext():
+                loaded = load_model(config, self.tp, prepared)
+            self.ranks.wait_for("loaded")
+        except BaseException:
+            self.close()
+            raise
+        return loaded
+
+    def _build(self, config: EngineConfig, loaded, t0: float) -> None:
         self.resolved = loaded.resolved
         self.hf_config = loaded.hf_config
         self.device = loaded.device
@@ -48,10 +89,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.backend = loaded.backend
         self.model = model = loaded.model
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-        else:
-            self.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048
+        self.param_bytes = loaded.param_bytes
+        self.max_num_batched_tokens = step_token_budget(config, self.device)
         # CPU: the op thread count follows the cores other processes leave (cpu_tuning).
         self._threads = (
             ThreadGovernor(torch.get_num_threads()) if self.device.type == "cpu" else None
@@ -77,6 +116,11 @@ class LLMEngine:
 
         self.block_size = config.block_size
         num_blocks = num_kv_blocks(config, loaded, self.block_size, self.max_num_batched_tokens)
+        if self.ranks is not None:  # every rank's cache holds the same blocks: the fewest
+            try:
+                num_blocks = self.tp.min_int(num_blocks, self.device)
+            except Exception as e:
+                raise self.ranks.failure(e) from e
         if num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
@@ -117,9 +161,14 @@ class LLMEngine:
         )
         if self.lora is not None:
             self.runner.lora_step = self.lora.step
+        if self.ranks is not None:
+            self.ranks.wait_for("ready")
+            self.runner.peers = self.ranks
         self.runner.captured = self._capture_decodes(config)
         self.sampler = Sampler(config.seed, self.device)
-        self.beams = BeamSearchRunner(self.scheduler, self.block_pool, self.kv_caches, self.inputs)
+        self.beams = BeamSearchRunner(
+            self.scheduler, self.block_pool, self.runner.copy_blocks, self.inputs
+        )
         self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps
         self.requests: dict[str, Request] = {}
         # Requests that failed alone in a step (their output processing raised): aborted, the
@@ -129,7 +178,8 @@ class LLMEngine:
         captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
-            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) decode_capture=%s",
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) decode_capture=%s "
+            "tensor_parallel_size=%d",
             time.perf_counter() - t0,
             self.resolved.source,
             str(self.dtype).replace("torch.", ""),
@@ -142,7 +192,27 @@ class LLMEngine:
             num_blocks * self.block_size,
             str(self.cache_dtype).replace("torch.", ""),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
+            self.tp.size,
         )
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks and leaves the group (nothing to do without
+        tensor parallelism); the engine cannot step afterwards."""
+        if self.ranks is not None:
+            self.ranks.close()
+            if self.ranks.failed is None:
+                self.ranks.failed = TensorParallelError("the engine is closed")
+        self.tp.leave()
+
+    def rank_state(self) -> list[dict]:
+        """Each tensor-parallel rank's state (one entry, rank 0, without tensor parallelism)."""
+        me = {
+            "rank": 0,
+            "alive": self.ranks is None or self.ranks.failed is None,
+            "device": str(self.device),
+            "param_bytes": self.param_bytes,
+        }
+        return [me] + ([] if self.ranks is None else self.ranks.state())
 
     def _capture_decodes(self, config: EngineConfig) -> CapturedDecode | None:
         """Captured decode steps (decode_capture.py): CUDA graphs on CUDA unless enforce_eager;
@@ -154,6 +224,10 @@ class LLMEngine:
         elif mode == "replay" and config.enforce_eager:
             mode = "off"
         if mode == "off":
+            return None
+        if self.ranks is not None:
+            # A captured step would run on rank 0 alone; the other ranks replay nothing.
+            logger.info("decode capture off: tensor parallelism runs every step eagerly")
             return None
         if self.lora is not None:
             # The adapters' rows change every step (host-side groups), which a graph cannot hold.
@@ -253,11 +327,14 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=pool.queries,
             prefix_cache_hits=pool.hits,
+            ranks=self.rank_state() if self.ranks is not None else [],
         )
 
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        if self.ranks is not None and self.ranks.failed is not None:
+            raise self.ranks.failed
         if self._threads is not None:
             self._threads.update()
         batch = self.scheduler.schedule()
@@ -271,7 +348,13 @@ class LLMEngine:
         if self.lora is not None:
             loras = [r.lora_adapter for r in batch.requests if r.lora_adapter is not None]
             self.runner.lora_slots = self.lora.prepare(loras) if loras else {}
-        sample_reqs, logits = self.runner.execute(batch)
+        if self.ranks is None:
+            sample_reqs, logits = self.runner.execute(batch)
+        else:
+            try:
+                sample_reqs, logits = self.runner.execute(batch)
+            except Exception as e:  # the ranks are out of step now: the engine cannot go on
+                raise self.ranks.failure(e) from e
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             self.scheduler.cache_computed_blocks(req)

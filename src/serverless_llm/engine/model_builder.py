@@ -21,7 +21,9 @@ from .layers.attention import (
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
 from .loader.quantization import check_quantization, read_side_config
-from .models import DecoderModel, describe_model
+from .models import DecoderModel, DecoderSpec, describe_model
+from .models.sharding import check_shardable
+from .parallel.group import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +40,24 @@ class LoadedModel:
     backend: AttentionBackend
     model: torch.nn.Module
     cache_dtype: torch.dtype  # the KV cache's: the model dtype, or an 8-bit float
+    param_bytes: int = 0  # the weights this process holds (its shard with tensor parallelism)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolves, builds and loads the model the config names (on meta first, so no memory is
-    touched twice), packed for oneDNN on CPU."""
+@dataclass
+class PreparedModel:
+    """What loading decides before any weight is read (the same on every rank)."""
+
+    resolved: ResolvedModel
+    hf_config: object
+    scheme: object  # the quantization scheme, or None
+    dtype: torch.dtype
+    max_model_len: int
+    spec: DecoderSpec
+
+
+def prepare_model(config: EngineConfig) -> PreparedModel:
+    """Resolves the checkpoint (downloading it) and settles dtype, context length and the
+    family's description; with tensor parallelism, checks that the model can be split."""
     device = config.resolve_device()
     resolved = resolve_model(config)
     hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
@@ -54,14 +69,49 @@ def load_model(config: EngineConfig) -> LoadedModel:
         device,
     )
     max_model_len = max_model_len_of(hf_config, config.max_model_len)
+    spec = describe_model(hf_config)
+    n = config.tensor_parallel_size
+    if n > 1:
+        if scheme is not None:
+            raise ConfigError(
+                f"tensor_parallel_size={n} with a {scheme.method} checkpoint: tensor parallelism "
+                "serves unquantized weights only (yet)"
+            )
+        if config.enable_lora:
+            raise ConfigError(f"tensor_parallel_size={n} with LoRA is not supported (yet)")
+        if device.type == "cuda" and torch.cuda.device_count() < n:
+            raise ConfigError(
+                f"tensor_parallel_size={n} needs {n} GPUs; {torch.cuda.device_count()} visible"
+            )
+        check_shardable(spec, n)
+    return PreparedModel(resolved, hf_config, scheme, dtype, max_model_len, spec)
+
+
+def rank_device(config: EngineConfig, tp: TensorParallel) -> torch.device:
+    """This rank's device: cuda:<rank> with tensor parallelism on CUDA."""
+    device = config.resolve_device()
+    if device.type == "cuda" and tp.enabled:
+        device = torch.device("cuda", tp.rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def load_model(
+    config: EngineConfig, tp: TensorParallel = SINGLE, prepared: PreparedModel | None = None
+) -> LoadedModel:
+    """Builds and loads the model the config names (on meta first, so no memory is touched
+    twice), packed for oneDNN on CPU; with tensor parallelism, this rank's shard of it."""
+    p = prepared if prepared is not None else prepare_model(config)
+    resolved, hf_config, scheme, dtype = p.resolved, p.hf_config, p.scheme, p.dtype
+    max_model_len, spec = p.max_model_len, p.spec
+    device = rank_device(config, tp)
     if device.type == "cpu":
         tune_allocator()
         cap_kernel_caches()
     torch.manual_seed(config.seed)
     backend = make_attention_backend(config.attention_backend, device)
-    spec = describe_model(hf_config)
     with torch.device("meta"):
-        model = DecoderModel(spec, hf_config, backend, max_position=max_model_len)
+        model = DecoderModel(spec, hf_config, backend, max_position=max_model_len, tp=tp)
         if scheme is not None:
             mode = config.quantized_weights
             if mode == "auto":
@@ -73,14 +123,24 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)
     else:
-        model.load_weights(iter_weights(resolved, show_progress=config.show_progress))
+        model.load_weights(
+            iter_weights(resolved, show_progress=config.show_progress, lazy=tp.enabled)
+        )
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if device.type == "cpu":
         model.optimize_for_cpu()
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
-        resolved, hf_config, device, dtype, max_model_len, backend, model, cache_dtype
+        resolved, hf_config, device, dtype, max_model_len, backend, model, cache_dtype, held
     )
+
+
+def step_token_budget(config: EngineConfig, device: torch.device) -> int:
+    """The most tokens one step computes: max_num_batched_tokens, or 8192 on CUDA, else 2048."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return 8192 if device.type == "cuda" else 2048
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -9,11 +9,13 @@ would be large).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from .decode_capture import CapturedDecode
+from .kv_cache import copy_blocks
 from .layers.attention import AttentionBackend, AttentionMetadata
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
@@ -28,6 +30,7 @@ class PromptLogprobWork:
     counts: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # indices into the flat token batch
     targets: list[int] = field(default_factory=list)
+    k: int = 0  # the most top logprobs a request of the step asked for
 
 
 @dataclass
@@ -46,6 +49,14 @@ class HostBatch:
     sample_idx: list[int]
     prompt_work: PromptLogprobWork
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (lora id, start, n)
+    # KV blocks to copy (src, dst) before the forward: beam forks made since the last step,
+    # when every tensor-parallel rank must copy them in its own cache.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def for_peers(self) -> HostBatch:
+        """What the other tensor-parallel ranks need to run the same step: no requests."""
+        work = dataclasses.replace(self.prompt_work, requests=[], counts=[])
+        return dataclasses.replace(self, sample_reqs=[], prompt_work=work)
 
 
 class ModelRunner:
@@ -65,6 +76,17 @@ class ModelRunner:
         self.captured: CapturedDecode | None = None  # set by the engine when capture is on
         self.lora_step = None  # the model's LoRAStep, set by the engine when LoRA is on
         self.lora_slots: dict[int, int] = {}  # this step's adapter id -> slot (the engine's)
+        # Tensor parallelism: the other ranks, sent each step's inputs (parallel/workers.py).
+        self.peers = None
+        self._pending_copies: list[tuple[int, int]] = []
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies KV blocks (src, dst) in every layer: now, or with tensor parallelism at the
+        start of the next step, on every rank (nothing writes the cache in between)."""
+        if self.peers is None:
+            copy_blocks(self.kv_caches, pairs)
+        else:
+            self._pending_copies.extend(pairs)
 
     def host_inputs(self, batch: ScheduledBatch) -> HostBatch:
         """The step's flat inputs as host lists, decodes first."""
@@ -115,6 +137,8 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_reqs.append(req)
                 sample_idx.append(len(input_ids) - 1)
+        if prompt_work.requests:
+            prompt_work.k = max(r.params.prompt_logprobs for r in prompt_work.requests)
         max_blocks = max(len(t) for t in tables)
         table = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
         for r, t in enumerate(tables):
@@ -182,6 +206,20 @@ class ModelRunner:
         logprobs of the step are appended to their requests. The step's adapters are in the
         slots `lora_slots` names (set by the engine before the step)."""
         h = self.host_inputs(batch)
+        if self.peers is not None:
+            h.block_copies, self._pending_copies = self._pending_copies, []
+            self.peers.send(h.for_peers())
+        logits, entries = self.run(h)
+        if entries:
+            self._give_prompt_logprobs(entries, h.prompt_work)
+        return (h.sample_reqs, logits) if h.sample_reqs else ([], None)
+
+    def run(self, h: HostBatch) -> tuple[torch.Tensor | None, list]:
+        """The step's device work, the same on every tensor-parallel rank: the forward, the
+        prompt logprob entries and the sampled rows' logits (on rank 0; the other ranks only
+        take part in the collectives and get None and [])."""
+        if h.block_copies:
+            copy_blocks(self.kv_caches, h.block_copies)
         size = None if h.lora_rows else self._captured_bucket(h)
         if size is not None:
             hidden = self.captured.run(
@@ -197,14 +235,18 @@ class ModelRunner:
             finally:
                 if self.lora_step is not None:
                     self.lora_step.clear()
-        if h.prompt_work.requests:
-            self._prompt_logprobs(hidden, h.prompt_work)
-        if not h.sample_reqs:
-            return [], None
+        entries = []
+        work = h.prompt_work
+        if work.positions:
+            idx = torch.tensor(work.positions, dtype=torch.int64, device=hidden.device)
+            rows = hidden.index_select(0, idx)
+            entries = prompt_logprobs(self.model.compute_logits, rows, work.targets, work.k)
+        if not h.sample_idx:
+            return None, entries
         if len(h.sample_idx) == hidden.shape[0]:  # every row samples, in order (decodes)
-            return h.sample_reqs, self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), entries
         idx = torch.tensor(h.sample_idx, dtype=torch.int64, device=hidden.device)
-        return h.sample_reqs, self.model.compute_logits(hidden.index_select(0, idx))
+        return self.model.compute_logits(hidden.index_select(0, idx)), entries
 
     def _captured_bucket(self, h: HostBatch) -> int | None:
         """The capture bucket of a decode-only step without prompt logprobs, else None."""
@@ -215,12 +257,8 @@ class ModelRunner:
             return None
         return self.captured.bucket(rows, max(h.seq_lens))
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, work: PromptLogprobWork) -> None:
-        idx = torch.tensor(work.positions, dtype=torch.int64, device=hidden.device)
-        k = max(r.params.prompt_logprobs for r in work.requests)
-        entries = prompt_logprobs(
-            self.model.compute_logits, hidden.index_select(0, idx), work.targets, k
-        )
+    @staticmethod
+    def _give_prompt_logprobs(entries: list, work: PromptLogprobWork) -> None:
         start = 0
         for req, count in zip(work.requests, work.counts):
             mine = req.params.prompt_logprobs

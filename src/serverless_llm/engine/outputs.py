@@ -43,6 +43,8 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Tensor parallelism: each rank's state (rank, alive, device, param_bytes); empty without.
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def num_used_kv_blocks(self) -> int:

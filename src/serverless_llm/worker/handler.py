@@ -62,6 +62,9 @@ class Worker:
         self._stats_task: asyncio.Task | None = None
         self.active_jobs = 0
         self.finished_jobs = 0
+        # Set when the engine can never serve again; `on_fatal` (main's: exit non-zero) is told.
+        self.fatal: BaseException | None = None
+        self.on_fatal = None
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -72,6 +75,7 @@ class Worker:
             if self.engine is None:
                 self.settings.log_startup(logger)
                 self.engine = AsyncEngine.from_config(self.settings.engine_config())
+                self.engine.on_fatal = self._engine_stopped
                 self.engine.warm_up_grammars()
                 self.loras = self._load_loras(self.engine)
             return self.engine
@@ -90,6 +94,11 @@ class Worker:
         if served:
             logger.info("LoRA adapters: %s", ", ".join(r.lora_name for r in served))
         return served
+
+    def _engine_stopped(self, exc: BaseException) -> None:
+        self.fatal = exc
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     async def start(self) -> None:
         """Loads the model in a thread (the event loop keeps serving health checks); idempotent
@@ -247,6 +256,7 @@ def ready_line(worker: Worker) -> str:
         f"(from {info.source}) dtype={info.dtype} "
         f"device={info.device} kv_blocks={info.num_kv_blocks} "
         f"(block_size {info.block_size}) max_model_len={info.max_model_len} "
+        f"tensor_parallel_size={info.tensor_parallel_size} "
         f"max_concurrency={worker.settings.max_concurrency}"
     )
 
@@ -279,5 +289,9 @@ def main() -> None:
     if not _iterates_generators(sys.argv[1:], os.environ):
         runpod.serverless.start({**config, "handler": worker.handle_aggregate})
         return
-    serve(GracefulShutdown(worker, settings.shutdown_grace_seconds), config)
+    shutdown = GracefulShutdown(worker, settings.shutdown_grace_seconds)
+    worker.on_fatal = shutdown.fail
+    serve(shutdown, config)
     logger.info("worker stopped")
+    if shutdown.exit_code:
+        raise SystemExit(shutdown.exit_code)

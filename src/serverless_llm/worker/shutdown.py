@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -66,6 +67,8 @@ class GracefulShutdown:
     worker: HandlesJobs
     grace_s: float
     exit_now: Callable[[int], Any] = os._exit
+    signal_self: Callable[[], Any] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    exit_code: int = 0  # what the process exits with once drained (1 after a fatal error)
     draining: bool = False
     aborting: bool = False
     finished: bool = False
@@ -108,6 +111,16 @@ class GracefulShutdown:
         return len(self._running)
 
     # -- the signal ----------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        """The engine can never serve again (a tensor-parallel rank died): the jobs in flight
+        already got the error; stop as on SIGTERM, and exit 1 so the platform replaces the
+        worker instead of sending it more jobs."""
+        if self.exit_code:
+            return
+        self.exit_code = 1
+        logger.error("the engine stopped (%s): the worker exits", exc)
+        self.signal_self()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

@@ -9,6 +9,7 @@ and activation as it builds them.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -112,3 +113,15 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_config=self.prefill_config,
             sms=sms,
         )
+
+
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
+    """The ALiBi slopes of Press et al., in MPT's general form: over n2, the power of two at or
+    above num_heads, 2 ** (-bias_max * i / n2) for i = 1..n2; past a power of two the even i
+    first, then the odd ones, the first num_heads of them. With bias_max 8 these are Bloom's and
+    Falcon's slopes (a sequence from the power of two below, interleaved past it)."""
+    n2 = 2 ** math.ceil(math.log2(num_heads))
+    slopes = [2.0 ** (-bias_max * (i + 1) / n2) for i in range(n2)]
+    if n2 != num_heads:
+        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
+    return torch.tensor(slopes, dtype=torch.float32)

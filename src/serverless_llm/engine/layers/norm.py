@@ -6,6 +6,7 @@ kernels/layer_norm.py). Both share one contract: norm(x), or with `residual` the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.layer_norm import layer_norm, layer_norm_reference
@@ -49,3 +50,17 @@ class LayerNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         norm = layer_norm if self.use_kernels else layer_norm_reference
         return norm(x, self.weight, self.bias, self.eps, residual)
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm over each head's dims with a weight per head, [heads, head_dim] (Cohere's and
+    StableLM's q/k norms); statistics and weight in float32."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, D]
+        h = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
+        return (h * self.weight.float()).to(x.dtype)

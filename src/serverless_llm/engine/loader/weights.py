@@ -99,10 +99,45 @@ def _torch_load(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet: its shape and dtype, and reads of parts of it. A
+    tensor-parallel rank reads only its slice (from the memory-mapped file), so its peak host
+    memory follows its share of the model, not the model."""
+
+    def __init__(self, source) -> None:
+        self._source = source  # a safetensors slice, or a (memory-mapped) torch tensor
+        if isinstance(source, torch.Tensor):
+            self.shape = tuple(source.shape)
+            self.dtype = source.dtype
+        else:
+            self.shape = tuple(source.get_shape())
+            self.dtype = source[0:0].dtype if self.shape else source[...].dtype
+
+    def full(self) -> torch.Tensor:
+        src = self._source
+        if isinstance(src, torch.Tensor):
+            return src
+        return src[...] if not self.shape else src[:]
+
+    def read(self, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The rows `ranges` ((start, length) pairs) along `dim`, concatenated, as a copy."""
+        src = self._source
+        parts = []
+        for lo, ln in ranges:
+            if isinstance(src, torch.Tensor):
+                parts.append(src.narrow(dim, lo, ln))
+            else:
+                index = (slice(None),) * dim + (slice(lo, lo + ln),)
+                parts.append(src[index])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        return out.clone() if isinstance(src, torch.Tensor) else out
+
+
 def iter_weights(
-    resolved: ResolvedModel, show_progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (checkpoint parameter name, CPU tensor) for every tensor of every shard.
+    resolved: ResolvedModel, show_progress: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Yields (checkpoint parameter name, CPU tensor) for every tensor of every shard; with
+    `lazy`, a LazyTensor instead, valid until the next item.
 
     One shard at a time, so peak memory is a shard, not the model. The names are the
     checkpoint's, before any renaming the model code does.
@@ -132,12 +167,12 @@ def iter_weights(
             if fmt == "safetensors":
                 with safe_open(path, framework="pt", device="cpu") as f:
                     for key in f.keys():
-                        yield key, f.get_tensor(key)
+                        yield key, LazyTensor(f.get_slice(key)) if lazy else f.get_tensor(key)
             else:
                 state = _torch_load(path)
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        yield key, value
+                        yield key, LazyTensor(value) if lazy else value
                 del state
         except ModelLoadError:
             raise

@@ -19,7 +19,6 @@ kernel; `residual is None` means the stream is x itself.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import Activation, check_activation, gated_activation
-from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec, alibi_slopes
 from ..layers.linear import PackedLinear, pack_linears_for_cpu
 from ..layers.moe import ROUTINGS, Experts, route
-from ..layers.norm import LayerNorm, RMSNorm
+from ..layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
+from ..parallel.group import SINGLE, TensorParallel
 from .lora_targets import DecoderLoRA
 from .weights import DecoderWeights
 
@@ -214,35 +214,20 @@ def make_norm(spec: NormSpec, size: int, use_kernels: bool) -> nn.Module:
     return LayerNorm(size, spec.eps, spec.weight, spec.bias, use_kernels)
 
 
-class HeadLayerNorm(nn.Module):
-    """LayerNorm over each head's dims with a weight per head, [heads, head_dim] (Cohere's and
-    StableLM's q/k norms); statistics and weight in float32."""
-
-    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, D]
-        h = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
-        return (h * self.weight.float()).to(x.dtype)
-
-
-def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
-    """The ALiBi slopes of Press et al., in MPT's general form: over n2, the power of two at or
-    above num_heads, 2 ** (-bias_max * i / n2) for i = 1..n2; past a power of two the even i
-    first, then the odd ones, the first num_heads of them. With bias_max 8 these are Bloom's and
-    Falcon's slopes (a sequence from the power of two below, interleaved past it)."""
-    n2 = 2 ** math.ceil(math.log2(num_heads))
-    slopes = [2.0 ** (-bias_max * (i + 1) / n2) for i in range(n2)]
-    if n2 != num_heads:
-        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
 class Attention(nn.Module):
-    def __init__(self, s: DecoderSpec, attn: AttentionSpec, backend: AttentionBackend, rope):
+    """Self-attention over this rank's heads (all of them without tensor parallelism); the
+    output projection's partial sums are all-reduced."""
+
+    def __init__(
+        self,
+        s: DecoderSpec,
+        attn: AttentionSpec,
+        backend: AttentionBackend,
+        rope,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
+        self.tp = tp
         self.spec = attn
         self.backend = backend
         self.rope = rope  # the RopeSpec of this layer, or None
@@ -281,10 +266,16 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
             q, k = rotate_gathered(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+            return self._out(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "rms_full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.tp.enabled:  # the norm spans every head: its statistics span the ranks
+                q, k = (
+                    self._rms_across_ranks(q, self.q_norm),
+                    self._rms_across_ranks(k, self.k_norm),
+                )
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_after_norm:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -297,12 +288,33 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, k, rope, self.rope.is_neox)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+        return self._out(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+
+    def _out(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.o_proj(attn))
+
+    def _rms_across_ranks(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """RMSNorm over a width split across the ranks (this rank holds x's part and the
+        weight's): the squares' sum all-reduced, as rms_norm_reference computes it."""
+        h = x.float()
+        sq = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(sq / (x.shape[-1] * self.tp.size) + norm.eps)
+        return norm.weight * h.to(x.dtype)
 
 
 class MLP(nn.Module):
-    def __init__(self, s: DecoderSpec, use_kernels: bool, intermediate_size: int | None = None):
+    """A dense MLP over this rank's part of the width; `tp` all-reduces the partial outputs
+    (None: the caller does, as a MoE block does once for its experts and shared expert)."""
+
+    def __init__(
+        self,
+        s: DecoderSpec,
+        use_kernels: bool,
+        intermediate_size: int | None = None,
+        tp: TensorParallel | None = SINGLE,
+    ):
         super().__init__()
+        self.tp = tp
         self.gated = s.gated
         inter = intermediate_size or s.intermediate_size
         if s.gated:
@@ -315,7 +327,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         up = self.gate_up_proj(x) if self.gated else self.up_proj(x)
-        return self.down_proj(self.act_fn(up))
+        out = self.down_proj(self.act_fn(up))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class SparseMoE(nn.Module):
@@ -323,14 +336,15 @@ class SparseMoE(nn.Module):
 
     FLOAT_CHILDREN = ("gate", "shared_expert_gate")  # the routers stay float in quantized models
 
-    def __init__(self, s: DecoderSpec, use_kernels: bool):
+    def __init__(self, s: DecoderSpec, use_kernels: bool, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         m = self.moe = s.moe
         self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
         self.experts = Experts(
             m.num_experts, s.hidden_size, m.intermediate_size, s.act, use_kernels
         )
-        self.shared_expert = MLP(s, use_kernels, m.shared_size) if m.shared_size else None
+        self.shared_expert = MLP(s, use_kernels, m.shared_size, tp=None) if m.shared_size else None
         self.shared_expert_gate = nn.Linear(s.hidden_size, 1, bias=False) if m.shared_gate else None
 
     def forward(self, x):
@@ -342,7 +356,7 @@ class SparseMoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return self.tp.all_reduce(out)
 
 
 def _add_norm(norm, x, residual):
@@ -357,12 +371,18 @@ def _add_norm(norm, x, residual):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, s: DecoderSpec, attn: AttentionSpec, backend: AttentionBackend, rope, sparse=False
+        self,
+        s: DecoderSpec,
+        attn: AttentionSpec,
+        backend: AttentionBackend,
+        rope,
+        sparse=False,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         uk = backend.use_kernels
-        self.self_attn = Attention(s, attn, backend, rope)
-        self.mlp = SparseMoE(s, uk) if sparse else MLP(s, uk)
+        self.self_attn = Attention(s, attn, backend, rope, tp)
+        self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
         for slot in ("in", "post_attn", "mlp", "post_mlp"):
             norm = make_norm(s.norm, s.hidden_size, uk) if slot in s.layer_norms else None
             setattr(self, f"{slot}_norm", norm)
@@ -398,10 +418,27 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
     """A causal LM of any described family. Built on the meta device by the model builder,
-    then `materialize`d and loaded."""
+    then `materialize`d and loaded. With tensor parallelism (`tp`) it is this rank's shard:
+    `spec` is the shard's (sharding.py), `full_spec` the model's."""
 
-    def __init__(self, spec: DecoderSpec, config, backend: AttentionBackend, max_position: int):
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        config,
+        backend: AttentionBackend,
+        max_position: int,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
+        self.tp = tp
+        self.full_spec = spec
+        if tp.enabled:
+            from .sharding import Sharder, local_spec
+
+            self.sharder = Sharder(spec, tp)
+            spec = local_spec(spec, tp)
+        else:
+            self.sharder = None
         self.spec = spec
         self.config = config
         self.max_position = max_position
@@ -426,7 +463,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in s.rope]
         self.rope_caches: list[torch.Tensor] = []
         self.layers = nn.ModuleList(
-            DecoderLayer(s, self._attention_spec(i), backend, s.rope[i], s.moe_layers[i])
+            DecoderLayer(s, self._attention_spec(i), backend, s.rope[i], s.moe_layers[i], tp)
             for i in range(s.num_layers)
         )
         self.norm = make_norm(s.norm, s.hidden_size, uk) if s.final_norm else None
@@ -464,7 +501,9 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             for r in self.rope_specs
         ]
         if self.spec.alibi_scale is not None:
-            slopes = alibi_slopes(self.spec.num_heads, self.spec.alibi_bias_max)
+            slopes = alibi_slopes(self.full_spec.num_heads, self.spec.alibi_bias_max)
+            if self.sharder is not None:  # this rank's heads' slopes
+                slopes = slopes.narrow(0, *self.sharder.q_heads)
             slopes = (slopes * self.spec.alibi_scale).to(device)
             for i, layer in enumerate(self.layers):
                 layer.self_attn.spec = self._attention_spec(i, slopes)
@@ -483,7 +522,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
     ) -> torch.Tensor:
         """Hidden states of every token, after the final norm: [T, hidden]."""
         s = self.spec
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if s.embed_scale is not None:
             x = x * torch.tensor(s.embed_scale, dtype=x.dtype)
         if self.project_in is not None:
@@ -510,7 +549,19 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             x = self.project_out(x)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its rows, zeros for the others, summed.
+        first, rows = self.tp.vocab_range(self.full_spec.vocab_size)
+        local = input_ids - first
+        mine = (local >= 0) & (local < rows)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [N, vocab]. With tensor parallelism every rank computes its vocab rows and
+        rank 0 gets them all (the other ranks get None)."""
         s = self.spec
         if self.packed_lm_head is not None:
             logits = self.packed_lm_head(hidden)
@@ -518,6 +569,11 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight, getattr(self, "lm_head_bias", None))
         else:
             logits = self.lm_head(hidden)
+        if self.tp.enabled:
+            logits = self.tp.gather_last_dim(logits)
+            if logits is None:
+                return None
+            logits = logits[:, : self.full_spec.vocab_size]
         if s.logit_scale != 1.0:
             logits = logits * s.logit_scale
         if s.final_softcap is not None:

@@ -71,10 +71,14 @@ class DecoderWeights:
                 continue
             module, _, kind = name.rpartition(".")
             if kind in ("k_scale", "v_scale", "kv_scale") and module.startswith(layer_prefix):
+                if not isinstance(tensor, torch.Tensor):
+                    tensor = tensor.full()
                 self._take_kv_scale(kv_scales, module[len(layer_prefix) :], kind, name, tensor)
                 continue
             if module == "lm_head" and self.tied:  # a tied checkpoint may still save the head
                 if kind == "bias" and "lm_head_bias" in params:
+                    if self.sharder is not None:
+                        tensor, _ = self.sharder.take("lm_head_bias", None, kind, tensor)
                     self._place(params["lm_head_bias"], "lm_head_bias", None, tensor, loaded)
                 continue
             if names.base_prefix and not module.startswith(names.base_prefix):
@@ -92,6 +96,11 @@ class DecoderWeights:
             if target is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
             internal, how = (target, None) if isinstance(target, str) else target
+            if self.sharder is not None:  # tensor parallel: this rank's slice, read now
+                taken = self.sharder.take(internal, how, kind, tensor)
+                if taken is None:
+                    continue
+                tensor, how = taken
             pname = f"{prefix}{internal}.{kind}"
             experts = quant_experts.get(f"{prefix}{internal}")
             if experts is not None and (kind != "weight" or tensor.dtype == torch.float8_e4m3fn):

@@ -100,13 +100,17 @@ def prompt_logprobs(
     k: int,
 ) -> list[TokenLogprob]:
     """Logprobs of `targets[i]` under the logits of `hidden[i]` (the position before it), with
-    its rank and the top k, computed PROMPT_CHUNK positions at a time."""
+    its rank and the top k, computed PROMPT_CHUNK positions at a time. A tensor-parallel rank
+    other than 0 gets None from `compute_logits` (it took part in the gather): nothing to score."""
     out: list[TokenLogprob] = []
     device = hidden.device
     for start in range(0, len(targets), PROMPT_CHUNK):
         h = hidden[start : start + PROMPT_CHUNK]
         tgt = torch.tensor(targets[start : start + PROMPT_CHUNK], dtype=torch.int64, device=device)
-        log_probs = torch.log_softmax(compute_logits(h).float(), dim=-1)
+        logits = compute_logits(h)
+        if logits is None:
+            continue
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
         chosen = log_probs.gather(1, tgt.unsqueeze(1))
         ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
         values = chosen.squeeze(1).tolist()

@@ -61,6 +61,8 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         max_lora_rank=s.max_lora_rank,
         max_cpu_loras=s.max_cpu_loras,
         lora_dtype=s.lora_dtype,
+        tensor_parallel_size=s.tensor_parallel_size,
+        max_parallel_loading_workers=s.max_parallel_loading_workers,
     )
 
 

@@ -307,8 +307,9 @@ class SettingsFields(BaseSettings):
         "MAX_PARALLEL_LOADING_WORKERS",
         title="Max Parallel Loading Workers",
         description=(
-            "Load the model in batches with this many workers (matters with tensor "
-            "parallelism only). Not supported yet: a value is reported at start-up."
+            "With tensor parallelism, how many ranks read their share of the weights at once "
+            "(unset: all of them). Lower it when host memory or disk bandwidth is short: each "
+            "rank reads only its slices, about 1/TENSOR_PARALLEL_SIZE of the checkpoint."
         ),
         ge=1,
     )
@@ -357,8 +358,9 @@ class SettingsFields(BaseSettings):
         "DISABLE_CUSTOM_ALL_REDUCE",
         title="Disable Custom All-Reduce",
         description=(
-            "Disable the custom all-reduce kernel of tensor parallelism. The engine runs on one "
-            "device and never all-reduces, so either value is honoured."
+            "Disable the custom all-reduce kernel of tensor parallelism. Accepted for "
+            "compatibility: the engine has no custom all-reduce, torch.distributed's (NCCL on "
+            "GPUs) is the only one, so either value is honoured."
         ),
     )
     tensor_parallel_size: int = _system(
@@ -366,8 +368,10 @@ class SettingsFields(BaseSettings):
         "TENSOR_PARALLEL_SIZE",
         title="Tensor Parallel Size",
         description=(
-            "Number of GPUs to shard the model over. Not supported yet: a value above 1 is "
-            "reported at start-up and the model runs on one device."
+            "Number of GPUs to shard the model over (tensor parallelism: one process per GPU, "
+            "cuda:0 to cuda:N-1; docs/parallel.md). The attention heads and MLP widths must "
+            "split evenly (start-up names a dimension that does not; the vocabulary is padded); "
+            "unquantized models, without LoRA."
         ),
         ge=1,
     )

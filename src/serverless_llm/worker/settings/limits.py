@@ -55,18 +55,6 @@ LIMITS: tuple[Limit, ...] = (
         "file (dequantized at load)",
     ),
     Limit(
-        "TENSOR_PARALLEL_SIZE",
-        "warning",
-        lambda s: s.tensor_parallel_size > 1,
-        "tensor parallelism is not supported yet; the model runs on one device",
-    ),
-    Limit(
-        "MAX_PARALLEL_LOADING_WORKERS",
-        "warning",
-        lambda s: s.max_parallel_loading_workers is not None,
-        "parallel loading is not supported yet; weights load in one pass",
-    ),
-    Limit(
         "SWAP_SPACE",
         "warning",
         lambda s: s.swap_space > 0,

@@ -1,0 +1,200 @@
+"""Tensor-parallel sharding of a `DecoderSpec` and of its checkpoint tensors.
+
+Each rank builds the decoder with its local shapes (`local_spec`: 1/N of the query heads, of the
+KV heads (or one replicated KV head when there are fewer KV heads than ranks), of every MLP and
+expert width, and of the padded vocabulary) and reads from each checkpoint tensor only its
+slice (`Sharder.take`), before the usual placement (weights.py) puts it where a model that small
+would. What is split:
+
+- column-parallel (output rows): the fused qkv (this rank's heads of q, k and v), gate/up, a
+  plain up projection, each expert's gate/up rows;
+- row-parallel (input columns): o_proj, down, each expert's down; their partial outputs are
+  all-reduced, so only rank 0 keeps their bias;
+- vocab-parallel: the embedding rows and the LM head rows (and its bias);
+- per head: a q/k norm with a weight per head or over all heads;
+- replicated: norms, routers, learned positions, the rest.
+
+Every rank holds every expert, with 1/N of its width: the same all-reduce serves dense and
+sparse layers, and a step's load is even across ranks whatever the routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import ConfigError
+from ..parallel.group import TensorParallel
+from .decoder import DecoderSpec
+
+Ranges = list[tuple[int, int]]  # (start, length) along one dim
+
+
+def check_shardable(spec: DecoderSpec, size: int) -> None:
+    """Raises ConfigError naming the first dimension `size` ranks cannot split."""
+
+    def need(value: int, what: str) -> None:
+        if value % size:
+            raise ConfigError(
+                f"tensor_parallel_size={size} does not divide the model's {what} ({value}); "
+                f"choose a size that divides it"
+            )
+
+    need(spec.num_heads, "number of attention heads")
+    kvh = spec.num_kv_heads
+    if kvh % size and size % kvh:
+        raise ConfigError(
+            f"tensor_parallel_size={size} and the model's {kvh} KV heads: one must divide the "
+            "other (the KV heads are split across ranks, or each replicated on size/heads ranks)"
+        )
+    if not all(spec.moe_layers):
+        need(spec.intermediate_size, "MLP intermediate size")
+    if spec.moe is not None:
+        need(spec.moe.intermediate_size, "expert intermediate size")
+        if spec.moe.shared_size:
+            need(spec.moe.shared_size, "shared expert intermediate size")
+
+
+def local_spec(spec: DecoderSpec, tp: TensorParallel) -> DecoderSpec:
+    """The spec of the part of the model one rank holds."""
+    n = tp.size
+    moe = spec.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // n,
+            shared_size=moe.shared_size // n,
+        )
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // n,
+        num_kv_heads=max(1, spec.num_kv_heads // n),
+        intermediate_size=spec.intermediate_size // n if not all(spec.moe_layers) else 0,
+        vocab_size=tp.vocab_range(spec.vocab_size)[1],
+        moe=moe,
+    )
+
+
+class Sharder:
+    """This rank's slice of each checkpoint tensor, in the checkpoint's own layout."""
+
+    COLUMN = ("up_proj", "gate_up_proj")
+    ROW = ("o_proj", "down_proj")
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
+        self.spec, self.tp = spec, tp
+        s, n, r = spec, tp.size, tp.rank
+        d = s.head_dim
+        self.q_heads = (r * (s.num_heads // n), s.num_heads // n)
+        if s.num_kv_heads >= n:
+            self.kv_heads = (r * (s.num_kv_heads // n), s.num_kv_heads // n)
+        else:  # each KV head serves n / kvh ranks: the one holding this rank's query heads
+            self.kv_heads = (r * s.num_kv_heads // n, 1)
+        self.q_rows = (self.q_heads[0] * d, self.q_heads[1] * d)
+        self.kv_rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
+
+    def take(self, internal: str, how, kind: str, tensor) -> tuple[torch.Tensor, object] | None:
+        """(this rank's part of `tensor`, its placement) for the parameter `internal`.`kind`
+        placed `how` (see WeightNames), or None when this rank holds none of it. `tensor` is a
+        torch tensor or a loader LazyTensor (only the slice is read)."""
+        leaf = internal.rpartition(".")[2]
+        bias = kind == "bias"
+        if leaf == "qkv_proj":
+            return self._qkv(how, bias, tensor), how
+        if leaf in ("q_norm", "k_norm"):
+            return self._qk_norm(leaf, how, tensor)
+        if leaf in self.ROW or leaf == "w2":
+            if bias:  # the partial outputs are summed: the bias is added once, by rank 0
+                t = _full(tensor)
+                return (t if self.tp.rank == 0 else torch.zeros_like(t)), how
+            if leaf == "o_proj":
+                dim, ranges = (0 if how == "t" else 1), [self.q_rows]
+            elif how == "experts:t":  # DBRX: [E * I, H], each expert's I rows split
+                dim, ranges = 0, self._per_expert(tensor.shape[0])
+            else:  # [out, in]; a Conv1D weight is stored [in, out]
+                dim = 0 if how == "t" else len(tensor.shape) - 1
+                ranges = [self._even(tensor.shape[dim])]
+            return _read(tensor, dim, ranges), how
+        if leaf in self.COLUMN or leaf == "w13":
+            dim = 1 if how == "t" and not bias else 0
+            size = tensor.shape[dim]
+            if how in ("experts:gate", "experts:up"):  # DBRX: [E * I, H]
+                return _read(tensor, 0, self._per_expert(size)), how
+            if how is None and leaf in ("gate_up_proj", "w13"):
+                # [gate | up] stored fused; Granite-MoE stacks the experts': [E, 2I, H]
+                dim = 1 if leaf == "w13" else dim
+                size = tensor.shape[dim]
+                half = size // 2
+                lo, ln = self._even(half)
+                return _read(tensor, dim, [(lo, ln), (half + lo, ln)]), how
+            return _read(tensor, dim, [self._even(size)]), how
+        if leaf in ("embed_tokens", "lm_head", "lm_head_bias"):
+            return self._vocab(tensor), how
+        return _full(tensor), how
+
+    def _even(self, size: int) -> tuple[int, int]:
+        per = size // self.tp.size
+        return self.tp.rank * per, per
+
+    def _per_expert(self, rows: int) -> Ranges:
+        experts = self.spec.moe.num_experts
+        width = rows // experts
+        lo, ln = (self.tp.rank * width // self.tp.size, width // self.tp.size)
+        return [(e * width + lo, ln) for e in range(experts)]
+
+    def _qkv(self, how, bias: bool, tensor) -> torch.Tensor:
+        s, d = self.spec, self.spec.head_dim
+        if how == "q":
+            return _read(tensor, 0, [self.q_rows])
+        if how in ("k", "v"):
+            return _read(tensor, 0, [self.kv_rows])
+        if how == "qkv_heads":  # [H, 3, D]: a head's q, k, v rows together (H == KVH)
+            lo, ln = self.q_heads
+            return _read(tensor, 0, [(lo * 3 * d, ln * 3 * d)])
+        if how == "qkv_grouped":  # [KVH, G + 2, D]: a KV head's queries, then its k and v
+            g = s.num_heads // s.num_kv_heads
+            kv0, kvn = self.kv_heads
+            if s.num_kv_heads >= self.tp.size:
+                return _read(tensor, 0, [(kv0 * (g + 2) * d, kvn * (g + 2) * d)])
+            base = kv0 * (g + 2) * d
+            q0 = self.q_heads[0] - kv0 * g
+            return _read(tensor, 0, [(base + q0 * d, self.q_heads[1] * d), (base + g * d, 2 * d)])
+        # [q | k | v] stored fused (rows; a GPT-2 Conv1D weight stores them as columns)
+        qn, kvn = s.num_heads * d, s.num_kv_heads * d
+        ranges = [self.q_rows, (qn + self.kv_rows[0], self.kv_rows[1])]
+        ranges.append((qn + kvn + self.kv_rows[0], self.kv_rows[1]))
+        return _read(tensor, 1 if how == "t" and not bias else 0, ranges)
+
+    def _qk_norm(self, leaf: str, how, tensor):
+        kind = self.spec.qk_norm
+        heads = self.q_heads if leaf == "q_norm" else self.kv_heads
+        if kind == "rms_full":  # [heads * D]
+            return _read(tensor, 0, [self.q_rows if leaf == "q_norm" else self.kv_rows]), how
+        if kind == "layer_head":
+            if isinstance(how, str) and how.startswith("head:"):  # one head's row
+                h = int(how[5:]) - heads[0]
+                return (_full(tensor), f"head:{h}") if 0 <= h < heads[1] else None
+            return _read(tensor, 0, [heads]), how
+        return _full(tensor), how  # shared by the heads
+
+    def _vocab(self, tensor) -> torch.Tensor:
+        lo, ln = self.tp.vocab_range(tensor.shape[0])
+        rows = max(0, min(ln, tensor.shape[0] - lo))
+        part = _read(tensor, 0, [(lo, rows)]) if rows else None
+        if rows == ln:
+            return part
+        pad = torch.zeros((ln - rows, *tensor.shape[1:]), dtype=tensor.dtype)
+        return pad if part is None else torch.cat([part, pad])
+
+
+def _full(tensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.full()
+
+
+def _read(tensor, dim: int, ranges: Ranges) -> torch.Tensor:
+    """`ranges` of `tensor` along `dim`, concatenated (a copy: the checkpoint's storage is let go)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor.read(dim, ranges)
+    parts = [tensor.narrow(dim, lo, ln) for lo, ln in ranges]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).clone()

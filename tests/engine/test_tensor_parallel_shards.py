@@ -1,0 +1,52 @@
+"""Every way a checkpoint lays out its weights, split over two tensor-parallel ranks: each
+rank's slices (fused, per-head, grouped, transposed Conv1D, per-expert and stacked-expert
+tensors, per-head norms, norms over all heads, ALiBi slopes, a single KV head replicated, the
+vocabulary padded) give, once all-reduced and gathered, the logits of transformers' own model.
+The ranks are threads here (tp_harness.py); test_tensor_parallel.py runs them as processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.engine import test_families, test_families_alibi, test_families_gpt, test_families_moe
+from tests.engine.family_check import save_family_model
+from tests.engine.tp_harness import sharded_logits
+from tests.tiny_models import build_tokenizer
+
+# Every family the engine serves, from the family tests' own configs. The layouts among them:
+# qkv and gate_up stored fused (phi3), per-head q/k norms stored one head per tensor (stablelm),
+# norms over all heads whose statistics span the ranks (olmo2, olmoe), Conv1D weights stored
+# [in, out] (gpt2), one KV head replicated on both ranks (gpt_bigcode, falcon_multi_query), qkv
+# interleaved per head (gpt_neox, bloom) or grouped per KV head (falcon_new), each rank its
+# heads' ALiBi slopes (bloom_6heads), project_in/out replicated (opt_post_ln), experts stacked
+# [E, 2I, H] (granitemoe) or in one 2-D tensor with down stored transposed (dbrx), a shared
+# expert and its gate (qwen2_moe).
+CASES = {
+    name: module
+    for module in (test_families, test_families_gpt, test_families_alibi, test_families_moe)
+    for name in module.FAMILIES
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_rank_logits_equal_transformers(tmp_path, name):
+    config = CASES[name]._config(name, build_tokenizer())
+    path = save_family_model(str(tmp_path / name), config)
+    ids = [5 + (7 * i) % 300 for i in range(37)]
+    out = sharded_logits(path, ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids))).logits[0]
+    torch.testing.assert_close(out["logits"], ref, atol=2e-4, rtol=2e-4)
+
+
+def test_each_rank_holds_half_the_weights(tmp_path):
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model(str(tmp_path / "m"), "llama")
+    whole = sharded_logits(path, [5, 6, 7], size=1)["bytes"][0]
+    halves = sharded_logits(path, [5, 6, 7], size=2)["bytes"]
+    for held in halves:  # the norms (a few hundred floats) are the only copies
+        assert 0.5 * whole <= held <= 0.52 * whole, (held, whole)
