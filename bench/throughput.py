@@ -132,6 +132,7 @@ class Settings:
     repeats: int  # best-of for the one-request timings
     retries: int  # re-measure when other processes disturbed a timing
     settle: float  # seconds to wait for a quiet machine before each timing (0: do not wait)
+    tensor_parallel_size: int = 1  # the engine's (docs/parallel.md)
 
     def measure(self, timed: Callable[[], T], prepare: Callable[[], None] | None = None):
         return measure_clean(
@@ -142,7 +143,7 @@ class Settings:
 # -- this engine ------------------------------------------------------------------------------
 
 
-def engine_llm(model_dir: str, max_model_len: int, num_blocks: int):
+def engine_llm(model_dir: str, max_model_len: int, num_blocks: int, tensor_parallel_size: int = 1):
     """The engine as the benchmarks compare it (bench/endpoint.py's offline figure too): float32,
     block size PAGE_SIZE, BATCH_TOKENS a step, `num_blocks` KV blocks."""
     from serverless_llm import LLM
@@ -154,6 +155,7 @@ def engine_llm(model_dir: str, max_model_len: int, num_blocks: int):
         block_size=PAGE_SIZE,
         num_kv_blocks=num_blocks,
         max_num_batched_tokens=BATCH_TOKENS,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -171,7 +173,7 @@ def run_engine(
         return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
     n, m = len(prompts), s.max_tokens
-    llm = engine_llm(model_dir, max_model_len, num_blocks)
+    llm = engine_llm(model_dir, max_model_len, num_blocks, s.tensor_parallel_size)
     pool = llm.engine.block_pool
 
     def prepare() -> None:
@@ -667,6 +669,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECONDS",
         help="before each timing, wait up to this long for the machine to go quiet (0)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the engine's ranks (bench/tensor_parallel.py compares sizes on one model)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.num_prompts = args.num_prompts or (4 if args.tiny else 32)
@@ -705,7 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = len(prompts) * (-(-need // PAGE_SIZE)) + 8
 
     whole_run = CpuCompetition().__enter__()
-    settings = Settings(args.max_tokens, args.repeats, args.retries, args.settle)
+    settings = Settings(
+        args.max_tokens, args.repeats, args.retries, args.settle, args.tensor_parallel_size
+    )
     machine = [settings.measure(lambda: measure_machine(args.tiny)).value]
     engine, engine_single, engine_out = run_engine(
         model_dir, prompts, warmup_prompts, max_model_len, num_blocks, settings

@@ -16,13 +16,14 @@ import textwrap
 import time
 
 import pytest
+import torch
 import transformers
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import AsyncEngine, ConfigError, EngineConfig, EngineDeadError
 from serverless_llm.llm import BeamSearchParams
 from tests.engine import test_families_moe
-from tests.engine.family_check import family_prompts, save_family_model
+from tests.engine.family_check import family_prompts, save_family_model, tiny_dims
 from tests.engine.reference import hf_greedy
 from tests.tiny_models import build_tokenizer
 
@@ -87,6 +88,63 @@ def test_logprobs_prompt_logprobs_and_beams_agree_with_one_rank(tiny_llama):
     for a, b in zip(two_beams, one_beams):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         assert len({tuple(s.tokens) for s in a.sequences}) == 4  # the beams did fork
+
+
+_ONE_RANK_LOAD = """
+import sys
+from serverless_llm.engine.config import EngineConfig
+from serverless_llm.engine.model_builder import load_model, prepare_model
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+config = EngineConfig(model=sys.argv[1], dtype="float32", show_progress=False)
+prepared = prepare_model(config)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM (the peak) to the current resident size
+before = status("VmRSS")
+load_model(config, prepared=prepared)
+print(status("VmHWM") - before)
+"""
+
+
+def test_each_rank_loads_only_its_share_of_the_checkpoint(tmp_path):
+    """A ~125 MB Llama in 10 MB shards at TP 2: rank 1 holds half the weights, and the host
+    memory its load adds at its peak is near half of what loading the whole model on one rank
+    adds (measured the same way, in a fresh process): a rank reads its slices of each tensor
+    from the mapped file, never the model. What remains over one half is the shard being read,
+    whose mapped pages count as resident."""
+    tok = build_tokenizer()
+    config = transformers.LlamaConfig(
+        **tiny_dims(
+            tok,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        )
+    )
+    path = str(tmp_path / "big")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        path, max_shard_size="10MB"
+    )
+    tok.save_pretrained(path)
+    weights = sum(f.stat().st_size for f in (tmp_path / "big").glob("*.safetensors"))
+    assert weights > 120e6
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run(
+        [sys.executable, "-c", _ONE_RANK_LOAD, path], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    whole = int(run.stdout.strip().splitlines()[-1])
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64) as llm:
+        rank1 = llm.engine.rank_state()[1]
+    assert 0.49 * weights < rank1["param_bytes"] < 0.51 * weights
+    share = rank1["load_peak_bytes"] / whole
+    print(f"rank 1's load peak: {share:.2f}x one rank's whole load ({whole / 1e6:.0f} MB)")
+    assert share < 0.7, (rank1, whole)
 
 
 def test_a_shape_that_does_not_split_is_refused_before_any_rank_starts(tiny_llama):

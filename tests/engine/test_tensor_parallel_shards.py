@@ -10,9 +10,11 @@ import pytest
 import torch
 import transformers
 
+from serverless_llm.engine import ConfigError
 from tests.engine import test_families, test_families_alibi, test_families_gpt, test_families_moe
 from tests.engine.family_check import save_family_model
 from tests.engine.tp_harness import sharded_logits
+from tests.quant_checkpoints import write_fp8, write_pack_quantized, write_quantized
 from tests.tiny_models import build_tokenizer
 
 # Every family the engine serves, from the family tests' own configs. The layouts among them:
@@ -50,3 +52,45 @@ def test_each_rank_holds_half_the_weights(tmp_path):
     halves = sharded_logits(path, [5, 6, 7], size=2)["bytes"]
     for held in halves:  # the norms (a few hundred floats) are the only copies
         assert 0.5 * whole <= held <= 0.52 * whole, (held, whole)
+
+
+# -- quantized checkpoints ---------------------------------------------------------------------
+
+QUANTIZED = {
+    "gptq": lambda src, d: write_quantized(src, f"{d}/f", f"{d}/q", "gptq"),
+    "gptq_8bit": lambda src, d: write_quantized(src, f"{d}/f", f"{d}/q", "gptq", bits=8),
+    "awq": lambda src, d: write_quantized(src, f"{d}/f", f"{d}/q", "awq"),
+    "pack_quantized": lambda src, d: write_pack_quantized(src, f"{d}/f", f"{d}/q"),
+    "fp8_tensor": lambda src, d: write_fp8(src, f"{d}/f", f"{d}/q", "fp8", "tensor"),
+    "fp8_channel": lambda src, d: write_fp8(
+        src, f"{d}/f", f"{d}/q", "compressed-tensors", "channel"
+    ),
+}
+IDS = [5 + (7 * i) % 300 for i in range(37)]
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_checkpoints_split_without_unpacking(tmp_path, tiny_llama, name, mode):
+    """Packed weights, zero points, scales and group indices sliced along their packed layout
+    (a rank's range on pack and group boundaries): two ranks give one rank's logits, each
+    holding half the bytes. FP8 held packed quantizes each token's activations per rank (the
+    row-parallel layers see half the inputs, as vLLM's ranks do), so it agrees only within the
+    FP8 activation noise one rank has against the dequantized weights."""
+    _, quant = QUANTIZED[name](tiny_llama, str(tmp_path))
+    one = sharded_logits(quant, IDS, size=1, quantized_weights=mode)
+    two = sharded_logits(quant, IDS, size=2, quantized_weights=mode)
+    for held in two["bytes"]:
+        assert 0.49 * one["bytes"][0] < held < 0.52 * one["bytes"][0]
+    if name.startswith("fp8") and mode == "packed":
+        exact = sharded_logits(quant, IDS, size=1, quantized_weights="dequantize")["logits"]
+        noise = (one["logits"] - exact).abs().max()
+        assert (two["logits"] - exact).abs().max() < 1.5 * noise
+    else:
+        torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_act_order_gptq_across_ranks_is_refused(tmp_path, tiny_llama):
+    _, quant = write_quantized(tiny_llama, f"{tmp_path}/f", f"{tmp_path}/q", "gptq", act_order=True)
+    with pytest.raises(ConfigError, match="act-order"):
+        sharded_logits(quant, IDS, size=2)

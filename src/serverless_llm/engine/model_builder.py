@@ -72,10 +72,11 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
     spec = describe_model(hf_config)
     n = config.tensor_parallel_size
     if n > 1:
-        if scheme is not None:
+        if scheme is not None and (spec.moe is not None or scheme.desc_act):
+            what = "mixture-of-experts" if spec.moe is not None else "act-order (desc_act)"
             raise ConfigError(
-                f"tensor_parallel_size={n} with a {scheme.method} checkpoint: tensor parallelism "
-                "serves unquantized weights only (yet)"
+                f"tensor_parallel_size={n} with a quantized {what} checkpoint is not supported "
+                "(yet): serve it on one device, or an unquantized or non-act-order checkpoint"
             )
         if config.enable_lora:
             raise ConfigError(f"tensor_parallel_size={n} with LoRA is not supported (yet)")

@@ -211,15 +211,17 @@ class Worker:
                 continue
             last_finished = self.finished_jobs
             stats = engine.stats()
+            alive = sum(1 for r in stats.ranks if r["alive"])
             logger.info(
                 "stats: %d jobs running, %d finished; engine: %d running, %d waiting requests; "
-                "KV cache %d/%d blocks in use",
+                "KV cache %d/%d blocks in use%s",
                 self.active_jobs,
                 self.finished_jobs,
                 stats.num_running,
                 stats.num_waiting,
                 stats.num_used_kv_blocks,
                 stats.num_kv_blocks,
+                f"; tensor-parallel ranks {alive}/{len(stats.ranks)} alive" if stats.ranks else "",
             )
 
 

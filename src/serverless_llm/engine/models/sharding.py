@@ -84,6 +84,7 @@ class Sharder:
 
     def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
         self.spec, self.tp = spec, tp
+        self.scheme = None  # the quantization scheme, set by DecoderModel.quantize
         s, n, r = spec, tp.size, tp.rank
         d = s.head_dim
         self.q_heads = (r * (s.num_heads // n), s.num_heads // n)
@@ -100,6 +101,8 @@ class Sharder:
         torch tensor or a loader LazyTensor (only the slice is read)."""
         leaf = internal.rpartition(".")[2]
         bias = kind == "bias"
+        if self.scheme is not None and kind not in ("weight", "bias"):
+            return self._quantized(internal, leaf, how, kind, tensor), how
         if leaf == "qkv_proj":
             return self._qkv(how, bias, tensor), how
         if leaf in ("q_norm", "k_norm"):
@@ -132,6 +135,106 @@ class Sharder:
         if leaf in ("embed_tokens", "lm_head", "lm_head_bias"):
             return self._vocab(tensor), how
         return _full(tensor), how
+
+    # Quantized linears: each tensor kind's layout, as {axis: (dim, unit)}: the output axis
+    # ("out") or the input axis ("in") is `dim` of the tensor, counted in `unit`s of logical
+    # rows ("p": the values packed in an int32, "g": the group size). None: held whole.
+    QUANT_LAYOUT = {
+        ("gptq", "qweight"): {"out": (1, 1), "in": (0, "p")},
+        ("gptq", "qzeros"): {"out": (1, "p"), "in": (0, "g")},
+        ("gptq", "scales"): {"out": (1, 1), "in": (0, "g")},
+        ("gptq", "g_idx"): {"out": None, "in": (0, 1)},
+        ("awq", "qweight"): {"out": (1, "p"), "in": (0, 1)},
+        ("awq", "qzeros"): {"out": (1, "p"), "in": (0, "g")},
+        ("awq", "scales"): {"out": (1, 1), "in": (0, "g")},
+        ("packed_int", "weight_packed"): {"out": (0, 1), "in": (1, "p")},
+        ("packed_int", "weight_scale"): {"out": (0, 1), "in": (1, "g")},
+        ("packed_int", "weight_g_idx"): {"out": None, "in": (0, 1)},
+        ("fp8", "weight_scale"): {"out": (0, 1), "in": None},  # per channel; a scalar is whole
+        ("fp8", "input_scale"): {"out": None, "in": None},
+    }
+
+    def _linear_split(self, internal: str, leaf: str, how) -> tuple[str, Ranges] | None:
+        """How a linear layer splits, in logical rows: ("out", ranges of its output rows) or
+        ("in", the range of its input columns); None for a replicated one."""
+        s = self._mlp_width(internal)
+        if leaf == "qkv_proj":
+            qn, kvn = (
+                self.spec.num_heads * self.spec.head_dim,
+                self.spec.num_kv_heads * self.spec.head_dim,
+            )
+            if how == "q":
+                return "out", [self.q_rows]
+            if how in ("k", "v"):
+                return "out", [self.kv_rows]
+            if how is None:
+                kv = [(qn + self.kv_rows[0], self.kv_rows[1])]
+                return "out", [self.q_rows, *kv, (qn + kvn + self.kv_rows[0], self.kv_rows[1])]
+        elif leaf == "gate_up_proj" and how in ("gate", "up"):
+            return "out", [self._even(s)]
+        elif leaf == "gate_up_proj" and how is None:
+            lo, ln = self._even(s)
+            return "out", [(lo, ln), (s + lo, ln)]
+        elif leaf == "up_proj" and how is None:
+            return "out", [self._even(s)]
+        elif leaf == "o_proj" and how is None:
+            return "in", [self.q_rows]
+        elif leaf == "down_proj" and how is None:
+            return "in", [self._even(s)]
+        elif leaf not in ("qkv_proj", "gate_up_proj", "up_proj", "o_proj", "down_proj"):
+            return None
+        raise ConfigError(
+            f"tensor parallelism over a quantized checkpoint whose {internal} is stored as "
+            f"{how!r} is not supported"
+        )
+
+    def _mlp_width(self, internal: str) -> int:
+        """The full MLP width of the layer at `internal` (a shared expert's own width)."""
+        moe = self.spec.moe
+        if "shared_expert" in internal and moe is not None:
+            return moe.shared_size
+        return self.spec.intermediate_size
+
+    def _quantized(self, internal: str, leaf: str, how, kind: str, tensor) -> torch.Tensor:
+        """This rank's part of a quantized linear's packed weight, scales, zero points or group
+        indices, sliced along the packed layout without unpacking (a range must fall on pack
+        and group boundaries)."""
+        method = self.scheme.method
+        layout = self.QUANT_LAYOUT.get((method, kind))
+        split = self._linear_split(internal, leaf, how)
+        if kind == "weight_shape":  # compressed-tensors: [out, in], now this rank's
+            out, inp = (int(v) for v in _full(tensor).reshape(-1).tolist())
+            if split is not None:
+                axis, ranges = split
+                size = sum(ln for _, ln in ranges)
+                out, inp = (size, inp) if axis == "out" else (out, size)
+            return torch.tensor([out, inp], dtype=torch.int64)
+        if layout is None or split is None:
+            return _full(tensor)
+        axis, ranges = split
+        where = layout[axis]
+        if where is None or (method == "fp8" and tensor.shape in ((), (1,))):
+            return _full(tensor)
+        dim, unit = where
+        step = {"p": 32 // self.scheme.bits, "g": self.scheme.group_size}.get(unit, unit)
+        if step == -1:  # one group over the whole input
+            return _full(tensor)
+        if any(lo % step or ln % step for lo, ln in ranges):
+            raise ConfigError(
+                f"tensor_parallel_size={self.tp.size}: {internal}.{kind} does not split at "
+                f"{step}-row boundaries ({'pack' if unit == 'p' else 'group'} size of the "
+                f"{method} checkpoint)"
+            )
+        part = _read(tensor, dim, [(lo // step, ln // step) for lo, ln in ranges])
+        g = self.scheme.group_size
+        if kind in ("g_idx", "weight_g_idx") and g != -1:  # this rank's inputs' groups, from 0
+            part = part - ranges[0][0] // g
+            if int(part.min()) < 0 or int(part.max()) >= ranges[0][1] // g:
+                raise ConfigError(
+                    f"{internal}.{kind}: act-order groups cross the tensor-parallel ranks' "
+                    "inputs; serve this checkpoint without tensor parallelism"
+                )
+        return part
 
     def _even(self, size: int) -> tuple[int, int]:
         per = size // self.tp.size

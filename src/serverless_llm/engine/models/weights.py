@@ -21,6 +21,8 @@ class DecoderWeights:
         `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
         checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
         s = self.spec
+        if self.sharder is not None:  # tensor parallel: the packed tensors are sliced too
+            self.sharder.scheme = scheme
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
         act = " act-order" if scheme.desc_act else ""
         self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"

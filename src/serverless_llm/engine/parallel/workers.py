@@ -149,7 +149,8 @@ class RankProcesses:
         return self.failed
 
     def state(self) -> list[dict]:
-        """Per rank (1..N-1): alive or not, its device and loaded parameter bytes."""
+        """Per rank (1..N-1): alive or not, its device, loaded parameter bytes and the host
+        memory its load added at its peak."""
         out = []
         for rank, proc, _ in self.ranks():
             info = self.info.get(rank, {})
@@ -160,6 +161,7 @@ class RankProcesses:
                     "exit_code": proc.exitcode,
                     "device": info.get("device"),
                     "param_bytes": info.get("param_bytes"),
+                    "load_peak_bytes": info.get("load_peak_bytes"),
                 }
             )
         return out
@@ -187,6 +189,26 @@ def _stop(procs: list, conns: list, directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def _memory_status(key: str) -> int | None:
+    """A /proc/self/status figure in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _reset_peak_rss() -> int | None:
+    """Resets the process's peak resident size to the current one (Linux: clear_refs 5) and
+    returns the current one; None where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _memory_status("VmRSS")
+
+
 def _watch_parent(parent_pid: int) -> None:
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -200,6 +222,11 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
     """A rank other than 0: join, load the shard, then run each step rank 0 sends."""
     _watch_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING)
+    # tqdm's default lock is a multiprocessing semaphore, which a rank that ends in os._exit
+    # would leave for the resource tracker to report; a thread lock serves one process.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     from ..kv_cache import allocate_kv_cache
     from ..model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
     from ..model_runner import ModelRunner
@@ -215,9 +242,14 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
         tp = TensorParallel.join(rank, n, init_file, backend_for(device), COLLECTIVE_TIMEOUT_S)
         prepared = prepare_model(config)
         with load_slots if load_slots is not None else contextlib.nullcontext():
+            before = _reset_peak_rss()
             loaded = load_model(config, tp, prepared)
+            peak = _memory_status("VmHWM")
         model = loaded.model
-        conn.send(("loaded", {"device": str(loaded.device), "param_bytes": loaded.param_bytes}))
+        info = {"device": str(loaded.device), "param_bytes": loaded.param_bytes}
+        if before is not None and peak is not None:
+            info["load_peak_bytes"] = peak - before  # host memory the load added at its peak
+        conn.send(("loaded", info))
         budget = step_token_budget(config, loaded.device)
         blocks = tp.min_int(num_kv_blocks(config, loaded, config.block_size, budget), loaded.device)
         kv_caches = allocate_kv_cache(

@@ -371,7 +371,7 @@ class SettingsFields(BaseSettings):
             "Number of GPUs to shard the model over (tensor parallelism: one process per GPU, "
             "cuda:0 to cuda:N-1; docs/parallel.md). The attention heads and MLP widths must "
             "split evenly (start-up names a dimension that does not; the vocabulary is padded); "
-            "unquantized models, without LoRA."
+            "not with LoRA, act-order GPTQ or quantized mixture-of-experts checkpoints."
         ),
         ge=1,
     )
