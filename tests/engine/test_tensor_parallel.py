@@ -63,17 +63,21 @@ def test_two_ranks_greedy_equal_transformers(kind, tiny_model_dirs, qwen2_moe):
 
 def test_logprobs_prompt_logprobs_and_beams_agree_with_one_rank(tiny_llama):
     """The other ranks mirror rank 0's logit gathers for prompt logprobs, and copy the KV
-    blocks beam forks copy (sent with the next step): the results are one rank's."""
+    blocks beam forks copy (sent with the next step): the results are one rank's. Loaded one
+    rank at a time."""
     prompts = family_prompts(384, lengths=(5, 40))
     params = SamplingParams(
         temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2
     )
     beams = BeamSearchParams(beam_width=4, max_tokens=12)
-    with LLM(tiny_llama, tensor_parallel_size=2, **ENGINE) as llm:
+    # One rank loads at a time (MAX_PARALLEL_LOADING_WORKERS=1): their load windows are apart.
+    with LLM(tiny_llama, tensor_parallel_size=2, max_parallel_loading_workers=1, **ENGINE) as llm:
         two = llm.generate(prompts, params)
         two_beams = llm.beam_search(prompts, beams)
         pool = llm.engine.block_pool
         assert pool.num_free == pool.num_blocks, "KV blocks leaked"
+        (a0, a1), (b0, b1) = (r["load_window"] for r in llm.engine.rank_state())
+        assert a1 <= b0 or b1 <= a0, "two ranks loaded at once"
     one_llm = LLM(tiny_llama, **ENGINE)
     one = one_llm.generate(prompts, params)
     one_beams = one_llm.beam_search(prompts, beams)

@@ -43,6 +43,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.tp: TensorParallel = SINGLE
+        self._load_window: tuple[float, float] | None = None  # rank 0's, with parallelism
         self.ranks: RankProcesses | None = None  # the other tensor-parallel ranks
         if config.tensor_parallel_size > 1:
             loaded = self._start_ranks(config)
@@ -73,7 +74,9 @@ class LLMEngine:
             )
             slots = self.ranks.load_slots
             with slots if slots is not None else contextlib.nullcontext():
+                start = time.time()
                 loaded = load_model(config, self.tp, prepared)
+                self._load_window = (start, time.time())
             self.ranks.wait_for("loaded")
         except BaseException:
             self.close()
@@ -211,6 +214,7 @@ class LLMEngine:
             "alive": self.ranks is None or self.ranks.failed is None,
             "device": str(self.device),
             "param_bytes": self.param_bytes,
+            "load_window": self._load_window,
         }
         return [me] + ([] if self.ranks is None else self.ranks.state())
 

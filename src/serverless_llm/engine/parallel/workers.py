@@ -162,6 +162,7 @@ class RankProcesses:
                     "device": info.get("device"),
                     "param_bytes": info.get("param_bytes"),
                     "load_peak_bytes": info.get("load_peak_bytes"),
+                    "load_window": info.get("load_window"),
                 }
             )
         return out
@@ -242,11 +243,17 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
         tp = TensorParallel.join(rank, n, init_file, backend_for(device), COLLECTIVE_TIMEOUT_S)
         prepared = prepare_model(config)
         with load_slots if load_slots is not None else contextlib.nullcontext():
+            start = time.time()
             before = _reset_peak_rss()
             loaded = load_model(config, tp, prepared)
             peak = _memory_status("VmHWM")
+            window = (start, time.time())
         model = loaded.model
-        info = {"device": str(loaded.device), "param_bytes": loaded.param_bytes}
+        info = {
+            "device": str(loaded.device),
+            "param_bytes": loaded.param_bytes,
+            "load_window": window,  # wall-clock start and end of its load
+        }
         if before is not None and peak is not None:
             info["load_peak_bytes"] = peak - before  # host memory the load added at its peak
         conn.send(("loaded", info))
