@@ -12,7 +12,6 @@ import threading
 import torch
 
 from serverless_llm.engine.config import EngineConfig
-from serverless_llm.engine.kv_cache import allocate_kv_cache
 from serverless_llm.engine.model_builder import load_model, prepare_model
 from serverless_llm.engine.model_runner import HostBatch, ModelRunner, PromptLogprobWork
 from serverless_llm.engine.parallel.group import TensorParallel
@@ -53,16 +52,7 @@ def sharded_logits(path: str, ids: list[int], size: int = 2, **config) -> dict:
             tp = TensorParallel.join(r, size, init, "gloo", 60.0)
             loaded = load_model(cfg, tp, prepared)
             m = loaded.model
-            caches = allocate_kv_cache(
-                m.num_layers,
-                -(-len(ids) // BLOCK),
-                BLOCK,
-                m.num_kv_heads,
-                m.head_dim,
-                torch.float32,
-                loaded.device,
-                head_major=loaded.backend.head_major_cache,
-            )
+            caches = loaded.allocate_kv_cache(-(-len(ids) // BLOCK), BLOCK)
             runner = ModelRunner(m, caches, loaded.backend, BLOCK, loaded.device)
             with torch.inference_mode():
                 logits, _ = runner.run(prompt_batch(ids))

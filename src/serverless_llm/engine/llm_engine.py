@@ -20,7 +20,7 @@ from .config import _DTYPES, ConfigError, EngineConfig
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
-from .kv_cache import BlockPool, allocate_kv_cache
+from .kv_cache import BlockPool
 from .lora import LoRAManager, LoRARequest
 from .model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
 from .model_runner import ModelRunner
@@ -129,16 +129,7 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
             )
-        self.kv_caches = allocate_kv_cache(
-            model.num_layers,
-            num_blocks,
-            self.block_size,
-            model.num_kv_heads,
-            model.head_dim,
-            loaded.cache_dtype,
-            self.device,
-            head_major=self.backend.head_major_cache,
-        )
+        self.kv_caches = loaded.allocate_kv_cache(num_blocks, self.block_size)
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.lora = None
         if config.enable_lora:

@@ -42,6 +42,20 @@ class LoadedModel:
     cache_dtype: torch.dtype  # the KV cache's: the model dtype, or an 8-bit float
     param_bytes: int = 0  # the weights this process holds (its shard with tensor parallelism)
 
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """The paged KV cache of this model (this rank's KV heads), laid out for its backend."""
+        m = self.model
+        return allocate_kv_cache(
+            m.num_layers,
+            num_blocks,
+            block_size,
+            m.num_kv_heads,
+            m.head_dim,
+            self.cache_dtype,
+            self.device,
+            head_major=self.backend.head_major_cache,
+        )
+
 
 @dataclass
 class PreparedModel:
@@ -233,16 +247,7 @@ def _profile_cuda_blocks(
     torch.cuda.reset_peak_memory_stats(dev)
     n = min(max_num_batched_tokens, loaded.max_model_len)
     m = loaded.model
-    dummy = allocate_kv_cache(
-        m.num_layers,
-        1,
-        block_size,
-        m.num_kv_heads,
-        m.head_dim,
-        loaded.cache_dtype,
-        dev,
-        head_major=loaded.backend.head_major_cache,
-    )
+    dummy = loaded.allocate_kv_cache(1, block_size)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),

@@ -79,9 +79,6 @@ def local_spec(spec: DecoderSpec, tp: TensorParallel) -> DecoderSpec:
 class Sharder:
     """This rank's slice of each checkpoint tensor, in the checkpoint's own layout."""
 
-    COLUMN = ("up_proj", "gate_up_proj")
-    ROW = ("o_proj", "down_proj")
-
     def __init__(self, spec: DecoderSpec, tp: TensorParallel) -> None:
         self.spec, self.tp = spec, tp
         self.scheme = None  # the quantization scheme, set by DecoderModel.quantize
@@ -103,38 +100,41 @@ class Sharder:
         bias = kind == "bias"
         if self.scheme is not None and kind not in ("weight", "bias"):
             return self._quantized(internal, leaf, how, kind, tensor), how
-        if leaf == "qkv_proj":
-            return self._qkv(how, bias, tensor), how
         if leaf in ("q_norm", "k_norm"):
             return self._qk_norm(leaf, how, tensor)
-        if leaf in self.ROW or leaf == "w2":
-            if bias:  # the partial outputs are summed: the bias is added once, by rank 0
-                t = _full(tensor)
-                return (t if self.tp.rank == 0 else torch.zeros_like(t)), how
-            if leaf == "o_proj":
-                dim, ranges = (0 if how == "t" else 1), [self.q_rows]
-            elif how == "experts:t":  # DBRX: [E * I, H], each expert's I rows split
-                dim, ranges = 0, self._per_expert(tensor.shape[0])
-            else:  # [out, in]; a Conv1D weight is stored [in, out]
-                dim = 0 if how == "t" else len(tensor.shape) - 1
-                ranges = [self._even(tensor.shape[dim])]
-            return _read(tensor, dim, ranges), how
-        if leaf in self.COLUMN or leaf == "w13":
-            dim = 1 if how == "t" and not bias else 0
-            size = tensor.shape[dim]
-            if how in ("experts:gate", "experts:up"):  # DBRX: [E * I, H]
-                return _read(tensor, 0, self._per_expert(size)), how
-            if how is None and leaf in ("gate_up_proj", "w13"):
-                # [gate | up] stored fused; Granite-MoE stacks the experts': [E, 2I, H]
-                dim = 1 if leaf == "w13" else dim
-                size = tensor.shape[dim]
-                half = size // 2
-                lo, ln = self._even(half)
-                return _read(tensor, dim, [(lo, ln), (half + lo, ln)]), how
-            return _read(tensor, dim, [self._even(size)]), how
         if leaf in ("embed_tokens", "lm_head", "lm_head_bias"):
             return self._vocab(tensor), how
-        return _full(tensor), how
+        if leaf == "qkv_proj" and how in ("qkv_heads", "qkv_grouped"):
+            return self._qkv_interleaved(how, tensor), how
+        if leaf in ("w13", "w2"):
+            return self._experts(leaf, how, bias, tensor), how
+        split = self._linear_split(internal, leaf, how)
+        if split is None:
+            return _full(tensor), how
+        axis, ranges = split
+        if axis == "in" and bias:  # the partial outputs are summed: rank 0 adds the bias once
+            t = _full(tensor)
+            return (t if self.tp.rank == 0 else torch.zeros_like(t)), how
+        dim = 0 if axis == "out" else 1  # a weight is [out, in], a bias [out]
+        if how == "t" and not bias:  # a GPT-2 Conv1D weight is stored [in, out]
+            dim = 1 - dim
+        return _read(tensor, dim, ranges), how
+
+    def _experts(self, leaf: str, how, bias: bool, tensor) -> torch.Tensor:
+        """A stacked expert weight's part: every expert, 1/N of each one's width (w13's rows,
+        w2's columns), in whichever form the checkpoint stores them."""
+        if bias:
+            raise ConfigError(f"tensor parallelism over experts with a bias ({leaf})")
+        if how in ("experts:gate", "experts:up", "experts:t"):  # DBRX: [E * I, H]
+            return _read(tensor, 0, self._per_expert(tensor.shape[0]))
+        if leaf == "w2":  # [H, I] per expert, or Granite-MoE's stacked [E, H, I]
+            dim = len(tensor.shape) - 1
+            return _read(tensor, dim, [self._even(tensor.shape[dim])])
+        if how is None:  # Granite-MoE: [E, 2I, H], each expert's [gate | up]
+            half = tensor.shape[1] // 2
+            lo, ln = self._even(half)
+            return _read(tensor, 1, [(lo, ln), (half + lo, ln)])
+        return _read(tensor, 0, [self._even(tensor.shape[0])])  # one expert's gate or up
 
     # Quantized linears: each tensor kind's layout, as {axis: (dim, unit)}: the output axis
     # ("out") or the input axis ("in") is `dim` of the tensor, counted in `unit`s of logical
@@ -167,7 +167,7 @@ class Sharder:
                 return "out", [self.q_rows]
             if how in ("k", "v"):
                 return "out", [self.kv_rows]
-            if how is None:
+            if how in (None, "t"):  # [q | k | v] fused (a Conv1D stores it as columns)
                 kv = [(qn + self.kv_rows[0], self.kv_rows[1])]
                 return "out", [self.q_rows, *kv, (qn + kvn + self.kv_rows[0], self.kv_rows[1])]
         elif leaf == "gate_up_proj" and how in ("gate", "up"):
@@ -175,18 +175,15 @@ class Sharder:
         elif leaf == "gate_up_proj" and how is None:
             lo, ln = self._even(s)
             return "out", [(lo, ln), (s + lo, ln)]
-        elif leaf == "up_proj" and how is None:
+        elif leaf == "up_proj" and how in (None, "t"):
             return "out", [self._even(s)]
-        elif leaf == "o_proj" and how is None:
+        elif leaf == "o_proj" and how in (None, "t"):
             return "in", [self.q_rows]
-        elif leaf == "down_proj" and how is None:
+        elif leaf == "down_proj" and how in (None, "t"):
             return "in", [self._even(s)]
         elif leaf not in ("qkv_proj", "gate_up_proj", "up_proj", "o_proj", "down_proj"):
             return None
-        raise ConfigError(
-            f"tensor parallelism over a quantized checkpoint whose {internal} is stored as "
-            f"{how!r} is not supported"
-        )
+        raise ConfigError(f"tensor parallelism over {internal} stored as {how!r} is not supported")
 
     def _mlp_width(self, internal: str) -> int:
         """The full MLP width of the layer at `internal` (a shared expert's own width)."""
@@ -246,28 +243,21 @@ class Sharder:
         lo, ln = (self.tp.rank * width // self.tp.size, width // self.tp.size)
         return [(e * width + lo, ln) for e in range(experts)]
 
-    def _qkv(self, how, bias: bool, tensor) -> torch.Tensor:
+    def _qkv_interleaved(self, how, tensor) -> torch.Tensor:
+        """A fused qkv stored per head ([H, 3, D]: a head's q, k, v rows together, H == KVH) or
+        per KV head ([KVH, G + 2, D]: its queries, then its k and v) sliced to this rank's
+        heads, in the same layout."""
         s, d = self.spec, self.spec.head_dim
-        if how == "q":
-            return _read(tensor, 0, [self.q_rows])
-        if how in ("k", "v"):
-            return _read(tensor, 0, [self.kv_rows])
-        if how == "qkv_heads":  # [H, 3, D]: a head's q, k, v rows together (H == KVH)
+        if how == "qkv_heads":
             lo, ln = self.q_heads
             return _read(tensor, 0, [(lo * 3 * d, ln * 3 * d)])
-        if how == "qkv_grouped":  # [KVH, G + 2, D]: a KV head's queries, then its k and v
-            g = s.num_heads // s.num_kv_heads
-            kv0, kvn = self.kv_heads
-            if s.num_kv_heads >= self.tp.size:
-                return _read(tensor, 0, [(kv0 * (g + 2) * d, kvn * (g + 2) * d)])
-            base = kv0 * (g + 2) * d
-            q0 = self.q_heads[0] - kv0 * g
-            return _read(tensor, 0, [(base + q0 * d, self.q_heads[1] * d), (base + g * d, 2 * d)])
-        # [q | k | v] stored fused (rows; a GPT-2 Conv1D weight stores them as columns)
-        qn, kvn = s.num_heads * d, s.num_kv_heads * d
-        ranges = [self.q_rows, (qn + self.kv_rows[0], self.kv_rows[1])]
-        ranges.append((qn + kvn + self.kv_rows[0], self.kv_rows[1]))
-        return _read(tensor, 1 if how == "t" and not bias else 0, ranges)
+        g = s.num_heads // s.num_kv_heads
+        kv0, kvn = self.kv_heads
+        if s.num_kv_heads >= self.tp.size:
+            return _read(tensor, 0, [(kv0 * (g + 2) * d, kvn * (g + 2) * d)])
+        base = kv0 * (g + 2) * d  # one KV head shared with other ranks: this rank's queries
+        q0 = self.q_heads[0] - kv0 * g
+        return _read(tensor, 0, [(base + q0 * d, self.q_heads[1] * d), (base + g * d, 2 * d)])
 
     def _qk_norm(self, leaf: str, how, tensor):
         kind = self.spec.qk_norm

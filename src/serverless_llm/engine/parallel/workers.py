@@ -228,7 +228,6 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    from ..kv_cache import allocate_kv_cache
     from ..model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
     from ..model_runner import ModelRunner
 
@@ -259,16 +258,7 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
         conn.send(("loaded", info))
         budget = step_token_budget(config, loaded.device)
         blocks = tp.min_int(num_kv_blocks(config, loaded, config.block_size, budget), loaded.device)
-        kv_caches = allocate_kv_cache(
-            model.num_layers,
-            blocks,
-            config.block_size,
-            model.num_kv_heads,
-            model.head_dim,
-            loaded.cache_dtype,
-            loaded.device,
-            head_major=loaded.backend.head_major_cache,
-        )
+        kv_caches = loaded.allocate_kv_cache(blocks, config.block_size)
         runner = ModelRunner(model, kv_caches, loaded.backend, config.block_size, loaded.device)
         conn.send(("ready", {"kv_blocks": blocks}))
         while True:
