@@ -118,11 +118,11 @@ def child_engine(model_dir: str, kv_gib: str, kv_alloc: str) -> None:
 
     phases.lap("import the rest")
     if kv_alloc == "empty":
-        engine_mod.allocate_kv_cache = lazy_kv_cache
+        model_builder.allocate_kv_cache = lazy_kv_cache
     phases.wrap(model_builder, "resolve_model", "resolve + config")
     phases.wrap(model_builder, "load_hf_config", "resolve + config")
     phases.wrap(engine_mod, "load_tokenizer", "tokenizer")
-    phases.wrap(engine_mod, "allocate_kv_cache", "KV cache allocation")
+    phases.wrap(model_builder, "allocate_kv_cache", "KV cache allocation")
     phases.wrap(DecoderModel, "load_weights", "weights: read + copy")
     phases.wrap(DecoderModel, "optimize_for_cpu", "weights: pack for oneDNN")
     worker = Worker(Settings.from_env())
