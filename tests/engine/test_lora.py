@@ -89,10 +89,38 @@ def test_adapter_matches_peft_merged(lora_env, name):
     assert pool.num_free == pool.num_blocks
 
 
-def test_base_and_two_adapters_mixed_in_one_call(lora_env):
+def _count_forms(monkeypatch) -> dict[str, int]:
+    """Counts the CPU's two LoRA forms as layers run them: slot-major padded (small steps) and
+    all-slots masked (large ones, plain or through the packed matrices)."""
+    from serverless_llm.engine.layers import lora as lora_layer
+
+    calls = {"padded": 0, "masked": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        lora_layer, "add_lora_padded", counted("padded", lora_layer.add_lora_padded)
+    )
+    monkeypatch.setattr(
+        lora_layer, "add_lora_masked", counted("masked", lora_layer.add_lora_masked)
+    )
+    packed = lora_layer.LoRALinear._packed_delta
+    monkeypatch.setattr(lora_layer.LoRALinear, "_packed_delta", counted("masked", packed))
+    return calls
+
+
+def test_base_and_two_adapters_mixed_in_one_call(lora_env, monkeypatch):
+    """Both CPU forms run in the mixed call (the prefill's many tokens masked, the decodes
+    padded, with base rows among them) and give the tokens each request gets alone."""
     bases, adapters = lora_env
     prompts = family_prompts(len(build_tokenizer()))
     llm = _llm(bases["llama"])
+    forms = _count_forms(monkeypatch)
     a1, a2 = _req(adapters, "attn8"), _req(adapters, "all4")
     apart = {
         None: llm.generate(prompts, GREEDY),
@@ -103,6 +131,7 @@ def test_base_and_two_adapters_mixed_in_one_call(lora_env):
     mixed = llm.generate(prompts, GREEDY, lora_request=choice)
     for i, (lora, out) in enumerate(zip(choice, mixed)):
         assert out.outputs[0].token_ids == apart[lora][i].outputs[0].token_ids
+    assert forms["padded"] > 0 and forms["masked"] > 0, forms
 
 
 def test_more_adapters_than_slots(lora_env):
@@ -273,3 +302,30 @@ def test_adapter_from_the_hub_cache(lora_env, tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     with pytest.raises(LoRAError, match="'missing'.*not in the cache"):
         llm.generate(prompts, GREEDY, lora_request=LoRARequest("missing", 6, "someone/nothing"))
+
+
+def test_cpu_step_picks_the_padded_form_for_small_steps():
+    """LoRAStep lays out the padded form while slots spanned x the most rows of one slot is at
+    most PADDED_MAX_ROWS, and leaves large steps to the masked form; the Triton path never
+    gets a layout."""
+    from serverless_llm.engine.layers.lora import PADDED_MAX_ROWS, LoRAStep
+
+    def token_slots(groups, n):
+        t = torch.full((n,), -1)
+        for s, rows in groups:
+            t[rows] = s
+        return t
+
+    step = LoRAStep(num_slots=4, masked=True)
+    m = PADDED_MAX_ROWS // 4
+    small = [(s, slice(s * m, (s + 1) * m)) for s in range(4)]
+    step.set(small, token_slots(small, 4 * m))
+    assert step.padded is not None and step.padded.rows == PADDED_MAX_ROWS
+    large = [(0, slice(0, m + 1)), (3, slice(m + 1, m + 2))]  # 4 slots spanned x (m + 1) rows
+    step.set(large, token_slots(large, m + 2))
+    assert step.padded is None
+    step.clear()
+    assert step.padded is None
+    kernels = LoRAStep(num_slots=4, masked=True, use_kernels=True)
+    kernels.set(small, token_slots(small, 4 * m))
+    assert kernels.padded is None

@@ -14,7 +14,9 @@ pytest.importorskip("triton")
 from serverless_llm.engine.kernels.lora import (  # noqa: E402
     add_lora,
     add_lora_masked,
+    add_lora_padded,
     add_lora_reference,
+    padded_rows,
     slot_mask,
 )
 from tests.kernels.batch import DEVICE  # noqa: E402
@@ -61,13 +63,37 @@ def test_add_lora_matches_the_references(dtype, tokens, slots, ranks, layout):
     got = add_lora(base.clone(), x, a, b, token_slots)
     ref = add_lora_reference(base.clone(), x, a, b, _groups(token_slots))
     masked = add_lora_masked(base.clone(), x, a, b, slot_mask(token_slots, slots, ranks, dtype))
+    layout = padded_rows(_groups(token_slots), tokens, token_slots.device)
+    assert layout.zero_row == bool((token_slots < 0).any())
+    padded = add_lora_padded(base.clone(), x, a, b, layout)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    for result in (got, ref, masked):
+    for result in (got, ref, masked, padded):
         assert result.dtype == dtype
         torch.testing.assert_close(result.double().cpu(), want, **tol)
     # tokens without an adapter keep the base output exactly
     none = (token_slots < 0).cpu()
     assert torch.equal(got.cpu()[none], base.cpu()[none])
+    assert torch.equal(padded.cpu()[none], base.cpu()[none])
+
+
+def test_padded_layout_spans_the_used_slots_and_reads_slices():
+    """Groups given as slices (contiguous runs) and as indices, slots 1 and 3 of 5 in use: the
+    layout spans slots 1..3 (slot 2 padding only), and the padded form equals the reference."""
+    g = torch.Generator().manual_seed(3)
+    tokens, slots, ranks, k, n = 9, 5, 8, 16, 24
+    x = torch.randn(tokens, k, generator=g)
+    a = torch.randn(slots, ranks, k, generator=g)
+    b = torch.randn(n, slots, ranks, generator=g)
+    base = torch.randn(tokens, n, generator=g)
+    groups = [(3, slice(0, 4)), (1, torch.tensor([5, 7, 8]))]  # tokens 4 and 6: no adapter
+    layout = padded_rows(groups, tokens, x.device)
+    assert (layout.lo, layout.hi, layout.m, layout.rows, layout.zero_row) == (1, 4, 4, 12, True)
+    want = add_lora_reference(base.clone(), x, a, b, groups)
+    torch.testing.assert_close(add_lora_padded(base.clone(), x, a, b, layout), want)
+    one = padded_rows(groups[:1], 4, x.device)  # every token of a 4-token step in slot 3
+    assert not one.zero_row and one.rows == 4
+    want = add_lora_reference(base[:4].clone(), x[:4], a, b, groups[:1])
+    torch.testing.assert_close(add_lora_padded(base[:4].clone(), x[:4], a, b, one), want)
 
 
 def test_lora_on_the_triton_backend(tiny_llama, tmp_path):

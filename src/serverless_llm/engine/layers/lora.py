@@ -13,28 +13,51 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..kernels.lora import add_lora, add_lora_masked, add_lora_reference, slot_mask
+from ..kernels.lora import (
+    PaddedRows,
+    add_lora,
+    add_lora_masked,
+    add_lora_padded,
+    add_lora_reference,
+    padded_rows,
+    slot_mask,
+)
 from .linear import pack_weight, packed_linear, packed_ops_work
+
+# The CPU's choice between its two forms (kernels/lora.py): the slot-major batched matmuls
+# while the padded batch has at most this many rows, the all-slots masked form above it. On a
+# 2-core AVX2 EPYC (SmolLM2's seven projections, 4 slots of rank 16) the padded form took a
+# third of the masked form's time per layer at 8 to 64 rows and 1.2-1.5x its time at 128-256,
+# where the masked form's packed oneDNN matrices win despite their extra flops.
+PADDED_MAX_ROWS = 64
 
 
 @dataclass
 class LoRAStep:
     """The current step's adapters: `groups`, (slot, rows) with rows a slice or an index tensor
     into the step's flat token batch (empty when no token of the step has an adapter), and
-    `token_slots`, each token's slot or -1. `masked` picks the all-slots form (the CPU path);
-    its masks are made once per step for each rank-block width. `use_kernels` picks the Triton
-    grouped GEMM (CUDA; the interpreter in tests)."""
+    `token_slots`, each token's slot or -1. `masked` marks the CPU, which runs the slot-major
+    padded form (`padded`, laid out once per step) for small steps and the all-slots masked
+    form for large ones; the masks are made once per step for each rank-block width.
+    `use_kernels` picks the Triton grouped GEMM (CUDA; the interpreter in tests)."""
 
     groups: list[tuple[int, slice | Tensor]] = field(default_factory=list)
     token_slots: Tensor | None = None
     num_slots: int = 1
     masked: bool = False
     use_kernels: bool = False
+    padded: PaddedRows | None = None
     _masks: dict = field(default_factory=dict)
 
     def set(self, groups, token_slots: Tensor | None) -> None:
         self.groups, self.token_slots = groups, token_slots
         self._masks = {}
+        self.padded = None
+        if self.masked and groups and not self.use_kernels:
+            slots = [s for s, _ in groups]
+            m = max(_count(r) for _, r in groups)
+            if (max(slots) - min(slots) + 1) * m <= PADDED_MAX_ROWS:
+                self.padded = padded_rows(groups, len(token_slots), token_slots.device)
 
     def clear(self) -> None:
         self.set([], None)
@@ -84,6 +107,8 @@ class LoRALinear(nn.Module):
         if step.groups:
             if step.use_kernels:
                 add_lora(out, x, self.lora_a, self.lora_b, step.token_slots)
+            elif step.padded is not None:
+                add_lora_padded(out, x, self.lora_a, self.lora_b, step.padded)
             elif step.masked:
                 mask = step.mask(self.lora_a.shape[1], x.dtype)
                 if self.packed is not None:
@@ -152,3 +177,7 @@ class LoRALinear(nn.Module):
             lo = part * self.max_rank
         self.lora_a[slot, lo : lo + r].copy_(a)
         self.lora_b[off : off + size, slot, lo : lo + r].copy_(b)
+
+
+def _count(rows: slice | Tensor) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
