@@ -30,6 +30,7 @@ from serverless_llm.engine.kernels import (
     rotary,
     w4a16,
 )
+from serverless_llm.engine.kernels import fp8 as fp8_weights
 from serverless_llm.engine.kernels import paged_attention as pa
 from serverless_llm.engine.kernels.triton_lazy import LazyKernel
 
@@ -222,6 +223,23 @@ def main(quick: bool = False) -> int:
                             1,
                             pointers=w4,
                         )
+            # FP8 weights on GPUs without FP8 arithmetic (sm80 is the case that matters): the
+            # W8A16 GEMM, its bytes decoded with integer operations.
+            if dtype != "fp32":
+                f8 = {"w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
+                for m in (1, 256):
+                    bm, bn, bk, _ = w4a16._gemm_blocks(m, 4096, 4096)
+                    ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                    attempt(
+                        f"fp8 w8a16 {dtype} m={m}",
+                        fp8_weights._fp8_w8a16_kernel,
+                        dtype,
+                        ce,
+                        arch,
+                        4,
+                        1,
+                        pointers=f8,
+                    )
             # The fused MoE grouped GEMM: decode and prefill tiles, gate/up and down (weighted).
             moe_ptrs = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32"}
             for rows in (2, 4096):

@@ -1,6 +1,8 @@
 """End to end: a GPTQ act-order and an AWQ tiny model held packed at 4 bits, every linear of
-the decoder layers through the Triton W4A16 GEMM (interpreted on CPU), generate the greedy
-tokens transformers generates on the float weights they stand for."""
+the decoder layers through the Triton W4A16 GEMM (interpreted on CPU), and FP8 checkpoints
+held as their bytes through the W8A16 FP8 GEMM (the path of GPUs without FP8 arithmetic; no
+`_scaled_mm` here), generate the greedy tokens transformers generates on the float weights they
+stand for."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from serverless_llm import LLM, SamplingParams  # noqa: E402
 from serverless_llm.engine.layers.quant_linear import QuantLinear  # noqa: E402
 from tests.engine.reference import hf_greedy  # noqa: E402
 from tests.engine.test_engine_vs_transformers import prompts_for  # noqa: E402
-from tests.quant_checkpoints import write_quantized  # noqa: E402
+from tests.quant_checkpoints import write_fp8, write_quantized  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
 
@@ -64,3 +66,30 @@ def test_packed_moe_through_the_triton_kernels(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 6), len(prompt)
+
+
+@pytest.mark.parametrize(
+    ("kind", "style", "strategy"),
+    [("llama", "fp8", "tensor"), ("qwen2", "compressed-tensors", "channel")],
+)
+def test_fp8_model_through_the_w8a16_gemm(tmp_path, monkeypatch, kind, style, strategy):
+    from serverless_llm.engine.kernels import fp8
+
+    calls = []
+    kernel = fp8.fp8_w8a16_linear
+    monkeypatch.setattr(fp8, "fp8_w8a16_linear", lambda *a: calls.append(1) or kernel(*a))
+    src = build_tiny_model(
+        str(tmp_path / "src"), kind, seed=6, hidden_size=96, intermediate_size=160
+    )
+    float_dir, quant_dir = write_fp8(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), style, strategy, False
+    )
+    llm = LLM(quant_dir, attention_backend="triton", dtype="float32", block_size=8,
+              num_kv_blocks=64, max_model_len=256, quantized_weights="packed")  # fmt: skip
+    quant = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert quant and all(m.use_kernels and m.packed is not None for m in quant)
+    prompts = prompts_for(llm.engine.vocab_size, seed=5, lengths=(3, 17, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 12), len(prompt)
+    assert len(calls) > len(quant)  # the kernel ran (its self-check's probe is one call)

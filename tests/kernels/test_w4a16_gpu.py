@@ -54,3 +54,21 @@ def test_fp8_scaled_mm_at_model_shapes(m, dtype):
     x = torch.randn(m, 4096, generator=g).to(dtype).cuda()
     got, want = fp8_linear(x, w, s).float(), fp8_linear_ref(x, w, s).float()
     torch.testing.assert_close(got, want, atol=TOL[dtype] * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fp8_w8a16_gemm_at_model_shapes(m, shape, dtype):
+    """The FP8 weight-only GEMM (the path of GPUs without FP8 arithmetic; run here directly, as
+    its self-check must pass on any GPU) against its float32 reference."""
+    from serverless_llm.engine.kernels.fp8 import FP8, fp8_w8a16_linear, fp8_w8a16_ref, w8a16_works
+
+    assert w8a16_works(torch.device("cuda"), dtype)
+    k, n = shape
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8).cuda()
+    s = (torch.rand(n, generator=g) * 0.001).cuda()
+    x = torch.randn(m, k, generator=g).to(dtype).cuda()
+    got, want = fp8_w8a16_linear(x, w, s).float(), fp8_w8a16_ref(x, w, s).float()
+    torch.testing.assert_close(got, want, atol=TOL[dtype] * want.abs().max().item(), rtol=0)

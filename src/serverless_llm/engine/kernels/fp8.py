@@ -7,6 +7,16 @@ A per-tensor weight scale is the per-channel case with every channel's scale equ
 checkpoint strategies run the same path. Activation scale of row m: max |x[m]| / 448 (the
 largest e4m3 value), so each row uses FP8's whole range; a zero row gets a tiny scale instead
 of a division by zero.
+
+GPUs without FP8 arithmetic (before Ada/Hopper: the A100, A10, T4 and their kin) run the weight
+only in 8 bits instead (W8A16, what vLLM does there too): a Triton GEMM reads the FP8 bytes,
+decodes them inside its K loop to the activations' 16-bit type (exact: every e4m3 value is a
+float16 and a bfloat16), multiplies the unquantized activations and applies the channel scales
+to the sums. Its torch reference is `fp8_w8a16_ref`. The bytes are decoded with integer
+operations, not Triton's float8 type, which older GPUs' code generation refuses; e4m3fn's NaN
+code (0x7F/0xFF) is not handled, and no checkpoint holds it. The kernel checks itself against
+its reference once per device before its first use, and a device where it disagrees runs the
+dequantizing reference with a warning.
 """
 
 from __future__ import annotations
@@ -15,6 +25,11 @@ import logging
 
 import torch
 from torch import Tensor
+
+from .triton_lazy import cdiv, jit
+from .w4a16 import _gemm_blocks
+
+tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +98,160 @@ def native_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | 
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`fp8_linear_ref`'s contract, natively where `native_out_dtype` allows (K and N multiples
-    of 16, as `_scaled_mm` needs)."""
+    """The kernel path: `fp8_linear_ref`'s contract natively where `native_out_dtype` allows (K
+    and N multiples of 16, as `_scaled_mm` needs), else the weight-only Triton GEMM
+    (`fp8_w8a16_linear`, the contract of `fp8_w8a16_ref`) where it passed its self-check, else
+    the dequantizing reference."""
     n, k = weight.shape
     out_dtype = native_out_dtype(x.device, x.dtype) if n % 16 == 0 and k % 16 == 0 else None
     if out_dtype is None:
+        if w8a16_works(x.device, x.dtype):
+            return fp8_w8a16_linear(x, weight, scale, bias)
         return fp8_linear_ref(x, weight, scale, bias)
     out = _scaled_mm(x.contiguous(), weight, scale, out_dtype).to(x.dtype)
     return out if bias is None else out + bias
+
+
+# -- W8A16: the weight in FP8, the activations as they are (GPUs without FP8 arithmetic) ---------
+
+
+def fp8_w8a16_ref(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] times FP8 `weight` [N, K] with float32 `scale` [N], the activations not
+    quantized: float32 arithmetic, the result in x's dtype."""
+    out = (x.float() @ weight.float().t()) * scale.float()
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+@jit
+def _fp8_w8a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_os,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[split, m, n] = scale[n] * sum over this split's k of x[m, k] * w[n, k], w's e4m3 bytes
+    decoded in the K loop: sign, then the 7 exponent-and-mantissa bits placed under a float32
+    exponent rebiased by 120 (normal numbers), or the mantissa times 2^-9 (subnormals and
+    zero). float32 partial sums; the launcher adds the splits."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        byte = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0,
+        ).to(tl.int32)  # [BLOCK_K, BLOCK_N], 0..255
+        em = byte & 0x7F
+        normal = (((em + 960) << 20) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
+        tiny = em.to(tl.float32) * 0.001953125
+        tiny = tl.where(byte >= 0x80, -tiny, tiny)
+        w = tl.where(em < 8, tiny, normal)
+        if x.dtype == tl.float32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    acc = acc * scale[None, :]
+    out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def fp8_w8a16_linear(
+    x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """The Triton kernel with `fp8_w8a16_ref`'s contract; x [M, K] in float16, bfloat16 or
+    float32 (float32 accumulation), `weight` [N, K] FP8 (or its bytes as uint8), row-major."""
+    x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("fp8_w8a16_linear reads the weight row-major")
+    wbytes = weight.view(torch.uint8)
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, splits = _gemm_blocks(m, n, k)
+    k_per_split = cdiv(cdiv(k, splits), block_k) * block_k
+    splits = cdiv(k, k_per_split)
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (cdiv(m, block_m), cdiv(n, block_n), splits)
+    _fp8_w8a16_kernel[grid](
+        x,
+        wbytes,
+        scale.float().contiguous(),
+        partial,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        wbytes.stride(0),
+        partial.stride(0),
+        partial.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    out = (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+_W8A16_OK: dict[tuple, bool] = {}  # (device, dtype) -> the kernel agreed with its reference
+
+
+def w8a16_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `fp8_w8a16_linear` runs here and agrees with `fp8_w8a16_ref` on a probe that
+    holds every e4m3 byte but NaN's (subnormals, both zeros, the largest values), checked once
+    per device and dtype. False (with a warning) sends the caller to the reference."""
+    key = (str(device), dtype)
+    if key in _W8A16_OK:
+        return _W8A16_OK[key]
+    ok = False
+    try:
+        g = torch.Generator().manual_seed(0)
+        codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+        w = codes[torch.randperm(len(codes), generator=g)][: 48 * 5].reshape(48, 5)
+        w = w.repeat(1, 7)[:, :32].contiguous().view(FP8).to(device)  # [48, 32]
+        x = torch.randn(3, 32, generator=g).to(device, dtype)
+        s = (torch.rand(48, generator=g) * 0.01 + 1e-3).to(device)
+        want = fp8_w8a16_ref(x, w, s).float()
+        got = fp8_w8a16_linear(x, w, s).float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        ok = torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item())
+        if not ok:
+            logger.warning(
+                "FP8 weights: the W8A16 Triton kernel disagrees with its reference on %s "
+                "(max difference %.3g); using the dequantizing torch path (correct, slower)",
+                device,
+                (got - want).abs().max().item(),
+            )
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use the kernel here
+        logger.warning("FP8 weights: the W8A16 Triton kernel failed on %s (%s: %s); using the "
+                       "dequantizing torch path", device, type(e).__name__, e)  # fmt: skip
+    _W8A16_OK[key] = ok
+    return ok
