@@ -114,6 +114,7 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         SPLIT=flags.get("split", False),
         IEEE=dtype == "fp32",
         KV_FP8=flags.get("kv_fp8", False),
+        KV_E4M3_BYTES=flags.get("e4m3_bytes", False),
     )
 
 
@@ -181,23 +182,37 @@ def main(quick: bool = False) -> int:
                         )
             ce = dict(HEAD_DIM=128, D_PAD=128, S_PAD=32, HEADS=1)
             attempt(f"reduce {dtype}", pa._reduce_splits_kernel, dtype, ce, arch, 4, 1)
-            ce = dict(QUANT=False, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
+            ce = dict(
+                QUANT=False, E4M3_BYTES=False, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024
+            )
             attempt(f"kv_write {dtype}", kv_write._kv_write_kernel, dtype, ce, arch, 4, 1)
             # The 8-bit float KV cache (KV_CACHE_DTYPE fp8): written, and read by attention.
+            # Before sm89 Triton refuses its e4m3 type: the launchers pass such a cache as bytes
+            # (kernels/e4m3.py's codec), as here.
             for fp8 in ("fp8e4nv", "fp8e5"):
-                caches = {"k_cache_ptr": f"*{fp8}", "v_cache_ptr": f"*{fp8}"}
-                ce = dict(QUANT=True, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
+                as_bytes = fp8 == "fp8e4nv" and arch < 89
+                ptr = "*u8" if as_bytes else f"*{fp8}"
+                caches = {"k_cache_ptr": ptr, "v_cache_ptr": ptr}
+                ce = dict(
+                    QUANT=True,
+                    E4M3_BYTES=as_bytes,
+                    CACHE_BLOCK=16,
+                    TOKENS=4,
+                    D_PAD=128,
+                    ROW_PAD=1024,
+                )
                 kernel = kv_write._kv_write_kernel
-                attempt(f"kv_write {dtype} {fp8}", kernel, dtype, ce, arch, 4, 1, pointers=caches)
+                label = f"{fp8}{' as bytes' if as_bytes else ''}"
+                attempt(f"kv_write {dtype} {label}", kernel, dtype, ce, arch, 4, 1, pointers=caches)
                 for kind in ("decode", "prefill"):
                     cfg = (
                         pa.decode_tiles(4, 128, tdt)
                         if kind == "decode"
                         else pa.prefill_tiles(4, 128, 2048, tdt)
                     )
-                    ce = attention_constexprs(4, cfg, 128, dtype, kv_fp8=True)
+                    ce = attention_constexprs(4, cfg, 128, dtype, kv_fp8=True, e4m3_bytes=as_bytes)
                     attempt(
-                        f"attention {dtype} {kind} {fp8} cache",
+                        f"attention {dtype} {kind} {label} cache",
                         pa._paged_attention_kernel,
                         dtype,
                         ce,

@@ -181,8 +181,12 @@ def allocate_kv_cache(
     if not head_major:
         physical = (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    # An 8-bit float cache is made as bytes and viewed as its type: filling and copying bytes
+    # works on every device, while torch's float8 support for those ops varies by build.
+    raw = torch.uint8 if _is_byte_float(dtype) else dtype
+
     def one(make):
-        cache = make(physical, dtype=dtype, device=device)
+        cache = make(physical, dtype=raw, device=device).view(dtype)
         return cache.transpose(2, 3) if head_major else cache
 
     if device.type != "cpu":
@@ -201,4 +205,10 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     src = torch.tensor([a for a, _ in pairs], device=device)
     dst = torch.tensor([b for _, b in pairs], device=device)
     for cache in kv_caches:
+        if _is_byte_float(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
+            cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]
+
+
+def _is_byte_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1

@@ -13,8 +13,8 @@ only in 8 bits instead (W8A16, what vLLM does there too): a Triton GEMM reads th
 decodes them inside its K loop to the activations' 16-bit type (exact: every e4m3 value is a
 float16 and a bfloat16), multiplies the unquantized activations and applies the channel scales
 to the sums. Its torch reference is `fp8_w8a16_ref`. The bytes are decoded with integer
-operations, not Triton's float8 type, which older GPUs' code generation refuses; e4m3fn's NaN
-code (0x7F/0xFF) is not handled, and no checkpoint holds it. The kernel checks itself against
+operations (kernels/e4m3.py), not Triton's float8 type, which older GPUs' code generation
+refuses; e4m3fn's NaN code (0x7F/0xFF) is not handled, and no checkpoint holds it. The kernel checks itself against
 its reference once per device before its first use, and a device where it disagrees runs the
 dequantizing reference with a warning.
 """
@@ -26,6 +26,7 @@ import logging
 import torch
 from torch import Tensor
 
+from .e4m3 import e4m3_decode
 from .triton_lazy import cdiv, jit
 from .w4a16 import _gemm_blocks
 
@@ -142,9 +143,8 @@ def _fp8_w8a16_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """out[split, m, n] = scale[n] * sum over this split's k of x[m, k] * w[n, k], w's e4m3 bytes
-    decoded in the K loop: sign, then the 7 exponent-and-mantissa bits placed under a float32
-    exponent rebiased by 120 (normal numbers), or the mantissa times 2^-9 (subnormals and
-    zero). float32 partial sums; the launcher adds the splits."""
+    decoded in the K loop (kernels/e4m3.py). float32 partial sums; the launcher adds the
+    splits."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,11 +168,7 @@ def _fp8_w8a16_kernel(
             mask=mask_k[:, None] & mask_n[None, :],
             other=0,
         ).to(tl.int32)  # [BLOCK_K, BLOCK_N], 0..255
-        em = byte & 0x7F
-        normal = (((em + 960) << 20) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
-        tiny = em.to(tl.float32) * 0.001953125
-        tiny = tl.where(byte >= 0x80, -tiny, tiny)
-        w = tl.where(em < 8, tiny, normal)
+        w = e4m3_decode(byte)
         if x.dtype == tl.float32:
             acc += tl.dot(x, w, input_precision="ieee")
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .e4m3 import e4m3_as_bytes, e4m3_encode
 from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -96,6 +97,7 @@ def _kv_write_kernel(
     v_scale,
     fp8_max,
     QUANT: tl.constexpr,
+    E4M3_BYTES: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     TOKENS: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -124,8 +126,12 @@ def _kv_write_kernel(
     if QUANT:  # k / k_scale, clamped to the 8-bit format's range (no variable changes type)
         kq = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
         vq = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
-        tl.store(k_cache_ptr + dst, kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if E4M3_BYTES:  # an e4m3 cache seen as bytes (GPUs before sm89): kernels/e4m3.py
+            tl.store(k_cache_ptr + dst, e4m3_encode(kq).to(tl.uint8), mask=mask)
+            tl.store(v_cache_ptr + dst, e4m3_encode(vq).to(tl.uint8), mask=mask)
+        else:
+            tl.store(k_cache_ptr + dst, kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -142,9 +148,11 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    e4m3_bytes: bool | None = None,
 ) -> None:
     """k, v: [T, KVH, D] (any token/head strides, unit stride on D); kv_cache as above (an
-    8-bit float cache gets k / k_scale and v / v_scale)."""
+    8-bit float cache gets k / k_scale and v / v_scale). `e4m3_bytes`: write an e4m3 cache as
+    bytes through kernels/e4m3.py (None: where the GPU needs it, `e4m3_as_bytes`)."""
     T, kvh, d = k.shape
     if T == 0:
         return
@@ -155,6 +163,10 @@ def reshape_and_cache(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
         raise ValueError("the K and V caches must share one layout with unit stride on head_dim")
+    if e4m3_bytes is None:
+        e4m3_bytes = e4m3_as_bytes(kv_cache.dtype, kv_cache.device)
+    if e4m3_bytes:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     block_size = key_cache.shape[1]
     d_pad = next_power_of_2(d)
     row_pad = next_power_of_2(kvh) * d_pad
@@ -179,6 +191,7 @@ def reshape_and_cache(
         float(v_scale),
         float(torch.finfo(kv_cache.dtype).max) if is_fp8(kv_cache.dtype) else 0.0,
         QUANT=is_fp8(kv_cache.dtype),
+        E4M3_BYTES=e4m3_bytes,
         CACHE_BLOCK=block_size,
         TOKENS=tokens,
         D_PAD=d_pad,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .e4m3 import e4m3_as_bytes, e4m3_decode
 from .kv_write import dequantize_kv, is_fp8
 from .metadata import AttentionMetadata, AttentionSpec
 from .triton_lazy import cdiv, jit, next_power_of_2
@@ -123,6 +124,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_E4M3_BYTES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,7 +185,9 @@ def _paged_attention_kernel(
         k_tile = _load_kv_tile(
             k_cache_ptr, blk, in_blk, kv_head, stride_kb, stride_kt, stride_kh, dims, kv_mask
         )
-        if KV_FP8:  # an 8-bit float cache holds k / k_scale
+        if KV_E4M3_BYTES:  # e4m3 held as bytes (GPUs before sm89): kernels/e4m3.py
+            k = (e4m3_decode(k_tile.to(tl.int32)) * k_scale).to(q.dtype)
+        elif KV_FP8:  # an 8-bit float cache holds k / k_scale
             k = (k_tile.to(tl.float32) * k_scale).to(q.dtype)
         else:
             k = k_tile
@@ -207,7 +211,9 @@ def _paged_attention_kernel(
         v_tile = _load_kv_tile(
             v_cache_ptr, blk, in_blk, kv_head, stride_vb, stride_vt, stride_vh, dims, kv_mask
         )
-        if KV_FP8:
+        if KV_E4M3_BYTES:
+            v = (e4m3_decode(v_tile.to(tl.int32)) * v_scale).to(q.dtype)
+        elif KV_FP8:
             v = (v_tile.to(tl.float32) * v_scale).to(q.dtype)
         else:
             v = v_tile
@@ -374,10 +380,13 @@ def paged_attention(
     decode_config: TileConfig | None = None,
     prefill_config: TileConfig | None = None,
     sms: int | None = None,
+    e4m3_bytes: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries q [T, H, D] over the paged cache (the new tokens' K/V
     must already be written). Returns [T, H * D]; rows of padding tokens past the last request
-    are left unwritten. `num_splits` forces split-KV (tests); None lets the heuristic choose."""
+    are left unwritten. `num_splits` forces split-KV (tests); None lets the heuristic choose.
+    `e4m3_bytes`: read an e4m3 cache as bytes through kernels/e4m3.py (None: where the GPU
+    needs it)."""
     T, H, D = q.shape
     if H != spec.num_heads or D != spec.head_dim:
         raise ValueError(f"q is {tuple(q.shape)}, spec says {spec.num_heads} heads x {D}")
@@ -391,15 +400,22 @@ def paged_attention(
         raise ValueError("the KV cache needs unit stride on head_dim")
     group = H // spec.num_kv_heads
     sms = sms if sms is not None else num_sms(q.device)
+    if e4m3_bytes is None:
+        e4m3_bytes = e4m3_as_bytes(key_cache.dtype, key_cache.device)
+    fp8 = is_fp8(key_cache.dtype)
+    if e4m3_bytes:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     nd = meta.num_decodes
     n_req = meta.num_requests
     if nd:
         cfg = decode_config or decode_tiles(group, D, q.dtype)
-        _launch(q, key_cache, value_cache, out3, meta, spec, 0, nd, 0, cfg, num_splits, sms)
+        _launch(q, key_cache, value_cache, out3, meta, spec, 0, nd, 0, cfg, num_splits, sms, fp8)
     if n_req > nd:
         max_q = max(meta.query_lens_host[nd:])
         cfg = prefill_config or prefill_tiles(group, D, max_q, q.dtype)
-        _launch(q, key_cache, value_cache, out3, meta, spec, nd, n_req, nd, cfg, num_splits, sms)
+        _launch(
+            q, key_cache, value_cache, out3, meta, spec, nd, n_req, nd, cfg, num_splits, sms, fp8
+        )
     return out
 
 
@@ -416,8 +432,10 @@ def _launch(
     cfg: TileConfig,
     num_splits: int | None,
     sms: int,
+    fp8: bool,
 ) -> None:
-    """One launch over requests first..last-1, whose tokens start at `tok_base`."""
+    """One launch over requests first..last-1, whose tokens start at `tok_base`; `fp8`: the
+    cache holds 8-bit floats (as bytes when its dtype is uint8: e4m3 through kernels/e4m3.py)."""
     H, D = spec.num_heads, spec.head_dim
     kvh = spec.num_kv_heads
     group = H // kvh
@@ -488,7 +506,8 @@ def _launch(
         HAS_ALIBI=slopes is not None,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
-        KV_FP8=is_fp8(key_cache.dtype),
+        KV_FP8=fp8,
+        KV_E4M3_BYTES=key_cache.dtype == torch.uint8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -10,7 +10,9 @@ and its launchers size grids with `next_power_of_2` and `cdiv` (plain Python, Tr
 The first launch imports Triton, binds `tl` (triton.language) in the kernel module's globals, where
 the kernel bodies look it up (Triton's compiler and its interpreter both resolve a kernel's names
 in its module; so each kernel module starts with `tl = None`), and replaces every `jit` function of
-that module by its Triton JIT function, so kernels calling kernels call JIT functions.
+that module by its Triton JIT function, so kernels calling kernels call JIT functions. A `jit`
+helper imported from another kernel module (kernels/e4m3.py's codec) is bound in its own module
+first, where its body finds `tl`, and the importing module gets that same JIT function.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def _bind_module(namespace: dict[str, Any]) -> dict[str, Any]:
     namespace["tl"] = triton.language
     for name, value in list(namespace.items()):
         if isinstance(value, LazyKernel):
-            namespace[name] = triton.jit(value.fn)
+            if value.fn.__globals__ is namespace:
+                namespace[name] = triton.jit(value.fn)
+            else:  # a helper imported from another kernel module: bound there, shared here
+                namespace[name] = value.jit
     return namespace
 
 
