@@ -120,7 +120,7 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
 
 def main(quick: bool = False) -> int:
     """All arches, dtypes and head groups; `quick` (the pytest run): sm90, bf16 and fp32, two
-    head groups."""
+    head groups, and sm80 for the kernels that read e4m3 as bytes."""
     failed = 0
     arches = (90,) if quick else (90, 80)
     dtypes = ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32")
@@ -336,6 +336,22 @@ def main(quick: bool = False) -> int:
             for neox in (True, False):
                 ce = dict(IS_NEOX=neox, QH_PAD=32, KH_PAD=8, HALF_PAD=64)
                 attempt(f"rotary {dtype} neox={neox}", rotary._rotary_kernel, dtype, ce, arch, 8, 1)
+    if quick:
+        # The quick pass is sm90; the e4m3 byte codec exists for sm80, so compile its users there.
+        caches = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
+        ce = dict(QUANT=True, E4M3_BYTES=True, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024)
+        kernel = kv_write._kv_write_kernel
+        attempt("kv_write bf16 e4m3 as bytes", kernel, "bf16", ce, 80, 4, 1, pointers=caches)
+        cfg = pa.decode_tiles(4, 128, torch.bfloat16)
+        ce = attention_constexprs(4, cfg, 128, "bf16", kv_fp8=True, e4m3_bytes=True)
+        kernel = pa._paged_attention_kernel
+        attempt("attention bf16 decode e4m3 as bytes", kernel, "bf16", ce, 80,
+                cfg.num_warps, cfg.num_stages, pointers=caches)  # fmt: skip
+        bm, bn, bk, _ = w4a16._gemm_blocks(1, 4096, 4096)
+        f8 = {"w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        kernel = fp8_weights._fp8_w8a16_kernel
+        attempt("fp8 w8a16 bf16 m=1", kernel, "bf16", ce, 80, 4, 1, pointers=f8)
     print(f"FAILED {failed}")
     return 1 if failed else 0
 
