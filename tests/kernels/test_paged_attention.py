@@ -24,6 +24,7 @@ from serverless_llm.engine.kernels.paged_attention import (  # noqa: E402
     choose_num_splits,
     paged_attention,
     paged_attention_reference,
+    prefill_tiles,
 )
 from serverless_llm.engine.layers.attention import (  # noqa: E402
     TorchAttentionBackend,
@@ -72,6 +73,25 @@ def test_mixed_batch_matches_reference(dtype, block_size, head_dim, gqa, window)
         seed=block_size * 1000 + head_dim + gqa,
     )
     _check(batch, _run(batch, num_splits=1), dtype)
+
+
+def test_wide_heads_with_the_default_tiles():
+    """head_dim 256 (Gemma) in float16 with the tiles the launcher picks: the prefill's 64-row x
+    32-key tiles (sized to fit sm86/sm89's shared memory) and the decode's, over a mixed batch
+    with a window."""
+    batch = make_batch(
+        MIXED,
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=256,
+        dtype=torch.float16,
+        sliding_window=24,
+        num_padding=2,
+        seed=256,
+    )
+    assert prefill_tiles(2, 256, 200, torch.float16) == TileConfig(64, 32, 8, 3)
+    _check(batch, _run(batch, num_splits=1), torch.float16)
 
 
 @pytest.mark.parametrize("window", [None, 100], ids=["full", "window100"])

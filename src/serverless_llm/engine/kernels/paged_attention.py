@@ -312,16 +312,23 @@ def decode_tiles(group: int, head_dim: int, dtype: torch.dtype) -> TileConfig:
 def prefill_tiles(group: int, head_dim: int, max_query_len: int, dtype: torch.dtype) -> TileConfig:
     """Many tokens per request: flash-attention-sized tiles (128 rows x 64 keys on 8 warps, 3
     stages: ~190 registers, 96 KiB shared memory at head_dim 128 in bf16, no spills), fewer rows
-    when the longest query is short so padding rows are not computed. float32 (IEEE dots, a
-    debugging dtype on GPU) spills with anything bigger than the decode tiles, so it uses them."""
+    when the longest query is short so padding rows are not computed. Heads wider than 128
+    (Gemma's 256) take at most 64 rows x 32 keys: 128 rows needed 104-128 KiB of shared memory,
+    past the 99 KiB a block may use on sm86 and sm89 GPUs (RTX 30xx/40xx, A40, L4, L40S); 64
+    rows use 68-96 KiB, without spills (tests/kernels/gpu_compile.py checks both). float32 (IEEE
+    dots, a debugging dtype on GPU) spills with anything bigger than the decode tiles, so it
+    uses them."""
     if dtype == torch.float32:
         return decode_tiles(group, head_dim, dtype)
     g_pad = next_power_of_2(group)
     rows_needed = next_power_of_2(max(1, max_query_len)) * g_pad
+    if head_dim > 128:
+        block_m = max(16, g_pad, min(64, rows_needed))
+        return TileConfig(block_m=block_m, block_n=32, num_warps=8 if block_m >= 64 else 4,
+                          num_stages=3)  # fmt: skip
     block_m = max(16, g_pad, min(128, rows_needed))
-    block_n = 64 if head_dim <= 128 else 32
     num_warps = 8 if block_m >= 128 and head_dim >= 128 else 4
-    return TileConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=3)
+    return TileConfig(block_m=block_m, block_n=64, num_warps=num_warps, num_stages=3)
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, sms: int) -> int:
