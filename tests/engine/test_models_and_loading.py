@@ -98,3 +98,32 @@ def test_embedded_gguf_through_the_offline_api(model_cache_dir):
     )
     out = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0]
     assert "Paris" in out.text
+
+
+@pytest.mark.parametrize(("capability", "has_bf16"), [((7, 5), False), ((8, 0), True)])
+def test_bfloat16_on_gpus_without_it(monkeypatch, caplog, capability, has_bf16):
+    """DTYPE=auto on a bfloat16 checkpoint: kept where the GPU computes bfloat16 (sm80+), else
+    float16 with a warning; DTYPE=bfloat16 by name on such a GPU is a clear error. (The GPU is
+    simulated: resolve_dtype asks torch.cuda for the capability and the name.)"""
+    import logging
+
+    from serverless_llm.engine import config
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger=config.__name__):
+        got = config.resolve_dtype("auto", "bfloat16", cuda)
+    assert got == (torch.bfloat16 if has_bf16 else torch.float16)
+    assert ("cannot compute in" in caplog.text) != has_bf16
+    assert config.resolve_dtype("auto", torch.float16, cuda) == torch.float16
+    assert config.resolve_dtype("auto", torch.float32, cuda) == torch.float16
+    assert config.resolve_dtype("float16", torch.bfloat16, cuda) == torch.float16
+    if has_bf16:
+        assert config.resolve_dtype("bfloat16", None, cuda) == torch.bfloat16
+    else:
+        with pytest.raises(config.ConfigError, match="Test GPU.*no bfloat16"):
+            config.resolve_dtype("bf16", None, cuda)
+    # the CPU is never asked about its capability
+    assert config.resolve_dtype("auto", "bfloat16", torch.device("cpu")) == torch.float32
+    assert config.resolve_dtype("bfloat16", None, torch.device("cpu")) == torch.bfloat16

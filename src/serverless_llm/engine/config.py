@@ -7,9 +7,12 @@ keyword arguments, with vLLM's names where vLLM has one.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "half": torch.float16,
@@ -171,13 +174,32 @@ def resolve_dtype(
     name: str, config_dtype: torch.dtype | str | None, device: torch.device
 ) -> torch.dtype:
     """DTYPE=auto takes the checkpoint's dtype, except float32 on CPU for half checkpoints
-    (CPU half matmuls are slow and imprecise) and float16 on GPU for float32 checkpoints."""
+    (CPU half matmuls are slow and imprecise), float16 on GPU for float32 checkpoints, and
+    float16 for bfloat16 checkpoints on GPUs without bfloat16 arithmetic (before sm80: V100,
+    T4), with a warning, as vLLM does; bfloat16 asked for by name there is a ConfigError."""
+    bf16_ok = device.type != "cuda" or _cuda_has_bf16(device)
     if name != "auto":
+        if _DTYPES[name] == torch.bfloat16 and not bf16_ok:
+            raise ConfigError(
+                f"dtype={name}: this GPU ({torch.cuda.get_device_name(device)}) has no bfloat16 "
+                "arithmetic (it needs compute capability 8.0 or newer); use float16"
+            )
         return _DTYPES[name]
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     if device.type == "cpu":
         return torch.float32
+    if config_dtype == torch.bfloat16 and not bf16_ok:
+        logger.warning(
+            "the checkpoint is bfloat16, which this GPU (%s) cannot compute in; running it in "
+            "float16 (set DTYPE=float16 to silence this)",
+            torch.cuda.get_device_name(device),
+        )
+        return torch.float16
     if config_dtype in (torch.float16, torch.bfloat16):
         return config_dtype
     return torch.float16
+
+
+def _cuda_has_bf16(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)

@@ -262,7 +262,8 @@ class SettingsFields(BaseSettings):
         title="Data Type",
         description=(
             "Precision of weights and activations. `auto`: the checkpoint's (float16 on GPU for "
-            "float32 checkpoints, float32 on CPU)."
+            "float32 checkpoints, and for bfloat16 ones on GPUs older than compute capability "
+            "8.0; float32 on CPU)."
         ),
         choices=DTYPE_CHOICES,
     )
