@@ -96,3 +96,19 @@ def test_smollm2_fp8_cache_stays_close(smollm2_dir):
     assert all(a[0][0] == b[0][0] for a, b in zip(ref, got))
     assert share >= 1 / 3
     assert diff < 0.1
+
+
+def test_fp8_cache_refused_before_sm80(tiny_model_dirs, monkeypatch):
+    """Triton's FP8 conversions do not compile for GPUs before sm80 (T4, V100): an 8-bit cache
+    there is refused at start, before any weight is read, naming the GPU. (The GPU is
+    simulated.)"""
+    from serverless_llm.engine.config import ConfigError, EngineConfig
+    from serverless_llm.engine.model_builder import prepare_model
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    config = EngineConfig(model=tiny_model_dirs["llama"], device="cuda", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype=fp8: .*Tesla T4 is 7\.5"):
+        prepare_model(config)
+    auto = prepare_model(EngineConfig(model=tiny_model_dirs["llama"], device="cuda"))
+    assert auto.dtype == torch.float16

@@ -84,6 +84,14 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
     )
     max_model_len = max_model_len_of(hf_config, config.max_model_len)
     spec = describe_model(hf_config)
+    if config.kv_cache_dtype in KV_CACHE_DTYPES and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):  # Triton's FP8 conversions need sm80 (compile-checked)
+            raise ConfigError(
+                f"kv_cache_dtype={config.kv_cache_dtype}: an 8-bit float KV cache needs a GPU "
+                f"of compute capability 8.0 or newer ({torch.cuda.get_device_name(device)} is "
+                f"{major}.{minor}); use auto"
+            )
     n = config.tensor_parallel_size
     if n > 1:
         if scheme is not None and (spec.moe is not None or scheme.desc_act):
