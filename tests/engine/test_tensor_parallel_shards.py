@@ -10,7 +10,6 @@ import pytest
 import torch
 import transformers
 
-from serverless_llm.engine import ConfigError
 from tests.engine import test_families, test_families_alibi, test_families_gpt, test_families_moe
 from tests.engine.family_check import save_family_model
 from tests.engine.tp_harness import sharded_logits
@@ -90,7 +89,24 @@ def test_quantized_checkpoints_split_without_unpacking(tmp_path, tiny_llama, nam
         torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=1e-4)
 
 
-def test_act_order_gptq_across_ranks_is_refused(tmp_path, tiny_llama):
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+def test_act_order_gptq_splits_keeping_every_group(tmp_path, tiny_llama, mode):
+    """Act-order GPTQ: a row-parallel rank's inputs belong to groups all over the input, so it
+    keeps every group's scales and zero points and its inputs' group indices unchanged; two
+    ranks give one rank's logits. The column-parallel layers split as without act-order."""
     _, quant = write_quantized(tiny_llama, f"{tmp_path}/f", f"{tmp_path}/q", "gptq", act_order=True)
-    with pytest.raises(ConfigError, match="act-order"):
+    one = sharded_logits(quant, IDS, size=1, quantized_weights=mode)
+    two = sharded_logits(quant, IDS, size=2, quantized_weights=mode)
+    torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=1e-4)
+    for held in two["bytes"]:  # the row-parallel layers' scales stay whole
+        assert 0.49 * one["bytes"][0] < held < 0.6 * one["bytes"][0]
+
+
+def test_quantized_moe_across_ranks_is_refused(tmp_path):
+    from serverless_llm.engine import ConfigError
+
+    tok = build_tokenizer()
+    src = save_family_model(str(tmp_path / "src"), test_families_moe._config("qwen2_moe", tok))
+    _, quant = write_quantized(src, f"{tmp_path}/f", f"{tmp_path}/q", "gptq")
+    with pytest.raises(ConfigError, match="quantized mixture-of-experts"):
         sharded_logits(quant, IDS, size=2)

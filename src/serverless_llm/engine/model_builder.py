@@ -94,11 +94,10 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
             )
     n = config.tensor_parallel_size
     if n > 1:
-        if scheme is not None and (spec.moe is not None or scheme.desc_act):
-            what = "mixture-of-experts" if spec.moe is not None else "act-order (desc_act)"
+        if scheme is not None and spec.moe is not None:
             raise ConfigError(
-                f"tensor_parallel_size={n} with a quantized {what} checkpoint is not supported "
-                "(yet): serve it on one device, or an unquantized or non-act-order checkpoint"
+                f"tensor_parallel_size={n} with a quantized mixture-of-experts checkpoint is not "
+                "supported (yet): serve it on one device, or an unquantized checkpoint"
             )
         if config.enable_lora:
             raise ConfigError(f"tensor_parallel_size={n} with LoRA is not supported (yet)")

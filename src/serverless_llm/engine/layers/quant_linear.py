@@ -74,7 +74,11 @@ class QuantLinear(nn.Module):
         parts: tuple[int, ...],
         mode: str,
         use_kernels: bool = False,
+        num_groups: int | None = None,
     ) -> None:
+        """`num_groups`: more groups than the inputs span, for a row-parallel rank's share of
+        an act-order checkpoint (models/sharding.py: its inputs' groups are spread over the
+        whole input's)."""
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"quantized linear mode {mode!r}: allowed {', '.join(MODES)}")
@@ -84,7 +88,7 @@ class QuantLinear(nn.Module):
         self.scheme, self.parts, self.mode, self.use_kernels = scheme, parts, mode, use_kernels
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.group_size = in_features if scheme.group_size == -1 else scheme.group_size
-        self.num_groups = -(-in_features // self.group_size)
+        self.num_groups = num_groups or -(-in_features // self.group_size)
         self._staged: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}
         self._ready: dict[int, tuple] = {}  # part -> unpacked form (or ("float", weight))
         self.rows: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -213,6 +213,14 @@ class Sharder:
         if where is None or (method == "fp8" and tensor.shape in ((), (1,))):
             return _full(tensor)
         dim, unit = where
+        if self.scheme.desc_act and axis == "in":
+            # Act-order: a rank's inputs belong to groups spread over the whole input, so a
+            # row-parallel rank keeps every group's scales and zero points and its inputs' group
+            # indices as they are (QuantLinear is told the full group count, `full_groups`).
+            if unit == "g":
+                return _full(tensor)
+            if kind == "g_idx":
+                return _read(tensor, dim, ranges)
         step = {"p": 32 // self.scheme.bits, "g": self.scheme.group_size}.get(unit, unit)
         if step == -1:  # one group over the whole input
             return _full(tensor)
@@ -232,6 +240,16 @@ class Sharder:
                     "inputs; serve this checkpoint without tensor parallelism"
                 )
         return part
+
+    def full_groups(self, name: str, in_features: int) -> int | None:
+        """The group count a row-parallel linear (`name`: its attribute name, o_proj or
+        down_proj) of an act-order checkpoint holds: every group of the whole input (see
+        `_quantized`); None for any other linear."""
+        if not (self.scheme is not None and self.scheme.desc_act and self.tp.size > 1):
+            return None
+        if name not in ("o_proj", "down_proj") or self.scheme.group_size == -1:
+            return None
+        return -(-in_features * self.tp.size // self.scheme.group_size)
 
     def _even(self, size: int) -> tuple[int, int]:
         per = size // self.tp.size

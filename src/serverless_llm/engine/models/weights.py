@@ -42,6 +42,9 @@ class DecoderWeights:
                     parts = parts_of.get(name, (child.out_features,))
                     if parts is None:
                         parts = (child.out_features // 2,) * 2
+                    groups = None
+                    if self.sharder is not None:
+                        groups = self.sharder.full_groups(name, child.in_features)
                     quant = QuantLinear(
                         child.in_features,
                         child.out_features,
@@ -50,6 +53,7 @@ class DecoderWeights:
                         parts,
                         mode,
                         self.use_kernels,
+                        num_groups=groups,
                     )
                     setattr(parent, name, quant)
 
