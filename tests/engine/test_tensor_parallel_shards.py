@@ -102,11 +102,28 @@ def test_act_order_gptq_splits_keeping_every_group(tmp_path, tiny_llama, mode):
         assert 0.49 * one["bytes"][0] < held < 0.6 * one["bytes"][0]
 
 
-def test_quantized_moe_across_ranks_is_refused(tmp_path):
-    from serverless_llm.engine import ConfigError
-
+@pytest.mark.parametrize(
+    ("method", "act_order", "mode"),
+    [("gptq", False, "packed"), ("gptq", True, "packed"), ("gptq", True, "dequantize"),
+     ("awq", False, "packed"), ("fp8", False, "dequantize")],
+)  # fmt: skip
+def test_quantized_moe_splits_each_experts_width(tmp_path, method, act_order, mode):
+    """A quantized Qwen2-MoE (experts, shared expert and attention quantized; routers float):
+    each rank holds every expert at half its width, sliced along the packed layouts (act-order
+    down projections keep every group); two ranks give one rank's logits."""
     tok = build_tokenizer()
-    src = save_family_model(str(tmp_path / "src"), test_families_moe._config("qwen2_moe", tok))
-    _, quant = write_quantized(src, f"{tmp_path}/f", f"{tmp_path}/q", "gptq")
-    with pytest.raises(ConfigError, match="quantized mixture-of-experts"):
-        sharded_logits(quant, IDS, size=2)
+    config = test_families_moe._config("qwen2_moe", tok)
+    # widths whose halves fall on the test packer's 32-row groups
+    config.moe_intermediate_size, config.shared_expert_intermediate_size = 64, 128
+    src = save_family_model(str(tmp_path / "src"), config, std=0.1)
+    if method == "fp8":
+        _, quant = write_fp8(src, f"{tmp_path}/f", f"{tmp_path}/q", "fp8", "tensor")
+    else:
+        _, quant = write_quantized(
+            src, f"{tmp_path}/f", f"{tmp_path}/q", method, act_order=act_order
+        )
+    one = sharded_logits(quant, IDS, size=1, quantized_weights=mode)
+    two = sharded_logits(quant, IDS, size=2, quantized_weights=mode)
+    torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=1e-4)
+    for held in two["bytes"]:
+        assert held < 0.62 * one["bytes"][0]

@@ -94,11 +94,6 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
             )
     n = config.tensor_parallel_size
     if n > 1:
-        if scheme is not None and spec.moe is not None:
-            raise ConfigError(
-                f"tensor_parallel_size={n} with a quantized mixture-of-experts checkpoint is not "
-                "supported (yet): serve it on one device, or an unquantized checkpoint"
-            )
         if config.enable_lora:
             raise ConfigError(f"tensor_parallel_size={n} with LoRA is not supported (yet)")
         if device.type == "cuda" and torch.cuda.device_count() < n:

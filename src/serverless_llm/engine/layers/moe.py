@@ -128,14 +128,18 @@ class Experts(nn.Module):
         self.receivers: dict[tuple[str, int], QuantLinear] = {}
         self.forms: dict[str, dict[int, tuple]] = {"w13": {}, "w2": {}}
         self.quantized: set[str] = set()  # "packed": projections held as `<which>_*` buffers
+        self.w2_groups: int | None = None  # see `quantize`
 
     def _shape(self, which: str) -> tuple[int, int]:
         return (2 * self.inter, self.hidden) if which == "w13" else (self.hidden, self.inter)
 
-    def quantize(self, scheme, mode: str) -> None:
+    def quantize(self, scheme, mode: str, w2_groups: int | None = None) -> None:
         """Before materializing: the checkpoint's experts are quantized; `mode` as the model's
-        other quantized linears ("packed" applies to integer schemes; FP8 experts dequantize)."""
+        other quantized linears ("packed" applies to integer schemes; FP8 experts dequantize).
+        `w2_groups`: the down projections' group count when it exceeds their inputs' (a
+        tensor-parallel rank of an act-order checkpoint keeps every group)."""
         self.scheme = scheme
+        self.w2_groups = w2_groups
         self.mode = "packed" if mode == "packed" and scheme.method != "fp8" else "dequantize"
         if self.mode == "packed":  # no float storage for the experts at all
             del self.w13, self.w2
@@ -150,7 +154,8 @@ class Experts(nn.Module):
             out, k = self._shape(which)
             parts = (out // 2, out // 2) if which == "w13" else (out,)
             mode = "forms" if self.mode == "packed" else "dequantize"
-            rec = QuantLinear(k, out, False, self.scheme, parts, mode)
+            groups = self.w2_groups if which == "w2" else None
+            rec = QuantLinear(k, out, False, self.scheme, parts, mode, num_groups=groups)
             self.receivers[(which, e)] = rec
         rec.take(kind, {"gate": 0, "up": 1}.get(half, WHOLE), name, tensor)
         return self._flush(which, e)

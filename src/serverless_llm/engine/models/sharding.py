@@ -107,6 +107,8 @@ class Sharder:
         if leaf == "qkv_proj" and how in ("qkv_heads", "qkv_grouped"):
             return self._qkv_interleaved(how, tensor), how
         if leaf in ("w13", "w2"):
+            if bias and self.scheme is not None:  # GPTQ's zero bias: checked, then dropped
+                return _full(tensor), how
             return self._experts(leaf, how, bias, tensor), how
         split = self._linear_split(internal, leaf, how)
         if split is None:
@@ -177,11 +179,22 @@ class Sharder:
             return "out", [(lo, ln), (s + lo, ln)]
         elif leaf == "up_proj" and how in (None, "t"):
             return "out", [self._even(s)]
+        elif leaf in ("w13", "w2") and isinstance(how, str) and how.startswith("expert:"):
+            # One expert's tensor of a quantized checkpoint ("expert:<e>[:gate|up]"): its width
+            # splits like a dense MLP's (gate/up by output rows, down by input columns).
+            width = self.spec.moe.intermediate_size
+            if leaf == "w2":
+                return "in", [self._even(width)]
+            if how.endswith((":gate", ":up")):
+                return "out", [self._even(width)]
+            lo, ln = self._even(width)
+            return "out", [(lo, ln), (width + lo, ln)]
         elif leaf == "o_proj" and how in (None, "t"):
             return "in", [self.q_rows]
         elif leaf == "down_proj" and how in (None, "t"):
             return "in", [self._even(s)]
-        elif leaf not in ("qkv_proj", "gate_up_proj", "up_proj", "o_proj", "down_proj"):
+        elif leaf not in ("qkv_proj", "gate_up_proj", "up_proj", "o_proj", "down_proj", "w13",
+                          "w2"):  # fmt: skip
             return None
         raise ConfigError(f"tensor parallelism over {internal} stored as {how!r} is not supported")
 
@@ -243,11 +256,11 @@ class Sharder:
 
     def full_groups(self, name: str, in_features: int) -> int | None:
         """The group count a row-parallel linear (`name`: its attribute name, o_proj or
-        down_proj) of an act-order checkpoint holds: every group of the whole input (see
+        down_proj, or w2 for experts) of an act-order checkpoint holds: every group of the whole input (see
         `_quantized`); None for any other linear."""
         if not (self.scheme is not None and self.scheme.desc_act and self.tp.size > 1):
             return None
-        if name not in ("o_proj", "down_proj") or self.scheme.group_size == -1:
+        if name not in ("o_proj", "down_proj", "w2") or self.scheme.group_size == -1:
             return None
         return -(-in_features * self.tp.size // self.scheme.group_size)
 

@@ -33,7 +33,10 @@ class DecoderWeights:
         for layer in self.layers:
             for parent in layer.modules():
                 if isinstance(parent, Experts):
-                    parent.quantize(scheme, mode)
+                    w2_groups = None
+                    if self.sharder is not None:
+                        w2_groups = self.sharder.full_groups("w2", parent.inter)
+                    parent.quantize(scheme, mode, w2_groups)
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear:
                         continue
