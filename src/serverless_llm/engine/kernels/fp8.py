@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from .e4m3 import e4m3_decode
-from .triton_lazy import cdiv, jit
-from .w4a16 import _gemm_blocks
+from .triton_lazy import jit
+from .w4a16 import run_split_k
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -188,33 +188,8 @@ def fp8_w8a16_linear(
     if weight.stride(1) != 1:
         raise ValueError("fp8_w8a16_linear reads the weight row-major")
     wbytes = weight.view(torch.uint8)
-    m, k = x.shape
-    n = weight.shape[0]
-    block_m, block_n, block_k, splits = _gemm_blocks(m, n, k)
-    k_per_split = cdiv(cdiv(k, splits), block_k) * block_k
-    splits = cdiv(k, k_per_split)
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (cdiv(m, block_m), cdiv(n, block_n), splits)
-    _fp8_w8a16_kernel[grid](
-        x,
-        wbytes,
-        scale.float().contiguous(),
-        partial,
-        m,
-        n,
-        k,
-        k_per_split,
-        x.stride(0),
-        wbytes.stride(0),
-        partial.stride(0),
-        partial.stride(1),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-    )
-    out = (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
-    return out if bias is None else out + bias
+    weights = (wbytes, scale.float().contiguous())
+    return run_split_k(_fp8_w8a16_kernel, x, weight.shape[0], weights, (wbytes.stride(0),), bias)
 
 
 _W8A16_OK: dict[tuple, bool] = {}  # (device, dtype) -> the kernel agreed with its reference

@@ -230,34 +230,46 @@ def w4a16_linear(
     x = x.contiguous()
     if not (qweight.stride(1) == scales.stride(1) == zeros.stride(1) == 1):
         raise ValueError("w4a16_linear reads qweight, scales and zeros row-major")
+    return run_split_k(
+        _w4a16_kernel,
+        x,
+        qweight.shape[1],
+        (qweight, scales, zeros, g_idx),
+        (qweight.stride(0), scales.stride(0)),
+        bias,
+        BITS=bits,
+    )
+
+
+def run_split_k(kernel, x: Tensor, n: int, weights: tuple, weight_strides: tuple, bias, **flags):
+    """Launches a weight-streaming GEMM kernel of this layout (this module's and kernels/fp8.py's
+    W8A16): arguments x, the weight's tensors, the float32 partial sums, M, N, K, k_per_split,
+    x's row stride, the weight's strides, the partial sums' strides, then BLOCK_M/N/K and
+    `flags`. Tiles and K splits from `_gemm_blocks`; returns the splits' sum in x's dtype, plus
+    `bias`."""
     m, k = x.shape
-    n = qweight.shape[1]
     block_m, block_n, block_k, splits = _gemm_blocks(m, n, k)
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k
     splits = cdiv(k, k_per_split)
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (cdiv(m, block_m), cdiv(n, block_n), splits)
-    _w4a16_kernel[grid](
+    kernel[grid](
         x,
-        qweight,
-        scales,
-        zeros,
-        g_idx,
+        *weights,
         partial,
         m,
         n,
         k,
         k_per_split,
         x.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
+        *weight_strides,
         partial.stride(0),
         partial.stride(1),
-        BITS=bits,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
+        **flags,
     )
     out = (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
     return out if bias is None else out + bias
