@@ -201,5 +201,10 @@ def resolve_dtype(
     return torch.float16
 
 
+def lora_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The adapters' dtype: LORA_DTYPE, `auto` being the model's."""
+    return model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
+
+
 def _cuda_has_bf16(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)

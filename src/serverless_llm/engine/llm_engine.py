@@ -16,7 +16,7 @@ import time
 import torch
 
 from .beam_search import BeamSearchRunner
-from .config import _DTYPES, ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
@@ -133,13 +133,12 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.lora = None
         if config.enable_lora:
-            lora_dtype = self.dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
             self.lora = LoRAManager(
                 model,
                 config.max_loras,
                 config.max_lora_rank,
                 config.max_cpu_loras or config.max_loras,
-                lora_dtype,
+                lora_dtype(config, self.dtype),
                 cache_dir=config.download_dir,
                 token=config.hf_token,
             )
@@ -155,6 +154,8 @@ class LLMEngine:
         )
         if self.lora is not None:
             self.runner.lora_step = self.lora.step
+            if self.ranks is not None:
+                self.lora.loads_for_peers = self.runner.lora_loads
         if self.ranks is not None:
             self.ranks.wait_for("ready")
             self.runner.peers = self.ranks

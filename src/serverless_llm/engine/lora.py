@@ -57,6 +57,7 @@ class LoRAAdapter:
     name: str
     int_id: int
     source: str  # the request's lora_path (a directory or a hub repo id)
+    local: str  # the directory it was read from (tensor-parallel ranks read it there too)
     # internal module path -> [(part index or None for the whole output, A [r, in], B [out, r])]
     weights: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict
@@ -134,7 +135,7 @@ def read_adapter(
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor
     if not pairs:
         raise LoRAError(f"adapter {name!r}: no LoRA weights in {path}")
-    adapter = LoRAAdapter(name, req.lora_int_id, req.lora_path)
+    adapter = LoRAAdapter(name, req.lora_int_id, req.lora_path, path)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoRAError(f"adapter {name!r}: module {module!r} lacks its lora_A or lora_B")
@@ -161,6 +162,9 @@ def read_adapter(
         rank = int(_pattern_value(cfg.get("rank_pattern") or {}, module, r_default))
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, alpha_default))
         scale = alpha / (math.sqrt(rank) if rslora else rank)
+        sharder = getattr(model, "sharder", None)
+        if sharder is not None:  # tensor parallel: this rank's share (checked whole above)
+            a, b = sharder.lora_slice(internal, part, a, b)
         adapter.weights.setdefault(internal, []).append(
             (part, a.to(dtype), (b.float() * scale).to(dtype))
         )
@@ -214,6 +218,9 @@ class LoRAManager:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # int id -> slot, LRU first
         self.slot_loads = 0
         self.adapter_reads = 0
+        # Slot loads since the last step went to the other tensor-parallel ranks (rank 0 only):
+        # (slot, request, local directory), each rank reading its own share of the adapter.
+        self.loads_for_peers: list[tuple[int, LoRARequest, str]] | None = None
 
     def get(self, req: LoRARequest) -> LoRAAdapter:
         """The adapter, read from disk unless the host LRU holds it. A request keeps the
@@ -257,7 +264,15 @@ class LoRAManager:
             self.slot_of[lid] = slot
         return {lid: self.slot_of[lid] for lid in wanted}
 
+    def load_for_peer(self, slot: int, req: LoRARequest, local: str) -> None:
+        """On a tensor-parallel rank other than 0: the adapter rank 0 put in `slot`, read from
+        the same directory (this rank's share of it)."""
+        self._load(slot, read_adapter(req, local, self.model, self.max_rank, self.dtype))
+
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        if self.loads_for_peers is not None:
+            req = LoRARequest(adapter.name, adapter.int_id, adapter.source)
+            self.loads_for_peers.append((slot, req, adapter.local))
         for layer in self.layers.values():
             layer.clear_slot(slot)
         for internal, parts in adapter.weights.items():

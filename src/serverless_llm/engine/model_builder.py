@@ -94,8 +94,6 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
             )
     n = config.tensor_parallel_size
     if n > 1:
-        if config.enable_lora:
-            raise ConfigError(f"tensor_parallel_size={n} with LoRA is not supported (yet)")
         if device.type == "cuda" and torch.cuda.device_count() < n:
             raise ConfigError(
                 f"tensor_parallel_size={n} needs {n} GPUs; {torch.cuda.device_count()} visible"

@@ -52,6 +52,10 @@ class HostBatch:
     # KV blocks to copy (src, dst) before the forward: beam forks made since the last step,
     # when every tensor-parallel rank must copy them in its own cache.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # For the other tensor-parallel ranks: the step's adapter slots (lora id -> slot), and the
+    # slots loaded since the last step ((slot, LoRARequest, local directory)).
+    lora_slots: dict[int, int] = field(default_factory=dict)
+    lora_loads: list[tuple] = field(default_factory=list)
 
     def for_peers(self) -> HostBatch:
         """What the other tensor-parallel ranks need to run the same step: no requests."""
@@ -76,6 +80,7 @@ class ModelRunner:
         self.captured: CapturedDecode | None = None  # set by the engine when capture is on
         self.lora_step = None  # the model's LoRAStep, set by the engine when LoRA is on
         self.lora_slots: dict[int, int] = {}  # this step's adapter id -> slot (the engine's)
+        self.lora_loads: list[tuple] = []  # slot loads for the peers (HostBatch.lora_loads)
         # Tensor parallelism: the other ranks, sent each step's inputs (parallel/workers.py).
         self.peers = None
         self._pending_copies: list[tuple[int, int]] = []
@@ -208,6 +213,10 @@ class ModelRunner:
         h = self.host_inputs(batch)
         if self.peers is not None:
             h.block_copies, self._pending_copies = self._pending_copies, []
+            if h.lora_rows or self.lora_loads:
+                h.lora_slots = dict(self.lora_slots)
+                h.lora_loads = list(self.lora_loads)
+                self.lora_loads.clear()  # the engine's LoRAManager appends to this list
             self.peers.send(h.for_peers())
         logits, entries = self.run(h)
         if entries:

@@ -73,4 +73,9 @@ class DecoderLoRA:
             part, out_rows = None, layer.lora_b.shape[0]
         else:
             raise KeyError(f"its weight is stored as {how!r}, which adapters cannot target")
-        return f"layers.{idx}.{internal}", part, layer.lora_a.shape[2], out_rows
+        path, in_features = f"layers.{idx}.{internal}", layer.lora_a.shape[2]
+        if getattr(self, "sharder", None) is not None:  # tensor parallel: the whole layer's
+            in_features, out_rows = self.sharder.lora_full_shape(
+                internal, part, in_features, out_rows
+            )
+        return path, part, in_features, out_rows

@@ -254,6 +254,38 @@ class Sharder:
                 )
         return part
 
+    # A LoRA part of a fused layer as the placement its checkpoint tensor would have.
+    _LORA_HOW = {("qkv_proj", 0): "q", ("qkv_proj", 1): "k", ("qkv_proj", 2): "v",
+                 ("gate_up_proj", 0): "gate", ("gate_up_proj", 1): "up"}  # fmt: skip
+
+    def lora_full_shape(self, internal: str, part: int | None, inp: int, out: int):
+        """(in features, out rows) of the whole model's layer `internal` (its `part`, None: the
+        whole output) that this rank holds `inp` x `out` of: what an adapter's A and B must
+        fit before `lora_slice` takes this rank's share."""
+        leaf = internal.rpartition(".")[2]
+        how = self._LORA_HOW.get((leaf, part))
+        split = self._linear_split(internal, leaf, how)
+        if split is None:
+            return inp, out
+        s, width = self.spec, self._mlp_width(internal)
+        qn, kvn = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        full = {"q": qn, "k": kvn, "v": kvn, "gate": width, "up": width}.get(how)
+        if full is None:
+            full = {"qkv_proj": qn + 2 * kvn, "gate_up_proj": 2 * width, "up_proj": width,
+                    "o_proj": qn, "down_proj": width}[leaf]  # fmt: skip
+        return (full, out) if split[0] == "in" else (inp, full)
+
+    def lora_slice(self, internal: str, part: int | None, a: torch.Tensor, b: torch.Tensor):
+        """This rank's share of an adapter's A [r, in] and B [out, r] for layer `internal`: B's
+        rows of a column-parallel layer, A's columns of a row-parallel one (each rank's
+        B (A x) is then a partial sum that the layer's all-reduce adds up, like its output)."""
+        leaf = internal.rpartition(".")[2]
+        split = self._linear_split(internal, leaf, self._LORA_HOW.get((leaf, part)))
+        if split is None:
+            return a, b
+        axis, ranges = split
+        return (a, _read(b, 0, ranges)) if axis == "out" else (_read(a, 1, ranges), b)
+
     def full_groups(self, name: str, in_features: int) -> int | None:
         """The group count a row-parallel linear (`name`: its attribute name, o_proj or
         down_proj, or w2 for experts) of an act-order checkpoint holds: every group of the whole input (see

@@ -260,6 +260,14 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
         blocks = tp.min_int(num_kv_blocks(config, loaded, config.block_size, budget), loaded.device)
         kv_caches = loaded.allocate_kv_cache(blocks, config.block_size)
         runner = ModelRunner(model, kv_caches, loaded.backend, config.block_size, loaded.device)
+        lora = None
+        if config.enable_lora:  # the same slots as rank 0's, filled as its header says
+            from ..config import lora_dtype
+            from ..lora import LoRAManager
+
+            lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_loras,
+                               lora_dtype(config, loaded.dtype))  # fmt: skip
+            runner.lora_step = lora.step
         conn.send(("ready", {"kv_blocks": blocks}))
         while True:
             if not conn.poll(PARENT_POLL_S):
@@ -268,6 +276,9 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
             if kind == "close":
                 break
             with torch.inference_mode():
+                for slot, req, local in batch.lora_loads:
+                    lora.load_for_peer(slot, req, local)
+                runner.lora_slots = batch.lora_slots
                 runner.run(batch)
     except (EOFError, BrokenPipeError):
         os._exit(1)  # rank 0 is gone

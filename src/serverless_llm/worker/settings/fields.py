@@ -372,7 +372,8 @@ class SettingsFields(BaseSettings):
             "Number of GPUs to shard the model over (tensor parallelism: one process per GPU, "
             "cuda:0 to cuda:N-1; docs/parallel.md). The attention heads and MLP widths must "
             "split evenly (start-up names a dimension that does not; the vocabulary is padded); "
-            "not with LoRA, act-order GPTQ or quantized mixture-of-experts checkpoints."
+            "quantized checkpoints' packed tensors must split on their pack and group "
+            "boundaries."
         ),
         ge=1,
     )
