@@ -4,7 +4,8 @@
 #   bash bench/gpu_checks.sh
 # runs `pytest -m gpu tests/kernels tests/engine`, `bench/kernels.py`, `bench/capture.py`
 # (CUDA graphs against eager decode steps), `bench/w4a16.py` (the 4-bit GEMM against float16
-# matmul) and `bench/moe_kernel.py` (the fused MoE kernels against a per-expert torch loop), and
+# matmul) and `bench/moe_kernel.py` (the fused MoE kernels against a per-expert torch loop), then
+# the rest of tests/kernels compiled on the GPU (bounded by KERNEL_TESTS_TIMEOUT seconds), and
 # leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
 # docs/benchmarks.md by hand, with the device and the date.
@@ -32,6 +33,13 @@ capture=${PIPESTATUS[0]}
 w4a16=${PIPESTATUS[0]}
 "$PY" bench/moe_kernel.py 2>&1 | tee "$OUT/moe_kernel.log"
 moe=${PIPESTATUS[0]}
+# Last, every other kernel test compiled on this GPU (on CPU they run under the interpreter): the
+# references at small shapes, the e4m3 byte codec, the FP8 W8A16 GEMM, LoRA and MoE kernels.
+# Bounded, so the figures above always come back within a device call.
+timeout "${KERNEL_TESTS_TIMEOUT:-420}" "$PY" -m pytest -q -m "not gpu" tests/kernels \
+    -p no:cacheprovider 2>&1 | tee "$OUT/pytest-kernels-compiled.log"
+kernel_tests=${PIPESTATUS[0]}
 echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py exit $capture;" \
-    "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe"
-exit $((tests || bench || capture || w4a16 || moe))
+    "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe;" \
+    "compiled kernel tests exit $kernel_tests"
+exit $((tests || bench || capture || w4a16 || moe || kernel_tests))
