@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .e4m3 import e4m3_decode
 from .triton_lazy import jit
-from .w4a16 import run_split_k
+from .w4a16 import dot_acc, run_split_k, split_k_tile, store_split, x_tile
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -145,38 +145,22 @@ def _fp8_w8a16_kernel(
     """out[split, m, n] = scale[n] * sum over this split's k of x[m, k] * w[n, k], w's e4m3 bytes
     decoded in the K loop (kernels/e4m3.py). float32 partial sums; the launcher adds the
     splits."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    offs_m, mask_m, offs_n, mask_n, k_begin, k_end = split_k_tile(
+        M, N, K, k_per_split, BLOCK_M, BLOCK_N
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x = x_tile(x_ptr, stride_xm, offs_m, mask_m, offs_k, mask_k)
         byte = tl.load(
             w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
             mask=mask_k[:, None] & mask_n[None, :],
             other=0,
         ).to(tl.int32)  # [BLOCK_K, BLOCK_N], 0..255
-        w = e4m3_decode(byte)
-        if x.dtype == tl.float32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
+        acc = dot_acc(acc, x, e4m3_decode(byte))
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
-    acc = acc * scale[None, :]
-    out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+    store_split(out_ptr, acc * scale[None, :], offs_m, mask_m, offs_n, mask_n, stride_os, stride_om)
 
 
 def fp8_w8a16_linear(

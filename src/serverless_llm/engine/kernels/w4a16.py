@@ -158,25 +158,15 @@ def _w4a16_kernel(
     """out[split, m, n] = sum over this split's k of x[m, k] * w[k, n], w dequantized in the K
     loop: field k % (32 / BITS) of qweight row k // (32 / BITS), minus the zero point and times
     the scale of group g_idx[k]. float32 partial sums; the launcher adds the splits."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     per = 32 // BITS
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    offs_m, mask_m, offs_n, mask_n, k_begin, k_end = split_k_tile(
+        M, N, K, k_per_split, BLOCK_M, BLOCK_N
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x = x_tile(x_ptr, stride_xm, offs_m, mask_m, offs_k, mask_k)
         mask_kn = mask_k[:, None] & mask_n[None, :]
         words = tl.load(
             qw_ptr + (offs_k // per)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
@@ -188,12 +178,47 @@ def _w4a16_kernel(
         at = g[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
         s = tl.load(s_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
-        if x.dtype == tl.float32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
-    out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        acc = dot_acc(acc, x, (q.to(tl.float32) - z) * s)
+    store_split(out_ptr, acc, offs_m, mask_m, offs_n, mask_n, stride_os, stride_om)
+
+
+# The pieces every weight-streaming split-K GEMM of this layout shares (this module's and
+# kernels/fp8.py's): program (m tile, n tile, split) owns out[split, tile] over its share of K.
+
+
+@jit
+def split_k_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows and columns (with their masks) and its K range [k_begin, k_end)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    return offs_m, offs_m < M, offs_n, offs_n < N, k_begin, tl.minimum(k_begin + k_per_split, K)
+
+
+@jit
+def x_tile(x_ptr, stride_xm, offs_m, mask_m, offs_k, mask_k):
+    """The activations' [BLOCK_M, BLOCK_K] tile (row-major x, zeros outside)."""
+    return tl.load(
+        x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+
+
+@jit
+def dot_acc(acc, x, w):
+    """acc + x @ w, w the float32 weight tile: IEEE float32 dots for float32 activations, else
+    w rounded to the activations' 16-bit type."""
+    if x.dtype == tl.float32:
+        return acc + tl.dot(x, w, input_precision="ieee")
+    return acc + tl.dot(x, w.to(x.dtype))
+
+
+@jit
+def store_split(out_ptr, acc, offs_m, mask_m, offs_n, mask_n, stride_os, stride_om):
+    """This program's float32 partial sums into out[split]."""
+    out = out_ptr + tl.program_id(2) * stride_os
+    out += offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
