@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .fused_moe import fused_moe_reference, run_experts
 from .triton_lazy import cdiv, jit
-from .w4a16 import pack_int32, unpack_int32
+from .w4a16 import dot_acc, int_weight_tile, pack_int32, unpack_int32
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -147,7 +147,6 @@ def _moe_w4a16_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    per = 32 // BITS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(rows_ptr + offs_m)
     mask_m = rows < num_rows
@@ -168,25 +167,20 @@ def _moe_w4a16_kernel(
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        words = tl.load(
-            qw_ptr
-            + e64 * stride_qe
-            + (offs_k // per)[:, None].to(tl.int64) * stride_qk
-            + offs_n[None, :],
-            mask=mask_kn,
-            other=0,
+        w = int_weight_tile(
+            qw_ptr + e64 * stride_qe,
+            s_ptr + e64 * stride_se,
+            z_ptr + e64 * stride_se,
+            g_ptr + e64 * stride_ge,
+            stride_qk,
+            stride_sg,
+            offs_k,
+            mask_k,
+            offs_n,
+            mask_n,
+            BITS,
         )
-        q = (words >> ((offs_k % per) * BITS)[:, None]) & ((1 << BITS) - 1)
-        g = tl.load(g_ptr + e64 * stride_ge + offs_k, mask=mask_k, other=0)
-        at = e64 * stride_se + g[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
-        s = tl.load(s_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
-        if a.dtype == tl.float32:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+        acc = dot_acc(acc, a, w)
     if MUL_WEIGHT:
         scale = tl.load(weight_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]

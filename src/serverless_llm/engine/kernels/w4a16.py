@@ -158,7 +158,6 @@ def _w4a16_kernel(
     """out[split, m, n] = sum over this split's k of x[m, k] * w[k, n], w dequantized in the K
     loop: field k % (32 / BITS) of qweight row k // (32 / BITS), minus the zero point and times
     the scale of group g_idx[k]. float32 partial sums; the launcher adds the splits."""
-    per = 32 // BITS
     offs_m, mask_m, offs_n, mask_n, k_begin, k_end = split_k_tile(
         M, N, K, k_per_split, BLOCK_M, BLOCK_N
     )
@@ -167,19 +166,34 @@ def _w4a16_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = x_tile(x_ptr, stride_xm, offs_m, mask_m, offs_k, mask_k)
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        words = tl.load(
-            qw_ptr + (offs_k // per)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-            mask=mask_kn,
-            other=0,
+        w = int_weight_tile(
+            qw_ptr, s_ptr, z_ptr, g_ptr, stride_qk, stride_sg, offs_k, mask_k, offs_n, mask_n, BITS
         )
-        q = (words >> ((offs_k % per) * BITS)[:, None]) & ((1 << BITS) - 1)
-        g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
-        at = g[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
-        s = tl.load(s_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
-        acc = dot_acc(acc, x, (q.to(tl.float32) - z) * s)
+        acc = dot_acc(acc, x, w)
     store_split(out_ptr, acc, offs_m, mask_m, offs_n, mask_n, stride_os, stride_om)
+
+
+@jit
+def int_weight_tile(
+    qw_ptr, s_ptr, z_ptr, g_ptr, stride_qk, stride_sg, offs_k, mask_k, offs_n, mask_n,
+    BITS: tl.constexpr,
+):  # fmt: skip
+    """The float32 [BLOCK_K, BLOCK_N] weight tile of packed rows `offs_k` (this module's
+    layout; kernels/fused_moe_w4a16.py passes an expert's pointers): field k % (32 / BITS) of
+    qweight row k // (32 / BITS), minus the zero point and times the scale of group g_idx[k]."""
+    per = 32 // BITS
+    mask_kn = mask_k[:, None] & mask_n[None, :]
+    words = tl.load(
+        qw_ptr + (offs_k // per)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+        mask=mask_kn,
+        other=0,
+    )
+    q = (words >> ((offs_k % per) * BITS)[:, None]) & ((1 << BITS) - 1)
+    g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+    at = g[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
+    s = tl.load(s_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + at, mask=mask_kn, other=0.0).to(tl.float32)
+    return (q.to(tl.float32) - z) * s
 
 
 # The pieces every weight-streaming split-K GEMM of this layout shares (this module's and
