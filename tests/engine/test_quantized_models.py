@@ -351,7 +351,7 @@ def test_quantized_moe_missing_expert_tensor_is_named(tmp_path):
 )
 def test_fp8_moe_matches_transformers(tmp_path, style, strategy):
     """FP8 experts (vLLM's fp8 and llm-compressor's float-quantized): dequantized into the
-    stacked weights with their scales."""
+    stacked weights with their scales (the CPU default)."""
     from tests.engine.family_check import save_family_model
     from tests.engine.test_families_moe import _config
     from tests.tiny_models import build_tokenizer
@@ -365,6 +365,58 @@ def test_fp8_moe_matches_transformers(tmp_path, style, strategy):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 16), len(prompt)
+
+
+def test_fp8_moe_packed_keeps_the_bytes(tmp_path):
+    """FP8 experts held packed (the CUDA default; here on the torch path): e4m3 bytes and
+    float32 channel scales, which model.to(bfloat16) leaves alone, and each sparse layer's
+    experts compute what the dequantized experts compute."""
+    from serverless_llm.engine.layers.moe import Experts
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    _, quant_dir = write_fp8(src, str(tmp_path / "f"), str(tmp_path / "q"), "fp8", "tensor")
+    forms = {}
+    for mode in ("packed", "dequantize"):
+        config = EngineConfig(model=quant_dir, dtype="float32", quantized_weights=mode)
+        loaded = load_model(config)
+        forms[mode] = [m for m in loaded.model.modules() if isinstance(m, Experts)]
+    packed, plain = forms["packed"], forms["dequantize"]
+    assert packed and all(m.quantized == {"w13", "w2"} for m in packed)
+    x = torch.randn(5, packed[0].hidden, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 3], [1, 2], [7, 0], [5, 6], [4, 1]])
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(1))
+    for a, b in zip(packed, plain):
+        assert a.w13_weight.dtype == torch.uint8 and a.w2_scale.dtype == torch.float32
+        torch.testing.assert_close(a(x, weights, ids), b(x, weights, ids), rtol=1e-5, atol=1e-5)
+    packed[0].to(torch.bfloat16)
+    assert packed[0].w13_scale.dtype == torch.float32 and packed[0].w13_weight.dtype == torch.uint8
+
+
+def test_fp8_moe_dummy_weights_packed(tmp_path):
+    """LOAD_FORMAT=dummy on an FP8 MoE config held packed: random e4m3 experts (bytes, float32
+    scales) that serve; the experts take about half of float16's bytes."""
+    from serverless_llm.engine.layers.moe import Experts
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    llm = LLM(src, load_format="dummy", quantized_weights="packed", dtype="float16",
+              num_kv_blocks=32, max_model_len=128)  # fmt: skip
+    experts = [m for m in llm.engine.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.w13_weight.dtype == torch.uint8 for m in experts)
+    e = experts[0]
+    held = sum(getattr(e, f"{w}_{f}").nbytes for w in ("w13", "w2") for f in ("weight", "scale"))
+    as_float16 = e.num_experts * 3 * e.inter * e.hidden * 2
+    assert held < 0.55 * as_float16
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("mode", ["dequantize", "packed"])

@@ -105,7 +105,7 @@ def test_act_order_gptq_splits_keeping_every_group(tmp_path, tiny_llama, mode):
 @pytest.mark.parametrize(
     ("method", "act_order", "mode"),
     [("gptq", False, "packed"), ("gptq", True, "packed"), ("gptq", True, "dequantize"),
-     ("awq", False, "packed"), ("fp8", False, "dequantize")],
+     ("awq", False, "packed"), ("fp8", False, "dequantize"), ("fp8", False, "packed")],
 )  # fmt: skip
 def test_quantized_moe_splits_each_experts_width(tmp_path, method, act_order, mode):
     """A quantized Qwen2-MoE (experts, shared expert and attention quantized; routers float):
@@ -124,6 +124,13 @@ def test_quantized_moe_splits_each_experts_width(tmp_path, method, act_order, mo
         )
     one = sharded_logits(quant, IDS, size=1, quantized_weights=mode)
     two = sharded_logits(quant, IDS, size=2, quantized_weights=mode)
-    torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=1e-4)
+    if method == "fp8" and mode == "packed":
+        # The dense FP8 layers held packed quantize activations per token per rank (see
+        # test_quantized_checkpoints_split_without_unpacking): within one rank's FP8 noise.
+        exact = sharded_logits(quant, IDS, size=1, quantized_weights="dequantize")["logits"]
+        noise = (one["logits"] - exact).abs().max()
+        assert (two["logits"] - exact).abs().max() < 1.5 * noise
+    else:
+        torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=1e-4)
     for held in two["bytes"]:
         assert held < 0.62 * one["bytes"][0]

@@ -267,28 +267,45 @@ def main(quick: bool = False) -> int:
                         pointers=f8,
                     )
             # The fused MoE grouped GEMM: decode and prefill tiles, gate/up and down (weighted).
-            moe_ptrs = {"rows_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32"}
+            moe_ptrs = {
+                "rows_ptr": "*i32",
+                "block_expert_ptr": "*i32",
+                "weight_ptr": "*fp32",
+                "wscale_ptr": "*fp32",
+            }
             for rows in (2, 4096):
                 bm, bn, bk, warps = fused_moe.moe_tiles(rows, 8, tdt)
-                # gate/up; down with the router weight; LoRA's expand (adds into the output)
-                for a_div, weighted, acc in ((2, False, False), (1, True, False), (1, False, True)):
+                # gate/up; down with the router weight; LoRA's expand (adds into the output);
+                # FP8 experts (e4m3 bytes), gate/up and down
+                for a_div, weighted, acc, fp8 in (
+                    (2, False, False, False),
+                    (1, True, False, False),
+                    (1, False, True, False),
+                    (2, False, False, True),
+                    (1, True, False, True),
+                ):
+                    if fp8 and dtype == "fp32":
+                        continue
                     ce = dict(
                         A_DIV=a_div,
                         MUL_WEIGHT=weighted,
                         ACCUMULATE=acc,
+                        W_E4M3=fp8,
                         BLOCK_M=bm,
                         BLOCK_N=bn,
                         BLOCK_K=bk,
                     )
+                    ptrs = {**moe_ptrs, "w_ptr": "*u8"} if fp8 else moe_ptrs
                     attempt(
-                        f"grouped gemm {dtype} rows={rows} weighted={weighted} accumulate={acc}",
+                        f"grouped gemm {dtype} rows={rows} weighted={weighted} accumulate={acc}"
+                        f" fp8={fp8}",
                         fused_moe._moe_gemm_kernel,
                         dtype,
                         ce,
                         arch,
                         warps,
                         1,
-                        pointers=moe_ptrs,
+                        pointers=ptrs,
                     )
             # The packed-expert MoE GEMM (GPTQ/AWQ experts kept at their bit width).
             if dtype != "fp32":

@@ -1,5 +1,5 @@
 """The fused MoE Triton kernels (interpreted on CPU, compiled on a GPU) against the torch path,
-float32 and float16, over random routings that include experts receiving no token, one token and
+float32 and float16 (and with FP8 experts, e4m3 bytes decoded in the kernel), over random routings that include experts receiving no token, one token and
 every token; top-k from 1 to 8; token counts that are not multiples of the row tile. Also the
 alignment on its own: every row appears once, in its expert's run, and blocks name the right
 expert.
@@ -17,7 +17,10 @@ import torch
 pytest.importorskip("triton")
 
 from serverless_llm.engine.kernels.fused_moe import (  # noqa: E402
+    Fp8Experts,
     fused_moe,
+    fused_moe_fp8,
+    fused_moe_fp8_reference,
     fused_moe_reference,
     moe_align,
     moe_tiles,
@@ -63,6 +66,36 @@ def test_fused_moe_matches_the_torch_path(dtype, tokens, experts, top_k):
     ids = ids.to(DEVICE)
     got = fused_moe(*args, ids)
     want = fused_moe_reference(*args, ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def _fp8(w: torch.Tensor) -> Fp8Experts:
+    """w [E, N, K] as e4m3 with a scale per expert and channel (amax / 448), and one channel of
+    expert 0 given a scale 30x its amax, so its codes are small and subnormal ones occur."""
+    scale = w.abs().amax(-1) / 448
+    scale[0, 0] = w[0, 0].abs().max() * 30
+    codes = (w / scale[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return Fp8Experts(codes.view(torch.uint8), scale.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (13, 8, 3), (37, 6, 2), (70, 4, 2)])
+def test_fused_moe_fp8_matches_its_reference(dtype, tokens, experts, top_k):
+    """FP8 experts (e4m3 bytes, channel scales) through the same grouped GEMM: equal to the
+    experts dequantized and run by the torch path; and the dequantized experts are the codes
+    times the scales."""
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, 48, 40, seed=tokens * top_k)
+    f13, f2 = _fp8(w13), _fp8(w2)
+    deq = f13.dequantize(torch.float32)
+    codes = f13.weight.view(torch.float8_e4m3fn).float()
+    assert torch.equal(deq, codes * f13.scale[:, :, None])
+    assert bool((f13.weight[0, 0] & 0x78 == 0).any())  # subnormal codes present
+    dev = [Fp8Experts(f.weight.to(DEVICE), f.scale.to(DEVICE)) for f in (f13, f2)]
+    xd, wd, idd = x.to(dtype).to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
+    got = fused_moe_fp8(xd, *dev, wd, idd)
+    want = fused_moe_fp8_reference(xd, *dev, wd, idd)
     assert got.dtype == dtype and got.shape == x.shape
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
     torch.testing.assert_close(got.float(), want.float(), **tol)

@@ -7,6 +7,7 @@ stand for."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -93,3 +94,33 @@ def test_fp8_model_through_the_w8a16_gemm(tmp_path, monkeypatch, kind, style, st
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 12), len(prompt)
     assert len(calls) > len(quant)  # the kernel ran (its self-check's probe is one call)
+
+
+@pytest.mark.parametrize(
+    ("style", "strategy"), [("fp8", "tensor"), ("compressed-tensors", "channel")]
+)
+def test_fp8_moe_held_as_bytes_through_the_triton_kernels(tmp_path, style, strategy):
+    """An FP8 Qwen2-MoE held packed on the Triton backend: the experts stay e4m3 bytes with
+    float32 channel scales (no float expert weights), run by the grouped GEMM decoding them;
+    the dense layers by the W8A16 GEMM: transformers' tokens on the float twin."""
+    from serverless_llm.engine.layers.moe import Experts
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families_moe import _config
+    from tests.tiny_models import build_tokenizer
+
+    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    float_dir, quant_dir = write_fp8(
+        src, str(tmp_path / "float"), str(tmp_path / "quant"), style, strategy
+    )
+    llm = LLM(quant_dir, attention_backend="triton", dtype="float32", block_size=8,
+              num_kv_blocks=64, max_model_len=128, quantized_weights="packed")  # fmt: skip
+    experts = [m for m in llm.engine.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.use_kernels and m.quantized == {"w13", "w2"} for m in experts)
+    for m in experts:
+        assert m.w13_weight.dtype == torch.uint8 and m.w13_scale.dtype == torch.float32
+        assert "w13" not in m._modules and "w2" not in m._modules  # no float expert weights
+    assert "(experts dequantized)" not in llm.engine.model.quantization
+    prompts = prompts_for(llm.engine.vocab_size, seed=3)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(float_dir, prompt, 6), len(prompt)

@@ -28,16 +28,27 @@ while still reading each weight tile once; a prefill sends dozens to hundreds, a
 64-row tiles reuse each weight tile over more rows. BLOCK_N is 64 for narrow row tiles (more
 programs to cover the weight when there are few blocks) and 128 for 64-row tiles; BLOCK_K is 64
 for 16-bit inputs and 32 for float32 (half the bytes per K step, the same shared memory).
+
+**FP8 experts** (`Fp8Experts`, `fused_moe_fp8`): an FP8 checkpoint's experts kept as their e4m3
+bytes [E, N, K] with a float32 scale per expert and output channel [E, N]. The same kernel
+decodes each weight tile to float32 (kernels/e4m3.py), multiplies the activations as they are
+(weight-only, W8A16: the FP8 path of kernels/fp8.py on GPUs without FP8 arithmetic) and scales
+each output channel's sums. Its reference dequantizes every expert (w x scale, float32, then
+x's dtype) and runs `fused_moe_reference`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import act_and_mul, act_and_mul_reference
+from .e4m3 import e4m3_decode
 from .triton_lazy import cdiv, jit
+from .w4a16 import dot_acc
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -124,16 +135,19 @@ def _moe_gemm_kernel(
     rows_ptr,
     block_expert_ptr,
     weight_ptr,
+    wscale_ptr,
     N,
     K,
     num_rows,
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
     stride_om,
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    W_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -141,7 +155,8 @@ def _moe_gemm_kernel(
     """out[r, n] = sum over k of a[r // A_DIV, k] * w[e, n, k] for the rows r of this block (one
     expert e), times weight[r] when MUL_WEIGHT, plus out's own value when ACCUMULATE. Sentinel
     rows (>= num_rows) are neither read nor written; a block with expert -1 (past the end, or a
-    group to skip) returns at once."""
+    group to skip) returns at once. W_E4M3: w holds e4m3 bytes, decoded in the K loop, and the
+    sums are scaled by wscale[e, n]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -166,12 +181,14 @@ def _moe_gemm_kernel(
         w = tl.load(
             w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
             mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
+            other=0,
         )
-        if a.dtype == tl.float32:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+        if W_E4M3:
+            w = e4m3_decode(w.to(tl.int32))
+        acc = dot_acc(acc, a, w)
+    if W_E4M3:
+        e_scale = wscale_ptr + expert.to(tl.int64) * stride_se
+        acc = acc * tl.load(e_scale + offs_n, mask=mask_n, other=0.0)[None, :]
     if MUL_WEIGHT:
         scale = tl.load(weight_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -193,15 +210,19 @@ def moe_tiles(num_rows: int, num_experts: int, dtype: torch.dtype) -> tuple[int,
 
 
 def grouped_gemm(
-    a, w, rows, block_expert, weights, num_rows, a_div, tiles, out=None, accumulate=False
-) -> Tensor:
+    a, w, rows, block_expert, weights, num_rows, a_div, tiles, out=None, accumulate=False,
+    w_scale=None,
+) -> Tensor:  # fmt: skip
     """One launch of `_moe_gemm_kernel` over the blocks `moe_align` made: out [num_rows, N]
     (new, or `out` itself, added to when `accumulate`) from rows of `a` and each block's
-    matrix of `w` [groups, N, K] (any strides, K contiguous)."""
+    matrix of `w` [groups, N, K] (any strides, K contiguous). `w_scale` [groups, N]: w holds
+    e4m3 bytes (uint8) with these channel scales."""
     block_m, block_n, block_k, warps = tiles
     n, k = w.shape[1], w.shape[2]
     if w.stride(2) != 1:
         raise ValueError("grouped_gemm reads w with K contiguous")
+    if (w_scale is not None) != (w.dtype == torch.uint8):
+        raise ValueError("grouped_gemm: e4m3 bytes (uint8) go with w_scale, and only they")
     if out is None:
         out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), cdiv(n, block_n))
@@ -212,16 +233,19 @@ def grouped_gemm(
         rows,
         block_expert,
         weights if weights is not None else a,
+        w_scale if w_scale is not None else a,
         n,
         k,
         num_rows,
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        w_scale.stride(0) if w_scale is not None else 0,
         out.stride(0),
         A_DIV=a_div,
         MUL_WEIGHT=weights is not None,
         ACCUMULATE=accumulate,
+        W_E4M3=w_scale is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -255,3 +279,43 @@ def fused_moe(
     float32 (float32 accumulation), the result in x's dtype. `grouped_gemm` refuses expert
     weights whose rows are not contiguous."""
     return run_experts(x, w13, w2, weights, ids, w13.shape[0], grouped_gemm, act)
+
+
+@dataclass
+class Fp8Experts:
+    """One projection of an FP8 checkpoint's experts: e4m3 bytes [E, N, K] (uint8) and float32
+    scales [E, N] (a per-tensor scale repeated over its channels)."""
+
+    weight: Tensor
+    scale: Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        """[E, N, K] in `dtype`: each byte's e4m3 value times its channel's scale, in float32."""
+        w = self.weight.view(torch.float8_e4m3fn).float() * self.scale.float()[:, :, None]
+        return w.to(dtype)
+
+
+def _fp8_gemm(a, w: Fp8Experts, rows, block_expert, weights, num_rows, a_div, tiles):
+    return grouped_gemm(a, w.weight, rows, block_expert, weights, num_rows, a_div, tiles,
+                        w_scale=w.scale)  # fmt: skip
+
+
+def fused_moe_fp8(
+    x: Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: Tensor, ids: Tensor, act: str = "silu"
+) -> Tensor:
+    """The Triton path with `fused_moe_fp8_reference`'s contract (up to the scale applied to
+    the sums instead of the weights); x [T, H] in float16, bfloat16 or float32."""
+    return run_experts(x, w13, w2, weights, ids, w13.num_experts, _fp8_gemm, act)
+
+
+def fused_moe_fp8_reference(
+    x: Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: Tensor, ids: Tensor, act: str = "silu"
+) -> Tensor:
+    """The experts dequantized (`Fp8Experts.dequantize`, x's dtype), then `fused_moe_reference`:
+    what the engine's dequantize mode computes."""
+    return fused_moe_reference(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), weights, ids,
+                               act)  # fmt: skip

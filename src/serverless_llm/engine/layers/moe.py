@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.fused_moe import fused_moe, fused_moe_reference
+from ..kernels.fused_moe import (
+    Fp8Experts,
+    fused_moe,
+    fused_moe_fp8,
+    fused_moe_fp8_reference,
+    fused_moe_reference,
+)
 from ..kernels.fused_moe_w4a16 import (
     PackedExperts,
     fused_moe_w4a16,
@@ -25,7 +31,7 @@ from ..kernels.fused_moe_w4a16 import (
 )
 from .activation import check_activation
 from .linear import pack_weight, packed_linear
-from .quant_linear import WHOLE, QuantLinear, QuantLoadError
+from .quant_linear import WHOLE, QuantLinear, QuantLoadError, _apply_keeping_dtype
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer")
 
@@ -111,9 +117,11 @@ class Experts(nn.Module):
 
     - "dequantize": the expert's float weight is copied into its slice of the stacked weights
       at once (one expert in flight, never a second copy of the model), or
-    - "packed" (GPTQ/AWQ/pack-quantized integers, CUDA's default): the expert is packed into
-      `PackedExperts` (kernels/fused_moe_w4a16.py) and the experts stay at their bit width,
-      run by the packed MoE kernel (its torch reference elsewhere)."""
+    - "packed" (CUDA's default): GPTQ/AWQ/pack-quantized integer experts are packed into
+      `PackedExperts` (kernels/fused_moe_w4a16.py) and stay at their bit width, run by the
+      packed MoE kernel; FP8 experts stay as their e4m3 bytes and channel scales
+      (`Fp8Experts`, kernels/fused_moe.py), run by the grouped GEMM decoding them (each with
+      its torch reference elsewhere)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: str, use_kernels: bool):
         super().__init__()
@@ -135,12 +143,12 @@ class Experts(nn.Module):
 
     def quantize(self, scheme, mode: str, w2_groups: int | None = None) -> None:
         """Before materializing: the checkpoint's experts are quantized; `mode` as the model's
-        other quantized linears ("packed" applies to integer schemes; FP8 experts dequantize).
+        other quantized linears ("packed": integer experts packed, FP8 experts kept as bytes).
         `w2_groups`: the down projections' group count when it exceeds their inputs' (a
         tensor-parallel rank of an act-order checkpoint keeps every group)."""
         self.scheme = scheme
         self.w2_groups = w2_groups
-        self.mode = "packed" if mode == "packed" and scheme.method != "fp8" else "dequantize"
+        self.mode = "packed" if mode == "packed" else "dequantize"
         if self.mode == "packed":  # no float storage for the experts at all
             del self.w13, self.w2
 
@@ -169,7 +177,11 @@ class Experts(nn.Module):
             self.forms[which][e] = self._one_form(which, e, rec.forms)
             if len(self.forms[which]) == self.num_experts:
                 forms = [self.forms[which].pop(i) for i in range(self.num_experts)]
-                self._hold(which, pack_experts(forms, self.scheme.bits))
+                if self.scheme.method == "fp8":
+                    weight = torch.stack([w for w, _ in forms]).view(torch.uint8)
+                    self._hold(which, Fp8Experts(weight, torch.stack([s for _, s in forms])))
+                else:
+                    self._hold(which, pack_experts(forms, self.scheme.bits))
         else:
             stacked = getattr(self, which).weight
             stacked.data[e].copy_(rec.weight.reshape(stacked.shape[1:]))
@@ -179,8 +191,12 @@ class Experts(nn.Module):
         return [f"{pname}#expert:{e}"]
 
     def _one_form(self, which: str, e: int, forms: list[tuple]) -> tuple:
-        """An expert's parts (gate, up) as one integer form; they must share their act-order."""
-        if any(f[0] != "int" for f in forms):
+        """An expert's parts (gate, up) as one form: FP8 (e4m3 weight, float32 channel scales)
+        or integers, which must share their act-order."""
+        kind = "fp8" if self.scheme.method == "fp8" else "int"
+        if kind == "fp8" and all(f[0] == "fp8" for f in forms):
+            return tuple(torch.cat([f[i] for f in forms]) for i in (1, 2))
+        if any(f[0] != kind for f in forms):
             raise QuantLoadError(
                 f"expert {e} ({which}) is not stored as integers like the others: serve this "
                 "checkpoint with QUANTIZED_WEIGHTS=dequantize (quantized_weights)"
@@ -212,6 +228,15 @@ class Experts(nn.Module):
         """Random packed experts (LOAD_FORMAT=dummy) in the scheme's shape."""
         if self.mode != "packed":
             return
+        if self.scheme.method == "fp8":  # codes of magnitude up to ~1 (no NaN), small scales
+            for which in ("w13", "w2"):
+                out, k = self._shape(which)
+                shape = (self.num_experts, out, k)
+                codes = torch.randint(0, 0x3F, shape, generator=g, dtype=torch.uint8)
+                codes |= torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+                scale = torch.full((self.num_experts, out), 0.04, dtype=torch.float32)
+                self._hold(which, Fp8Experts(codes, scale))
+            return
         bits = self.scheme.bits
         group = self.scheme.group_size if self.scheme.group_size > 0 else None
         for which in ("w13", "w2"):
@@ -226,22 +251,38 @@ class Experts(nn.Module):
             self._hold(which, pack_experts(forms, bits))
 
     _PACKED_FIELDS = ("qweight", "scales", "zeros", "g_idx", "perm")
+    _FP8_FIELDS = ("weight", "scale")
 
-    def _hold(self, which: str, packed: PackedExperts) -> None:
+    def _fields(self) -> tuple[str, ...]:
+        return self._FP8_FIELDS if self.scheme.method == "fp8" else self._PACKED_FIELDS
+
+    def _hold(self, which: str, packed: PackedExperts | Fp8Experts) -> None:
         """Keeps a projection's packed experts as buffers (model.to moves them; the memory
         counts see them)."""
-        for field in self._PACKED_FIELDS:
+        for field in self._fields():
             self.register_buffer(f"{which}_{field}", getattr(packed, field))
         self.quantized.add(which)
 
-    def packed_experts(self, which: str) -> PackedExperts:
-        fields = [getattr(self, f"{which}_{f}") for f in self._PACKED_FIELDS]
+    def packed_experts(self, which: str) -> PackedExperts | Fp8Experts:
+        fields = [getattr(self, f"{which}_{f}") for f in self._fields()]
+        if self.scheme.method == "fp8":
+            return Fp8Experts(*fields)
         return PackedExperts(*fields, self.scheme.bits)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must not round the packed experts' scales and zero points (float16
+        # GPTQ scales in a bfloat16 model, FP8's float32 channel scales): they follow the
+        # device only, as QuantLinear's do.
+        keep = tuple(n for n in self._buffers if n.endswith(("_scales", "_zeros", "_scale")))
+        return _apply_keeping_dtype(self, fn, recurse, keep)
 
     def forward(self, x, weights, ids):
         if self.quantized:
             w13, w2 = self.packed_experts("w13"), self.packed_experts("w2")
-            fn = fused_moe_w4a16 if self.use_kernels else fused_moe_w4a16_reference
+            if self.scheme.method == "fp8":
+                fn = fused_moe_fp8 if self.use_kernels else fused_moe_fp8_reference
+            else:
+                fn = fused_moe_w4a16 if self.use_kernels else fused_moe_w4a16_reference
             return fn(x, w13, w2, weights, ids, self.act)
         if self.packed is not None:
             w13, w2 = self.packed

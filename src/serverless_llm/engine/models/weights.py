@@ -26,7 +26,7 @@ class DecoderWeights:
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
         act = " act-order" if scheme.desc_act else ""
         self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
-        if s.moe is not None and (mode != "packed" or scheme.method == "fp8"):
+        if s.moe is not None and mode != "packed":
             self.quantization += " (experts dequantized)"
         kv = s.num_kv_heads * s.head_dim
         parts_of = {"qkv_proj": (s.num_heads * s.head_dim, kv, kv), "gate_up_proj": None}
