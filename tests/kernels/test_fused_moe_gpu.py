@@ -36,3 +36,32 @@ def test_fused_moe_on_gpu(shape, tokens, dtype):
     want = fused_moe_reference(x, w13, w2, weights, ids).float()
     err = (got - want).abs().max() / want.abs().max()
     assert err < TOL[dtype], float(err)
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_moe_fp8_on_gpu(shape, tokens):
+    """FP8 experts (e4m3 bytes, channel scales) decoded in the kernel, bfloat16 activations,
+    against the dequantized experts on the torch path."""
+    from serverless_llm.engine.kernels.fused_moe import (
+        Fp8Experts,
+        fused_moe_fp8,
+        fused_moe_fp8_reference,
+    )
+
+    experts, top_k, hidden, inter = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def fp8(n: int, k: int) -> Fp8Experts:
+        w = torch.randn(experts, n, k, device="cuda", generator=g) * 100
+        codes = w.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        return Fp8Experts(codes, torch.rand(experts, n, device="cuda", generator=g) * 2e-4)
+
+    w13, w2 = fp8(2 * inter, hidden), fp8(hidden, inter)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, device="cuda", generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    got = fused_moe_fp8(x, w13, w2, weights, ids).float()
+    want = fused_moe_fp8_reference(x, w13, w2, weights, ids).float()
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < TOL[torch.bfloat16], float(err)
