@@ -28,6 +28,8 @@ from collections import OrderedDict
 
 import torch
 
+from .kernels.kv_write import is_fp8
+
 # The root every chain starts from. A version tag: a change to what a digest covers changes it.
 _ROOT = b"serverless-llm prefix-cache v1"
 
@@ -183,7 +185,7 @@ def allocate_kv_cache(
 
     # An 8-bit float cache is made as bytes and viewed as its type: filling and copying bytes
     # works on every device, while torch's float8 support for those ops varies by build.
-    raw = torch.uint8 if _is_byte_float(dtype) else dtype
+    raw = torch.uint8 if is_fp8(dtype) else dtype
 
     def one(make):
         cache = make(physical, dtype=raw, device=device).view(dtype)
@@ -205,10 +207,6 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     src = torch.tensor([a for a, _ in pairs], device=device)
     dst = torch.tensor([b for _, b in pairs], device=device)
     for cache in kv_caches:
-        if _is_byte_float(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
+        if is_fp8(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
             cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]
-
-
-def _is_byte_float(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype.itemsize == 1

@@ -89,15 +89,21 @@ class PaddedRows:
 
 
 def padded_rows(
-    groups: list[tuple[int, slice | Tensor]], num_tokens: int, device: torch.device
-) -> PaddedRows:
+    groups: list[tuple[int, slice | Tensor]],
+    num_tokens: int,
+    device: torch.device,
+    max_rows: int | None = None,
+) -> PaddedRows | None:
     """The slot-major layout of a step's `groups` (slot, its rows: a slice or an index tensor;
-    at least one group). The slots spanned are the groups' lowest to highest: a slot between
-    them with no token costs `m` padded rows."""
+    at least one group), or None when it would have more than `max_rows` rows. The slots
+    spanned are the groups' lowest to highest: a slot between them with no token costs `m`
+    padded rows."""
     rows = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.cpu() for _, r in groups]
     slots = [s for s, _ in groups]
     lo, hi, m = min(slots), max(slots) + 1, max(len(r) for r in rows)
     n = (hi - lo) * m
+    if max_rows is not None and n > max_rows:
+        return None
     gather = torch.zeros(n, dtype=torch.int64)
     scatter = torch.full((num_tokens,), n, dtype=torch.int64)
     for slot, r in zip(slots, rows):

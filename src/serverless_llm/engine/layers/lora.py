@@ -54,10 +54,8 @@ class LoRAStep:
         self._masks = {}
         self.padded = None
         if self.masked and groups and not self.use_kernels:
-            slots = [s for s, _ in groups]
-            m = max(_count(r) for _, r in groups)
-            if (max(slots) - min(slots) + 1) * m <= PADDED_MAX_ROWS:
-                self.padded = padded_rows(groups, len(token_slots), token_slots.device)
+            device = token_slots.device
+            self.padded = padded_rows(groups, len(token_slots), device, PADDED_MAX_ROWS)
 
     def clear(self) -> None:
         self.set([], None)
@@ -177,7 +175,3 @@ class LoRALinear(nn.Module):
             lo = part * self.max_rank
         self.lora_a[slot, lo : lo + r].copy_(a)
         self.lora_b[off : off + size, slot, lo : lo + r].copy_(b)
-
-
-def _count(rows: slice | Tensor) -> int:
-    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)

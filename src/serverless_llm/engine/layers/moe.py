@@ -31,7 +31,7 @@ from ..kernels.fused_moe_w4a16 import (
 )
 from .activation import check_activation
 from .linear import pack_weight, packed_linear
-from .quant_linear import WHOLE, QuantLinear, QuantLoadError, _apply_keeping_dtype
+from .quant_linear import WHOLE, QuantLinear, QuantLoadError, apply_keeping_dtype
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer")
 
@@ -274,7 +274,7 @@ class Experts(nn.Module):
         # GPTQ scales in a bfloat16 model, FP8's float32 channel scales): they follow the
         # device only, as QuantLinear's do.
         keep = tuple(n for n in self._buffers if n.endswith(("_scales", "_zeros", "_scale")))
-        return _apply_keeping_dtype(self, fn, recurse, keep)
+        return apply_keeping_dtype(self, fn, recurse, keep)
 
     def forward(self, x, weights, ids):
         if self.quantized:

@@ -363,7 +363,7 @@ class PackedWeight(nn.Module):
         self.register_buffer("g_idx", g_idx.to(torch.int32))
 
     def _apply(self, fn, recurse=True):
-        _apply_keeping_dtype(self, fn, recurse, ("scales", "zeros"))
+        apply_keeping_dtype(self, fn, recurse, ("scales", "zeros"))
         if self.perm is not None:  # a plain attribute: model.to(device) must still move it
             self.perm = fn(self.perm)
         return self
@@ -394,7 +394,7 @@ class Fp8Weight(nn.Module):
         self.register_buffer("scale", scale.float())
 
     def _apply(self, fn, recurse=True):
-        return _apply_keeping_dtype(self, fn, recurse, ("scale",))
+        return apply_keeping_dtype(self, fn, recurse, ("scale",))
 
     def forward(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
         weight = self.weight_bits.view(FP8)
@@ -402,7 +402,7 @@ class Fp8Weight(nn.Module):
         return fn(x, weight, self.scale)
 
 
-def _apply_keeping_dtype(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]):
+def apply_keeping_dtype(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]):
     """nn.Module._apply, except that buffers `names` only follow the device: model.to(dtype)
     must not round quantization scales (float16 GPTQ scales in a bfloat16 model lose three
     bits; the kernels read any float dtype)."""

@@ -288,8 +288,8 @@ class Sharder:
 
     def full_groups(self, name: str, in_features: int) -> int | None:
         """The group count a row-parallel linear (`name`: its attribute name, o_proj or
-        down_proj, or w2 for experts) of an act-order checkpoint holds: every group of the whole input (see
-        `_quantized`); None for any other linear."""
+        down_proj, or w2 for experts) of an act-order checkpoint holds: every group of the whole
+        input (see `_quantized`); None for any other linear."""
         if not (self.scheme is not None and self.scheme.desc_act and self.tp.size > 1):
             return None
         if name not in ("o_proj", "down_proj", "w2") or self.scheme.group_size == -1:
