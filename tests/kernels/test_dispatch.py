@@ -41,7 +41,7 @@ import serverless_llm.engine.kernels.paged_attention, serverless_llm.engine.kern
 import serverless_llm.engine.kernels.rotary
 import serverless_llm.engine.models.decoder
 backend = make_attention_backend("auto", torch.device("cpu"))
-assert backend.name == "torch" and not backend.use_kernels
+assert backend.name in ("native", "torch") and not backend.use_kernels
 x = torch.randn(3, 8)
 RMSNorm(8, 1e-6, backend.use_kernels)(x, x)
 SiluAndMul(backend.use_kernels)(x)
@@ -59,12 +59,12 @@ assert "triton" not in sys.modules, "the CPU default path imported triton"
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({}, "torch"),
+        ({}, "native"),  # the CPU kernels of kernels/cpu_native.c (a C compiler is here)
         ({"ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "1"}, "triton"),
         ({"ATTENTION_BACKEND": "TRITON", "TRITON_INTERPRET": "1"}, "triton"),
         ({"ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "0"}, ConfigError),
         ({"ATTENTION_BACKEND": "torch", "TRITON_INTERPRET": "1"}, "torch"),
-        ({"ATTENTION_BACKEND": "auto", "TRITON_INTERPRET": "1"}, "torch"),
+        ({"ATTENTION_BACKEND": "auto", "TRITON_INTERPRET": "1"}, "native"),
     ],
 )
 def test_backend_choice_on_cpu(monkeypatch, env, expected):

@@ -33,7 +33,7 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 BLOCK_SIZES = (8, 16, 32)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
 DECODE_CAPTURE_MODES = ("auto", "off", "replay")
 
 

@@ -12,10 +12,12 @@ import torch
 
 from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, ConfigError, EngineConfig, resolve_dtype
 from .cpu_tuning import cap_kernel_caches, tune_allocator
+from .kernels import cpu_native
 from .kv_cache import allocate_kv_cache, bytes_per_block
 from .layers.attention import (
     AttentionBackend,
     AttentionMetadata,
+    NativeCpuBackend,
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
@@ -144,7 +146,9 @@ def load_model(
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if device.type == "cpu":
-        model.optimize_for_cpu()
+        choice = model.optimize_for_cpu()
+        if choice:
+            logger.info(choice)
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
         resolved, hf_config, device, dtype, max_model_len, backend, model, cache_dtype, held
@@ -173,10 +177,25 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ConfigError(
                 f"ATTENTION_BACKEND={name!r}: allowed {', '.join(ATTENTION_BACKENDS)}"
             )
+    if name == "auto" and device.type == "cpu":
+        kernels = cpu_native.load()  # None, with a warning saying why, where it cannot be
+        return NativeCpuBackend(kernels) if kernels is not None else TorchAttentionBackend()
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "native":
+        if device.type != "cpu":
+            raise ConfigError(
+                f"attention_backend='native' is the CPU path (the device is {device.type})"
+            )
+        kernels = cpu_native.load()
+        if kernels is None:
+            raise ConfigError(
+                "attention_backend='native': the native CPU kernels could not be built or failed "
+                "their self-check (the log says why); use 'torch' or 'auto'"
+            )
+        return NativeCpuBackend(kernels)
     if name != "triton":
         raise ConfigError(f"attention_backend={name!r}: allowed {', '.join(ATTENTION_BACKENDS)}")
     interpreted = os.environ.get("TRITON_INTERPRET", "0").strip() == "1"

@@ -634,7 +634,7 @@ def paged_attention_torch(
     s = nd
     for i in range(nd, meta.num_requests):
         e = s + meta.query_lens_host[i]
-        out[s:e] = _prefill_torch(q[s:e], k[s:e], v[s:e], kv_cache, meta, spec, i)
+        out[s:e] = prefill_torch(q[s:e], k[s:e], v[s:e], kv_cache, meta, spec, i)
         s = e
     return out
 
@@ -674,7 +674,8 @@ def _decode_torch(q, kv_cache, meta, spec):
     return o.reshape(nd, kvh * g * d)
 
 
-def _prefill_torch(q, k, v, kv_cache, meta, spec, i):
+def prefill_torch(q, k, v, kv_cache, meta, spec, i):
+    """Request i's prefill rows (its K/V already written), through SDPA or `_attend_explicit`."""
     n = q.shape[0]
     seq_len = meta.seq_lens_host[i]
     ctx = seq_len - n

@@ -14,6 +14,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..kernels.cpu_native import (
+    LayerPrep,
+    NativeKernels,
+    make_layer,
+    make_step,
+    native_cache_ok,
+)
 from ..kernels.kv_write import kv_write_index, reshape_and_cache, reshape_and_cache_reference
 from ..kernels.metadata import AttentionMetadata, AttentionSpec
 from ..kernels.paged_attention import (
@@ -22,6 +29,7 @@ from ..kernels.paged_attention import (
     paged_attention,
     paged_attention_torch,
     plan_torch_decodes,
+    prefill_torch,
 )
 from ..kernels.triton_lazy import require_triton
 
@@ -29,6 +37,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "AttentionSpec",
+    "NativeCpuBackend",
     "TorchAttentionBackend",
     "TritonAttentionBackend",
 ]
@@ -72,6 +81,58 @@ class TorchAttentionBackend(AttentionBackend):
             k, v, kv_cache, meta.slot_mapping, index, spec.k_scale, spec.v_scale
         )
         return paged_attention_torch(q, k, v, kv_cache, meta, spec)
+
+
+class NativeCpuBackend(TorchAttentionBackend):
+    """The CPU path with the native kernels (kernels/cpu_native.py): each layer's KV write and
+    decode attention in one call over the head-major cache, read in place; prefill rows through
+    the torch backend's code. `forward_native` also takes over the layer's q/k preparation (clip,
+    q/k RMSNorm, rotary) when the layer hands it a `LayerPrep`. A float32 cache only: any other
+    (bfloat16 models, an 8-bit cache) runs the torch backend's path."""
+
+    name = "native"
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self.kernels = kernels
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.backend_state["native"] = None  # built by the first layer that needs it
+
+    def forward(self, q, k, v, kv_cache, meta, spec):
+        if not (q.dtype == torch.float32 and native_cache_ok(kv_cache)):
+            if "kv_write" not in meta.backend_state:  # the torch backend's plan, once a step
+                super().prepare(meta)
+            return super().forward(q, k, v, kv_cache, meta, spec)
+        return self.forward_native(q, k, v, kv_cache, meta, spec, self.layer(spec, kv_cache))
+
+    def layer(self, spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | None = None):
+        return make_layer(spec, kv_cache, prep)
+
+    def forward_native(self, q, k, v, kv_cache, meta, spec, layer, positions=None):
+        """q [T, H, D], k and v [T, KVH, D] (views into the QKV projection are fine: they are
+        prepared in place) -> [T, H * D]. `layer`: `make_layer`'s struct for this layer and
+        cache; `positions` [T] when its prep rotates."""
+        st = meta.backend_state
+        step = st.get("native")
+        if step is None:
+            keep = st["native_keep"] = []
+            pos = positions if positions is not None else meta.slot_mapping  # unread: no rope
+            step = st["native"] = make_step(meta, pos, keep)
+            st["native_positions"] = positions
+        elif positions is not None and st.get("native_positions") is not positions:
+            pos = positions.contiguous()
+            st["native_keep"].append(pos)
+            step.positions = pos.data_ptr()
+            st["native_positions"] = positions
+        T = q.shape[0]
+        out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=q.dtype)
+        self.kernels.attention_step(layer, step, q, k, v, out)
+        s = meta.num_decodes
+        for i in range(meta.num_decodes, meta.num_requests):
+            e = s + meta.query_lens_host[i]
+            out[s:e] = prefill_torch(q[s:e], k[s:e], v[s:e], kv_cache, meta, spec, i)
+            s = e
+        return out
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -10,6 +10,8 @@ difference from F.linear beyond float32 rounding, falls back to F.linear.
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -61,21 +63,49 @@ _PACKED_OK: bool | None = None
 
 
 class PackedLinear(nn.Module):
-    """Inference-only replacement for nn.Linear holding a oneDNN-packed weight."""
+    """Inference-only replacement for nn.Linear holding a oneDNN-packed weight; with the
+    native CPU kernels (`use_native_rows`), steps of at most `native_rows` rows run the native
+    weight-streaming kernel on the plain weight instead."""
 
-    def __init__(self, linear: nn.Linear | None, weight: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear | None,
+        weight: torch.Tensor | None = None,
+        keep_plain: bool = False,
+    ) -> None:
         super().__init__()
         w = (linear.weight if linear is not None else weight).detach()
         self.out_features, self.in_features = w.shape
         self.packed = pack_weight(w)
         self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
+        # The plain weight, kept (`keep_plain`) while the native path may use it: a tied LM
+        # head's is the embedding (no extra memory); a layer's own is dropped by
+        # `use_native_rows(..., 0)` unless the native kernel wins.
+        self.plain: torch.Tensor | None = w.contiguous() if keep_plain else None
+        self.native = None
+        self.native_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.native_rows
+            and x.dim() == 2
+            and x.shape[0] <= self.native_rows
+            and x.dtype == torch.float32
+            and x.stride(-1) == 1
+        ):
+            return self.native.linear(x, self.plain, self.bias)
         return packed_linear(x, self.packed, self.bias)
 
+    def use_native_rows(self, native, rows: int) -> None:
+        """Steps of <= rows rows through the native kernel; 0 drops the plain weight."""
+        self.native, self.native_rows = (native, rows) if rows else (None, 0)
+        if not rows:
+            self.plain = None
 
-def pack_linears_for_cpu(model: nn.Module) -> bool:
-    """Swaps every float32 nn.Linear of `model` for a PackedLinear; True if it did."""
+
+def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> bool:
+    """Swaps every float32 nn.Linear of `model` for a PackedLinear (keeping the plain weights
+    too with `keep_plain`, for `use_native_linears` to choose); True if it did."""
     if not packed_ops_work():
         return False
     targets = [
@@ -88,5 +118,83 @@ def pack_linears_for_cpu(model: nn.Module) -> bool:
     # freed memory is reused by the next packed weight instead of faulting in fresh pages, and
     # the peak stays near one copy of the weights rather than two.
     for parent, name in targets:
-        setattr(parent, name, PackedLinear(getattr(parent, name)))
+        setattr(parent, name, PackedLinear(getattr(parent, name), keep_plain=keep_plain))
     return True
+
+
+NATIVE_ROW_CANDIDATES = (1, 2, 4, 8)
+NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's time
+
+
+def native_rows_setting() -> int | None:
+    """NATIVE_LINEAR_ROWS: unset (or "auto"): measure; 0: off; N: the native kernel for steps of
+    at most N rows, unmeasured."""
+    raw = os.environ.get("NATIVE_LINEAR_ROWS", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    return max(0, int(raw))
+
+
+def time_pass(linears: list[PackedLinear], x: dict, native: bool, repeats: int = 3) -> float:
+    """Best of `repeats` passes over every linear, as a forward streams them."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for lin in linears:
+            xi = x[lin.in_features]
+            if native:
+                lin.native.linear(xi, lin.plain, lin.bias)
+            else:
+                packed_linear(xi, lin.packed, lin.bias)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def choose_native_rows(linears: list[PackedLinear], native, timer=time_pass) -> tuple[int, list]:
+    """The most rows (of NATIVE_ROW_CANDIDATES) at which the native kernel streams `linears`
+    (one shape's, all of the model's instances in turn) faster than oneDNN, each candidate timed
+    both ways; stops at the first that loses. Returns (rows, [(rows, native s, oneDNN s)...])."""
+    for lin in linears:
+        lin.native = native
+    chosen, timings = 0, []
+    for m in NATIVE_ROW_CANDIDATES:
+        x = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
+        timer(linears, x, True, 1)  # warm: oneDNN's kernel for this size, pages
+        timer(linears, x, False, 1)
+        t_native, t_packed = timer(linears, x, True), timer(linears, x, False)
+        timings.append((m, t_native, t_packed))
+        if t_native > NATIVE_WIN * t_packed:
+            break
+        chosen = m
+    return chosen, timings
+
+
+def use_native_linears(model: nn.Module, native) -> str:
+    """Hands the model's packed linears the native kernel for the step sizes where it wins,
+    chosen per weight shape (NATIVE_LINEAR_ROWS: one choice for all, unmeasured); the plain
+    weights are dropped where it never does. Returns the start-up line for the choice."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
+    if not linears:
+        return "CPU linears: no packed linears"
+    shapes: dict[tuple[int, int], list[PackedLinear]] = {}
+    for lin in linears:
+        shapes.setdefault((lin.out_features, lin.in_features), []).append(lin)
+    setting = native_rows_setting()
+    words = []
+    for (n, k), group in shapes.items():
+        if setting is None:
+            rows, timings = choose_native_rows(group, native)
+            ratios = "/".join(f"{tn / tp:.2f}" for _, tn, tp in timings)
+            words.append(f"{k}->{n} x{len(group)}: <= {rows} rows ({ratios})")
+        else:
+            rows = setting
+        for lin in group:
+            lin.use_native_rows(native, rows)
+    if setting is not None:
+        return f"CPU linears: native for steps of <= {setting} rows (NATIVE_LINEAR_ROWS)"
+    return (
+        "CPU linears: native kernel by weight shape (native/oneDNN time at "
+        + "/".join(map(str, NATIVE_ROW_CANDIDATES))
+        + " rows, measured): "
+        + "; ".join(words)
+    )

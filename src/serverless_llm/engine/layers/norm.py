@@ -9,8 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu_native import NativeKernels
 from ..kernels.layer_norm import layer_norm, layer_norm_reference
 from ..kernels.rms_norm import rms_norm, rms_norm_reference
+
+
+def native_add_norm(native: NativeKernels | None, x, residual, weight, bias, eps, kind):
+    """The native CPU kernel's norm when it applies (float32 rows, contiguous), else None."""
+    if (
+        native is None
+        or x.dtype != torch.float32
+        or not x.is_contiguous()
+        or (residual is not None and not residual.is_contiguous())
+        or (weight is not None and weight.dtype != torch.float32)
+        or (bias is not None and bias.dtype != torch.float32)
+    ):
+        return None
+    out, res = native.add_norm(x, residual, weight, bias, eps, kind)
+    return out if residual is None else (out, res)
 
 
 class RMSNorm(nn.Module):
@@ -19,10 +35,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_kernels = use_kernels
+        self.native: NativeKernels | None = None  # set on CPU by DecoderModel.use_native
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.native is not None:
+            got = native_add_norm(self.native, x, residual, self.weight, None, self.eps, 0)
+            if got is not None:
+                return got
         norm = rms_norm if self.use_kernels else rms_norm_reference
         return norm(x, self.weight, self.eps, residual)
 
@@ -44,10 +65,15 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
         self.eps = eps
         self.use_kernels = use_kernels
+        self.native: NativeKernels | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.native is not None:
+            got = native_add_norm(self.native, x, residual, self.weight, self.bias, self.eps, 1)
+            if got is not None:
+                return got
         norm = layer_norm if self.use_kernels else layer_norm_reference
         return norm(x, self.weight, self.bias, self.eps, residual)
 

@@ -25,9 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu_native import LayerPrep, native_cache_ok, prepare_reference
 from ..layers.activation import Activation, check_activation, gated_activation
-from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec, alibi_slopes
-from ..layers.linear import PackedLinear, pack_linears_for_cpu
+from ..layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    NativeCpuBackend,
+    alibi_slopes,
+)
+from ..layers.linear import PackedLinear, pack_linears_for_cpu, use_native_linears
 from ..layers.moe import ROUTINGS, Experts, route
 from ..layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
@@ -254,10 +261,19 @@ class Attention(nn.Module):
             self.k_norm = LayerNorm(d, eps, use_kernels=backend.use_kernels)
         elif s.qk_norm is not None:
             raise ValueError(f"unknown q/k norm {s.qk_norm!r}")
+        # Whether the native CPU step can prepare q and k itself (its clip comes before the
+        # norms; its q/k norms are RMSNorms, over every head only without tensor parallelism).
+        self.native_prep = isinstance(backend, NativeCpuBackend) and (
+            not self.clip_after_norm
+            and (s.qk_norm in (None, "rms_head") or (s.qk_norm == "rms_full" and not tp.enabled))
+        )
+        self._native_layer: tuple | None = None  # (key, struct, prep), rebuilt on a new key
 
     def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.native_prep and qkv.dtype == torch.float32:
+            return self._out(self._forward_native(qkv, rope, kv_cache, meta))
         if self.clip_qkv is not None and not self.clip_after_norm:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if rope is not None and rope.cos is not None and self.qk_norm is None:
@@ -289,6 +305,43 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, k, rope, self.rope.is_neox)
         return self._out(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+
+    def _forward_native(self, qkv, rope, kv_cache, meta):
+        """The native CPU step from the fused projection: q, k, v prepared in place (clip, q/k
+        norm, rotary), written and attended in one call."""
+        q, k, v = qkv.view(qkv.shape[0], -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1
+        )
+        backend: NativeCpuBackend = self.backend
+        if not native_cache_ok(kv_cache):
+            q, k, v = prepare_reference(q, k, v, rope.positions if rope else None, self._prep(rope))
+            return backend.forward(q, k, v, kv_cache, meta, self.spec)
+        table = None if rope is None else rope.cache
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        key = (
+            kv_cache.data_ptr(),
+            None if table is None else table.data_ptr(),
+            id(self.spec),
+            *(None if w is None else w.data_ptr() for w in norms),
+        )
+        if self._native_layer is None or self._native_layer[0] != key:
+            prep = self._prep(rope)
+            self._native_layer = (key, backend.layer(self.spec, kv_cache, prep), prep)
+        positions = None if rope is None else rope.positions
+        layer = self._native_layer[1]
+        return backend.forward_native(q, k, v, kv_cache, meta, self.spec, layer, positions)
+
+    def _prep(self, rope: RotaryStep | None) -> LayerPrep:
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        return LayerPrep(
+            rope=None if rope is None else rope.cache,
+            is_neox=self.rope.is_neox if self.rope is not None else True,
+            clip=self.clip_qkv,
+            qk_norm=self.qk_norm,
+            q_norm=norms[0],
+            k_norm=norms[1],
+            qk_eps=self.q_norm.eps if self.qk_norm else 1e-6,
+        )
 
     def _out(self, attn: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj(attn))
@@ -467,6 +520,10 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             for i in range(s.num_layers)
         )
         self.norm = make_norm(s.norm, s.hidden_size, uk) if s.final_norm else None
+        # The native CPU kernels (handed to the norms by `optimize_for_cpu`), and whether every
+        # layer's rotary runs inside them (then the step gathers no cos/sin for the torch path).
+        self.native = backend.kernels if isinstance(backend, NativeCpuBackend) else None
+        self.native_rotary = False
         self.project_out = (
             nn.Linear(s.hidden_size, embed_dim, bias=False) if s.project_dim else None
         )
@@ -537,7 +594,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 positions,
                 x.dtype,
                 self.use_kernels,
-                gather=r.is_neox and r.rot_dim == s.head_dim,
+                gather=r.is_neox and r.rot_dim == s.head_dim and not self.native_rotary,
             )
             for cache, r in zip(self.rope_caches, self.rope_specs)
         ]
@@ -580,16 +637,30 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits
 
-    def optimize_for_cpu(self) -> None:
-        """Packs the linear layers for oneDNN (after weights are loaded, float32 only)."""
-        if self.embed_tokens.weight.dtype != torch.float32 or not pack_linears_for_cpu(self):
-            return
+    def optimize_for_cpu(self) -> str | None:
+        """Packs the linear layers for oneDNN (after weights are loaded, float32 only), and
+        hands the norms and linears the native CPU kernels when the backend has them (norms
+        check their input's dtype at every call; linears take the native kernel for the step
+        sizes where it measures faster, `use_native_linears`). Returns the linears' choice for
+        the start-up line, or None."""
+        float32 = self.embed_tokens.weight.dtype == torch.float32
+        if self.native is not None:
+            for m in self.modules():
+                if isinstance(m, (RMSNorm, LayerNorm)):
+                    m.native = self.native
+            self.native_rotary = float32 and all(
+                layer.self_attn.native_prep for layer in self.layers
+            )
+        native = self.native is not None and float32
+        if not float32 or not pack_linears_for_cpu(self, keep_plain=native):
+            return None
         for m in self.modules():
             if isinstance(m, Experts) and not m.use_kernels:
                 m.pack_for_cpu()
         if self.tied:  # the embedding itself stays plain for the lookup
             bias = getattr(self, "lm_head_bias", None)
-            self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight)
+            self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight, keep_plain=native)
             self.packed_lm_head.bias = None if bias is None else bias.detach()
         else:
             self.packed_lm_head = self.lm_head
+        return use_native_linears(self, self.native) if native else None

@@ -408,8 +408,9 @@ class SettingsFields(BaseSettings):
         "ATTENTION_BACKEND",
         title="Attention Backend",
         description=(
-            "`auto` picks the best available for the device; `torch` is the reference "
-            "implementation, `triton` the GPU kernels."
+            "`auto` picks the best available for the device: `triton` (the GPU kernels) on "
+            "CUDA; on CPU `native`, the CPU kernels compiled with the system C compiler at the "
+            "first start, or `torch` (the reference implementation) where they cannot be built."
         ),
         choices=ATTENTION_BACKENDS,
     )

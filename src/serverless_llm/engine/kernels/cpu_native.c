@@ -1,0 +1,301 @@
+/* The CPU path's fused kernels, float32 (kernels/cpu_native.py builds and loads this file, and
+ * holds the torch references they are tested against).
+ *
+ * Why native code: on a CPU one request's decode step is ~2,000 small torch ops (norms, rotary,
+ * the KV write, the gather-and-matmul attention), each a few microseconds of dispatch, besides
+ * the linears. Each function here does one such group in one call, reading the paged cache in
+ * place (no gather copy). Built with -ffp-contract=off: no fused multiply-adds, so the
+ * element-wise parts (rotary, the KV write, residual adds) round exactly as the torch ops do;
+ * reductions (norm statistics, attention) sum in another order than torch.
+ *
+ * Threads: OpenMP, linked against the libgomp torch has already loaded (one runtime, one team,
+ * sized by torch.set_num_threads), used only where a call has enough work to pay for a team.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What every layer of one step shares. */
+typedef struct {
+    int64_t num_tokens;     /* T: rows of q, k, v */
+    int64_t num_decodes;    /* the first num_decodes rows are decodes: one query each */
+    const int64_t *positions;    /* [T] */
+    const int64_t *slot_mapping; /* [T]: cache slot of each row's K/V; < 0: not written */
+    const int32_t *block_tables; /* [requests, bt_stride]: rows 0..num_decodes-1 are read */
+    const int32_t *seq_lens;     /* [requests] */
+    int64_t bt_stride;
+    int64_t block_size;
+} step_t;
+
+/* One attention layer. */
+typedef struct {
+    int64_t num_heads, num_kv_heads, head_dim;
+    float scale;
+    float softcap;         /* 0: none */
+    const float *slopes;   /* [num_heads] ALiBi slopes, or NULL */
+    int64_t window;        /* 0: none; else a query sees keys p - window < j <= p */
+    float *k_cache;        /* head-major [blocks, num_kv_heads, block_size, head_dim] */
+    float *v_cache;
+    const float *rope;     /* NULL, or [max_position, rot_dim]: cos half, then sin half */
+    int64_t rot_dim;
+    int64_t is_neox;       /* 1: rotate halves; 0: interleaved pairs (GPT-J) */
+    float clip;            /* 0: none; else q, k, v clamped to [-clip, clip] first */
+    int64_t qk_norm;       /* 0: none; 1: RMSNorm over each head; 2: RMSNorm over all heads */
+    const float *q_norm;   /* its weights: [head_dim] (1) or [num_heads * head_dim] (2) */
+    const float *k_norm;
+    float qk_eps;
+} layer_t;
+
+static inline float sum_squares(const float *x, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += x[i] * x[i];
+    return acc;
+}
+
+/* x <- weight * (x / sqrt(mean(x^2) + eps)), as rms_norm_reference in float32. */
+static inline void rms_inplace(float *x, const float *w, int64_t n, float eps) {
+    float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = w[i] * (x[i] * r);
+}
+
+static inline void rotate(float *x, const float *cs, int64_t rot_dim, int64_t is_neox) {
+    int64_t half = rot_dim / 2;
+    const float *c = cs, *s = cs + half;
+    if (is_neox) {
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * s[i];
+            x[i + half] = x2 * c[i] + x1 * s[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = x[2 * i], x2 = x[2 * i + 1];
+            x[2 * i] = x1 * c[i] - x2 * s[i];
+            x[2 * i + 1] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+
+static inline void clamp(float *x, int64_t n, float lim) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] < -lim ? -lim : (x[i] > lim ? lim : x[i]);
+}
+
+/* Clip, q/k norm and rotary of row t, in place. */
+static void prepare_row(const layer_t *L, const step_t *S, int64_t t, float *q, float *k,
+                        float *v) {
+    int64_t H = L->num_heads, KVH = L->num_kv_heads, D = L->head_dim;
+    if (L->clip > 0) {
+        clamp(q, H * D, L->clip);
+        clamp(k, KVH * D, L->clip);
+        clamp(v, KVH * D, L->clip);
+    }
+    if (L->qk_norm == 1) {
+        for (int64_t h = 0; h < H; h++) rms_inplace(q + h * D, L->q_norm, D, L->qk_eps);
+        for (int64_t h = 0; h < KVH; h++) rms_inplace(k + h * D, L->k_norm, D, L->qk_eps);
+    } else if (L->qk_norm == 2) {
+        rms_inplace(q, L->q_norm, H * D, L->qk_eps);
+        rms_inplace(k, L->k_norm, KVH * D, L->qk_eps);
+    }
+    if (L->rope) {
+        const float *cs = L->rope + S->positions[t] * L->rot_dim;
+        for (int64_t h = 0; h < H; h++) rotate(q + h * D, cs, L->rot_dim, L->is_neox);
+        for (int64_t h = 0; h < KVH; h++) rotate(k + h * D, cs, L->rot_dim, L->is_neox);
+    }
+}
+
+static void write_row(const layer_t *L, const step_t *S, int64_t t, const float *k,
+                      const float *v) {
+    int64_t slot = S->slot_mapping[t];
+    if (slot < 0) return;
+    int64_t KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size;
+    int64_t blk = slot / bs, off = slot % bs;
+    for (int64_t h = 0; h < KVH; h++) {
+        int64_t at = ((blk * KVH + h) * bs + off) * D;
+        memcpy(L->k_cache + at, k + h * D, D * sizeof(float));
+        memcpy(L->v_cache + at, v + h * D, D * sizeof(float));
+    }
+}
+
+/* One decode's attention for one KV head and its group of query heads: scores (scaled,
+ * soft-capped, ALiBi, windowed), softmax, weighted values. `buf` holds group * seq_len floats. */
+static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh, const float *q,
+                       int64_t q_stride, float *out, int64_t out_stride, float *buf) {
+    int64_t H = L->num_heads, KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size;
+    int64_t G = H / KVH;
+    int64_t len = S->seq_lens[i], p = len - 1;
+    int64_t first = (L->window > 0 && p - L->window + 1 > 0) ? p - L->window + 1 : 0;
+    int64_t n = len - first;
+    const int32_t *table = S->block_tables + i * S->bt_stride;
+    const float *qi = q + i * q_stride + kh * G * D;
+    for (int64_t j = first; j < len; j++) {
+        const float *key = L->k_cache + (((int64_t)table[j / bs] * KVH + kh) * bs + j % bs) * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qi + g * D;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) acc += qg[d] * key[d];
+            float s = acc * L->scale;
+            if (L->softcap > 0) s = L->softcap * tanhf(s / L->softcap);
+            if (L->slopes) s += L->slopes[kh * G + g] * (float)(j - p);
+            buf[g * n + (j - first)] = s;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *sc = buf + g * n;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            sc[j] = expf(sc[j] - mx);
+            sum += sc[j];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
+        float *o = out + i * out_stride + (kh * G + g) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    }
+    for (int64_t j = first; j < len; j++) {
+        const float *val = L->v_cache + (((int64_t)table[j / bs] * KVH + kh) * bs + j % bs) * D;
+        for (int64_t g = 0; g < G; g++) {
+            float pj = buf[g * n + (j - first)];
+            float *o = out + i * out_stride + (kh * G + g) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += pj * val[d];
+        }
+    }
+}
+
+/* Work (floats touched) above which a call runs on the OpenMP team. */
+#define PARALLEL_WORK 32768
+
+/* The attention part of one layer's step: every row's q, k, v (row strides in floats, heads
+ * contiguous inside a row) clipped, normed and rotated in place, each row's K/V written to its
+ * slot, then the decode rows' attention into out [num_decodes, num_heads * head_dim] (row
+ * stride out_stride). Prefill rows are left to the caller, with their q and k prepared. */
+void attention_step_f32(const layer_t *L, const step_t *S, float *q, int64_t q_stride, float *k,
+                        int64_t k_stride, float *v, int64_t v_stride, float *out,
+                        int64_t out_stride) {
+    int64_t T = S->num_tokens, KVH = L->num_kv_heads, D = L->head_dim;
+    int64_t G = L->num_heads / KVH;
+    int64_t row_work = (L->num_heads + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) if (T * row_work > PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++) {
+        float *qt = q + t * q_stride, *kt = k + t * k_stride, *vt = v + t * v_stride;
+        prepare_row(L, S, t, qt, kt, vt);
+        write_row(L, S, t, kt, vt);
+    }
+    int64_t nd = S->num_decodes;
+    if (nd == 0) return;
+    int64_t max_len = 0, total = 0;
+    for (int64_t i = 0; i < nd; i++) {
+        max_len = S->seq_lens[i] > max_len ? S->seq_lens[i] : max_len;
+        total += S->seq_lens[i];
+    }
+    int64_t tasks = nd * KVH;
+#pragma omp parallel if (total * KVH * D * 2 > PARALLEL_WORK)
+    {
+        float *buf = malloc((size_t)(G * max_len) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++)
+            attend_one(L, S, task / KVH, task % KVH, q, q_stride, out, out_stride, buf);
+        free(buf);
+    }
+}
+
+/* Residual add and norm over rows of n: with `residual`, res_out = x + residual and
+ * out = norm(res_out); without, out = norm(x). kind 0: RMSNorm (weight required); kind 1:
+ * LayerNorm (weight and bias optional). Rows are `stride` floats apart in x and residual;
+ * out and res_out are contiguous. */
+void add_norm_f32(const float *x, const float *residual, const float *w, const float *b,
+                  float *out, float *res_out, int64_t rows, int64_t n, int64_t stride, float eps,
+                  int64_t kind) {
+#pragma omp parallel for schedule(static) if (rows * n > PARALLEL_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * stride;
+        float *o = out + r * n;
+        if (residual) {
+            const float *rr = residual + r * stride;
+            float *s = res_out + r * n;
+            for (int64_t i = 0; i < n; i++) s[i] = xr[i] + rr[i];
+            xr = s;
+        }
+        if (kind == 0) {
+            float inv = 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps);
+            for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
+        } else {
+            float mean = 0.0f;
+#pragma omp simd reduction(+ : mean)
+            for (int64_t i = 0; i < n; i++) mean += xr[i];
+            mean /= (float)n;
+            float var = 0.0f;
+#pragma omp simd reduction(+ : var)
+            for (int64_t i = 0; i < n; i++) var += (xr[i] - mean) * (xr[i] - mean);
+            float inv = 1.0f / sqrtf(var / (float)n + eps);
+            for (int64_t i = 0; i < n; i++) {
+                float h = (xr[i] - mean) * inv;
+                if (w) h = h * w[i];
+                if (b) h = h + b[i];
+                o[i] = h;
+            }
+        }
+    }
+}
+
+/* -- linears of a few rows ---------------------------------------------------------------- */
+
+/* Eight floats, in whatever vector registers the target has (GCC vector extension). */
+typedef float v8 __attribute__((vector_size(32)));
+#define ROWS 8 /* weight rows one pass streams together */
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum8(v8 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+/* Weight rows n0..n0+rows-1 (rows <= ROWS) against row xm of x: out[j] = w[n0 + j] . xm. The
+ * next block's rows are prefetched a cache line at a time as this one streams. */
+static inline void dot_rows(const float *xm, const float *w0, int64_t K, int64_t rows,
+                            float *out) {
+    int64_t K8 = K & ~(int64_t)7;
+    v8 acc[ROWS];
+    for (int j = 0; j < ROWS; j++) acc[j] = (v8){0};
+    for (int64_t k = 0; k < K8; k += 8) {
+        v8 xv = load8(xm + k);
+        for (int64_t j = 0; j < rows; j++) {
+            if ((k & 15) == 0) __builtin_prefetch(w0 + (j + ROWS) * K + k, 0, 3);
+            acc[j] += load8(w0 + j * K + k) * xv;
+        }
+    }
+    for (int64_t j = 0; j < rows; j++) {
+        float s = hsum8(acc[j]);
+        for (int64_t k = K8; k < K; k++) s += w0[j * K + k] * xm[k];
+        out[j] = s;
+    }
+}
+
+/* out [M, N] = x [M, K] (rows x_stride apart) times w [N, K] transposed, + b: for a few rows
+ * (decode steps), each block of weight rows read once for all of them. */
+void linear_rows_f32(const float *x, int64_t x_stride, const float *w, const float *b, float *out,
+                     int64_t M, int64_t N, int64_t K) {
+    int64_t blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) if (N * K > 65536)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        int64_t n0 = blk * ROWS;
+        int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
+        for (int64_t m = 0; m < M; m++) {
+            float *o = out + m * N + n0;
+            dot_rows(x + m * x_stride, w + n0 * K, K, rows, o);
+            if (b)
+                for (int64_t j = 0; j < rows; j++) o[j] += b[n0 + j];
+        }
+    }
+}

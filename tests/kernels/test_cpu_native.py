@@ -1,0 +1,355 @@
+"""The native CPU kernels (kernels/cpu_native.c) against their torch references: the attention
+step (q/k preparation, KV write, decode attention) in every option the decoder hands it, the
+residual-add norms, the few-row linears and their choice by measurement; the build cache, the
+fallbacks (no compiler, a failed self-check) and the backend choice; and whole models on the
+native backend equal to the torch backend's tokens and to transformers'."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from serverless_llm.engine.config import ConfigError
+from serverless_llm.engine.kernels import cpu_native
+from serverless_llm.engine.kernels.cpu_native import (
+    LayerPrep,
+    add_norm_reference,
+    make_layer,
+    make_step,
+    prepare_reference,
+)
+from serverless_llm.engine.kernels.kv_write import reshape_and_cache_reference
+from serverless_llm.engine.kernels.metadata import AttentionMetadata, AttentionSpec
+from serverless_llm.engine.kernels.paged_attention import paged_attention_reference
+from serverless_llm.engine.layers.attention import NativeCpuBackend, TorchAttentionBackend
+from serverless_llm.engine.model_builder import make_attention_backend
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_native.load()
+    assert k is not None, "the native CPU kernels did not build (is a C compiler installed?)"
+    return k
+
+
+def ragged_step(lens, qlens, block_size, num_blocks, g, pad_rows=0):
+    """Metadata of decodes then prefills (query lengths `qlens`), random distinct blocks; plus
+    `pad_rows` padding decode rows (slot -1, one key in block 0) after the real decodes."""
+    need = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 stays for padding
+    tables = torch.zeros(len(lens) + pad_rows, max(need), dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[at : at + k]
+        at += k
+    nd = sum(1 for q in qlens if q == 1)
+    order = list(range(nd)) + [None] * pad_rows + list(range(nd, len(lens)))
+    slots, positions, seq, ql, rows = [], [], [], [], []
+    for i in order:
+        if i is None:
+            slots.append(-1)
+            positions.append(0)
+            seq.append(1)
+            ql.append(1)
+            rows.append(tables.new_zeros(tables.shape[1]))
+            continue
+        n, q = lens[i], qlens[i]
+        for p in range(n - q, n):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+            positions.append(p)
+        seq.append(n)
+        ql.append(q)
+        rows.append(tables[i])
+    qsl = [0]
+    for q in ql:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq, dtype=torch.int32),
+        context_lens=torch.tensor([s - q for s, q in zip(seq, ql)], dtype=torch.int32),
+        block_tables=torch.stack(rows),
+        slot_mapping=torch.tensor(slots),
+        num_decodes=nd + pad_rows,
+        max_query_len=max(ql),
+        max_seq_len=max(seq),
+        query_lens_host=ql,
+        seq_lens_host=seq,
+        block_size=block_size,
+    )
+    return meta, torch.tensor(positions)
+
+
+def rope_table(rot_dim, g, max_pos=128):
+    angles = torch.rand(max_pos, rot_dim // 2, generator=g) * 6.3
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+CASES = {
+    # name: (H, KVH, D, prep options, spec options)
+    "llama-gqa": (8, 2, 32, dict(rope="full"), {}),
+    "mha-no-rope": (4, 4, 16, {}, {}),
+    "gptj-partial": (4, 4, 32, dict(rope=8, is_neox=False), {}),
+    "neox-partial": (6, 2, 32, dict(rope=16), {}),
+    "qk-norm-head": (4, 2, 16, dict(rope="full", qk_norm="rms_head"), {"sliding_window": 6}),
+    "qk-norm-full": (4, 2, 16, dict(rope="full", qk_norm="rms_full"), {}),
+    "clip-alibi": (4, 4, 16, dict(clip=1.5), {"alibi": True}),
+    "softcap-window": (4, 1, 16, dict(rope="full"), {"logit_softcap": 2.5, "sliding_window": 9}),
+}
+
+
+def make_case(name, g):
+    H, KVH, D, popt, sopt = CASES[name]
+    popt, sopt = dict(popt), dict(sopt)
+    rope = popt.pop("rope", None)
+    if rope is not None:
+        popt["rope"] = rope_table(D if rope == "full" else rope, g)
+    norm = popt.get("qk_norm")
+    if norm == "rms_head":
+        popt["q_norm"], popt["k_norm"] = torch.rand(D, generator=g) + 0.5, torch.rand(D) + 0.5
+    elif norm == "rms_full":
+        popt["q_norm"] = torch.rand(H * D, generator=g) + 0.5
+        popt["k_norm"] = torch.rand(KVH * D, generator=g) + 0.5
+    if sopt.pop("alibi", False):
+        sopt["alibi_slopes"] = torch.rand(H, generator=g)
+    return AttentionSpec(H, KVH, D, D**-0.5, **sopt), LayerPrep(**popt)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_attention_step_matches_the_references(kernels, name, block_size):
+    g = torch.Generator().manual_seed(hash((name, block_size)) % 1000)
+    spec, prep = make_case(name, g)
+    H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    lens, qlens = [1, 5, 17, 40, 9, 23], [1, 1, 1, 1, 9, 4]  # 4 decodes, a prefill, a chunk
+    meta, positions = ragged_step(lens, qlens, block_size, 40, g, pad_rows=2)
+    T = positions.shape[0]
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g) * 2
+    cache = torch.randn(2, 40, KVH, block_size, D, generator=g).transpose(2, 3)  # head-major
+    ref_cache = cache.clone()
+    q, k, v = qkv.view(T, -1, D).split([H, KVH, KVH], dim=1)
+    rq, rk, rv = prepare_reference(q, k, v, positions, prep)
+    reshape_and_cache_reference(rk, rv, ref_cache, meta.slot_mapping)
+    want = paged_attention_reference(rq, ref_cache, meta, spec)
+    nd = meta.num_decodes
+    out = torch.full((nd, H * D), float("nan"))
+    keep: list = []
+    kernels.attention_step(
+        make_layer(spec, cache, prep), make_step(meta, positions, keep), q, k, v, out
+    )
+    # Element-wise work rounds as torch does: exactly equal.
+    if prep.qk_norm is None:
+        assert torch.equal(q, rq) and torch.equal(k, rk)
+    else:  # the norms' sums run in another order
+        torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, rv)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want[:nd], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_step_leaves_padding_slots_and_other_blocks_alone(kernels):
+    g = torch.Generator().manual_seed(3)
+    spec, prep = make_case("llama-gqa", g)
+    meta, positions = ragged_step([6, 11], [1, 1], 4, 12, g, pad_rows=3)
+    T = positions.shape[0]
+    qkv = torch.randn(T, (8 + 4) * 32, generator=g)
+    cache = torch.randn(2, 12, 2, 4, 32, generator=g).transpose(2, 3)
+    before = cache.clone()
+    q, k, v = qkv.view(T, -1, 32).split([8, 2, 2], dim=1)
+    out = torch.empty(meta.num_decodes, 8 * 32)
+    kernels.attention_step(
+        make_layer(spec, cache, prep), make_step(meta, positions, []), q, k, v, out
+    )
+    changed = (cache != before).any(0).flatten(2).any(-1)  # [blocks, block_size]: written
+    written = {(int(s) // 4, int(s) % 4) for s in meta.slot_mapping if s >= 0}
+    assert {tuple(x) for x in changed.nonzero().tolist()} == written
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(
+    ("kind", "affine"), [(0, "weight"), (1, "both"), (1, "weight"), (1, "none")]
+)  # RMSNorm (0) has a weight and no bias; LayerNorm (1) either, both or neither
+def test_add_norm_matches_the_references(kernels, kind, with_residual, affine):
+    g = torch.Generator().manual_seed(kind * 10 + with_residual)
+    x = torch.randn(7, 96, generator=g) * 3
+    res = torch.randn(7, 96, generator=g) if with_residual else None
+    w = torch.randn(96, generator=g) if affine != "none" else None
+    b = torch.randn(96, generator=g) if affine == "both" else None
+    got = kernels.add_norm(x, res, w, b, 1e-5, kind)
+    want = add_norm_reference(x, res, w, b, 1e-5, kind)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the add rounds as torch's
+    else:
+        assert got[1] is None
+
+
+def test_build_is_cached_by_key(tmp_path, monkeypatch):
+    first = cpu_native.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: "another machine")
+    assert cpu_native.build(tmp_path) != first  # another CPU: another library
+
+
+def fresh_load(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    return cpu_native.load()
+
+
+def test_no_compiler_leaves_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("NATIVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert fresh_load(monkeypatch) is None
+        assert isinstance(make_attention_backend("auto", CPU), TorchAttentionBackend)
+    assert "native CPU kernels off" in caplog.text
+    with pytest.raises(ConfigError, match="native"):
+        make_attention_backend("native", CPU)
+
+
+def test_a_failed_self_check_leaves_the_torch_path(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_native, "self_check", lambda k: "attention differs by 1")
+    monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert fresh_load(monkeypatch) is None
+    assert "self-check failed: attention differs by 1" in caplog.text
+
+
+def test_self_check_catches_a_wrong_kernel(kernels, monkeypatch):
+    real = kernels.attention_step
+
+    def off_by_a_bit(layer, step, q, k, v, out):
+        real(layer, step, q, k, v, out)
+        out.add_(1e-3)
+
+    monkeypatch.setattr(kernels, "attention_step", off_by_a_bit)
+    assert "attention" in cpu_native.self_check(kernels)
+
+
+def test_backend_choice(monkeypatch, kernels):
+    monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
+    auto = make_attention_backend("auto", CPU)
+    assert isinstance(auto, NativeCpuBackend) and auto.kernels is kernels
+    assert make_attention_backend("native", CPU).name == "native"
+    assert make_attention_backend("torch", CPU).name == "torch"
+    monkeypatch.setenv("ATTENTION_BACKEND", "torch")  # the reference path, for the worker too
+    assert make_attention_backend("auto", CPU).name == "torch"
+    with pytest.raises(ConfigError):
+        make_attention_backend("native", torch.device("cuda"))
+
+
+# Families that between them hand the native step each option (and one, Cohere's per-head
+# LayerNorm, whose q/k preparation stays in torch ahead of the native write and attention).
+ENGINE_CASES = [
+    ("test_families", "gemma2"),  # soft-cap, sliding window, RMSNorm + 1
+    ("test_families", "olmo2"),  # q/k RMSNorm over all heads, post-norms
+    ("test_families", "qwen3"),  # q/k RMSNorm per head
+    ("test_families", "cohere"),  # per-head LayerNorm q/k norm: the torch preparation
+    ("test_families_alibi", "mpt"),  # ALiBi, clip_qkv, LayerNorm without bias
+    ("test_families_gpt", "gptj"),  # GPT-J partial rotary, parallel block
+]
+
+
+@pytest.mark.parametrize(("module", "name"), ENGINE_CASES)
+def test_native_backend_tokens_equal_the_torch_backends(tmp_path, module, name, kernels):
+    """The families' own tests run the default backend (native on CPU) against transformers;
+    this runs the torch backend beside it, so both CPU paths stay equal."""
+    import importlib
+
+    import transformers
+
+    from tests.engine.family_check import engine_greedy, family_prompts, save_family_model
+    from tests.tiny_models import build_tokenizer
+
+    config = importlib.import_module(f"tests.engine.{module}")._config(name, build_tokenizer())
+    path = save_family_model(str(tmp_path / name), config)
+    prompts = family_prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
+    native = engine_greedy(path, prompts, 24, attention_backend="native")
+    assert native == engine_greedy(path, prompts, 24, attention_backend="torch")
+
+
+# -- linears of a few rows ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9])
+@pytest.mark.parametrize(("n", "k"), [(64, 48), (37, 130), (4, 16), (3, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_matches_f_linear(kernels, rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    x = torch.randn(rows, k + 5, generator=g)[:, 2 : 2 + k]  # rows strided, as a view can be
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = kernels.linear(x, w, b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def packed(n=24, k=16, bias=True, keep_plain=True):
+    from serverless_llm.engine.layers.linear import PackedLinear, packed_ops_work
+
+    if not packed_ops_work():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    lin = torch.nn.Linear(k, n, bias=bias)
+    return lin, PackedLinear(lin, keep_plain=keep_plain)
+
+
+def test_packed_linear_takes_the_native_kernel_up_to_its_rows(kernels, monkeypatch):
+    lin, p = packed()
+    calls = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    p.use_native_rows(kernels, 4)
+    for m in (1, 4, 5, 32):
+        x = torch.randn(m, 16)
+        torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4]
+    p.use_native_rows(kernels, 0)
+    assert p.plain is None and p(torch.randn(1, 16)).shape == (1, 24) and calls == [1, 4]
+
+
+def test_choose_native_rows_stops_at_the_first_loss(kernels):
+    from serverless_llm.engine.layers.linear import choose_native_rows
+
+    _, p = packed()
+    # native's share of oneDNN's time by rows: wins at 1 and 2, loses at 4 (8 is never tried)
+    share = {1: 0.5, 2: 0.9, 4: 1.2, 8: 0.1}
+    tried = []
+
+    def timer(linears, x, native, repeats=3):
+        m = next(iter(x.values())).shape[0]
+        tried.append(m)
+        return share[m] if native else 1.0
+
+    rows, timings = choose_native_rows([p], kernels, timer)
+    assert rows == 2 and [t[0] for t in timings] == [1, 2, 4] and 8 not in tried
+    share[1] = 0.99  # within NATIVE_WIN of oneDNN: not worth the memory
+    assert choose_native_rows([p], kernels, timer)[0] == 0
+
+
+@pytest.mark.parametrize(("setting", "rows"), [("0", 0), ("3", 3)])
+def test_native_linear_rows_setting(kernels, monkeypatch, setting, rows):
+    from serverless_llm.engine.layers.linear import use_native_linears
+
+    _, p = packed()
+    model = torch.nn.Sequential(p)
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", setting)
+    line = use_native_linears(model, kernels)
+    assert p.native_rows == rows and (p.plain is None) == (rows == 0)
+    assert "NATIVE_LINEAR_ROWS" in line
+
+
+def test_a_model_on_native_linears_equals_transformers(tmp_path, monkeypatch, kernels):
+    """Every step of a tiny Llama through the native linears (8 rows and fewer: the decodes),
+    greedy tokens equal to transformers'."""
+    from tests.engine.family_check import assert_matches_transformers
+    from tests.tiny_models import build_tiny_model
+
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
+    path = build_tiny_model(str(tmp_path / "llama"), "llama")
+    assert_matches_transformers(path, attention_backend="native")
