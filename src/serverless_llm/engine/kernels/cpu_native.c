@@ -152,8 +152,71 @@ static void write_row(const layer_t *L, const step_t *S, int64_t t, const float 
     }
 }
 
+/* exp(x) for x <= 0 (softmax terms), within ~1 ulp of expf: x = k ln2 + r with |r| <= ln2/2
+ * (ln2 split in two parts so r is exact), exp(r) by Cephes' degree-6 polynomial, times 2^k
+ * built in the exponent bits. Inline arithmetic only, so a loop of it vectorizes (expf is a
+ * scalar libm call, and was most of the attention's time). Below -87 (where expf nears the
+ * smallest normal float) it returns exp(-87), ~1.6e-38: nothing against the maximum's 1. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_k = {.i = ((int32_t)k + 127) << 23};
+    return y * two_k.f;
+}
+
+/* s[t] = q . keys[t] for n keys D floats apart: four keys at a time, so four independent
+ * sums hide the adds' latency. */
+static inline void key_dots(const float *q, const float *keys, int64_t n, int64_t D, float *s) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = keys + t * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t d = 0; d < D; d++) {
+            float x = q[d];
+            a0 += k0[d] * x;
+            a1 += k1[d] * x;
+            a2 += k2[d] * x;
+            a3 += k3[d] * x;
+        }
+        s[t] = a0;
+        s[t + 1] = a1;
+        s[t + 2] = a2;
+        s[t + 3] = a3;
+    }
+    for (; t < n; t++) {
+        const float *kt = keys + t * D;
+        float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t d = 0; d < D; d++) a += kt[d] * q[d];
+        s[t] = a;
+    }
+}
+
+/* Asks for the cache lines of one (block, head) row of the cache: the next block of a request
+ * is anywhere in memory, where the hardware prefetcher cannot guess it. */
+static inline void prefetch_block(const float *cache, int32_t block, int64_t KVH, int64_t kh,
+                                  int64_t bs, int64_t D) {
+    const char *at = (const char *)(cache + ((int64_t)block * KVH + kh) * bs * D);
+    for (int64_t off = 0; off < bs * D * (int64_t)sizeof(float); off += 64)
+        __builtin_prefetch(at + off, 0, 3);
+}
+
 /* One decode's attention for one KV head and its group of query heads: scores (scaled,
- * soft-capped, ALiBi, windowed), softmax, weighted values. `buf` holds group * seq_len floats. */
+ * soft-capped, ALiBi, windowed), softmax, weighted values, a cache block at a time. `buf`
+ * holds group * seq_len floats. */
 static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh, const float *q,
                        int64_t q_stride, float *out, int64_t out_stride, float *buf) {
     int64_t H = L->num_heads, KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size;
@@ -163,40 +226,51 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
     int64_t n = len - first;
     const int32_t *table = S->block_tables + i * S->bt_stride;
     const float *qi = q + i * q_stride + kh * G * D;
-    for (int64_t j = first; j < len; j++) {
-        const float *key = L->k_cache + (((int64_t)table[j / bs] * KVH + kh) * bs + j % bs) * D;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qi + g * D;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < D; d++) acc += qg[d] * key[d];
-            float s = acc * L->scale;
-            if (L->softcap > 0) s = L->softcap * tanhf(s / L->softcap);
-            if (L->slopes) s += L->slopes[kh * G + g] * (float)(j - p);
-            buf[g * n + (j - first)] = s;
-        }
+    float *oi = out + i * out_stride + kh * G * D;
+    /* Keys first..len-1 lie in blocks first/bs..(len-1)/bs; block b holds keys
+     * [b * bs + t0, b * bs + t1) of them. */
+    for (int64_t b = first / bs; b * bs < len; b++) {
+        int64_t t0 = b * bs < first ? first - b * bs : 0;
+        int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
+        const float *kb = L->k_cache + ((int64_t)table[b] * KVH + kh) * bs * D;
+        if ((b + 1) * bs < len) prefetch_block(L->k_cache, table[b + 1], KVH, kh, bs, D);
+        for (int64_t g = 0; g < G; g++)
+            key_dots(qi + g * D, kb + t0 * D, t1 - t0, D, buf + g * n + (b * bs + t0 - first));
     }
     for (int64_t g = 0; g < G; g++) {
         float *sc = buf + g * n;
+        float slope = L->slopes ? L->slopes[kh * G + g] : 0.0f;
         float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
-        float sum = 0.0f;
         for (int64_t j = 0; j < n; j++) {
-            sc[j] = expf(sc[j] - mx);
+            float s = sc[j] * L->scale;
+            if (L->softcap > 0) s = L->softcap * tanhf(s / L->softcap);
+            if (L->slopes) s += slope * (float)(first + j - p);
+            sc[j] = s;
+            mx = s > mx ? s : mx;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            sc[j] = exp_nonpositive(sc[j] - mx);
             sum += sc[j];
         }
         float inv = 1.0f / sum;
         for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-        float *o = out + i * out_stride + (kh * G + g) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t d = 0; d < D; d++) oi[g * D + d] = 0.0f;
     }
-    for (int64_t j = first; j < len; j++) {
-        const float *val = L->v_cache + (((int64_t)table[j / bs] * KVH + kh) * bs + j % bs) * D;
-        for (int64_t g = 0; g < G; g++) {
-            float pj = buf[g * n + (j - first)];
-            float *o = out + i * out_stride + (kh * G + g) * D;
+    for (int64_t b = first / bs; b * bs < len; b++) {
+        int64_t t0 = b * bs < first ? first - b * bs : 0;
+        int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
+        const float *vb = L->v_cache + ((int64_t)table[b] * KVH + kh) * bs * D;
+        if ((b + 1) * bs < len) prefetch_block(L->v_cache, table[b + 1], KVH, kh, bs, D);
+        for (int64_t t = t0; t < t1; t++) {
+            const float *val = vb + t * D;
+            for (int64_t g = 0; g < G; g++) {
+                float pj = buf[g * n + (b * bs + t - first)];
+                float *o = oi + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] += pj * val[d];
+                for (int64_t d = 0; d < D; d++) o[d] += pj * val[d];
+            }
         }
     }
 }

@@ -313,9 +313,6 @@ class Attention(nn.Module):
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1
         )
         backend: NativeCpuBackend = self.backend
-        if not native_cache_ok(kv_cache):
-            q, k, v = prepare_reference(q, k, v, rope.positions if rope else None, self._prep(rope))
-            return backend.forward(q, k, v, kv_cache, meta, self.spec)
         table = None if rope is None else rope.cache
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         key = (
@@ -324,12 +321,16 @@ class Attention(nn.Module):
             id(self.spec),
             *(None if w is None else w.data_ptr() for w in norms),
         )
-        if self._native_layer is None or self._native_layer[0] != key:
+        cached = self._native_layer
+        if cached is None or cached[0] != key:  # the struct is None for a cache it cannot read
             prep = self._prep(rope)
-            self._native_layer = (key, backend.layer(self.spec, kv_cache, prep), prep)
+            layer = backend.layer(self.spec, kv_cache, prep) if native_cache_ok(kv_cache) else None
+            cached = self._native_layer = (key, layer, prep)
         positions = None if rope is None else rope.positions
-        layer = self._native_layer[1]
-        return backend.forward_native(q, k, v, kv_cache, meta, self.spec, layer, positions)
+        if cached[1] is None:  # an 8-bit cache: prepared in torch, the torch backend's path
+            q, k, v = prepare_reference(q, k, v, positions, cached[2])
+            return backend.forward(q, k, v, kv_cache, meta, self.spec)
+        return backend.forward_native(q, k, v, kv_cache, meta, self.spec, cached[1], positions)
 
     def _prep(self, rope: RotaryStep | None) -> LayerPrep:
         norms = biases = (None, None)
