@@ -187,12 +187,11 @@ class NativeKernels:
         )
 
     def linear(self, x, weight, bias=None):
-        """F.linear(x, weight, bias) for a few rows of x [M, K] (last dim contiguous): each
-        weight row streamed once for all M rows."""
+        """F.linear(x, weight, bias) for a few rows of x [M, K] (last dim contiguous; weight
+        and bias contiguous, as PackedLinear's are): each weight row streamed once for all M
+        rows."""
         M, K = x.shape
         N = weight.shape[0]
-        weight = weight.contiguous()  # (no copy when it is, as the layers' are)
-        bias = None if bias is None else bias.contiguous()
         out = torch.empty(M, N, dtype=x.dtype)
         self._linear(
             x.data_ptr(),

@@ -77,7 +77,9 @@ class PackedLinear(nn.Module):
         w = (linear.weight if linear is not None else weight).detach()
         self.out_features, self.in_features = w.shape
         self.packed = pack_weight(w)
-        self.bias = None if linear is None or linear.bias is None else linear.bias.detach()
+        self.bias = (
+            None if linear is None or linear.bias is None else linear.bias.detach().contiguous()
+        )
         # The plain weight, kept (`keep_plain`) while the native path may use it: a tied LM
         # head's is the embedding (no extra memory); a layer's own is dropped by
         # `use_native_rows(..., 0)` unless the native kernel wins.

@@ -314,16 +314,12 @@ class Attention(nn.Module):
         )
         backend: NativeCpuBackend = self.backend
         table = None if rope is None else rope.cache
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        key = (
-            kv_cache.data_ptr(),
-            None if table is None else table.data_ptr(),
-            id(self.spec),
-            *(None if w is None else w.data_ptr() for w in norms),
-        )
+        # The struct points into the cache, the rope table and the q/k norm weights (loading
+        # copies into those in place): rebuilt when the cache, table or spec is another object.
+        key = (kv_cache, table, self.spec)
         cached = self._native_layer
-        if cached is None or cached[0] != key:  # the struct is None for a cache it cannot read
-            prep = self._prep(rope)
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            prep = self._prep(rope)  # (None below: a cache the native step cannot read)
             layer = backend.layer(self.spec, kv_cache, prep) if native_cache_ok(kv_cache) else None
             cached = self._native_layer = (key, layer, prep)
         positions = None if rope is None else rope.positions
@@ -666,7 +662,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         if self.tied:  # the embedding itself stays plain for the lookup
             bias = getattr(self, "lm_head_bias", None)
             self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight, keep_plain=native)
-            self.packed_lm_head.bias = None if bias is None else bias.detach()
+            self.packed_lm_head.bias = None if bias is None else bias.detach().contiguous()
         else:
             self.packed_lm_head = self.lm_head
         return use_native_linears(self, self.native) if native else None
