@@ -206,7 +206,11 @@ def test_llm_beam_search_api(llm):
     for out in outs:
         assert [s.tokens for s in out.sequences] == [prompt + w.token_ids for w in want]
         assert [s.text for s in out.sequences] == [w.text for w in want]
-        assert [s.cum_logprob for s in out.sequences] == [w.cumulative_logprob for w in want]
+        # To float32 rounding: beam_search steps both prompts' beams together (6 rows) and
+        # generate one prompt's (3), and on CPU a step's linears take the native few-row kernel
+        # or oneDNN by row count (docs/engine.md), which sum in different orders.
+        got = [s.cum_logprob for s in out.sequences]
+        assert got == pytest.approx([w.cumulative_logprob for w in want], abs=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -360,3 +360,48 @@ def test_a_model_on_native_linears_equals_transformers(tmp_path, monkeypatch, ke
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
     path = build_tiny_model(str(tmp_path / "llama"), "llama")
     assert_matches_transformers(path, attention_backend="native")
+
+
+# -- a whole decode layer in one call ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["llama", "qwen2", "mistral", "llama_tied"],  # + QKV bias; sliding window; one KV head, tied
+)
+def test_whole_decode_layers_equal_transformers(tmp_path, monkeypatch, kernels, kind):
+    """Decode steps of up to 8 rows through `decoder_layer_f32` (every layer takes it: the
+    count of calls says so), greedy tokens equal to transformers'."""
+    from tests.engine.family_check import assert_matches_transformers
+    from tests.tiny_models import build_tiny_model
+
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
+    calls = []
+    real = kernels.decoder_layer
+    monkeypatch.setattr(
+        kernels, "decoder_layer", lambda *a: calls.append(a[3].shape[0]) or real(*a)
+    )
+    path = build_tiny_model(str(tmp_path / kind), kind)
+    assert_matches_transformers(path, attention_backend="native")
+    assert calls and max(calls) <= 8
+
+
+def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monkeypatch, kernels):
+    from serverless_llm import LLM
+    from tests.engine.family_check import save_family_model
+    from tests.engine.test_families import _config
+    from tests.tiny_models import build_tiny_model, build_tokenizer
+
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "4")
+    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=32, block_size=8)
+    llama = LLM(build_tiny_model(str(tmp_path / "llama"), "llama"), **kw)
+    layers = llama.engine.runner.model.layers
+    assert all(layer.native_decode is not None for layer in layers)
+    assert layers[0].native_decode.rows == 4
+    # Gemma 2's post-norms and soft-cap layers keep the per-op path.
+    gemma2 = save_family_model(str(tmp_path / "gemma2"), _config("gemma2", build_tokenizer()))
+    layers = LLM(gemma2, **kw).engine.runner.model.layers
+    assert all(layer.native_decode is None for layer in layers)
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "0")  # no native linears: no whole layers
+    layers = LLM(build_tiny_model(str(tmp_path / "l2"), "llama"), **kw).engine.runner.model.layers
+    assert all(layer.native_decode is None for layer in layers)

@@ -395,3 +395,53 @@ void linear_rows_f32(const float *x, int64_t x_stride, const float *w, const flo
         }
     }
 }
+
+/* -- a whole decoder layer for a decode step of a few rows -------------------------------- */
+
+/* One pre-norm decoder layer of the common shape: norm, QKV, attention, O, residual add and
+ * norm, gated SiLU MLP; its linears' weights plain [out, in] (biases optional). */
+typedef struct {
+    int64_t hidden, q_size, kv_size, inter;
+    int64_t norm_kind; /* add_norm_f32's kind: 0 RMSNorm, 1 LayerNorm */
+    float eps;
+    const float *in_w, *in_b, *mlp_w, *mlp_b;
+    const float *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+} decoder_layer_t;
+
+/* silu(g) * u for [rows, gate | up] rows of 2n: out [rows, n]. silu(x) = x * sigmoid(x), the
+ * sigmoid from exp(-|x|) so the exp's argument is never positive. */
+static void silu_mul(const float *gu, float *out, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            float x = g[i];
+            float e = exp_nonpositive(x >= 0.0f ? -x : x);
+            float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = x * sig * u[i];
+        }
+    }
+}
+
+/* The layer over M decode rows (the step's every row): with `residual`, the stream is
+ * x + residual, else x. Writes the MLP's output to mlp_out [M, hidden] and the stream after the
+ * attention's add to res_out [M, hidden] (the decoder's (x, residual) pair). `work` holds
+ * M * (3 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) floats. */
+void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t *S,
+                       const float *x, const float *residual, float *mlp_out, float *res_out,
+                       float *work, int64_t M) {
+    int64_t hd = DL->hidden, qs = DL->q_size, kvs = DL->kv_size, in = DL->inter;
+    int64_t qkv_n = qs + 2 * kvs;
+    float *h = work, *res1 = h + M * hd, *qkv = res1 + M * hd, *attn = qkv + M * qkv_n;
+    float *o = attn + M * qs, *gu = o + M * hd, *act = gu + M * 2 * in;
+    add_norm_f32(x, residual, DL->in_w, DL->in_b, h, res1, M, hd, hd, DL->eps, DL->norm_kind);
+    const float *stream = residual ? res1 : x;
+    linear_rows_f32(h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
+    attention_step_f32(L, S, qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, attn, qs);
+    linear_rows_f32(attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
+    add_norm_f32(o, stream, DL->mlp_w, DL->mlp_b, h, res_out, M, hd, hd, DL->eps, DL->norm_kind);
+    linear_rows_f32(h, hd, DL->gate_up_w, DL->gate_up_b, gu, M, 2 * in, hd);
+    silu_mul(gu, act, M, in);
+    linear_rows_f32(act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
+}

@@ -90,6 +90,20 @@ class Layer(ctypes.Structure):
     ]
 
 
+class DecoderLayerWeights(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I),
+        ("q_size", _I),
+        ("kv_size", _I),
+        ("inter", _I),
+        ("norm_kind", _I),
+        ("eps", _F),
+        *((name, _P) for name in ("in_w", "in_b", "mlp_w", "mlp_b")),
+        *((name, _P) for name in ("qkv_w", "qkv_b", "o_w", "o_b")),
+        *((name, _P) for name in ("gate_up_w", "gate_up_b", "down_w", "down_b")),
+    ]
+
+
 # -- build and load ----------------------------------------------------------------------------
 
 
@@ -165,6 +179,11 @@ class NativeKernels:
         f.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
         f.restype = None
         self._linear = f
+        f = self.lib.decoder_layer_f32
+        f.argtypes = [ctypes.POINTER(DecoderLayerWeights), ctypes.POINTER(Layer)]
+        f.argtypes += [ctypes.POINTER(Step)] + [_P] * 5 + [_I]
+        f.restype = None
+        self._decoder_layer = f
         f = self.lib.add_norm_f32
         f.argtypes = [_P] * 6 + [_I] * 3 + [_F, _I]
         f.restype = None
@@ -204,6 +223,28 @@ class NativeKernels:
             K,
         )
         return out
+
+    def decoder_layer(self, weights: DecoderLayerWeights, layer: Layer, step: Step, x, residual):
+        """A whole pre-norm layer (norm, QKV, attention, O, add and norm, gated SiLU MLP) over
+        the step's M decode rows x [M, hidden] (contiguous; residual too, or None): returns
+        (the MLP's output, the stream after the attention's add)."""
+        M, hd = x.shape
+        mlp_out = torch.empty(M, hd, dtype=x.dtype)
+        res_out = torch.empty(M, hd, dtype=x.dtype)
+        w = weights
+        work = torch.empty(M * (3 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter))
+        self._decoder_layer(
+            ctypes.byref(weights),
+            ctypes.byref(layer),
+            ctypes.byref(step),
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            mlp_out.data_ptr(),
+            res_out.data_ptr(),
+            work.data_ptr(),
+            M,
+        )
+        return mlp_out, res_out
 
     def add_norm(self, x, residual, weight, bias, eps: float, kind: int):
         """out = norm(x + residual), and x + residual (None without `residual`): RMSNorm

@@ -108,10 +108,9 @@ class NativeCpuBackend(TorchAttentionBackend):
     def layer(self, spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | None = None):
         return make_layer(spec, kv_cache, prep)
 
-    def forward_native(self, q, k, v, kv_cache, meta, spec, layer, positions=None):
-        """q [T, H, D], k and v [T, KVH, D] (views into the QKV projection are fine: they are
-        prepared in place) -> [T, H * D]. `layer`: `make_layer`'s struct for this layer and
-        cache; `positions` [T] when its prep rotates."""
+    def step(self, meta: AttentionMetadata, positions: torch.Tensor | None):
+        """The step's struct for the native calls, made by the first layer that needs it (and
+        given the positions by the first that rotates)."""
         st = meta.backend_state
         step = st.get("native")
         if step is None:
@@ -124,6 +123,13 @@ class NativeCpuBackend(TorchAttentionBackend):
             st["native_keep"].append(pos)
             step.positions = pos.data_ptr()
             st["native_positions"] = positions
+        return step
+
+    def forward_native(self, q, k, v, kv_cache, meta, spec, layer, positions=None):
+        """q [T, H, D], k and v [T, KVH, D] (views into the QKV projection are fine: they are
+        prepared in place) -> [T, H * D]. `layer`: `make_layer`'s struct for this layer and
+        cache; `positions` [T] when its prep rotates."""
+        step = self.step(meta, positions)
         T = q.shape[0]
         out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=q.dtype)
         self.kernels.attention_step(layer, step, q, k, v, out)

@@ -25,8 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu_native import LayerPrep, native_cache_ok, prepare_reference
-from ..layers.activation import Activation, check_activation, gated_activation
+from ..kernels.cpu_native import (
+    DecoderLayerWeights,
+    LayerPrep,
+    native_cache_ok,
+    prepare_reference,
+)
+from ..layers.activation import Activation, SiluAndMul, check_activation, gated_activation
 from ..layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -313,20 +318,27 @@ class Attention(nn.Module):
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1
         )
         backend: NativeCpuBackend = self.backend
+        layer, prep = self.native_layer(rope, kv_cache)
+        positions = None if rope is None else rope.positions
+        if layer is None:  # an 8-bit cache: prepared in torch, the torch backend's path
+            q, k, v = prepare_reference(q, k, v, positions, prep)
+            return backend.forward(q, k, v, kv_cache, meta, self.spec)
+        return backend.forward_native(q, k, v, kv_cache, meta, self.spec, layer, positions)
+
+    def native_layer(self, rope: RotaryStep | None, kv_cache: torch.Tensor):
+        """(this layer's struct for the native step, or None for a cache it cannot read; its
+        LayerPrep). The struct points into the cache, the rope table and the q/k norm weights
+        (loading copies into those in place): rebuilt when the cache, table or spec is another
+        object."""
         table = None if rope is None else rope.cache
-        # The struct points into the cache, the rope table and the q/k norm weights (loading
-        # copies into those in place): rebuilt when the cache, table or spec is another object.
         key = (kv_cache, table, self.spec)
         cached = self._native_layer
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            prep = self._prep(rope)  # (None below: a cache the native step cannot read)
-            layer = backend.layer(self.spec, kv_cache, prep) if native_cache_ok(kv_cache) else None
+            prep = self._prep(rope)
+            ok = native_cache_ok(kv_cache)
+            layer = self.backend.layer(self.spec, kv_cache, prep) if ok else None
             cached = self._native_layer = (key, layer, prep)
-        positions = None if rope is None else rope.positions
-        if cached[1] is None:  # an 8-bit cache: prepared in torch, the torch backend's path
-            q, k, v = prepare_reference(q, k, v, positions, cached[2])
-            return backend.forward(q, k, v, kv_cache, meta, self.spec)
-        return backend.forward_native(q, k, v, kv_cache, meta, self.spec, cached[1], positions)
+        return cached[1], cached[2]
 
     def _prep(self, rope: RotaryStep | None) -> LayerPrep:
         norms = biases = (None, None)
@@ -444,8 +456,12 @@ class DecoderLayer(nn.Module):
         self.parallel = s.parallel
         self.post_ln = s.post_ln
         self.residual_scale = s.residual_scale
+        self.native_decode: NativeDecodeLayer | None = None  # `NativeDecodeLayer.attach`
 
     def forward(self, x, residual, rope, kv_cache, meta):
+        nd = self.native_decode
+        if nd is not None and nd.takes(self, x, residual, meta):
+            return nd(self, x, residual, rope, kv_cache, meta)
         if self.post_ln:  # OPT-350m: stream = norm(stream + sublayer(stream))
             stream = x if residual is None else x + residual
             h = self.self_attn(stream, rope, kv_cache, meta)
@@ -469,6 +485,93 @@ class DecoderLayer(nn.Module):
         if self.residual_scale != 1.0:
             h = h * self.residual_scale
         return h, residual
+
+
+class NativeDecodeLayer:
+    """A decode step of a few rows through a whole layer in one native call
+    (`decoder_layer_f32`): for the common layer shape only (pre-norm "in" and "mlp" norms of one
+    kind, sequential, no multipliers, a gated SiLU MLP, every linear packed with its plain
+    weight kept for the native rows, q/k prepared by the native step), and only while the
+    layer's linears are those it was built on (a LoRA wrapper or anything else put in their
+    place afterwards turns it off)."""
+
+    def __init__(self, layer: DecoderLayer, native, rows: int) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.native, self.rows = native, rows
+        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norm = layer.in_norm
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
+        qkv, o, gate_up, down = self.linears
+        self.weights = DecoderLayerWeights(
+            hidden=o.out_features,
+            q_size=attn.q_size,
+            kv_size=attn.kv_size,
+            inter=down.in_features,
+            norm_kind=0 if isinstance(norm, RMSNorm) else 1,
+            eps=norm.eps,
+            in_w=ptr(norm.weight),
+            in_b=ptr(getattr(norm, "bias", None)),
+            mlp_w=ptr(layer.mlp_norm.weight),
+            mlp_b=ptr(getattr(layer.mlp_norm, "bias", None)),
+            qkv_w=ptr(qkv.plain),
+            qkv_b=ptr(qkv.bias),
+            o_w=ptr(o.plain),
+            o_b=ptr(o.bias),
+            gate_up_w=ptr(gate_up.plain),
+            gate_up_b=ptr(gate_up.bias),
+            down_w=ptr(down.plain),
+            down_b=ptr(down.bias),
+        )
+
+    @staticmethod
+    def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
+        """Gives `layer` the whole-layer path where its shape allows; True if it did."""
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.in_norm, layer.mlp_norm)
+        linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None))
+        linears += (getattr(mlp, "down_proj", None),)
+        fits = (
+            not tp_enabled
+            and not layer.parallel
+            and not layer.post_ln
+            and layer.residual_scale == 1.0
+            and layer.post_attn_norm is None
+            and layer.post_mlp_norm is None
+            and all(n is not None for n in norms)
+            and type(norms[0]) is type(norms[1])
+            and isinstance(norms[0], (RMSNorm, LayerNorm))
+            and isinstance(mlp, MLP)
+            and mlp.gated
+            and isinstance(mlp.act_fn, SiluAndMul)
+            and attn.native_prep
+            and all(isinstance(lin, PackedLinear) and lin.plain is not None for lin in linears)
+        )
+        rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
+        layer.native_decode = NativeDecodeLayer(layer, native, rows) if rows else None
+        return layer.native_decode is not None
+
+    def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
+        attn, mlp = layer.self_attn, layer.mlp
+        return (
+            x.shape[0] <= self.rows
+            and meta.num_decodes == x.shape[0]
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+            and (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) == self.linears
+        )
+
+    def __call__(self, layer: DecoderLayer, x, residual, rope, kv_cache, meta):
+        attn = layer.self_attn
+        struct, _ = attn.native_layer(rope, kv_cache)
+        if struct is None:  # a cache the native step cannot read
+            layer.native_decode = None
+            return layer.forward(x, residual, rope, kv_cache, meta)
+        step = attn.backend.step(meta, None if rope is None else rope.positions)
+        return self.native.decoder_layer(self.weights, struct, step, x, residual)
 
 
 class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
@@ -665,4 +768,10 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             self.packed_lm_head.bias = None if bias is None else bias.detach().contiguous()
         else:
             self.packed_lm_head = self.lm_head
-        return use_native_linears(self, self.native) if native else None
+        if not native:
+            return None
+        choice = use_native_linears(self, self.native)
+        whole = sum(
+            NativeDecodeLayer.attach(layer, self.native, self.tp.enabled) for layer in self.layers
+        )
+        return f"{choice}; whole decode layers in one native call: {whole} of {len(self.layers)}"
