@@ -405,3 +405,34 @@ def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monk
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "0")  # no native linears: no whole layers
     layers = LLM(build_tiny_model(str(tmp_path / "l2"), "llama"), **kw).engine.runner.model.layers
     assert all(layer.native_decode is None for layer in layers)
+
+
+def test_the_measured_choice_is_cached_per_machine_and_shape(kernels, monkeypatch, tmp_path):
+    from serverless_llm.engine.layers import linear as linear_mod
+
+    monkeypatch.setenv("NATIVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("NATIVE_LINEAR_ROWS", raising=False)
+    measured = []
+
+    def fake_choose(group, native, timer=None):
+        measured.append(len(group))
+        return 2, [(1, 0.5, 1.0), (2, 0.5, 1.0), (4, 2.0, 1.0)]
+
+    monkeypatch.setattr(linear_mod, "choose_native_rows", fake_choose)
+
+    def model():
+        return torch.nn.Sequential(packed(24, 16)[1], packed(24, 16)[1], packed(8, 16)[1])
+
+    first = model()
+    assert "measured" in linear_mod.use_native_linears(first, kernels)
+    assert sorted(measured) == [1, 2] and all(p.native_rows == 2 for p in first)
+    assert len(list(tmp_path.glob("linear-rows-*.json"))) == 1
+    line = linear_mod.use_native_linears(model(), kernels)  # another start, same shapes
+    assert "cached in" in line and len(measured) == 2
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "measure")
+    linear_mod.use_native_linears(model(), kernels)
+    assert len(measured) == 4
+    monkeypatch.delenv("NATIVE_LINEAR_ROWS")
+    monkeypatch.setattr(linear_mod, "cpu_flags", lambda: "another machine")
+    linear_mod.use_native_linears(model(), kernels)
+    assert len(measured) == 6  # another CPU: measured again

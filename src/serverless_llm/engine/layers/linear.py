@@ -9,13 +9,18 @@ difference from F.linear beyond float32 rounding, falls back to F.linear.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.cpu_native import cache_dir, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +133,33 @@ NATIVE_ROW_CANDIDATES = (1, 2, 4, 8)
 NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's time
 
 
-def native_rows_setting() -> int | None:
-    """NATIVE_LINEAR_ROWS: unset (or "auto"): measure; 0: off; N: the native kernel for steps of
-    at most N rows, unmeasured."""
+def native_rows_setting() -> int | str | None:
+    """NATIVE_LINEAR_ROWS: unset (or "auto"): the choice cached for this machine and model
+    shape, else measured and cached; "measure": measured again; 0: off; N: the native kernel for
+    steps of at most N rows, unmeasured."""
     raw = os.environ.get("NATIVE_LINEAR_ROWS", "").strip().lower()
     if raw in ("", "auto"):
         return None
+    if raw == "measure":
+        return raw
     return max(0, int(raw))
+
+
+def choice_file(native, shapes: dict) -> Path:
+    """Where the measured choice for these shapes is kept: the native kernels' cache, under a
+    key of the CPU's flags, the thread count, the library and the shapes with their counts."""
+    what = (cpu_flags(), torch.get_num_threads(), Path(native.path).name)
+    what += tuple(sorted((n, k, len(group)) for (n, k), group in shapes.items()))
+    key = hashlib.sha256(repr(what).encode()).hexdigest()[:16]
+    return cache_dir() / f"linear-rows-{key}.json"
+
+
+def _read_choice(path: Path, shapes: dict) -> dict | None:
+    try:
+        saved = json.loads(path.read_text())
+        return {shape: int(saved[f"{shape[0]}x{shape[1]}"]) for shape in shapes}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def time_pass(linears: list[PackedLinear], x: dict, native: bool, repeats: int = 3) -> float:
@@ -173,8 +198,9 @@ def choose_native_rows(linears: list[PackedLinear], native, timer=time_pass) -> 
 
 def use_native_linears(model: nn.Module, native) -> str:
     """Hands the model's packed linears the native kernel for the step sizes where it wins,
-    chosen per weight shape (NATIVE_LINEAR_ROWS: one choice for all, unmeasured); the plain
-    weights are dropped where it never does. Returns the start-up line for the choice."""
+    chosen per weight shape: measured once per machine and model shape and cached
+    (`choice_file`), or NATIVE_LINEAR_ROWS (one choice for all, unmeasured); the plain weights
+    are dropped where it never wins. Returns the start-up line for the choice."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
     if not linears:
         return "CPU linears: no packed linears"
@@ -182,21 +208,27 @@ def use_native_linears(model: nn.Module, native) -> str:
     for lin in linears:
         shapes.setdefault((lin.out_features, lin.in_features), []).append(lin)
     setting = native_rows_setting()
-    words = []
-    for (n, k), group in shapes.items():
-        if setting is None:
-            rows, timings = choose_native_rows(group, native)
-            ratios = "/".join(f"{tn / tp:.2f}" for _, tn, tp in timings)
-            words.append(f"{k}->{n} x{len(group)}: <= {rows} rows ({ratios})")
-        else:
-            rows = setting
-        for lin in group:
-            lin.use_native_rows(native, rows)
-    if setting is not None:
+    if isinstance(setting, int):
+        for lin in linears:
+            lin.use_native_rows(native, setting)
         return f"CPU linears: native for steps of <= {setting} rows (NATIVE_LINEAR_ROWS)"
-    return (
-        "CPU linears: native kernel by weight shape (native/oneDNN time at "
-        + "/".join(map(str, NATIVE_ROW_CANDIDATES))
-        + " rows, measured): "
-        + "; ".join(words)
-    )
+    path = choice_file(native, shapes)
+    rows = _read_choice(path, shapes) if setting is None else None
+    how = f"cached in {path}"
+    if rows is None:
+        rows, ratios = {}, {}
+        for shape, group in shapes.items():
+            rows[shape], timings = choose_native_rows(group, native)
+            ratios[shape] = "/".join(f"{tn / tp:.2f}" for _, tn, tp in timings)
+        how = "measured (native/oneDNN time at " + "/".join(map(str, NATIVE_ROW_CANDIDATES))
+        how += " rows: " + "; ".join(f"{k}->{n} {r}" for (n, k), r in ratios.items()) + ")"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({f"{n}x{k}": r for (n, k), r in rows.items()}))
+        except OSError:
+            pass  # measured again at the next start
+    for shape, group in shapes.items():
+        for lin in group:
+            lin.use_native_rows(native, rows[shape])
+    chosen = ", ".join(f"{k}->{n} x{len(g)}: <= {rows[(n, k)]}" for (n, k), g in shapes.items())
+    return f"CPU linears: native kernel rows by weight shape {chosen}; {how}"
