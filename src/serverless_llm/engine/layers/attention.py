@@ -87,7 +87,7 @@ class NativeCpuBackend(TorchAttentionBackend):
     """The CPU path with the native kernels (kernels/cpu_native.py): each layer's KV write and
     decode attention in one call over the head-major cache, read in place; prefill rows through
     the torch backend's code. `forward_native` also takes over the layer's q/k preparation (clip,
-    q/k RMSNorm, rotary) when the layer hands it a `LayerPrep`. A float32 cache only: any other
+    q/k norm, rotary), as the layer's struct (`layer`, from its `LayerPrep`) describes it. A float32 cache only: any other
     (bfloat16 models, an 8-bit cache) runs the torch backend's path."""
 
     name = "native"

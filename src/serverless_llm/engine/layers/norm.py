@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_kernels = use_kernels
-        self.native: NativeKernels | None = None  # set on CPU by DecoderModel.use_native
+        self.native: NativeKernels | None = None  # set on CPU by DecoderModel.optimize_for_cpu
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
