@@ -339,6 +339,14 @@ def test_choose_native_rows_stops_at_the_first_loss(kernels):
     assert choose_native_rows([p], kernels, timer)[0] == 0
 
 
+def test_a_bad_native_linear_rows_setting_is_named(kernels, monkeypatch):
+    from serverless_llm.engine.layers.linear import use_native_linears
+
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "-2")
+    with pytest.raises(ValueError, match="NATIVE_LINEAR_ROWS='-2'"):
+        use_native_linears(torch.nn.Sequential(packed()[1]), kernels)
+
+
 @pytest.mark.parametrize(("setting", "rows"), [("0", 0), ("3", 3)])
 def test_native_linear_rows_setting(kernels, monkeypatch, setting, rows):
     from serverless_llm.engine.layers.linear import use_native_linears

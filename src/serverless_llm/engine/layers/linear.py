@@ -142,7 +142,11 @@ def native_rows_setting() -> int | str | None:
         return None
     if raw == "measure":
         return raw
-    return max(0, int(raw))
+    if not raw.isdigit():
+        raise ValueError(
+            f"NATIVE_LINEAR_ROWS={raw!r}: expected auto, measure, 0 (off) or a row count"
+        )
+    return int(raw)
 
 
 def choice_file(native, shapes: dict) -> Path:
