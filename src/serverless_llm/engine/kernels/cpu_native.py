@@ -216,7 +216,7 @@ class NativeKernels:
             x.data_ptr(),
             x.stride(0),
             weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            ptr_or_null(bias),
             out.data_ptr(),
             M,
             N,
@@ -238,7 +238,7 @@ class NativeKernels:
             ctypes.byref(layer),
             ctypes.byref(step),
             x.data_ptr(),
-            None if residual is None else residual.data_ptr(),
+            ptr_or_null(residual),
             mlp_out.data_ptr(),
             res_out.data_ptr(),
             work.data_ptr(),
@@ -255,11 +255,11 @@ class NativeKernels:
         res = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
         self._add_norm(
             x.data_ptr(),
-            None if residual is None else residual.data_ptr(),
-            None if weight is None else weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            ptr_or_null(residual),
+            ptr_or_null(weight),
+            ptr_or_null(bias),
             out.data_ptr(),
-            None if res is None else res.data_ptr(),
+            ptr_or_null(res),
             rows,
             n,
             x.stride(-2) if x.dim() > 1 else n,
@@ -348,24 +348,25 @@ def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | No
         head_dim=spec.head_dim,
         scale=spec.scale,
         softcap=spec.logit_softcap or 0.0,
-        slopes=None if slopes is None else slopes.data_ptr(),
+        slopes=ptr_or_null(slopes),
         window=spec.sliding_window or 0,
         k_cache=kv_cache[0].data_ptr(),
         v_cache=kv_cache[1].data_ptr(),
-        rope=None if prep.rope is None else prep.rope.data_ptr(),
+        rope=ptr_or_null(prep.rope),
         rot_dim=0 if prep.rope is None else prep.rope.shape[-1],
         is_neox=int(prep.is_neox),
         clip=prep.clip or 0.0,
         qk_norm=QK_NORMS[prep.qk_norm],
-        q_norm=None if prep.q_norm is None else prep.q_norm.data_ptr(),
-        k_norm=None if prep.k_norm is None else prep.k_norm.data_ptr(),
+        q_norm=ptr_or_null(prep.q_norm),
+        k_norm=ptr_or_null(prep.k_norm),
         qk_eps=prep.qk_eps,
-        q_norm_bias=_ptr(prep.q_norm_bias),
-        k_norm_bias=_ptr(prep.k_norm_bias),
+        q_norm_bias=ptr_or_null(prep.q_norm_bias),
+        k_norm_bias=ptr_or_null(prep.k_norm_bias),
     )
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr_or_null(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a struct field or argument, None (NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 

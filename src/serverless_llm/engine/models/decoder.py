@@ -30,6 +30,7 @@ from ..kernels.cpu_native import (
     LayerPrep,
     native_cache_ok,
     prepare_reference,
+    ptr_or_null,
 )
 from ..layers.activation import Activation, SiluAndMul, check_activation, gated_activation
 from ..layers.attention import (
@@ -500,10 +501,6 @@ class NativeDecodeLayer:
         self.native, self.rows = native, rows
         self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norm = layer.in_norm
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
-
         qkv, o, gate_up, down = self.linears
         self.weights = DecoderLayerWeights(
             hidden=o.out_features,
@@ -512,18 +509,18 @@ class NativeDecodeLayer:
             inter=down.in_features,
             norm_kind=0 if isinstance(norm, RMSNorm) else 1,
             eps=norm.eps,
-            in_w=ptr(norm.weight),
-            in_b=ptr(getattr(norm, "bias", None)),
-            mlp_w=ptr(layer.mlp_norm.weight),
-            mlp_b=ptr(getattr(layer.mlp_norm, "bias", None)),
-            qkv_w=ptr(qkv.plain),
-            qkv_b=ptr(qkv.bias),
-            o_w=ptr(o.plain),
-            o_b=ptr(o.bias),
-            gate_up_w=ptr(gate_up.plain),
-            gate_up_b=ptr(gate_up.bias),
-            down_w=ptr(down.plain),
-            down_b=ptr(down.bias),
+            in_w=ptr_or_null(norm.weight),
+            in_b=ptr_or_null(getattr(norm, "bias", None)),
+            mlp_w=ptr_or_null(layer.mlp_norm.weight),
+            mlp_b=ptr_or_null(getattr(layer.mlp_norm, "bias", None)),
+            qkv_w=ptr_or_null(qkv.plain),
+            qkv_b=ptr_or_null(qkv.bias),
+            o_w=ptr_or_null(o.plain),
+            o_b=ptr_or_null(o.bias),
+            gate_up_w=ptr_or_null(gate_up.plain),
+            gate_up_b=ptr_or_null(gate_up.bias),
+            down_w=ptr_or_null(down.plain),
+            down_b=ptr_or_null(down.bias),
         )
 
     @staticmethod
