@@ -1,6 +1,6 @@
 """The native CPU kernels (kernels/cpu_native.c) against their torch references: the attention
 step (q/k preparation, KV write, decode attention) in every option the decoder hands it, the
-residual-add norms, the few-row linears and their choice by measurement; the build cache, the
+residual-add norms, the native GEMM (weights in panels) and its choice by measurement; the build cache, the
 fallbacks (no compiler, a failed self-check) and the backend choice; and whole models on the
 native backend equal to the torch backend's tokens and to transformers'."""
 
@@ -282,28 +282,113 @@ def test_native_backend_tokens_equal_the_torch_backends(tmp_path, module, name, 
     assert native == engine_greedy(path, prompts, 24, attention_backend="torch")
 
 
-# -- linears of a few rows ---------------------------------------------------------------------
+# -- the native GEMM ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9])
-@pytest.mark.parametrize(("n", "k"), [(64, 48), (37, 130), (4, 16), (3, 7)])
+def test_panels_round_trip():
+    from serverless_llm.engine.kernels.cpu_native import pack_panels, unpack_panels
+
+    w = torch.randn(37, 5)
+    panels = pack_panels(w)
+    assert panels.shape == (3, 5, 16) and panels.is_contiguous()
+    assert torch.equal(panels[2, :, 5:], torch.zeros(5, 11))  # past N: zeros
+    assert torch.equal(panels[1, 3], w[16:32, 3]) and torch.equal(unpack_panels(panels, 37), w)
+
+
+# Rows: 1-6 (each micro-kernel alone), 7 and 13 (6 + a remainder), 32 and 70 (a decode batch;
+# more row blocks than prefetch lines to share). Shapes: N off the 16-column panels and under one
+# panel, K under, at and past the 128-step blocks (one, two and three blocks).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 70])
+@pytest.mark.parametrize(("n", "k"), [(64, 48), (37, 130), (4, 16), (3, 7), (48, 128), (80, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_matches_f_linear(kernels, rows, n, k, bias):
+    from serverless_llm.engine.kernels.cpu_native import pack_panels
+
     g = torch.Generator().manual_seed(rows * 100 + n)
     x = torch.randn(rows, k + 5, generator=g)[:, 2 : 2 + k]  # rows strided, as a view can be
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    got = kernels.linear(x, w, b)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    got = kernels.linear(x, pack_panels(w), b, n)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-def packed(n=24, k=16, bias=True, keep_plain=True):
+def test_native_linear_is_threaded_over_panels_and_equal_to_itself_alone(kernels):
+    """A shape big enough for the OpenMP team (M * N * K over its threshold), each thread's
+    panels done as one thread would: the same bits with 1 and 2 threads."""
+    from serverless_llm.engine.kernels.cpu_native import pack_panels
+
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(200, 256, generator=g), torch.randn(9, 256, generator=g)
+    panels = pack_panels(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.linear(x, panels, None, 200)
+        torch.set_num_threads(2)
+        together = kernels.linear(x, panels, None, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+    torch.testing.assert_close(together, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+# -- the MLP's activations ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [0, 2, 3])  # silu, gelu's tanh form, relu
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("rows", "n"), [(1, 7), (5, 64), (32, 1030)])  # threaded at 32 x 1030
+def test_native_activation_matches_its_reference(kernels, code, gated, rows, n):
+    from serverless_llm.engine.kernels.cpu_native import activation_code_reference
+
+    g = torch.Generator().manual_seed(code * 10 + rows)
+    width = 2 * n if gated else n
+    x = (torch.randn(rows, width + 3, generator=g) * 5)[:, 1 : 1 + width]  # strided rows
+    x[0, :4] = torch.tensor([0.0, -0.0, 40.0, -40.0])[: min(4, width)]  # the saturated ends
+    got = kernels.activation(x, code, gated)
+    # torch's tanh form loses digits in 1 + tanh(u) for u < 0 (this kernel does not): equal to
+    # float32 rounding of the inputs' scale, not of each tiny output
+    want = activation_code_reference(x, code, gated)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("act", "native"), [("gelu_new", True), ("relu", True), ("gelu", False)])
+def test_activation_module_takes_the_native_kernel_where_it_has_the_activation(
+    tmp_path, kernels, act, native
+):
+    """A model's plain-MLP activation runs the native kernel for silu, gelu's tanh form and
+    relu; the erf gelu keeps torch's (set at load by optimize_for_cpu)."""
+    import transformers
+
+    from serverless_llm import LLM
+    from serverless_llm.engine.layers.activation import Activation
+    from tests.engine.family_check import save_family_model
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    config = transformers.GPT2Config(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        activation_function=act,
+    )
+    path = save_family_model(str(tmp_path / act), config)
+    llm = LLM(path, dtype="float32", max_model_len=64, num_kv_blocks=8, block_size=8)
+    acts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Activation)]
+    assert acts and all((m.native is kernels) == native for m in acts)
+
+
+def packed(n=24, k=16, bias=True, keep_panels=True):
     from serverless_llm.engine.layers.linear import PackedLinear, packed_ops_work
 
     if not packed_ops_work():
         pytest.skip("this torch build has no oneDNN packed linear")
     lin = torch.nn.Linear(k, n, bias=bias)
-    return lin, PackedLinear(lin, keep_plain=keep_plain)
+    return lin, PackedLinear(lin, keep_panels=keep_panels)
 
 
 def test_packed_linear_takes_the_native_kernel_up_to_its_rows(kernels, monkeypatch):
@@ -317,7 +402,7 @@ def test_packed_linear_takes_the_native_kernel_up_to_its_rows(kernels, monkeypat
         torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
     assert calls == [1, 4]
     p.use_native_rows(kernels, 0)
-    assert p.plain is None and p(torch.randn(1, 16)).shape == (1, 24) and calls == [1, 4]
+    assert p.panels is None and p(torch.randn(1, 16)).shape == (1, 24) and calls == [1, 4]
 
 
 def test_choose_native_rows_stops_at_the_first_loss(kernels):
@@ -355,7 +440,7 @@ def test_native_linear_rows_setting(kernels, monkeypatch, setting, rows):
     model = torch.nn.Sequential(p)
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", setting)
     line = use_native_linears(model, kernels)
-    assert p.native_rows == rows and (p.plain is None) == (rows == 0)
+    assert p.native_rows == rows and (p.panels is None) == (rows == 0)
     assert "NATIVE_LINEAR_ROWS" in line
 
 

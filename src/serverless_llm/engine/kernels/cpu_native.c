@@ -4,9 +4,10 @@
  * Why native code: on a CPU one request's decode step is ~2,000 small torch ops (norms, rotary,
  * the KV write, the gather-and-matmul attention), each a few microseconds of dispatch, besides
  * the linears. Each function here does one such group in one call, reading the paged cache in
- * place (no gather copy). Built with -ffp-contract=off: no fused multiply-adds, so the
- * element-wise parts (rotary, the KV write, residual adds) round exactly as the torch ops do;
- * reductions (norm statistics, attention) sum in another order than torch.
+ * place (no gather copy); and the linears have a GEMM of their own for the row counts of decode
+ * steps. Built with -ffp-contract=off: no implicitly fused multiply-adds, so the element-wise
+ * parts (rotary, the KV write, residual adds) round exactly as the torch ops do; reductions
+ * (norm statistics, attention, the linears' explicit FMAs) sum in another order than torch.
  *
  * Threads: OpenMP, linked against the libgomp torch has already loaded (one runtime, one team,
  * sized by torch.set_num_threads), used only where a call has enough work to pay for a team.
@@ -339,67 +340,201 @@ void add_norm_f32(const float *x, const float *residual, const float *w, const f
     }
 }
 
-/* -- linears of a few rows ---------------------------------------------------------------- */
+/* -- the MLP's activations ------------------------------------------------------------------ */
 
-/* Eight floats, in whatever vector registers the target has (GCC vector extension). */
-typedef float v8 __attribute__((vector_size(32)));
-#define ROWS 8 /* weight rows one pass streams together */
+/* The activations in float32, as the torch ops (one function each, branch-free, so a loop of
+ * one vectorizes). */
+static inline float sigmoid(float x) { /* from exp(-|x|): the exp's argument is never positive */
+    float e = exp_nonpositive(x >= 0.0f ? -x : x);
+    float d = 1.0f / (1.0f + e);
+    return x >= 0.0f ? d : e * d;
+}
+static inline float act_silu(float x) { return x * sigmoid(x); }
+/* 0.5 x (1 + tanh(u)) = x sigmoid(2u): no cancellation in 1 + tanh(u) where u < 0. */
+static inline float act_gelu_tanh(float x) {
+    return x * sigmoid(1.5957691216057308f * (x + 0.044715f * x * x * x));
+}
+static inline float act_relu(float x) { return x > 0.0f ? x : 0.0f; }
 
-static inline v8 load8(const float *p) {
-    v8 v;
+/* out [rows, n] = act(x) (plain), or act(gate) * up for x rows [gate | up] of 2n (gated); x rows
+ * x_stride apart; kind: kernels/activation.py's ACT_CODES (0 silu, 2 gelu's tanh
+ * approximation, 3 relu; not 1, the erf form: an erf from exp measured 3x slower than torch's). */
+void activation_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n,
+                    int64_t kind, int64_t gated) {
+#pragma omp parallel for schedule(static) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride, *u = g + n;
+        float *o = out + r * n;
+#define ACT_LOOP(F)                                                                               \
+    if (gated) {                                                                                  \
+        _Pragma("omp simd") for (int64_t i = 0; i < n; i++) o[i] = F(g[i]) * u[i];               \
+    } else {                                                                                      \
+        _Pragma("omp simd") for (int64_t i = 0; i < n; i++) o[i] = F(g[i]);                      \
+    }
+        switch (kind) {
+        case 0: ACT_LOOP(act_silu) break;
+        case 2: ACT_LOOP(act_gelu_tanh) break;
+        default: ACT_LOOP(act_relu) break;
+        }
+#undef ACT_LOOP
+    }
+}
+
+/* -- linears ---------------------------------------------------------------------------------- */
+
+/* out [M, N] = x [M, K] times w [N, K] transposed, + b, with w in panels: [ceil(N / 16), K, 16],
+ * panel p holding columns 16p..16p+15 of w^T (zero past N), so a panel's k-th 16 floats are what
+ * step k of a micro-kernel reads, and the whole weight is read in memory order (`pack_panels` in
+ * cpu_native.py makes it).
+ *
+ * Why our own: at the row counts of decode steps (1-64) a float32 linear on a CPU is bound by
+ * streaming the weights and keeping the FMA units fed at once; oneDNN's packed GEMM reaches
+ * 35-45% of this machine's float32 peak there. Here each panel is cut into blocks of PANEL_KC
+ * steps (8 KB, L1-sized); a block is read once from memory and used by every 6-row
+ * micro-kernel of the step from L1, while those micro-kernels prefetch a block a few ahead into
+ * L2, so the memory stream and the arithmetic overlap. The micro-kernel keeps a 6 x 16 tile in 12
+ * vector registers: per k, two weight loads, six broadcasts of x, twelve fused multiply-adds.
+ * Sums run over k in order, one accumulator per output (not torch's order). */
+
+#define PANEL 16
+#define PANEL_KC 128
+#define PANEL_MR 6
+#define PANEL_AHEAD 4 /* blocks prefetched ahead: the memory's latency is ~3 blocks' work */
+
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+typedef __m256 vreg;
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define V_ADD(a, b) _mm256_add_ps((a), (b))
+#else /* any other target: the compiler's own vectors, multiply then add */
+typedef float vreg __attribute__((vector_size(32)));
+static inline vreg v_load(const float *p) {
+    vreg v;
     memcpy(&v, p, sizeof v);
     return v;
 }
-
-static inline float hsum8(v8 v) {
-    float s = 0.0f;
-    for (int i = 0; i < 8; i++) s += v[i];
-    return s;
+static inline vreg v_bcast(const float *p) {
+    float s = *p;
+    return (vreg){s, s, s, s, s, s, s, s};
 }
+#define V_ZERO() ((vreg){0})
+#define V_LOAD(p) v_load(p)
+#define V_STORE(p, v) memcpy((p), &(v), sizeof(vreg))
+#define V_BCAST(p) v_bcast(p)
+#define V_FMA(a, b, c) ((a) * (b) + (c))
+#define V_ADD(a, b) ((a) + (b))
+#endif
 
-/* Weight rows n0..n0+rows-1 (rows <= ROWS) against row xm of x: out[j] = w[n0 + j] . xm. The
- * next block's rows are prefetched a cache line at a time as this one streams. */
-static inline void dot_rows(const float *xm, const float *w0, int64_t K, int64_t rows,
-                            float *out) {
-    int64_t K8 = K & ~(int64_t)7;
-    v8 acc[ROWS];
-    for (int j = 0; j < ROWS; j++) acc[j] = (v8){0};
-    for (int64_t k = 0; k < K8; k += 8) {
-        v8 xv = load8(xm + k);
-        for (int64_t j = 0; j < rows; j++) {
-            if ((k & 15) == 0) __builtin_prefetch(w0 + (j + ROWS) * K + k, 0, 3);
-            acc[j] += load8(w0 + j * K + k) * xv;
+/* One micro-kernel of MR rows (1..6) over kc steps of one panel block, its tile accumulated in
+ * c [MR, 16] (ldc apart): zeroed first when `first`, bias added at the end when given. Lines
+ * pf[0..pf_lines) (a block ahead) are prefetched into L2 as it goes. Named registers, one
+ * pair a row: arrays of vectors are spilled by GCC. */
+#define MK_DECL(i) vreg c##i##0, c##i##1;
+#define MK_INIT(i)                                                                                \
+    if (first) {                                                                                  \
+        c##i##0 = V_ZERO();                                                                       \
+        c##i##1 = V_ZERO();                                                                       \
+    } else {                                                                                      \
+        c##i##0 = V_LOAD(c + i * ldc);                                                            \
+        c##i##1 = V_LOAD(c + i * ldc + 8);                                                        \
+    }
+#define MK_STEP(i)                                                                                \
+    {                                                                                             \
+        vreg a = V_BCAST(x + i * xs + k);                                                         \
+        c##i##0 = V_FMA(a, b0, c##i##0);                                                          \
+        c##i##1 = V_FMA(a, b1, c##i##1);                                                          \
+    }
+#define MK_STORE(i)                                                                               \
+    if (bias) {                                                                                   \
+        c##i##0 = V_ADD(c##i##0, V_LOAD(bias));                                                   \
+        c##i##1 = V_ADD(c##i##1, V_LOAD(bias + 8));                                               \
+    }                                                                                             \
+    V_STORE(c + i * ldc, c##i##0);                                                                \
+    V_STORE(c + i * ldc + 8, c##i##1);
+#define MK_ROWS1(M) M(0)
+#define MK_ROWS2(M) MK_ROWS1(M) M(1)
+#define MK_ROWS3(M) MK_ROWS2(M) M(2)
+#define MK_ROWS4(M) MK_ROWS3(M) M(3)
+#define MK_ROWS5(M) MK_ROWS4(M) M(4)
+#define MK_ROWS6(M) MK_ROWS5(M) M(5)
+#define MICRO_KERNEL(n)                                                                           \
+    static void micro_kernel_##n(const float *x, int64_t xs, const float *w, int64_t kc,          \
+                                 float *c, int64_t ldc, int first, const float *bias,             \
+                                 const float *pf, int64_t pf_lines) {                             \
+        MK_ROWS##n(MK_DECL) MK_ROWS##n(MK_INIT) for (int64_t k = 0; k < kc; k++) {                \
+            if (k < pf_lines) __builtin_prefetch(pf + k * PANEL, 0, 2);                           \
+            vreg b0 = V_LOAD(w + k * PANEL), b1 = V_LOAD(w + k * PANEL + 8);                      \
+            MK_ROWS##n(MK_STEP)                                                                   \
+        }                                                                                         \
+        MK_ROWS##n(MK_STORE)                                                                      \
+    }
+MICRO_KERNEL(1)
+MICRO_KERNEL(2)
+MICRO_KERNEL(3)
+MICRO_KERNEL(4)
+MICRO_KERNEL(5)
+MICRO_KERNEL(6)
+
+typedef void (*micro_kernel_t)(const float *, int64_t, const float *, int64_t, float *, int64_t,
+                               int, const float *, const float *, int64_t);
+static const micro_kernel_t MICRO_KERNELS[PANEL_MR + 1] = {
+    NULL,           micro_kernel_1, micro_kernel_2, micro_kernel_3,
+    micro_kernel_4, micro_kernel_5, micro_kernel_6,
+};
+
+/* Panel p, all M rows: a full panel straight into out; the last, partial one through a tile. */
+static void linear_panel(const float *x, int64_t xs, const float *wp, const float *b, float *out,
+                         int64_t M, int64_t N, int64_t K, int64_t p) {
+    const float *panel = wp + p * K * PANEL;
+    int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    int64_t blocks_m = (M + PANEL_MR - 1) / PANEL_MR;
+    if (cols < PANEL) { /* one pass over K per row block, into a tile */
+        float tile[PANEL_MR * PANEL];
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_MR) {
+            int mr = M - m0 < PANEL_MR ? (int)(M - m0) : PANEL_MR;
+            MICRO_KERNELS[mr](x + m0 * xs, xs, panel, K, tile, PANEL, 1, NULL, NULL, 0);
+            for (int i = 0; i < mr; i++)
+                for (int64_t j = 0; j < cols; j++)
+                    out[(m0 + i) * N + n0 + j] = tile[i * PANEL + j] + (b ? b[n0 + j] : 0.0f);
+        }
+        return;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += PANEL_KC) {
+        int64_t kc = K - k0 < PANEL_KC ? K - k0 : PANEL_KC;
+        int64_t end = k0 + kc >= K;
+        /* The block PANEL_AHEAD blocks on in memory order (this panel's, or a next panel's:
+         * the weight is read in memory order); the row blocks after the first (which reads
+         * this block) share its lines. Past the weight's end it is a prefetch of nothing, which
+         * never faults. */
+        const float *ahead = panel + (k0 + PANEL_AHEAD * PANEL_KC) * PANEL;
+        int64_t share = blocks_m > 1 ? (kc + blocks_m - 2) / (blocks_m - 1) : 0;
+        for (int64_t mb = 0; mb < blocks_m; mb++) {
+            int64_t m0 = mb * PANEL_MR;
+            int mr = M - m0 < PANEL_MR ? (int)(M - m0) : PANEL_MR;
+            int64_t from = mb ? (mb - 1) * share : 0, lines = mb ? share : 0;
+            if (from + lines > kc) lines = kc > from ? kc - from : 0;
+            MICRO_KERNELS[mr](x + m0 * xs + k0, xs, panel + k0 * PANEL, kc, out + m0 * N + n0, N,
+                              k0 == 0, end && b ? b + n0 : NULL, ahead + from * PANEL, lines);
         }
     }
-    for (int64_t j = 0; j < rows; j++) {
-        float s = hsum8(acc[j]);
-        for (int64_t k = K8; k < K; k++) s += w0[j * K + k] * xm[k];
-        out[j] = s;
-    }
 }
 
-/* out [M, N] = x [M, K] (rows x_stride apart) times w [N, K] transposed, + b: for a few rows
- * (decode steps), each block of weight rows read once for all of them. */
-void linear_rows_f32(const float *x, int64_t x_stride, const float *w, const float *b, float *out,
-                     int64_t M, int64_t N, int64_t K) {
-    int64_t blocks = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) if (N * K > 65536)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        int64_t n0 = blk * ROWS;
-        int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-        for (int64_t m = 0; m < M; m++) {
-            float *o = out + m * N + n0;
-            dot_rows(x + m * x_stride, w + n0 * K, K, rows, o);
-            if (b)
-                for (int64_t j = 0; j < rows; j++) o[j] += b[n0 + j];
-        }
-    }
+void linear_panels_f32(const float *x, int64_t x_stride, const float *wp, const float *b,
+                       float *out, int64_t M, int64_t N, int64_t K) {
+    int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) if (M * N * K > 262144)
+    for (int64_t p = 0; p < panels; p++)
+        linear_panel(x, x_stride, wp, b, out, M, N, K, p);
 }
 
 /* -- a whole decoder layer for a decode step of a few rows -------------------------------- */
 
 /* One pre-norm decoder layer of the common shape: norm, QKV, attention, O, residual add and
- * norm, gated SiLU MLP; its linears' weights plain [out, in] (biases optional). */
+ * norm, gated SiLU MLP; its linears' weights in panels (linear_panels_f32; biases optional). */
 typedef struct {
     int64_t hidden, q_size, kv_size, inter;
     int64_t norm_kind; /* add_norm_f32's kind: 0 RMSNorm, 1 LayerNorm */
@@ -407,22 +542,6 @@ typedef struct {
     const float *in_w, *in_b, *mlp_w, *mlp_b;
     const float *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
 } decoder_layer_t;
-
-/* silu(g) * u for [rows, gate | up] rows of 2n: out [rows, n]. silu(x) = x * sigmoid(x), the
- * sigmoid from exp(-|x|) so the exp's argument is never positive. */
-static void silu_mul(const float *gu, float *out, int64_t rows, int64_t n) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * n, *u = g + n;
-        float *o = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            float x = g[i];
-            float e = exp_nonpositive(x >= 0.0f ? -x : x);
-            float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            o[i] = x * sig * u[i];
-        }
-    }
-}
 
 /* The layer over M decode rows (the step's every row): with `residual`, the stream is
  * x + residual, else x. Writes the MLP's output to mlp_out [M, hidden] and the stream after the
@@ -437,11 +556,11 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
     float *o = attn + M * qs, *gu = o + M * hd, *act = gu + M * 2 * in;
     add_norm_f32(x, residual, DL->in_w, DL->in_b, h, res1, M, hd, hd, DL->eps, DL->norm_kind);
     const float *stream = residual ? res1 : x;
-    linear_rows_f32(h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
+    linear_panels_f32(h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
     attention_step_f32(L, S, qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, attn, qs);
-    linear_rows_f32(attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
+    linear_panels_f32(attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
     add_norm_f32(o, stream, DL->mlp_w, DL->mlp_b, h, res_out, M, hd, hd, DL->eps, DL->norm_kind);
-    linear_rows_f32(h, hd, DL->gate_up_w, DL->gate_up_b, gu, M, 2 * in, hd);
-    silu_mul(gu, act, M, in);
-    linear_rows_f32(act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
+    linear_panels_f32(h, hd, DL->gate_up_w, DL->gate_up_b, gu, M, 2 * in, hd);
+    activation_f32(gu, 2 * in, act, M, in, 0, 1);
+    linear_panels_f32(act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
 }

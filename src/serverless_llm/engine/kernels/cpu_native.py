@@ -1,6 +1,6 @@
 """The CPU path's native kernels (cpu_native.c), their build, and their torch references.
 
-On a CPU the linears run near the machine's limits (oneDNN), but a decode step also runs ~70
+On a CPU a decode step runs, besides its linears, ~70
 small torch ops per layer (norms, rotary, the KV write, a gather-and-matmul attention), and at
 one request those cost as much as a third of the step in dispatch alone. cpu_native.c does each
 group in one call, float32, reading the paged cache in place:
@@ -8,7 +8,11 @@ group in one call, float32, reading the paged cache in place:
 - `attention_step`: a layer's q/k clip, q/k RMSNorm, rotary (neox or GPT-J, full or partial),
   KV write and the decode rows' attention (soft-cap, ALiBi, sliding window) over the head-major
   cache the torch backend uses (`allocate_kv_cache(head_major=True)`);
-- `add_norm`: the residual add and RMSNorm or LayerNorm.
+- `add_norm`: the residual add and RMSNorm or LayerNorm;
+- `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
+  where it measures faster than oneDNN (layers/linear.py chooses);
+- `activation`: the MLP's activation, plain or gated (silu, gelu's tanh form, relu);
+- `decoder_layer`: a whole pre-norm gated-SiLU decoder layer of a decode step.
 
 The build: the system C compiler (`CC`, else `cc`), `-O3 -march=native -fopenmp`, once per
 machine: the library is cached under `NATIVE_KERNEL_CACHE` (default
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from .activation import ACT_CODES, act_and_mul_reference, activation_reference
 from .layer_norm import layer_norm_reference
 from .metadata import AttentionMetadata, AttentionSpec
 from .rms_norm import rms_norm_reference
@@ -48,6 +53,10 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 _F = ctypes.c_float
 _I = ctypes.c_int64
 _P = ctypes.c_void_p
+
+# The activation codes (kernels/activation.py's ACT_CODES) activation_f32 computes: silu, the
+# tanh form of gelu, relu. The erf form stays torch's (an erf from exp measured 3x slower).
+NATIVE_ACT_CODES = (0, 2, 3)
 
 # The q/k norms the native step applies (models/decoder.py's names).
 QK_NORMS = {None: 0, "rms_head": 1, "rms_full": 2, "layer_head": 3, "layer_head_shared": 4}
@@ -104,6 +113,30 @@ class DecoderLayerWeights(ctypes.Structure):
     ]
 
 
+PANEL = 16  # columns of w^T a panel holds (cpu_native.c's PANEL)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """A float32 [N, K] weight as the native linear reads it: [ceil(N / 16), K, 16], panel p
+    holding rows 16p..16p+15 of w transposed (zeros past N)."""
+    w = w.detach()
+    n, k = w.shape
+    full = n // PANEL
+    # Written straight into the result (no padded copy of the weight: a load packs one linear
+    # at a time, and its peak memory counts every transient copy).
+    panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=w.dtype)
+    panels[:full].copy_(w[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
+    if n > full * PANEL:
+        panels[full].zero_()
+        panels[full, :, : n - full * PANEL].copy_(w[full * PANEL :].T)
+    return panels
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_panels' inverse: the [out_features, K] weight."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
+
+
 # -- build and load ----------------------------------------------------------------------------
 
 
@@ -122,7 +155,10 @@ def _compiler() -> str:
 
 
 def _build_flags() -> list[str]:
-    return ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+    # -fno-trapping-math: no FP traps are ever enabled, and without it GCC will not if-convert
+    # (so not vectorize) a loop with a select, e.g. every loop of exp_nonpositive.
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+    return flags + ["-fPIC", "-shared"]
 
 
 def cache_dir() -> Path:
@@ -175,7 +211,7 @@ class NativeKernels:
         f.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Step)] + [_P, _I] * 4
         f.restype = None
         self._attention = f
-        f = self.lib.linear_rows_f32
+        f = self.lib.linear_panels_f32
         f.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
         f.restype = None
         self._linear = f
@@ -188,6 +224,19 @@ class NativeKernels:
         f.argtypes = [_P] * 6 + [_I] * 3 + [_F, _I]
         f.restype = None
         self._add_norm = f
+        f = self.lib.activation_f32
+        f.argtypes = [_P, _I, _P] + [_I] * 4
+        f.restype = None
+        self._activation = f
+
+    def activation(self, x, code: int, gated: bool):
+        """act(x) of ACT_CODES' `code` (one of NATIVE_ACT_CODES) for x [M, n] (last dim
+        contiguous), or act(gate) * up for x [M, gate | up]."""
+        M, n = x.shape
+        n = n // 2 if gated else n
+        out = torch.empty(M, n, dtype=x.dtype)
+        self._activation(x.data_ptr(), x.stride(0), out.data_ptr(), M, n, code, int(gated))
+        return out
 
     def attention_step(self, layer: Layer, step: Step, q, k, v, out) -> None:
         """q [T, H, D], k and v [T, KVH, D] (rows strided, heads contiguous) prepared in place
@@ -205,17 +254,17 @@ class NativeKernels:
             out.stride(0),
         )
 
-    def linear(self, x, weight, bias=None):
-        """F.linear(x, weight, bias) for a few rows of x [M, K] (last dim contiguous; weight
-        and bias contiguous, as PackedLinear's are): each weight row streamed once for all M
-        rows."""
+    def linear(self, x, panels, bias=None, out_features: int | None = None):
+        """F.linear(x, w, bias) for x [M, K] (last dim contiguous) and `panels` =
+        pack_panels(w) (bias contiguous); out_features: w's rows (default: all the panels'
+        columns, padding included)."""
         M, K = x.shape
-        N = weight.shape[0]
+        N = out_features or panels.shape[0] * PANEL
         out = torch.empty(M, N, dtype=x.dtype)
         self._linear(
             x.data_ptr(),
             x.stride(0),
-            weight.data_ptr(),
+            panels.data_ptr(),
             ptr_or_null(bias),
             out.data_ptr(),
             M,
@@ -485,13 +534,23 @@ def self_check(kernels: NativeKernels) -> str | None:
             err = (a - b).abs().max().item()
             if not err <= 1e-4:
                 return f"attention_step ({name}): {what} differs by {err:.3g}"
-    w = torch.randn(21, 37, generator=g)  # rows and columns off the kernel's blocks
-    for m in (1, 3):
-        x = torch.randn(m, 37, generator=g)
-        b = torch.randn(21, generator=g)
-        err = (kernels.linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs()
-        if not err.max().item() <= 1e-4:
-            return f"linear ({m} rows): differs by {err.max().item():.3g}"
+    # Columns off the panels (21 = 16 + 5), K past one block (130 = 128 + 2), rows off the
+    # micro-kernel's 6.
+    for n, k in ((21, 37), (32, 130)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        panels = pack_panels(w)
+        for m in (1, 3, 8, 13):
+            x = torch.randn(m, k, generator=g)
+            got = kernels.linear(x, panels, b, n)
+            err = (got - torch.nn.functional.linear(x, w, b)).abs().max().item()
+            if not err <= 1e-4:
+                return f"linear ({m} x {k} -> {n}): differs by {err:.3g}"
+    x = torch.randn(3, 2 * 40, generator=g) * 4
+    for code in NATIVE_ACT_CODES:
+        for gated in (False, True):
+            err = kernels.activation(x, code, gated) - activation_code_reference(x, code, gated)
+            if not err.abs().max().item() <= 1e-5:
+                return f"activation {code} (gated {gated}): differs by {err.abs().max():.3g}"
     x, res = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
     w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
     for kind, bias in ((0, None), (1, b), (1, None)):
@@ -503,6 +562,12 @@ def self_check(kernels: NativeKernels) -> str | None:
                 if not err <= 1e-4:
                     return f"add_norm (kind {kind}): differs by {err:.3g}"
     return None
+
+
+def activation_code_reference(x: torch.Tensor, code: int, gated: bool) -> torch.Tensor:
+    """`activation`'s torch reference (kernels/activation.py's, by code)."""
+    act = next(name for name, c in ACT_CODES.items() if c == code)
+    return act_and_mul_reference(x, act) if gated else activation_reference(x, act)
 
 
 def _probe_rope(rot_dim: int, g: torch.Generator) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu_native import cache_dir, cpu_flags
+from ..kernels.cpu_native import cache_dir, cpu_flags, pack_panels
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,13 @@ _PACKED_OK: bool | None = None
 class PackedLinear(nn.Module):
     """Inference-only replacement for nn.Linear holding a oneDNN-packed weight; with the
     native CPU kernels (`use_native_rows`), steps of at most `native_rows` rows run the native
-    weight-streaming kernel on the plain weight instead."""
+    GEMM on the weight in panels (`pack_panels`) instead."""
 
     def __init__(
         self,
         linear: nn.Linear | None,
         weight: torch.Tensor | None = None,
-        keep_plain: bool = False,
+        keep_panels: bool = False,
     ) -> None:
         super().__init__()
         w = (linear.weight if linear is not None else weight).detach()
@@ -85,10 +85,9 @@ class PackedLinear(nn.Module):
         self.bias = (
             None if linear is None or linear.bias is None else linear.bias.detach().contiguous()
         )
-        # The plain weight, kept (`keep_plain`) while the native path may use it: a tied LM
-        # head's is the embedding (no extra memory); a layer's own is dropped by
-        # `use_native_rows(..., 0)` unless the native kernel wins.
-        self.plain: torch.Tensor | None = w.contiguous() if keep_plain else None
+        # The weight in the native GEMM's panels, made (`keep_panels`) while the native path
+        # may use it, dropped by `use_native_rows(..., 0)` where it does not win.
+        self.panels: torch.Tensor | None = pack_panels(w) if keep_panels else None
         self.native = None
         self.native_rows = 0
 
@@ -100,19 +99,20 @@ class PackedLinear(nn.Module):
             and x.dtype == torch.float32
             and x.stride(-1) == 1
         ):
-            return self.native.linear(x, self.plain, self.bias)
+            return self.native.linear(x, self.panels, self.bias, self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
     def use_native_rows(self, native, rows: int) -> None:
-        """Steps of <= rows rows through the native kernel; 0 drops the plain weight."""
+        """Steps of <= rows rows through the native kernel; 0 drops the panels."""
         self.native, self.native_rows = (native, rows) if rows else (None, 0)
         if not rows:
-            self.plain = None
+            self.panels = None
 
 
-def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> bool:
-    """Swaps every float32 nn.Linear of `model` for a PackedLinear (keeping the plain weights
-    too with `keep_plain`, for `use_native_linears` to choose); True if it did."""
+def pack_linears_for_cpu(model: nn.Module, keep_panels: bool = False) -> bool:
+    """Swaps every float32 nn.Linear of `model` for a PackedLinear (with the weights in the
+    native GEMM's panels too with `keep_panels`, for `use_native_linears` to choose); True if it
+    did."""
     if not packed_ops_work():
         return False
     targets = [
@@ -121,15 +121,14 @@ def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> bool:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.dtype == torch.float32
     ]
-    # One layer at a time, dropping each plain weight as soon as its packed copy exists: the
-    # freed memory is reused by the next packed weight instead of faulting in fresh pages, and
-    # the peak stays near one copy of the weights rather than two.
+    # One layer at a time, dropping each plain weight as soon as its packed copies exist: the
+    # freed memory is reused by the next layer's instead of faulting in fresh pages.
     for parent, name in targets:
-        setattr(parent, name, PackedLinear(getattr(parent, name), keep_plain=keep_plain))
+        setattr(parent, name, PackedLinear(getattr(parent, name), keep_panels=keep_panels))
     return True
 
 
-NATIVE_ROW_CANDIDATES = (1, 2, 4, 8)
+NATIVE_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
 NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's time
 
 
@@ -174,7 +173,7 @@ def time_pass(linears: list[PackedLinear], x: dict, native: bool, repeats: int =
         for lin in linears:
             xi = x[lin.in_features]
             if native:
-                lin.native.linear(xi, lin.plain, lin.bias)
+                lin.native.linear(xi, lin.panels, lin.bias, lin.out_features)
             else:
                 packed_linear(xi, lin.packed, lin.bias)
         best = min(best, time.perf_counter() - t)
@@ -203,9 +202,9 @@ def choose_native_rows(linears: list[PackedLinear], native, timer=time_pass) -> 
 def use_native_linears(model: nn.Module, native) -> str:
     """Hands the model's packed linears the native kernel for the step sizes where it wins,
     chosen per weight shape: measured once per machine and model shape and cached
-    (`choice_file`), or NATIVE_LINEAR_ROWS (one choice for all, unmeasured); the plain weights
+    (`choice_file`), or NATIVE_LINEAR_ROWS (one choice for all, unmeasured); the panels
     are dropped where it never wins. Returns the start-up line for the choice."""
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
     if not linears:
         return "CPU linears: no packed linears"
     shapes: dict[tuple[int, int], list[PackedLinear]] = {}

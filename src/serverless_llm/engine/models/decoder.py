@@ -25,14 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.activation import ACT_CODES
 from ..kernels.cpu_native import (
+    NATIVE_ACT_CODES,
     DecoderLayerWeights,
     LayerPrep,
     native_cache_ok,
     prepare_reference,
     ptr_or_null,
 )
-from ..layers.activation import Activation, SiluAndMul, check_activation, gated_activation
+from ..layers.activation import (
+    ActAndMul,
+    Activation,
+    SiluAndMul,
+    check_activation,
+    gated_activation,
+)
 from ..layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -491,8 +499,8 @@ class DecoderLayer(nn.Module):
 class NativeDecodeLayer:
     """A decode step of a few rows through a whole layer in one native call
     (`decoder_layer_f32`): for the common layer shape only (pre-norm "in" and "mlp" norms of one
-    kind, sequential, no multipliers, a gated SiLU MLP, every linear packed with its plain
-    weight kept for the native rows, q/k prepared by the native step), and only while the
+    kind, sequential, no multipliers, a gated SiLU MLP, every linear packed with its panels
+    kept for the native rows, q/k prepared by the native step), and only while the
     layer's linears are those it was built on (a LoRA wrapper or anything else put in their
     place afterwards turns it off)."""
 
@@ -513,13 +521,13 @@ class NativeDecodeLayer:
             in_b=ptr_or_null(getattr(norm, "bias", None)),
             mlp_w=ptr_or_null(layer.mlp_norm.weight),
             mlp_b=ptr_or_null(getattr(layer.mlp_norm, "bias", None)),
-            qkv_w=ptr_or_null(qkv.plain),
+            qkv_w=ptr_or_null(qkv.panels),
             qkv_b=ptr_or_null(qkv.bias),
-            o_w=ptr_or_null(o.plain),
+            o_w=ptr_or_null(o.panels),
             o_b=ptr_or_null(o.bias),
-            gate_up_w=ptr_or_null(gate_up.plain),
+            gate_up_w=ptr_or_null(gate_up.panels),
             gate_up_b=ptr_or_null(gate_up.bias),
-            down_w=ptr_or_null(down.plain),
+            down_w=ptr_or_null(down.panels),
             down_b=ptr_or_null(down.bias),
         )
 
@@ -544,7 +552,7 @@ class NativeDecodeLayer:
             and mlp.gated
             and isinstance(mlp.act_fn, SiluAndMul)
             and attn.native_prep
-            and all(isinstance(lin, PackedLinear) and lin.plain is not None for lin in linears)
+            and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
         )
         rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
         layer.native_decode = NativeDecodeLayer(layer, native, rows) if rows else None
@@ -750,18 +758,20 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             for m in self.modules():
                 if isinstance(m, (RMSNorm, LayerNorm)):
                     m.native = self.native
+                elif isinstance(m, (SiluAndMul, ActAndMul, Activation)):
+                    m.native = self.native if ACT_CODES[m.act] in NATIVE_ACT_CODES else None
             self.native_rotary = float32 and all(
                 layer.self_attn.native_prep for layer in self.layers
             )
         native = self.native is not None and float32
-        if not float32 or not pack_linears_for_cpu(self, keep_plain=native):
+        if not float32 or not pack_linears_for_cpu(self, keep_panels=native):
             return None
         for m in self.modules():
             if isinstance(m, Experts) and not m.use_kernels:
                 m.pack_for_cpu()
         if self.tied:  # the embedding itself stays plain for the lookup
             bias = getattr(self, "lm_head_bias", None)
-            self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight, keep_plain=native)
+            self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight, keep_panels=native)
             self.packed_lm_head.bias = None if bias is None else bias.detach().contiguous()
         else:
             self.packed_lm_head = self.lm_head
