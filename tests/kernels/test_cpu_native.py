@@ -479,6 +479,37 @@ def test_whole_decode_layers_equal_transformers(tmp_path, monkeypatch, kernels, 
     assert calls and max(calls) <= 8
 
 
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("test_families_gpt", "gpt2"),  # plain gelu-tanh MLP, LayerNorm with bias, positions
+        ("test_families_gpt", "opt"),  # plain relu MLP
+        ("test_families_alibi", "bloom"),  # ALiBi, embedding norm
+        ("test_families", "gemma"),  # gated gelu-tanh MLP
+    ],
+)
+def test_whole_decode_layers_of_other_mlps_equal_transformers(
+    tmp_path, monkeypatch, kernels, module, name
+):
+    """The whole-layer call with a plain MLP (gelu's tanh form, relu) and with a gated
+    non-SiLU one: every layer takes it, greedy tokens equal to transformers'."""
+    import importlib
+
+    from tests.engine.family_check import assert_matches_transformers, save_family_model
+    from tests.tiny_models import build_tokenizer
+
+    config = importlib.import_module(f"tests.engine.{module}")._config(name, build_tokenizer())
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
+    calls = []
+    real = kernels.decoder_layer
+    monkeypatch.setattr(
+        kernels, "decoder_layer", lambda *a: calls.append(a[3].shape[0]) or real(*a)
+    )
+    path = save_family_model(str(tmp_path / name), config)
+    assert_matches_transformers(path, attention_backend="native")
+    assert calls and max(calls) <= 8
+
+
 def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monkeypatch, kernels):
     from serverless_llm import LLM
     from tests.engine.family_check import save_family_model
@@ -491,10 +522,14 @@ def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monk
     layers = llama.engine.runner.model.layers
     assert all(layer.native_decode is not None for layer in layers)
     assert layers[0].native_decode.rows == 4
-    # Gemma 2's post-norms and soft-cap layers keep the per-op path.
+    # Gemma 2's post-norms and soft-cap layers keep the per-op path; so does MPT's erf GELU.
+    from tests.engine.test_families_alibi import _config as alibi_config
+
     gemma2 = save_family_model(str(tmp_path / "gemma2"), _config("gemma2", build_tokenizer()))
-    layers = LLM(gemma2, **kw).engine.runner.model.layers
-    assert all(layer.native_decode is None for layer in layers)
+    mpt = save_family_model(str(tmp_path / "mpt"), alibi_config("mpt", build_tokenizer()))
+    for path in (gemma2, mpt):
+        layers = LLM(path, **kw).engine.runner.model.layers
+        assert all(layer.native_decode is None for layer in layers)
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "0")  # no native linears: no whole layers
     layers = LLM(build_tiny_model(str(tmp_path / "l2"), "llama"), **kw).engine.runner.model.layers
     assert all(layer.native_decode is None for layer in layers)

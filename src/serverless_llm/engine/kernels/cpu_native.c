@@ -533,14 +533,17 @@ void linear_panels_f32(const float *x, int64_t x_stride, const float *wp, const 
 
 /* -- a whole decoder layer for a decode step of a few rows -------------------------------- */
 
-/* One pre-norm decoder layer of the common shape: norm, QKV, attention, O, residual add and
- * norm, gated SiLU MLP; its linears' weights in panels (linear_panels_f32; biases optional). */
+/* One pre-norm sequential decoder layer: norm, QKV, attention, O, residual add and norm, MLP
+ * (gated: act(gate) * up, or plain: act(up)); its linears' weights in panels
+ * (linear_panels_f32; biases optional). */
 typedef struct {
     int64_t hidden, q_size, kv_size, inter;
     int64_t norm_kind; /* add_norm_f32's kind: 0 RMSNorm, 1 LayerNorm */
+    int64_t act;       /* activation_f32's kind */
+    int64_t gated;     /* 1: up_w is [gate | up], 2 * inter rows; 0: inter rows */
     float eps;
     const float *in_w, *in_b, *mlp_w, *mlp_b;
-    const float *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const float *qkv_w, *qkv_b, *o_w, *o_b, *up_w, *up_b, *down_w, *down_b;
 } decoder_layer_t;
 
 /* The layer over M decode rows (the step's every row): with `residual`, the stream is
@@ -560,7 +563,8 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
     attention_step_f32(L, S, qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, attn, qs);
     linear_panels_f32(attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
     add_norm_f32(o, stream, DL->mlp_w, DL->mlp_b, h, res_out, M, hd, hd, DL->eps, DL->norm_kind);
-    linear_panels_f32(h, hd, DL->gate_up_w, DL->gate_up_b, gu, M, 2 * in, hd);
-    activation_f32(gu, 2 * in, act, M, in, 0, 1);
+    int64_t up_n = DL->gated ? 2 * in : in;
+    linear_panels_f32(h, hd, DL->up_w, DL->up_b, gu, M, up_n, hd);
+    activation_f32(gu, up_n, act, M, in, DL->act, DL->gated);
     linear_panels_f32(act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
 }

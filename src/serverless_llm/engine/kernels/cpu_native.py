@@ -12,7 +12,8 @@ group in one call, float32, reading the paged cache in place:
 - `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
   where it measures faster than oneDNN (layers/linear.py chooses);
 - `activation`: the MLP's activation, plain or gated (silu, gelu's tanh form, relu);
-- `decoder_layer`: a whole pre-norm gated-SiLU decoder layer of a decode step.
+- `decoder_layer`: a whole pre-norm sequential decoder layer of a decode step (its MLP gated or
+  plain, of a native activation).
 
 The build: the system C compiler (`CC`, else `cc`), `-O3 -march=native -fopenmp`, once per
 machine: the library is cached under `NATIVE_KERNEL_CACHE` (default
@@ -106,10 +107,12 @@ class DecoderLayerWeights(ctypes.Structure):
         ("kv_size", _I),
         ("inter", _I),
         ("norm_kind", _I),
+        ("act", _I),
+        ("gated", _I),
         ("eps", _F),
         *((name, _P) for name in ("in_w", "in_b", "mlp_w", "mlp_b")),
         *((name, _P) for name in ("qkv_w", "qkv_b", "o_w", "o_b")),
-        *((name, _P) for name in ("gate_up_w", "gate_up_b", "down_w", "down_b")),
+        *((name, _P) for name in ("up_w", "up_b", "down_w", "down_b")),
     ]
 
 
@@ -274,7 +277,7 @@ class NativeKernels:
         return out
 
     def decoder_layer(self, weights: DecoderLayerWeights, layer: Layer, step: Step, x, residual):
-        """A whole pre-norm layer (norm, QKV, attention, O, add and norm, gated SiLU MLP) over
+        """A whole pre-norm layer (norm, QKV, attention, O, add and norm, MLP) over
         the step's M decode rows x [M, hidden] (contiguous; residual too, or None): returns
         (the MLP's output, the stream after the attention's add)."""
         M, hd = x.shape

@@ -498,24 +498,26 @@ class DecoderLayer(nn.Module):
 
 class NativeDecodeLayer:
     """A decode step of a few rows through a whole layer in one native call
-    (`decoder_layer_f32`): for the common layer shape only (pre-norm "in" and "mlp" norms of one
-    kind, sequential, no multipliers, a gated SiLU MLP, every linear packed with its panels
-    kept for the native rows, q/k prepared by the native step), and only while the
-    layer's linears are those it was built on (a LoRA wrapper or anything else put in their
-    place afterwards turns it off)."""
+    (`decoder_layer_f32`): for the common layer shapes only (pre-norm "in" and "mlp" norms of
+    one kind, sequential, no multipliers, a gated or plain MLP of a native activation, every
+    linear packed with its panels kept for the native rows, q/k prepared by the native step),
+    and only while the layer's linears are those it was built on (a LoRA wrapper or anything
+    else put in their place afterwards turns it off)."""
 
     def __init__(self, layer: DecoderLayer, native, rows: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.native, self.rows = native, rows
-        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.linears = self.linears_of(layer)
         norm = layer.in_norm
-        qkv, o, gate_up, down = self.linears
+        qkv, o, up, down = self.linears
         self.weights = DecoderLayerWeights(
             hidden=o.out_features,
             q_size=attn.q_size,
             kv_size=attn.kv_size,
             inter=down.in_features,
             norm_kind=0 if isinstance(norm, RMSNorm) else 1,
+            act=ACT_CODES[mlp.act_fn.act],
+            gated=int(mlp.gated),
             eps=norm.eps,
             in_w=ptr_or_null(norm.weight),
             in_b=ptr_or_null(getattr(norm, "bias", None)),
@@ -525,19 +527,25 @@ class NativeDecodeLayer:
             qkv_b=ptr_or_null(qkv.bias),
             o_w=ptr_or_null(o.panels),
             o_b=ptr_or_null(o.bias),
-            gate_up_w=ptr_or_null(gate_up.panels),
-            gate_up_b=ptr_or_null(gate_up.bias),
+            up_w=ptr_or_null(up.panels),
+            up_b=ptr_or_null(up.bias),
             down_w=ptr_or_null(down.panels),
             down_b=ptr_or_null(down.bias),
         )
+
+    @staticmethod
+    def linears_of(layer: DecoderLayer) -> tuple:
+        """The layer's QKV, O, up (gate-up when gated) and down linears, as they are now."""
+        attn, mlp = layer.self_attn, layer.mlp
+        up = getattr(mlp, "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj", None)
+        return attn.qkv_proj, attn.o_proj, up, getattr(mlp, "down_proj", None)
 
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives `layer` the whole-layer path where its shape allows; True if it did."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.in_norm, layer.mlp_norm)
-        linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None))
-        linears += (getattr(mlp, "down_proj", None),)
+        linears = NativeDecodeLayer.linears_of(layer)
         fits = (
             not tp_enabled
             and not layer.parallel
@@ -549,8 +557,7 @@ class NativeDecodeLayer:
             and type(norms[0]) is type(norms[1])
             and isinstance(norms[0], (RMSNorm, LayerNorm))
             and isinstance(mlp, MLP)
-            and mlp.gated
-            and isinstance(mlp.act_fn, SiluAndMul)
+            and ACT_CODES[mlp.act_fn.act] in NATIVE_ACT_CODES
             and attn.native_prep
             and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
         )
@@ -559,14 +566,13 @@ class NativeDecodeLayer:
         return layer.native_decode is not None
 
     def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
-        attn, mlp = layer.self_attn, layer.mlp
         return (
             x.shape[0] <= self.rows
             and meta.num_decodes == x.shape[0]
             and x.dtype == torch.float32
             and x.is_contiguous()
             and (residual is None or residual.is_contiguous())
-            and (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) == self.linears
+            and self.linears_of(layer) == self.linears
         )
 
     def __call__(self, layer: DecoderLayer, x, residual, rope, kv_cache, meta):
