@@ -486,19 +486,26 @@ def test_whole_decode_layers_equal_transformers(tmp_path, monkeypatch, kernels, 
         ("test_families_gpt", "opt"),  # plain relu MLP
         ("test_families_alibi", "bloom"),  # ALiBi, embedding norm
         ("test_families", "gemma"),  # gated gelu-tanh MLP
+        ("test_families_gpt", "gptj"),  # parallel, one norm, interleaved partial rotary
+        ("test_families_gpt", "phi"),  # parallel, shared q/k LayerNorm, dense bias
+        ("test_families", "cohere"),  # parallel, LayerNorm without bias, gated SiLU, q/k norm
+        ("test_families_gpt", "gpt_neox"),  # parallel with the MLP's own norm (tanh gelu here)
     ],
 )
-def test_whole_decode_layers_of_other_mlps_equal_transformers(
+def test_whole_decode_layers_of_other_shapes_equal_transformers(
     tmp_path, monkeypatch, kernels, module, name
 ):
-    """The whole-layer call with a plain MLP (gelu's tanh form, relu) and with a gated
-    non-SiLU one: every layer takes it, greedy tokens equal to transformers'."""
+    """The whole-layer call with a plain MLP (gelu's tanh form, relu), a gated non-SiLU one,
+    and parallel blocks with one norm or two: every layer takes it, greedy tokens equal to
+    transformers'."""
     import importlib
 
     from tests.engine.family_check import assert_matches_transformers, save_family_model
     from tests.tiny_models import build_tokenizer
 
     config = importlib.import_module(f"tests.engine.{module}")._config(name, build_tokenizer())
+    if name == "gpt_neox":
+        config.hidden_act = "gelu_new"  # NeoX's erf GELU keeps the per-op path
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
     calls = []
     real = kernels.decoder_layer

@@ -533,14 +533,17 @@ void linear_panels_f32(const float *x, int64_t x_stride, const float *wp, const 
 
 /* -- a whole decoder layer for a decode step of a few rows -------------------------------- */
 
-/* One pre-norm sequential decoder layer: norm, QKV, attention, O, residual add and norm, MLP
- * (gated: act(gate) * up, or plain: act(up)); its linears' weights in panels
- * (linear_panels_f32; biases optional). */
+/* One pre-norm decoder layer: norm, QKV, attention, O, then the MLP (gated: act(gate) * up, or
+ * plain: act(up)): sequential (residual add and norm between) or parallel (the MLP reads the
+ * same normed stream, or its own norm of it, and the two outputs are summed); its linears'
+ * weights in panels (linear_panels_f32; biases optional). */
 typedef struct {
     int64_t hidden, q_size, kv_size, inter;
     int64_t norm_kind; /* add_norm_f32's kind: 0 RMSNorm, 1 LayerNorm */
     int64_t act;       /* activation_f32's kind */
     int64_t gated;     /* 1: up_w is [gate | up], 2 * inter rows; 0: inter rows */
+    int64_t parallel;  /* 1: GPT-J's, Phi's, Cohere's block */
+    int64_t mlp_norm;  /* parallel: 1 if the MLP has its own norm (mlp_w, mlp_b) */
     float eps;
     const float *in_w, *in_b, *mlp_w, *mlp_b;
     const float *qkv_w, *qkv_b, *o_w, *o_b, *up_w, *up_b, *down_w, *down_b;
@@ -548,23 +551,37 @@ typedef struct {
 
 /* The layer over M decode rows (the step's every row): with `residual`, the stream is
  * x + residual, else x. Writes the MLP's output to mlp_out [M, hidden] and the stream after the
- * attention's add to res_out [M, hidden] (the decoder's (x, residual) pair). `work` holds
- * M * (3 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) floats. */
+ * attention's add to res_out [M, hidden] (the decoder's (x, residual) pair; parallel: the MLP's
+ * output plus the attention's, and the stream). `work` holds
+ * M * (4 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) floats. */
 void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t *S,
                        const float *x, const float *residual, float *mlp_out, float *res_out,
                        float *work, int64_t M) {
     int64_t hd = DL->hidden, qs = DL->q_size, kvs = DL->kv_size, in = DL->inter;
     int64_t qkv_n = qs + 2 * kvs;
     float *h = work, *res1 = h + M * hd, *qkv = res1 + M * hd, *attn = qkv + M * qkv_n;
-    float *o = attn + M * qs, *gu = o + M * hd, *act = gu + M * 2 * in;
+    float *o = attn + M * qs, *gu = o + M * hd, *act = gu + M * 2 * in, *h2 = act + M * in;
     add_norm_f32(x, residual, DL->in_w, DL->in_b, h, res1, M, hd, hd, DL->eps, DL->norm_kind);
     const float *stream = residual ? res1 : x;
     linear_panels_f32(h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
     attention_step_f32(L, S, qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, attn, qs);
     linear_panels_f32(attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
-    add_norm_f32(o, stream, DL->mlp_w, DL->mlp_b, h, res_out, M, hd, hd, DL->eps, DL->norm_kind);
+    if (DL->parallel) {
+        if (DL->mlp_norm)
+            add_norm_f32(stream, NULL, DL->mlp_w, DL->mlp_b, h2, NULL, M, hd, hd, DL->eps,
+                         DL->norm_kind);
+        else
+            h2 = h;
+        memcpy(res_out, stream, (size_t)(M * hd) * sizeof(float));
+    } else {
+        add_norm_f32(o, stream, DL->mlp_w, DL->mlp_b, h, res_out, M, hd, hd, DL->eps,
+                     DL->norm_kind);
+        h2 = h;
+    }
     int64_t up_n = DL->gated ? 2 * in : in;
-    linear_panels_f32(h, hd, DL->up_w, DL->up_b, gu, M, up_n, hd);
+    linear_panels_f32(h2, hd, DL->up_w, DL->up_b, gu, M, up_n, hd);
     activation_f32(gu, up_n, act, M, in, DL->act, DL->gated);
     linear_panels_f32(act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
+    if (DL->parallel) /* attention + MLP, as the torch path adds them */
+        for (int64_t i = 0; i < M * hd; i++) mlp_out[i] = o[i] + mlp_out[i];
 }

@@ -12,8 +12,8 @@ group in one call, float32, reading the paged cache in place:
 - `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
   where it measures faster than oneDNN (layers/linear.py chooses);
 - `activation`: the MLP's activation, plain or gated (silu, gelu's tanh form, relu);
-- `decoder_layer`: a whole pre-norm sequential decoder layer of a decode step (its MLP gated or
-  plain, of a native activation).
+- `decoder_layer`: a whole pre-norm decoder layer of a decode step, sequential or parallel (its
+  MLP gated or plain, of a native activation).
 
 The build: the system C compiler (`CC`, else `cc`), `-O3 -march=native -fopenmp`, once per
 machine: the library is cached under `NATIVE_KERNEL_CACHE` (default
@@ -109,6 +109,8 @@ class DecoderLayerWeights(ctypes.Structure):
         ("norm_kind", _I),
         ("act", _I),
         ("gated", _I),
+        ("parallel", _I),
+        ("mlp_norm", _I),
         ("eps", _F),
         *((name, _P) for name in ("in_w", "in_b", "mlp_w", "mlp_b")),
         *((name, _P) for name in ("qkv_w", "qkv_b", "o_w", "o_b")),
@@ -284,7 +286,7 @@ class NativeKernels:
         mlp_out = torch.empty(M, hd, dtype=x.dtype)
         res_out = torch.empty(M, hd, dtype=x.dtype)
         w = weights
-        work = torch.empty(M * (3 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter))
+        work = torch.empty(M * (4 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter))
         self._decoder_layer(
             ctypes.byref(weights),
             ctypes.byref(layer),

@@ -499,7 +499,8 @@ class DecoderLayer(nn.Module):
 class NativeDecodeLayer:
     """A decode step of a few rows through a whole layer in one native call
     (`decoder_layer_f32`): for the common layer shapes only (pre-norm "in" and "mlp" norms of
-    one kind, sequential, no multipliers, a gated or plain MLP of a native activation, every
+    one kind, sequential or parallel (the "mlp" norm optional), no multipliers, a gated or
+    plain MLP of a native activation, every
     linear packed with its panels kept for the native rows, q/k prepared by the native step),
     and only while the layer's linears are those it was built on (a LoRA wrapper or anything
     else put in their place afterwards turns it off)."""
@@ -508,7 +509,7 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.native, self.rows = native, rows
         self.linears = self.linears_of(layer)
-        norm = layer.in_norm
+        norm, mlp_norm = layer.in_norm, layer.mlp_norm
         qkv, o, up, down = self.linears
         self.weights = DecoderLayerWeights(
             hidden=o.out_features,
@@ -518,11 +519,13 @@ class NativeDecodeLayer:
             norm_kind=0 if isinstance(norm, RMSNorm) else 1,
             act=ACT_CODES[mlp.act_fn.act],
             gated=int(mlp.gated),
+            parallel=int(layer.parallel),
+            mlp_norm=int(mlp_norm is not None),
             eps=norm.eps,
             in_w=ptr_or_null(norm.weight),
             in_b=ptr_or_null(getattr(norm, "bias", None)),
-            mlp_w=ptr_or_null(layer.mlp_norm.weight),
-            mlp_b=ptr_or_null(getattr(layer.mlp_norm, "bias", None)),
+            mlp_w=ptr_or_null(getattr(mlp_norm, "weight", None)),
+            mlp_b=ptr_or_null(getattr(mlp_norm, "bias", None)),
             qkv_w=ptr_or_null(qkv.panels),
             qkv_b=ptr_or_null(qkv.bias),
             o_w=ptr_or_null(o.panels),
@@ -544,18 +547,17 @@ class NativeDecodeLayer:
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives `layer` the whole-layer path where its shape allows; True if it did."""
         attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.in_norm, layer.mlp_norm)
+        norm, mlp_norm = layer.in_norm, layer.mlp_norm
         linears = NativeDecodeLayer.linears_of(layer)
         fits = (
             not tp_enabled
-            and not layer.parallel
             and not layer.post_ln
             and layer.residual_scale == 1.0
             and layer.post_attn_norm is None
             and layer.post_mlp_norm is None
-            and all(n is not None for n in norms)
-            and type(norms[0]) is type(norms[1])
-            and isinstance(norms[0], (RMSNorm, LayerNorm))
+            and isinstance(norm, (RMSNorm, LayerNorm))
+            # sequential: an "mlp" norm of the same kind; parallel: that, or none
+            and (type(mlp_norm) is type(norm) or (layer.parallel and mlp_norm is None))
             and isinstance(mlp, MLP)
             and ACT_CODES[mlp.act_fn.act] in NATIVE_ACT_CODES
             and attn.native_prep
