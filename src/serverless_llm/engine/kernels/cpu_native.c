@@ -354,11 +354,25 @@ static inline float act_silu(float x) { return x * sigmoid(x); }
 static inline float act_gelu_tanh(float x) {
     return x * sigmoid(1.5957691216057308f * (x + 0.044715f * x * x * x));
 }
+/* 0.5 x (1 + erf(x / sqrt(2))), erf by Abramowitz and Stegun's 7.1.26 (absolute error under
+ * 1.5e-7) on exp_nonpositive; for x < 0, 1 + erf is erfc(|x| / sqrt(2)) itself, so small
+ * outputs keep their relative precision. */
+static inline float act_gelu(float x) {
+    float z = fabsf(x) * 0.70710678118654752f;
+    float t = 1.0f / (1.0f + 0.3275911f * z);
+    float p = 1.061405429f;
+    p = p * t - 1.453152027f;
+    p = p * t + 1.421413741f;
+    p = p * t - 0.284496736f;
+    p = p * t + 0.254829592f;
+    float erfc = p * t * exp_nonpositive(-z * z);
+    return 0.5f * x * (x < 0.0f ? erfc : 2.0f - erfc);
+}
 static inline float act_relu(float x) { return x > 0.0f ? x : 0.0f; }
 
 /* out [rows, n] = act(x) (plain), or act(gate) * up for x rows [gate | up] of 2n (gated); x rows
- * x_stride apart; kind: kernels/activation.py's ACT_CODES (0 silu, 2 gelu's tanh
- * approximation, 3 relu; not 1, the erf form: an erf from exp measured 3x slower than torch's). */
+ * x_stride apart; kind: kernels/activation.py's ACT_CODES (0 silu, 1 gelu, 2 gelu's tanh
+ * approximation, 3 relu). */
 void activation_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n,
                     int64_t kind, int64_t gated) {
 #pragma omp parallel for schedule(static) if (rows * n > 32768)
@@ -373,6 +387,7 @@ void activation_f32(const float *x, int64_t x_stride, float *out, int64_t rows, 
     }
         switch (kind) {
         case 0: ACT_LOOP(act_silu) break;
+        case 1: ACT_LOOP(act_gelu) break;
         case 2: ACT_LOOP(act_gelu_tanh) break;
         default: ACT_LOOP(act_relu) break;
         }

@@ -11,7 +11,7 @@ group in one call, float32, reading the paged cache in place:
 - `add_norm`: the residual add and RMSNorm or LayerNorm;
 - `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
   where it measures faster than oneDNN (layers/linear.py chooses);
-- `activation`: the MLP's activation, plain or gated (silu, gelu's tanh form, relu);
+- `activation`: the MLP's activation, plain or gated (silu, gelu and its tanh form, relu);
 - `decoder_layer`: a whole pre-norm decoder layer of a decode step, sequential or parallel (its
   MLP gated or plain, of a native activation).
 
@@ -55,9 +55,9 @@ _F = ctypes.c_float
 _I = ctypes.c_int64
 _P = ctypes.c_void_p
 
-# The activation codes (kernels/activation.py's ACT_CODES) activation_f32 computes: silu, the
-# tanh form of gelu, relu. The erf form stays torch's (an erf from exp measured 3x slower).
-NATIVE_ACT_CODES = (0, 2, 3)
+# The activation codes (kernels/activation.py's ACT_CODES) activation_f32 computes: silu, gelu
+# (the erf form), its tanh approximation, relu: all of them.
+NATIVE_ACT_CODES = (0, 1, 2, 3)
 
 # The q/k norms the native step applies (models/decoder.py's names).
 QK_NORMS = {None: 0, "rms_head": 1, "rms_full": 2, "layer_head": 3, "layer_head_shared": 4}
