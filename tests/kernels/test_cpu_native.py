@@ -465,8 +465,17 @@ def test_a_model_on_native_linears_equals_transformers(tmp_path, monkeypatch, ke
 def test_whole_decode_layers_equal_transformers(tmp_path, monkeypatch, kernels, kind):
     """Decode steps of up to 8 rows through `decoder_layer_f32` (every layer takes it: the
     count of calls says so), greedy tokens equal to transformers'."""
-    from tests.engine.family_check import assert_matches_transformers
     from tests.tiny_models import build_tiny_model
+
+    assert_whole_layers_match(
+        monkeypatch, kernels, lambda: build_tiny_model(str(tmp_path / kind), kind)
+    )
+
+
+def assert_whole_layers_match(monkeypatch, kernels, build) -> None:
+    """The model `build()` saves, its decode steps of up to 8 rows through `decoder_layer_f32`
+    (the count of calls says it ran), greedy tokens equal to transformers'."""
+    from tests.engine.family_check import assert_matches_transformers
 
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
     calls = []
@@ -474,8 +483,7 @@ def test_whole_decode_layers_equal_transformers(tmp_path, monkeypatch, kernels, 
     monkeypatch.setattr(
         kernels, "decoder_layer", lambda *a: calls.append(a[3].shape[0]) or real(*a)
     )
-    path = build_tiny_model(str(tmp_path / kind), kind)
-    assert_matches_transformers(path, attention_backend="native")
+    assert_matches_transformers(build(), attention_backend="native")
     assert calls and max(calls) <= 8
 
 
@@ -501,19 +509,13 @@ def test_whole_decode_layers_of_other_shapes_equal_transformers(
     transformers'."""
     import importlib
 
-    from tests.engine.family_check import assert_matches_transformers, save_family_model
+    from tests.engine.family_check import save_family_model
     from tests.tiny_models import build_tokenizer
 
     config = importlib.import_module(f"tests.engine.{module}")._config(name, build_tokenizer())
-    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "8")
-    calls = []
-    real = kernels.decoder_layer
-    monkeypatch.setattr(
-        kernels, "decoder_layer", lambda *a: calls.append(a[3].shape[0]) or real(*a)
+    assert_whole_layers_match(
+        monkeypatch, kernels, lambda: save_family_model(str(tmp_path / name), config)
     )
-    path = save_family_model(str(tmp_path / name), config)
-    assert_matches_transformers(path, attention_backend="native")
-    assert calls and max(calls) <= 8
 
 
 def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monkeypatch, kernels):
