@@ -424,6 +424,15 @@ def test_choose_native_rows_stops_at_the_first_loss(kernels):
     assert choose_native_rows([p], kernels, timer)[0] == 0
 
 
+def test_the_measurement_times_only_a_budget_of_each_shapes_weights(kernels):
+    from serverless_llm.engine.layers.linear import timed_instances
+
+    group = [packed(n=24, k=16)[1] for _ in range(5)]  # 1,536 bytes each
+    assert timed_instances(group, budget=3000) == group[:2]
+    assert timed_instances(group, budget=100) == group[:1]  # always one
+    assert timed_instances(group, budget=1 << 20) == group
+
+
 def test_a_bad_native_linear_rows_setting_is_named(kernels, monkeypatch):
     from serverless_llm.engine.layers.linear import use_native_linears
 

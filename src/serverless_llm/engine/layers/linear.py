@@ -128,7 +128,9 @@ def pack_linears_for_cpu(model: nn.Module, keep_panels: bool = False) -> bool:
     return True
 
 
-NATIVE_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Up to 64: measuring 128 too doubled a first start's measurement (SmolLM2: ~2.2 s -> ~4.4 s, on
+# every fresh serverless worker) for a ~20% gain on steps of 65-128 rows, which oneDNN takes.
+NATIVE_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's time
 
 
@@ -180,6 +182,19 @@ def time_pass(linears: list[PackedLinear], x: dict, native: bool, repeats: int =
     return best
 
 
+MEASURE_BYTES = 64 << 20  # weights timed per shape: past the caches, bounded on a large model
+
+
+def timed_instances(group: list[PackedLinear], budget: int = MEASURE_BYTES) -> list:
+    """The first of a shape's linears whose weights add up to `budget` bytes (at least one):
+    enough to stream from memory as a forward does, without timing every layer of a large
+    model at every candidate row count (a first start of a 123M model measured for ~5 s with
+    all 12 layers; a 7B one would take minutes)."""
+    lin = group[0]
+    each = lin.out_features * lin.in_features * 4
+    return group[: max(1, -(-budget // each))]
+
+
 def choose_native_rows(linears: list[PackedLinear], native, timer=time_pass) -> tuple[int, list]:
     """The most rows (of NATIVE_ROW_CANDIDATES) at which the native kernel streams `linears`
     (one shape's, all of the model's instances in turn) faster than oneDNN, each candidate timed
@@ -221,7 +236,7 @@ def use_native_linears(model: nn.Module, native) -> str:
     if rows is None:
         rows, ratios = {}, {}
         for shape, group in shapes.items():
-            rows[shape], timings = choose_native_rows(group, native)
+            rows[shape], timings = choose_native_rows(timed_instances(group), native)
             ratios[shape] = "/".join(f"{tn / tp:.2f}" for _, tn, tp in timings)
         how = "measured (native/oneDNN time at " + "/".join(map(str, NATIVE_ROW_CANDIDATES))
         how += " rows: " + "; ".join(f"{k}->{n} {r}" for (n, k), r in ratios.items()) + ")"
