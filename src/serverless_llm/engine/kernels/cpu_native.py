@@ -137,11 +137,6 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """pack_panels' inverse: the [out_features, K] weight."""
-    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
-
-
 # -- build and load ----------------------------------------------------------------------------
 
 

@@ -500,10 +500,9 @@ class NativeDecodeLayer:
     """A decode step of a few rows through a whole layer in one native call
     (`decoder_layer_f32`): for the common layer shapes only (pre-norm "in" and "mlp" norms of
     one kind, sequential or parallel (the "mlp" norm optional), no multipliers, a gated or
-    plain MLP of a native activation, every
-    linear packed with its panels kept for the native rows, q/k prepared by the native step),
-    and only while the layer's linears are those it was built on (a LoRA wrapper or anything
-    else put in their place afterwards turns it off)."""
+    plain MLP of a native activation, every linear packed with its panels kept for the native
+    rows, q/k prepared by the native step), and only while the layer's linears are those it was
+    built on (a LoRA wrapper or anything else put in their place afterwards turns it off)."""
 
     def __init__(self, layer: DecoderLayer, native, rows: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
