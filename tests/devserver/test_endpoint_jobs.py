@@ -11,7 +11,14 @@ import httpx
 import openai
 import pytest
 
-from tests.devserver.conftest import API_KEY, SERVED_MODEL, ServerThread, kv_pool
+from tests.devserver.conftest import (
+    API_KEY,
+    SERVED_MODEL,
+    ServerThread,
+    StepGate,
+    kv_pool,
+    wait_until,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "Once upon a time, in a land far away"
@@ -105,24 +112,35 @@ def test_run_and_stream_polling_match_runsync(endpoint: ServerThread, client: ht
     wait_idle(endpoint, client)
 
 
-def test_cancel_aborts_the_engine_request(endpoint: ServerThread, client: httpx.Client):
+def test_cancel_aborts_the_engine_request(
+    endpoint: ServerThread, client: httpx.Client, step_gate: StepGate
+):
     pool = kv_pool(endpoint)
+    engine = endpoint.worker.engine  # type: ignore[attr-defined]
     job = client.post("/run", json={"input": native(220, stream=True)}).json()
     body = {"stream": []}
     while not body["stream"]:
         body = client.get(f"/stream/{job['id']}").json()
         assert body["status"] in ("IN_QUEUE", "IN_PROGRESS")
+    step_gate.wait_held()  # its second step waits: it cannot finish whatever the machine's speed
     assert pool.num_free < pool.num_blocks  # it holds blocks now
+    (request_id,) = step_gate.seen
     assert client.post(f"/cancel/{job['id']}").json()["status"] == "CANCELLED"
+    wait_until(lambda: engine.num_unfinished == 0, "the cancelled job let go of its request")
+    step_gate.release()
     wait_idle(endpoint, client)
+    assert step_gate.aborted == [request_id] and step_gate.finished == []
     final = client.get(f"/status/{job['id']}").json()
     assert final["status"] == "CANCELLED"
     produced = body["stream"] + client.get(f"/stream/{job['id']}").json()["stream"]
     assert produced[-1]["output"]["usage"]["output"] < 220
 
 
-def test_client_disconnect_aborts_the_engine_request(endpoint: ServerThread, client: httpx.Client):
+def test_client_disconnect_aborts_the_engine_request(
+    endpoint: ServerThread, client: httpx.Client, step_gate: StepGate
+):
     pool = kv_pool(endpoint)
+    engine = endpoint.worker.engine  # type: ignore[attr-defined]
     oai = openai.OpenAI(base_url=f"{endpoint.base_url}/openai/v1", api_key=API_KEY, timeout=60)
     before = client.get("/health").json()["jobs"]["cancelled"]
     stream = oai.completions.create(
@@ -134,19 +152,39 @@ def test_client_disconnect_aborts_the_engine_request(endpoint: ServerThread, cli
         extra_body={"ignore_eos": True},
     )
     next(iter(stream))
+    step_gate.wait_held()  # the engine waits before its second step: the stream cannot end
     assert pool.num_free < pool.num_blocks
+    (streamed,) = step_gate.seen
     stream.close()  # drops the connection mid-stream
+    wait_until(lambda: engine.num_unfinished == 0, "the server saw the client go")
+    step_gate.release()
     health = wait_idle(endpoint, client)
     assert health["jobs"]["cancelled"] == before + 1  # the handler was closed, not finished
+    assert step_gate.aborted == [streamed] and step_gate.finished == []
 
-    # A non-streamed request whose client gives up before the answer is aborted too.
+    # A non-streamed request whose client gives up before the answer is aborted too. The client
+    # gives up once the request is in the engine (held after its first token, so the answer
+    # cannot be ready), not after some time.
+    step_gate.rearm()
     body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 220, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{endpoint.base_url}/openai/v1/completions", json=body, headers=AUTH, timeout=0.1
-        )
+
+    async def give_up_waiting() -> None:
+        async with httpx.AsyncClient(base_url=endpoint.base_url, headers=AUTH, timeout=60) as ac:
+            post = asyncio.ensure_future(ac.post("/openai/v1/completions", json=body))
+            await asyncio.to_thread(step_gate.wait_held)
+            assert not post.done()
+            post.cancel()  # the client stops waiting; leaving the block closes its connection
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(give_up_waiting())
+    (whole,) = step_gate.seen
+    wait_until(lambda: engine.num_unfinished == 0, "the server saw the client go")
+    assert pool.num_free < pool.num_blocks  # still in the engine until the held step returns
+    step_gate.release()
     health = wait_idle(endpoint, client)
     assert health["jobs"]["cancelled"] == before + 2
+    assert step_gate.aborted == [whole] and step_gate.finished == []
 
 
 def test_api_key_is_enforced(endpoint: ServerThread):
