@@ -87,8 +87,9 @@ def test_local_endpoint_writes_event_lines_for_responses_events():
     from serverless_llm.devserver.app import _sse
 
     events = [{"type": "response.created", "sequence_number": 0}]
+    # The API's framing (api/openai/sse.py): compact JSON, as with RAW_OPENAI_OUTPUT on.
     assert _sse(events) == (
-        'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
+        'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
     )
     assert _sse([{"object": "chat.completion.chunk"}]).startswith("data: ")
 

@@ -187,6 +187,22 @@ def test_chunk_lists_are_framed_as_sse():
     ]
 
 
+def test_sse_is_framed_by_the_api():
+    """The devserver frames chunk objects (RAW_OPENAI_OUTPUT off) with the API's own functions,
+    so a stream reads the same byte for byte whichever side framed it."""
+    from serverless_llm.api.openai import sse
+    from serverless_llm.devserver import app
+
+    chunks = [
+        {"id": "c", "choices": [{"text": "é"}]},
+        {"type": "response.done", "sequence_number": 3},
+    ]
+    assert app._sse(chunks) == sse.sse_events(chunks)
+    assert app._sse({"error": {"message": "x"}}) == sse.sse_event({"error": {"message": "x"}})
+    assert app._sse("data: raw\n\n") == "data: raw\n\n"
+    assert app.SSE_DONE is sse.SSE_DONE
+
+
 def test_client_disconnect_closes_the_handler(fake_server: ServerThread, fake_worker: FakeWorker):
     url = f"{fake_server.base_url}/openai/v1/completions"
     body = {"model": MODEL, "prompt": "x", "stream": True, "fake_items": 1000, "fake_delay": 0.02}

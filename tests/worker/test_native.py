@@ -7,11 +7,8 @@ import asyncio
 
 import pytest
 
-from serverless_llm.api.sampling import (
-    SamplingParamError,
-    build_sampling_params,
-    parse_sampling_params,
-)
+from serverless_llm.api.sampling import build_sampling_params, parse_sampling_params
+from serverless_llm.engine import SamplingParamsError
 from serverless_llm.engine.tokenizer import apply_chat_template
 from tests.worker.conftest import GREEDY_LONG, blocks_all_free, joined, run, run_job, token_counts
 
@@ -276,7 +273,7 @@ def test_sampling_params_supported_and_defaults():
     ],
 )
 def test_sampling_param_errors_name_the_parameter(params, message):
-    with pytest.raises(SamplingParamError) as info:
+    with pytest.raises(SamplingParamsError) as info:
         parse_sampling_params(params, default_max_tokens=100)
     assert message in str(info.value)
     assert info.value.param in str(info.value)

@@ -1,9 +1,12 @@
-"""Error payloads of the worker's routes, and how validation failures read.
+"""Error payloads of the worker's routes, and which errors are the request's own fault.
 
 A native job's error is `{"error": "<message>"}`: the shape worker-vllm used, and the one the
 hosted platform recognises (a yielded dict with `error` ends the job as failed). An OpenAI job's
-error is OpenAI's error object, built by `api.openai.errors` (shared here so errors found before a
-job reaches the OpenAI layer look the same as the ones found inside it).
+error is OpenAI's error object, built by `api.openai.errors`.
+
+`REQUEST_ERRORS` is the one list of what a request can be refused for, from the engine and from
+this layer: each route answers them as a 400 in its own shape (`native_error(str(e))` here,
+`api.openai.errors.request_error(e)` on OpenAI routes), never as a server error.
 """
 
 from __future__ import annotations
@@ -12,31 +15,28 @@ from typing import Any
 
 from pydantic import ValidationError
 
-__all__ = ["NativeJobError", "describe_validation_error", "native_error", "openai_bad_request"]
+from ..engine import ChatTemplateError, InvalidRequestError
+
+__all__ = [
+    "REQUEST_ERRORS",
+    "NativeJobError",
+    "describe_validation_error",
+    "loc_to_path",
+    "native_error",
+]
+
+# Every request error of the engine (engine/errors.py: sampling parameters, prompts, structured
+# output, LoRA adapters) and of this layer (NativeJobError, RequestLimitError, ToolChoiceError)
+# is an InvalidRequestError; a chat template that cannot render the messages is the other one.
+REQUEST_ERRORS: tuple[type[Exception], ...] = (InvalidRequestError, ChatTemplateError)
 
 
-class NativeJobError(ValueError):
+class NativeJobError(InvalidRequestError):
     """A native job cannot be served as given; str() is the message the client sees."""
 
 
 def native_error(message: str) -> dict[str, str]:
     return {"error": message}
-
-
-def openai_bad_request(message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's 400 error object, for a job whose OpenAI envelope (route, batch knobs) is bad."""
-    try:
-        from .openai.errors import openai_error
-    except ImportError:  # the OpenAI layer is optional for this module: same shape by hand
-        return {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": param,
-                "code": None,
-            }
-        }
-    return openai_error(message, param=param)
 
 
 def loc_to_path(loc: tuple[Any, ...], prefix: str = "") -> str:

@@ -16,15 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine import InvalidRequestError
+
 __all__ = ["RequestLimitError", "RequestLimits", "string_chars"]
 
 
-class RequestLimitError(ValueError):
-    """A request is over one of the limits; str() is the message, `param` the field."""
+class RequestLimitError(InvalidRequestError):
+    """A request is over one of the limits; str() is the message, `param` the field, `code`
+    OpenAI's error code for it."""
 
-    def __init__(self, param: str, message: str, code: str) -> None:
-        super().__init__(message)
-        self.param = param
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message, param)
         self.code = code
 
 
@@ -60,9 +62,9 @@ class RequestLimits:
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if self.max_prompt_chars and chars > self.max_prompt_chars:
             raise RequestLimitError(
-                param,
                 f"'{param}' holds {chars} characters of prompt text, over this endpoint's limit "
                 f"of {self.max_prompt_chars} (MAX_PROMPT_CHARS)",
+                param,
                 "string_above_max_length",
             )
 
@@ -94,8 +96,8 @@ class RequestLimits:
                 and value > self.max_n
             ):
                 raise RequestLimitError(
-                    name,
                     f"'{name}' is {value}, over this endpoint's limit of {self.max_n} (MAX_N)",
+                    name,
                     "integer_above_max_value",
                 )
         self._count(stop, self.max_stop_strings, "stop", "MAX_STOP_STRINGS")
@@ -106,8 +108,8 @@ class RequestLimits:
         """A list or object over `limit` entries; anything else is left to the type checks."""
         if limit and isinstance(items, (list, dict)) and len(items) > limit:
             raise RequestLimitError(
-                param,
                 f"'{param}' has {len(items)} entries, over this endpoint's limit of {limit} "
                 f"({setting})",
+                param,
                 "array_above_max_length",
             )

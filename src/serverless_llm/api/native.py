@@ -38,22 +38,21 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..engine import (
-    ChatTemplateError,
     EngineClient,
     EngineOutput,
-    InvalidRequestError,
     LoRARequest,
     SamplingParams,
+    SamplingParamsError,
     apply_chat_template,
     sequence_params,
 )
 from .batching import BatchSizes, batch_stream
-from .errors import NativeJobError, describe_validation_error, native_error
-from .limits import RequestLimitError, RequestLimits
+from .errors import REQUEST_ERRORS, NativeJobError, describe_validation_error, native_error
+from .limits import RequestLimits
 from .logprobs import TokenDecoder, native_logprobs
 from .offload import prepare
 from .results import SequenceResult, choice_outputs, gather_results
-from .sampling import SamplingParamError, VLLMSamplingParams, parse_sampling_params
+from .sampling import VLLMSamplingParams, parse_sampling_params
 from .streams import merge_streams
 
 __all__ = ["DEFAULT_MAX_TOKENS", "ChatMessage", "NativeRequest", "NativeServing"]
@@ -149,13 +148,7 @@ class NativeServing:
                     yield item
         except asyncio.CancelledError:
             raise
-        except (
-            NativeJobError,
-            SamplingParamError,
-            InvalidRequestError,
-            ChatTemplateError,
-            RequestLimitError,
-        ) as e:
+        except REQUEST_ERRORS as e:
             yield native_error(str(e))
         except Exception as e:  # a bug or an engine failure: the job fails, the worker serves on
             logger.exception("native job %s failed", job_id)
@@ -209,10 +202,10 @@ class NativeServing:
         )
         params = parsed.params
         if request.stream and params.ranks_by_logprob:
-            raise SamplingParamError(
-                "best_of",
+            raise SamplingParamsError(
                 f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
                 "sequences are known only at the end; set stream to false or best_of to n",
+                "best_of",
             )
         if parsed.max_tokens_given:
             prompt_ids = self.engine.fit_prompt(

@@ -2,12 +2,13 @@
 engine's SamplingParams.
 
 The one place that knows which sampling parameters the native route honours. Every name is
-declared in `VLLMSamplingParams` with its type and default, so an ill-typed value is an error
-naming the parameter. A name the engine's `SamplingParams` also has is passed through (and
-range-checked there); any other known name is accepted at its default and refused otherwise
-("'bad_words' is not supported yet"), never ignored. A name neither vLLM nor Aphrodite
-has is an error ("unknown sampling parameter 'x'"). When the engine gains a parameter under that
-name, it passes through here without a change.
+declared in `VLLMSamplingParams` with its type and default (the engine's own, for the names
+the engine has), so an ill-typed value is an error naming the parameter. A name the engine's
+`SamplingParams` also has is passed through (and range-checked there); any other known name is
+accepted at its default and refused otherwise ("'bad_words' is not supported yet"), never
+ignored. A name neither vLLM nor Aphrodite has is an error ("unknown sampling parameter 'x'").
+When the engine gains a parameter under that name, it passes through here without a change.
+Every error is the engine's SamplingParamsError, naming the parameter.
 
 `n` and `best_of` are carried in the SamplingParams; callers fan a prompt out into engine
 requests with `sequence_params` (sequence i gets seed + i, as in vLLM). With `use_beam_search`,
@@ -23,25 +24,24 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine import SamplingParams, SamplingParamsError
+from ..engine import (
+    BEAM_SEARCH_TEMPERATURE,
+    SAMPLING_DEFAULTS,
+    SamplingParams,
+    SamplingParamsError,
+)
 from .errors import describe_validation_error
 
 __all__ = [
     "ParsedSampling",
-    "SamplingParamError",
     "VLLMSamplingParams",
     "build_sampling_params",
     "parse_sampling_params",
 ]
 
-
-class SamplingParamError(ValueError):
-    """A sampling parameter is unknown, ill-typed, out of range or not supported yet; `param`
-    names it and str() is the message for the client."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+# The engine's defaults: a parameter the engine has defaults to the engine's value (restated
+# nowhere here).
+_D = SAMPLING_DEFAULTS
 
 
 class VLLMSamplingParams(BaseModel):
@@ -54,39 +54,39 @@ class VLLMSamplingParams(BaseModel):
     # Honoured (n and best_of by fan-out; the rest by the engine's SamplingParams, which checks
     # the ranges).
     # Their upper bound is the endpoint's MAX_N (api.limits).
-    n: int = Field(1, ge=1)
-    best_of: int | None = Field(None, ge=1)
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    top_a: float = 0.0
-    tfs: float = 1.0
-    eta_cutoff: float = 0.0
-    epsilon_cutoff: float = 0.0
-    typical_p: float = 1.0
-    smoothing_factor: float = 0.0
-    smoothing_curve: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    n: int = Field(_D["n"], ge=1)
+    best_of: int | None = Field(_D["best_of"], ge=1)
+    max_tokens: int | None = None  # None: not given (the route's default, which may be capped)
+    min_tokens: int = _D["min_tokens"]
+    temperature: float = _D["temperature"]
+    top_p: float = _D["top_p"]
+    top_k: int = _D["top_k"]
+    min_p: float = _D["min_p"]
+    top_a: float = _D["top_a"]
+    tfs: float = _D["tfs"]
+    eta_cutoff: float = _D["eta_cutoff"]
+    epsilon_cutoff: float = _D["epsilon_cutoff"]
+    typical_p: float = _D["typical_p"]
+    smoothing_factor: float = _D["smoothing_factor"]
+    smoothing_curve: float = _D["smoothing_curve"]
+    presence_penalty: float = _D["presence_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
+    repetition_penalty: float = _D["repetition_penalty"]
+    logit_bias: dict[str, float] | None = _D["logit_bias"]
+    allowed_token_ids: list[int] | None = _D["allowed_token_ids"]
+    seed: int | None = Field(_D["seed"], ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = _D["stop"]
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = _D["include_stop_str_in_output"]
+    ignore_eos: bool = _D["ignore_eos"]
+    logprobs: int | None = _D["logprobs"]
+    prompt_logprobs: int | None = _D["prompt_logprobs"]
+    skip_special_tokens: bool = _D["skip_special_tokens"]
+    spaces_between_special_tokens: bool = _D["spaces_between_special_tokens"]
+    truncate_prompt_tokens: int | None = _D["truncate_prompt_tokens"]
+    use_beam_search: bool = _D["use_beam_search"]
+    length_penalty: float = _D["length_penalty"]
+    early_stopping: bool | str = _D["early_stopping"]
     # Structured output (validated by the engine's SamplingParams; see structured_output.md).
     guided_decoding: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -129,18 +129,18 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise SamplingParamError(
-            "sampling_params", f"sampling_params must be an object, got {type(raw).__name__}"
+        raise SamplingParamsError(
+            f"sampling_params must be an object, got {type(raw).__name__}", "sampling_params"
         )
     unknown = [k for k in raw if k not in VLLMSamplingParams.model_fields]
     if unknown:
-        raise SamplingParamError(str(unknown[0]), f"unknown sampling parameter '{unknown[0]}'")
+        raise SamplingParamsError(f"unknown sampling parameter '{unknown[0]}'", str(unknown[0]))
     try:
         parsed = VLLMSamplingParams.model_validate(raw)
     except ValidationError as e:
         path, message = describe_validation_error(e, prefix="sampling_params")
         name = path.removeprefix("sampling_params.").split(".")[0].split("[")[0]
-        raise SamplingParamError(name, message) from None
+        raise SamplingParamsError(message, name) from None
 
     given = parsed.model_fields_set
     engine_fields = _engine_fields()
@@ -151,7 +151,7 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
         value = getattr(parsed, name)
         if name not in engine_fields:
             if not _is_default(name, value):
-                raise SamplingParamError(name, f"'{name}' is not supported yet")
+                raise SamplingParamsError(f"'{name}' is not supported yet", name)
             continue
         if value is None and name != "max_tokens":
             continue  # the engine's own default
@@ -159,14 +159,11 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
             value = [value]
         kwargs[name] = value
     if parsed.use_beam_search and "temperature" not in given:
-        kwargs["temperature"] = 0.0  # the only one beam search takes
+        kwargs["temperature"] = BEAM_SEARCH_TEMPERATURE
     max_tokens_given = "max_tokens" in given
     if not max_tokens_given:
         kwargs["max_tokens"] = default_max_tokens
-    try:
-        params = SamplingParams(**kwargs)
-    except SamplingParamsError as e:
-        raise SamplingParamError(e.param, str(e)) from None
+    params = SamplingParams(**kwargs)  # SamplingParamsError naming the parameter
     return ParsedSampling(params=params, n=parsed.n, max_tokens_given=max_tokens_given)
 
 

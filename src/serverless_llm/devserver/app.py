@@ -34,14 +34,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..worker.handler import http_status, is_error, openai_error
+from ..worker.handler import SSE_DONE, http_status, is_error, openai_error, sse_event, sse_events
 from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager, unless
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SSE_DONE = "data: [DONE]\n\n"
 STREAM_POLL_WAIT_S = 2.0  # how long GET /stream waits for something new before answering
 RUNSYNC_WAIT_MS = 90_000  # /runsync's default wait, as on the platform; ?wait= overrides it
 RUNSYNC_MAX_WAIT_MS = 300_000
@@ -92,21 +91,13 @@ def _openai_error_response(err: dict[str, Any]) -> JSONResponse:
 
 def _sse(item: Any) -> str:
     """One handler item as SSE text: strings are already SSE (RAW_OPENAI_OUTPUT on), lists are
-    chunk objects (off), anything else is one event."""
+    chunk objects (off), anything else is one event. The API layer frames them (api/openai/sse.py),
+    as it does its own output."""
     if isinstance(item, str):
         return item
     if isinstance(item, list):
-        return "".join(_sse_event(chunk) for chunk in item)
-    return f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
-
-
-def _sse_event(chunk: Any) -> str:
-    """A chunk object as one event; a Responses event (it has a `sequence_number`) also gets
-    its `event:` line, as OpenAI sends them."""
-    data = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-    if isinstance(chunk, dict) and "sequence_number" in chunk and "type" in chunk:
-        return f"event: {chunk['type']}\n{data}"
-    return data
+        return sse_events(item)
+    return sse_event(item)
 
 
 async def _first(items: AsyncIterator[Any]) -> Any:

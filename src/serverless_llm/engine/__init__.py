@@ -13,20 +13,21 @@ from .config import (
     EngineConfig,
 )
 from .cpu_tuning import release_free_memory, resident_bytes
-from .input_processor import ContextLengthError, InvalidRequestError, PromptInput
+from .errors import InvalidRequestError, LoRAError, SamplingParamsError, StructuredOutputError
+from .input_processor import ContextLengthError, PromptInput
 from .loader import ModelLoadError
-from .lora import LoRAError, LoRARequest
+from .lora import LoRARequest
 from .models import UnsupportedModelError
 from .outputs import EngineOutput, EngineStats
 from .sampling.logprobs import TokenLogprob
 from .sampling.params import (
+    BEAM_SEARCH_TEMPERATURE,
+    SAMPLING_DEFAULTS,
     SamplingParams,
-    SamplingParamsError,
     choose_sequences,
     sequence_params,
 )
 from .sampling.structured.spec import (
-    StructuredOutputError,
     StructuredOutputSpec,
     any_whitespace_of,
     resolve_backend,
@@ -35,9 +36,11 @@ from .tokenizer import ChatTemplateError, apply_chat_template, chat_template_sou
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "BEAM_SEARCH_TEMPERATURE",
     "BLOCK_SIZES",
     "DTYPE_CHOICES",
     "LOAD_FORMATS",
+    "SAMPLING_DEFAULTS",
     "AsyncEngine",
     "ChatTemplateError",
     "ConfigError",

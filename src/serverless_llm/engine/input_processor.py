@@ -12,21 +12,13 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from .errors import InvalidRequestError
 from .request import Request
 from .sampling.logits_processors import RequestSamplingState
 from .sampling.params import SamplingParams, SamplingParamsError
 from .sampling.structured.grammar import CompiledGrammar, GrammarCompiler
 from .sampling.structured.spec import StructuredOutputError, StructuredOutputSpec
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher
-
-
-class InvalidRequestError(ValueError):
-    """The request cannot be served as given; the message says why (shown to the client) and
-    `param` names the parameter at fault, when one is."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .input_processor import InvalidRequestError
+from .errors import LoRAError
 
 ADAPTER_PREFIX = "base_model.model."
 
@@ -46,10 +46,6 @@ class LoRARequest:
         """What keys this adapter's prefix-cache blocks apart from the base model's and other
         adapters' (its path too: an id the host LRU forgot may come back naming other weights)."""
         return f"lora:{self.lora_int_id}:{self.lora_name}:{self.lora_path}".encode()
-
-
-class LoRAError(InvalidRequestError):
-    """An adapter that cannot be served (a bad request, not an engine failure)."""
 
 
 @dataclass

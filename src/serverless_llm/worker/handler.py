@@ -19,9 +19,17 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from ..api.errors import native_error, openai_bad_request
+from ..api.errors import native_error
 from ..api.native import NativeServing
-from ..api.openai import OpenAIServing, http_status, is_error, openai_error
+from ..api.openai import (
+    SSE_DONE,
+    OpenAIServing,
+    http_status,
+    is_error,
+    openai_error,
+    sse_event,
+    sse_events,
+)
 from ..engine import (
     AsyncEngine,
     ConfigError,
@@ -36,8 +44,19 @@ from .job_input import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
 from .shutdown import GracefulShutdown, serve
 
-# The devserver reaches the API layer's error shapes through the worker (it imports nothing else).
-__all__ = ["LOAD_ERRORS", "Worker", "http_status", "is_error", "main", "openai_error"]
+# The devserver reaches the API layer's error shapes and SSE framing through the worker (it
+# imports nothing else).
+__all__ = [
+    "LOAD_ERRORS",
+    "SSE_DONE",
+    "Worker",
+    "http_status",
+    "is_error",
+    "main",
+    "openai_error",
+    "sse_event",
+    "sse_events",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +158,7 @@ class Worker:
                 await self.start()
             except LOAD_ERRORS as e:
                 message = f"the model could not be loaded: {e}"
-                yield openai_bad_request(message) if openai else native_error(message)
+                yield openai_error(message) if openai else native_error(message)
                 return
             if isinstance(parsed, OpenAIJob):
                 stream = self._openai_serving().handle(parsed.route, parsed.body, parsed.batch)

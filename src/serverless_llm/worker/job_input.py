@@ -17,14 +17,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..api.batching import BatchSizes
-from ..api.errors import (
-    NativeJobError,
-    describe_validation_error,
-    loc_to_path,
-    native_error,
-    openai_bad_request,
-)
+from ..api.errors import NativeJobError, describe_validation_error, loc_to_path, native_error
 from ..api.native import NativeRequest
+from ..api.openai import openai_error
 
 __all__ = ["JobError", "NativeJob", "OpenAIJob", "parse_job"]
 
@@ -38,7 +33,7 @@ class JobError(ValueError):
     def __init__(self, message: str, *, openai: bool, param: str | None = None) -> None:
         super().__init__(message)
         self.payload: dict[str, Any] = (
-            openai_bad_request(message, param) if openai else native_error(message)
+            openai_error(message, param=param) if openai else native_error(message)
         )
 
 

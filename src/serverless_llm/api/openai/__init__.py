@@ -6,5 +6,16 @@ sends error dicts with the status `http_status` gives.
 
 from .errors import http_status, is_error, openai_error
 from .serving import ROUTES, OpenAIServing, parse_route
+from .sse import SSE_DONE, sse_event, sse_events
 
-__all__ = ["ROUTES", "OpenAIServing", "http_status", "is_error", "openai_error", "parse_route"]
+__all__ = [
+    "ROUTES",
+    "SSE_DONE",
+    "OpenAIServing",
+    "http_status",
+    "is_error",
+    "openai_error",
+    "parse_route",
+    "sse_event",
+    "sse_events",
+]

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from serverless_llm.engine import (
-    ChatTemplateError,
     EngineOutput,
     TokenLogprob,
     apply_chat_template,
@@ -106,26 +105,24 @@ def render_chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     describe_tools: bool = False,
 ) -> list[int]:
-    """Renders the conversation and tokenizes it; every template problem becomes a 400.
+    """Renders the conversation and tokenizes it; every template problem is a ChatTemplateError
+    (a 400, api.errors).
     `describe_tools`: the template ignores tools, so a system message of ours describes them
     (tool_parsers.default_prompt)."""
     messages = template_messages(request.messages)
     template = request.chat_template or default_template
     if describe_tools and tools:
         messages, tools = with_tool_prompt(messages, tools), None
-    try:
-        text = apply_chat_template(
-            tokenizer,
-            messages,
-            chat_template=template,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            tools=tools or None,
-            documents=request.documents,
-            chat_template_kwargs=_with_reasoning_effort(request, tokenizer, template),
-        )
-    except ChatTemplateError as e:
-        raise OpenAIServingError.bad_request(str(e), None, "invalid_chat_template") from e
+    text = apply_chat_template(
+        tokenizer,
+        messages,
+        chat_template=template,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        tools=tools or None,
+        documents=request.documents,
+        chat_template_kwargs=_with_reasoning_effort(request, tokenizer, template),
+    )
     return list(tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
 
 

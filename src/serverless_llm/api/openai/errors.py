@@ -15,6 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from serverless_llm.engine import ChatTemplateError
+
+from ..errors import loc_to_path
+from ..limits import RequestLimitError
+
 __all__ = [
     "ErrorDict",
     "OpenAIServingError",
@@ -23,6 +28,7 @@ __all__ = [
     "is_error",
     "model_not_found",
     "openai_error",
+    "request_error",
     "unsupported",
     "validation_error",
 ]
@@ -150,6 +156,22 @@ def unsupported(field: str, detail: str = "") -> OpenAIServingError:
     )
 
 
+def request_error(exc: Exception) -> dict:
+    """OpenAI's 400 for one of the request's own errors (api.errors.REQUEST_ERRORS, raised by
+    the engine or by this layer): its message, the field at fault as `param`, and the code that
+    says what is wrong (a limit's own, `invalid_chat_template` for a template that cannot render
+    the messages, `invalid_value` for any other error naming a field)."""
+    message = str(exc)
+    param = getattr(exc, "param", None)
+    code = "invalid_value" if param else None
+    if isinstance(exc, ChatTemplateError):
+        code = "invalid_chat_template"
+    elif isinstance(exc, RequestLimitError):
+        code = exc.code
+        message = f"{message[:1].upper()}{message[1:]}."  # a sentence, as OpenAI words them
+    return openai_error(message, INVALID_REQUEST, param, code, 400)
+
+
 def internal_error(exc: BaseException) -> dict:
     return openai_error(
         f"internal error while serving the request: {type(exc).__name__}: {exc}",
@@ -171,19 +193,8 @@ _CODE_BY_PYDANTIC_TYPE = {
 _INSTANCE_OF = re.compile(r" or instance of \w+")
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
 def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
-    param = _loc_to_param(err.get("loc", ()))
+    param = loc_to_path(err.get("loc", ()))
     kind = err.get("type", "")
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param or None
@@ -209,7 +220,7 @@ def validation_error(exc: ValidationError) -> dict:
         return openai_error("invalid request body", INVALID_REQUEST, None, "invalid_value", 400)
     message, param = _describe(errors[0])
     if len(errors) > 1:
-        others = [_loc_to_param(e.get("loc", ())) for e in errors[1:4]]
+        others = [loc_to_path(e.get("loc", ())) for e in errors[1:4]]
         message += f" ({len(errors) - 1} more: {', '.join(o or 'body' for o in others)}"
         message += ", ...)" if len(errors) > 4 else ")"
     code = _CODE_BY_PYDANTIC_TYPE.get(errors[0].get("type", ""))

@@ -3,7 +3,8 @@
 This is the one place that knows which request fields reach the engine. A field the engine does
 not implement yet is rejected when set to anything but its neutral value, never dropped: a
 client asking for a JSON schema and quietly getting none is worse than an error. Ranges are
-checked by the engine's SamplingParams, whose errors name the parameter.
+checked by the engine's SamplingParams, whose errors name the parameter; a field left unset
+takes the engine's default (SAMPLING_DEFAULTS), restated nowhere here.
 
 Beam search (`use_beam_search`, `length_penalty`, `early_stopping`) runs best_of (else n) beams
 and returns the n best. A temperature left unset means 0 with it (the only one it takes), as
@@ -16,9 +17,9 @@ import dataclasses
 from typing import Any
 
 from serverless_llm.engine import (
+    BEAM_SEARCH_TEMPERATURE,
+    SAMPLING_DEFAULTS,
     SamplingParams,
-    SamplingParamsError,
-    StructuredOutputError,
     any_whitespace_of,
     resolve_backend,
 )
@@ -92,51 +93,52 @@ def _common_params(
     structured: Any = None,
 ) -> SamplingParams:
     """`max_tokens=None` lets the engine generate up to max_model_len minus the prompt. Fields
-    left null mean their default, as in OpenAI's API."""
+    left null mean the engine's default, as in OpenAI's API. Out-of-range values raise the
+    engine's SamplingParamsError, naming the field (a 400, api.errors)."""
 
-    def value(name: str, default: Any) -> Any:
+    def value(name: str) -> Any:
         v = getattr(request, name)
-        return default if v is None else v
+        return SAMPLING_DEFAULTS[name] if v is None else v
 
-    try:
-        return SamplingParams(
-            n=request.num_choices,
-            best_of=request.best_of,
-            max_tokens=max_tokens,
-            min_tokens=request.min_tokens,
-            temperature=float(value("temperature", 0.0 if request.use_beam_search else 1.0)),
-            top_p=float(value("top_p", 1.0)),
-            top_k=value("top_k", -1),
-            min_p=float(value("min_p", 0.0)),
-            top_a=float(value("top_a", 0.0)),
-            tfs=float(value("tfs", 1.0)),
-            eta_cutoff=float(value("eta_cutoff", 0.0)),
-            epsilon_cutoff=float(value("epsilon_cutoff", 0.0)),
-            typical_p=float(value("typical_p", 1.0)),
-            smoothing_factor=float(value("smoothing_factor", 0.0)),
-            smoothing_curve=float(value("smoothing_curve", 1.0)),
-            presence_penalty=float(value("presence_penalty", 0.0)),
-            frequency_penalty=float(value("frequency_penalty", 0.0)),
-            repetition_penalty=float(value("repetition_penalty", 1.0)),
-            logit_bias=request.logit_bias or None,
-            allowed_token_ids=request.allowed_token_ids,
-            seed=request.seed,
-            stop=request.stop,
-            stop_token_ids=list(request.stop_token_ids or ()),
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            ignore_eos=request.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens,
-            truncate_prompt_tokens=request.truncate_prompt_tokens,
-            use_beam_search=request.use_beam_search,
-            length_penalty=request.length_penalty,
-            early_stopping=request.early_stopping,
-            **_structured_fields(request, structured),
-        )
-    except SamplingParamsError as e:
-        raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
+    temperature = request.temperature
+    if temperature is None:
+        temperature = BEAM_SEARCH_TEMPERATURE if request.use_beam_search else value("temperature")
+    return SamplingParams(
+        n=request.num_choices,
+        best_of=request.best_of,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=float(temperature),
+        top_p=float(value("top_p")),
+        top_k=value("top_k"),
+        min_p=float(value("min_p")),
+        top_a=float(value("top_a")),
+        tfs=float(value("tfs")),
+        eta_cutoff=float(value("eta_cutoff")),
+        epsilon_cutoff=float(value("epsilon_cutoff")),
+        typical_p=float(value("typical_p")),
+        smoothing_factor=float(value("smoothing_factor")),
+        smoothing_curve=float(value("smoothing_curve")),
+        presence_penalty=float(value("presence_penalty")),
+        frequency_penalty=float(value("frequency_penalty")),
+        repetition_penalty=float(value("repetition_penalty")),
+        logit_bias=request.logit_bias or None,
+        allowed_token_ids=request.allowed_token_ids,
+        seed=request.seed,
+        stop=request.stop,
+        stop_token_ids=list(request.stop_token_ids or ()),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
+        use_beam_search=request.use_beam_search,
+        length_penalty=request.length_penalty,
+        early_stopping=request.early_stopping,
+        **_structured_fields(request, structured),
+    )
 
 
 def _structured_fields(request: Any, structured: Any) -> dict[str, Any]:
@@ -169,17 +171,15 @@ def _structured_fields(request: Any, structured: Any) -> dict[str, Any]:
             )
         backend = fields["guided_decoding_backend"]
         if backend is not None or fields["guided_whitespace_pattern"] is not None:
-            # The request's backend options and whitespace pattern apply to the tool's JSON.
-            try:
-                name, options = resolve_backend(backend)
-                structured = dataclasses.replace(
-                    structured,
-                    backend=name,
-                    any_whitespace=any_whitespace_of(options),
-                    whitespace_pattern=fields["guided_whitespace_pattern"],
-                )
-            except StructuredOutputError as e:
-                raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
+            # The request's backend options and whitespace pattern apply to the tool's JSON
+            # (StructuredOutputError naming the field when they are bad).
+            name, options = resolve_backend(backend)
+            structured = dataclasses.replace(
+                structured,
+                backend=name,
+                any_whitespace=any_whitespace_of(options),
+                whitespace_pattern=fields["guided_whitespace_pattern"],
+            )
         return {"structured_outputs": structured}
     return fields
 

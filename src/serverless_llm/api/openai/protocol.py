@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from serverless_llm.engine import SAMPLING_DEFAULTS as _D
+
 # torch generators take seeds in this range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -118,14 +120,19 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingRequest(_Strict):
-    """Fields chat and completions share: OpenAI's, then vLLM's extra sampling parameters."""
+    """Fields chat and completions share: OpenAI's, then vLLM's extra sampling parameters.
+    A sampling parameter's default is the engine's (SAMPLING_DEFAULTS)."""
 
     model: str | None = None
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(
+        _D["frequency_penalty"], ge=-2.0, le=2.0, allow_inf_nan=False
+    )
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     max_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(1, ge=1)  # at most the endpoint's MAX_N (api.limits)
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    n: int | None = Field(_D["n"], ge=1)  # at most the endpoint's MAX_N (api.limits)
+    presence_penalty: float | None = Field(
+        _D["presence_penalty"], ge=-2.0, le=2.0, allow_inf_nan=False
+    )
     seed: Seed | None = None
     stop: Stop = None
     stream: bool | None = False
@@ -142,26 +149,26 @@ class _SamplingRequest(_Strict):
 
     # vLLM's extra sampling parameters.
     best_of: int | None = Field(None, ge=1)  # at most MAX_N
-    use_beam_search: bool = False
+    use_beam_search: bool = _D["use_beam_search"]
     top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(1.0, gt=0.0, allow_inf_nan=False)
+    min_p: float | None = Field(_D["min_p"], ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(_D["repetition_penalty"], gt=0.0, allow_inf_nan=False)
     # Aphrodite's samplers (ranges checked by the engine's SamplingParams).
-    top_a: float | None = Field(0.0, allow_inf_nan=False)
-    tfs: float | None = Field(1.0, allow_inf_nan=False)
-    eta_cutoff: float | None = Field(0.0, allow_inf_nan=False)
-    epsilon_cutoff: float | None = Field(0.0, allow_inf_nan=False)
-    typical_p: float | None = Field(1.0, allow_inf_nan=False)
-    smoothing_factor: float | None = Field(0.0, allow_inf_nan=False)
-    smoothing_curve: float | None = Field(1.0, allow_inf_nan=False)
-    length_penalty: float = Field(1.0, allow_inf_nan=False)
-    early_stopping: EarlyStopping = False
+    top_a: float | None = Field(_D["top_a"], allow_inf_nan=False)
+    tfs: float | None = Field(_D["tfs"], allow_inf_nan=False)
+    eta_cutoff: float | None = Field(_D["eta_cutoff"], allow_inf_nan=False)
+    epsilon_cutoff: float | None = Field(_D["epsilon_cutoff"], allow_inf_nan=False)
+    typical_p: float | None = Field(_D["typical_p"], allow_inf_nan=False)
+    smoothing_factor: float | None = Field(_D["smoothing_factor"], allow_inf_nan=False)
+    smoothing_curve: float | None = Field(_D["smoothing_curve"], allow_inf_nan=False)
+    length_penalty: float = Field(_D["length_penalty"], allow_inf_nan=False)
+    early_stopping: EarlyStopping = _D["early_stopping"]
     stop_token_ids: list[TokenId] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = _D["include_stop_str_in_output"]
+    ignore_eos: bool = _D["ignore_eos"]
+    min_tokens: int = Field(_D["min_tokens"], ge=0)
+    skip_special_tokens: bool = _D["skip_special_tokens"]
+    spaces_between_special_tokens: bool = _D["spaces_between_special_tokens"]
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     allowed_token_ids: list[TokenId] | None = None
@@ -181,7 +188,7 @@ class _SamplingRequest(_Strict):
 
     @property
     def num_choices(self) -> int:
-        return self.n if self.n is not None else 1
+        return self.n if self.n is not None else _D["n"]
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -5,7 +5,8 @@ route produces:
 
 - not streamed: one response dict (OpenAI's shape) or one error dict;
 - streamed with `raw_output` (RAW_OPENAI_OUTPUT, the default): strings of concatenated SSE
-  events, `data: {json}\\n\\n` each, the last string ending with `data: [DONE]\\n\\n`;
+  events, `data: {json}\\n\\n` each, the last string ending with `data: [DONE]\\n\\n` (framed
+  by `sse`);
 - streamed without `raw_output`: lists of chunk dicts (no [DONE] marker).
 
 Stream chunks are grouped by the geometric batch sizes (1, 3, 9, 27, 50, ... tokens a yield)
@@ -36,7 +37,6 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ValidationError
 
 from serverless_llm.engine import (
-    ChatTemplateError,
     ContextLengthError,
     EngineClient,
     EngineDeadError,
@@ -44,12 +44,12 @@ from serverless_llm.engine import (
     InvalidRequestError,
     LoRARequest,
     SamplingParams,
-    SamplingParamsError,
     chat_template_source,
     sequence_params,
 )
 
 from ..batching import BatchSizes, batch_stream
+from ..errors import REQUEST_ERRORS
 from ..limits import RequestLimitError, RequestLimits, string_chars
 from ..logprobs import TokenDecoder, merge_completion_logprobs
 from ..offload import prepare
@@ -65,6 +65,7 @@ from .errors import (
     is_error,
     model_not_found,
     openai_error,
+    request_error,
     validation_error,
 )
 from .models import list_models, retrieve_model
@@ -73,8 +74,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import END as REASONING_END
 from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_parser
 from .responses import ResponseFormatter, ResponsesRequest, to_chat_body
+from .sse import SSE_DONE, sse_events
 from .tool_parsers import (
-    ToolChoiceError,
     ToolParser,
     detect_tool_parser,
     get_tool_parser,
@@ -88,8 +89,6 @@ from .tool_parsers.default_prompt import DEFAULT_TOOL_PARSER, template_renders_t
 logger = logging.getLogger(__name__)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
-
-_DONE = "data: [DONE]\n\n"
 
 
 def parse_route(route: Any) -> tuple[str, str | None]:
@@ -120,12 +119,6 @@ def parse_route(route: Any) -> tuple[str, str | None]:
             "unknown_url",
             404,
         )
-    )
-
-
-def _sse(chunks: list[dict[str, Any]]) -> str:
-    return "".join(
-        f"data: {json.dumps(c, ensure_ascii=False, separators=(',', ':'))}\n\n" for c in chunks
     )
 
 
@@ -467,24 +460,20 @@ class OpenAIServing:
                 logit_bias=body.get("logit_bias"),
             )
         except RequestLimitError as e:
-            message = str(e)
-            message = f"{message[0].upper()}{message[1:]}."
-            raise OpenAIServingError.bad_request(message, e.param, e.code) from None
+            # Here, not in `handle`: a Responses request renames the field (_responses_plan).
+            raise OpenAIServingError(request_error(e)) from None
 
     def _chat_plan(self, body: Any) -> _Plan:
         self._check_limits(body, chat=True)
         request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         model = self._check_model(request.model)
-        try:
-            tools = validate_tools(request.tools)
-            choice = resolve_tool_choice(
-                tools,
-                request.tool_choice,
-                auto_enabled=self.enable_auto_tool_choice,
-                why_not=self.auto_tool_unavailable,
-            )
-        except ToolChoiceError as e:
-            raise OpenAIServingError.bad_request(str(e), e.param, "invalid_value") from None
+        tools = validate_tools(request.tools)
+        choice = resolve_tool_choice(
+            tools,
+            request.tool_choice,
+            auto_enabled=self.enable_auto_tool_choice,
+            why_not=self.auto_tool_unavailable,
+        )
         parallel = request.parallel_tool_calls is not False
         params = chat_sampling_params(request, tool_choice_spec(tools, choice, parallel))
         make_parser = None
@@ -657,9 +646,9 @@ class OpenAIServing:
                     if chunks or not last:
                         yield chunks
                 elif last:
-                    yield _sse(chunks) + _DONE
+                    yield sse_events(chunks) + SSE_DONE
                 else:
-                    yield _sse(chunks)
+                    yield sse_events(chunks)
 
     async def _responses_complete(self, plan: _Plan, fmt: ResponseFormatter) -> AsyncIterator[Any]:
         async with aclosing(self._complete(plan)) as items:
@@ -679,13 +668,7 @@ class OpenAIServing:
                     yield self._emit_events(events)
 
     def _emit_events(self, events: list[dict[str, Any]]) -> Any:
-        if not self.raw_output:
-            return events
-        return "".join(
-            f"event: {e['type']}\ndata: "
-            f"{json.dumps(e, ensure_ascii=False, separators=(',', ':'))}\n\n"
-            for e in events
-        )
+        return sse_events(events) if self.raw_output else events
 
     async def _stream_chunks(
         self, plan: _Plan, batch: BatchSizes
@@ -739,14 +722,8 @@ class OpenAIServing:
     def _error_from(exc: Exception) -> dict:
         if isinstance(exc, OpenAIServingError):
             return exc.error
-        if isinstance(exc, (InvalidRequestError, SamplingParamsError)):
-            param = getattr(exc, "param", None)
-            code = "invalid_value" if param else None
-            return openai_error(str(exc), INVALID_REQUEST, param, code, 400)
-        if isinstance(exc, ToolChoiceError):
-            return openai_error(str(exc), INVALID_REQUEST, exc.param, "invalid_value", 400)
-        if isinstance(exc, ChatTemplateError):
-            return openai_error(str(exc), INVALID_REQUEST, None, None, 400)
+        if isinstance(exc, REQUEST_ERRORS):
+            return request_error(exc)
         if isinstance(exc, EngineDeadError):
             logger.error("OpenAI request failed in the engine: %s", exc)
             return openai_error(str(exc), SERVER_ERROR, None, None, 500)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, TypeVar
 
-from .structured.spec import StructuredOutputError, StructuredOutputSpec
+from ..errors import SamplingParamsError, StructuredOutputError
+from .structured.spec import StructuredOutputSpec
 
 T = TypeVar("T")
 
@@ -27,34 +29,28 @@ MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 # Below this a temperature means greedy, as in vLLM.
 GREEDY_EPS = 1e-5
-# Parameters beam search cannot honour, with the values that mean "not used" (vLLM refuses
-# top_p and top_k; the others would be just as silently ignored).
-_BEAM_SEARCH_NEUTRAL: dict[str, Any] = {
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "top_a": 0.0,
-    "tfs": 1.0,
-    "eta_cutoff": 0.0,
-    "epsilon_cutoff": 0.0,
-    "typical_p": 1.0,
-    "smoothing_factor": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "stop": None,
-}
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the parameter and the range,
-    and `param` is its name."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param if param is not None else message.split(" ", 1)[0]
+# Beam search ranks by the model's own logprobs, so greedy is the only temperature it takes;
+# the routes give it to a beam search request that leaves temperature unset.
+BEAM_SEARCH_TEMPERATURE = 0.0
+# Parameters beam search cannot honour: each must keep its default, the value that means "not
+# used" (vLLM refuses top_p and top_k; the others would be just as silently ignored).
+_BEAM_SEARCH_UNUSED = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "top_a",
+    "tfs",
+    "eta_cutoff",
+    "epsilon_cutoff",
+    "typical_p",
+    "smoothing_factor",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "stop",
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -164,9 +160,9 @@ class SamplingParams:
                 given = [k for k in given if k != "guided_decoding_backend"]
                 if given:
                     raise StructuredOutputError(
-                        given[0],
                         f"only one structured output constraint may be given, got "
                         f"structured_outputs and {given[0]}",
+                        given[0],
                     )
                 self.structured = so
             else:
@@ -335,8 +331,8 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"temperature must be 0 when using beam search, got {self.temperature:g}"
             )
-        for name, neutral in _BEAM_SEARCH_NEUTRAL.items():
-            value = getattr(self, name)
+        for name in _BEAM_SEARCH_UNUSED:
+            value, neutral = getattr(self, name), SAMPLING_DEFAULTS[name]
             if value != neutral and not (neutral is None and not value):
                 shown = "unset" if neutral is None else neutral
                 raise SamplingParamsError(
@@ -398,6 +394,17 @@ class SamplingParams:
             or self.epsilon_cutoff > 0.0
             or self.typical_p < 1.0
         )
+
+
+# Each parameter's default, read from the dataclass above: the routes fill the fields a request
+# leaves unset from here and restate none, so a default changed above changes on every route.
+SAMPLING_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        f.name: f.default
+        for f in dataclasses.fields(SamplingParams)
+        if f.init and f.default is not dataclasses.MISSING
+    }
+)
 
 
 @dataclass

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from serverless_llm.engine import StructuredOutputSpec
+from serverless_llm.engine import InvalidRequestError, StructuredOutputSpec
 
 from .base import ExtractedToolCalls, ToolCall, ToolParser
 from .formats import JSONToolParser
@@ -40,12 +40,8 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-class ToolChoiceError(ValueError):
+class ToolChoiceError(InvalidRequestError):
     """A bad `tools` or `tool_choice`; `param` names the field (a 400 on the request)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ToolChoice(NamedTuple):
@@ -59,29 +55,29 @@ def validate_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
     if tools is None:
         return []
     if not isinstance(tools, (list, tuple)):
-        raise ToolChoiceError("tools", "tools must be a list")
+        raise ToolChoiceError("tools must be a list", "tools")
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
-            raise ToolChoiceError("tools", f"tools[{i}] must be an object")
+            raise ToolChoiceError(f"tools[{i}] must be an object", "tools")
         if tool.get("type", "function") != "function":
-            raise ToolChoiceError("tools", f"tools[{i}].type must be 'function'")
+            raise ToolChoiceError(f"tools[{i}].type must be 'function'", "tools")
         fn = tool.get("function")
         if not isinstance(fn, Mapping):
-            raise ToolChoiceError("tools", f"tools[{i}].function must be an object")
+            raise ToolChoiceError(f"tools[{i}].function must be an object", "tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
             raise ToolChoiceError(
-                "tools",
                 f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.'",
+                "tools",
             )
         if name in seen:
-            raise ToolChoiceError("tools", f"tools[{i}]: duplicate function name {name!r}")
+            raise ToolChoiceError(f"tools[{i}]: duplicate function name {name!r}", "tools")
         seen.add(name)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
-            raise ToolChoiceError("tools", f"tools[{i}].function.parameters must be an object")
+            raise ToolChoiceError(f"tools[{i}].function.parameters must be an object", "tools")
         out.append({"type": "function", "function": dict(fn)})
     return out
 
@@ -108,28 +104,28 @@ def resolve_tool_choice(
                 "and a TOOL_CALL_PARSER"
             )
             raise ToolChoiceError(
-                "tool_choice", f'{why}; name a function or use "required" instead'
+                f'{why}; name a function or use "required" instead', "tool_choice"
             )
         return ToolChoice("auto" if tools else "none")
     if tool_choice == "required":
         if not tools:
-            raise ToolChoiceError("tool_choice", '"required" tool choice needs tools')
+            raise ToolChoiceError('"required" tool choice needs tools', "tool_choice")
         return ToolChoice("required")
     if isinstance(tool_choice, Mapping):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
             raise ToolChoiceError(
-                "tool_choice",
                 'a named tool choice is {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
             )
         if name not in names:
             raise ToolChoiceError(
-                "tool_choice", f"tool_choice names {name!r}, which is not among the tools"
+                f"tool_choice names {name!r}, which is not among the tools", "tool_choice"
             )
         return ToolChoice("named", name)
     raise ToolChoiceError(
-        "tool_choice", 'tool_choice must be "none", "auto", "required" or a named function'
+        'tool_choice must be "none", "auto", "required" or a named function', "tool_choice"
     )
 
 

@@ -372,9 +372,9 @@ class GrammarCompiler:
         chars = _spec_chars(spec)
         if self.max_spec_chars and chars > self.max_spec_chars:
             raise StructuredOutputError(
-                spec.param,
                 f"the {what} is {chars} characters long, over the limit of "
                 f"{self.max_spec_chars} (GRAMMAR_MAX_CHARS)",
+                spec.param,
             )
         compiler = self._compiler()
         payload = _spec_payload(spec)
@@ -396,16 +396,16 @@ class GrammarCompiler:
                     self._isolate = False
             compiled = compile_spec(xgr, compiler, payload, self._max_bytes)
         except SpecError as exc:
-            raise StructuredOutputError(exc.param or spec.param, str(exc)) from None
+            raise StructuredOutputError(str(exc), exc.param or spec.param) from None
         except CompileTimeout:
             raise StructuredOutputError(
-                spec.param,
                 f"the {what} took more than {self.compile_timeout:g} s to compile (the limit, "
                 "GRAMMAR_COMPILE_TIMEOUT): simplify it",
+                spec.param,
             ) from None
         except CompileProcessError as exc:
             raise StructuredOutputError(
-                spec.param, f"the {what} could not be compiled ({exc}): simplify it"
+                f"the {what} could not be compiled ({exc}): simplify it", spec.param
             ) from None
         return CompiledGrammar(spec, compiled, self.stop_token_ids)
 

@@ -1,8 +1,8 @@
 """What a request asks for: `StructuredOutputSpec`, one validated, hashable constraint (the
 compile cache's key), built from vLLM's request fields (`guided_*`, `structured_outputs`,
 `guided_decoding`) and OpenAI's `response_format` by `StructuredOutputSpec.from_request`;
-`resolve_backend` reads `guided_decoding_backend`. Errors are `StructuredOutputError`, naming the
-request field at fault."""
+`resolve_backend` reads `guided_decoding_backend`. Errors are `StructuredOutputError` (defined
+in engine/errors.py with the engine's other request errors), naming the request field at fault."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from ...errors import StructuredOutputError
 
 __all__ = [
     "BACKEND_NAMES",
@@ -19,17 +21,6 @@ __all__ = [
 ]
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
-
-
-class StructuredOutputError(ValueError):
-    """A structured-output request the engine cannot honour: `param` names the request field
-    (guided_json, guided_regex, guided_choice, guided_grammar, guided_whitespace_pattern,
-    guided_decoding_backend, response_format, ...); str() is the message for the client. The
-    routes turn it into a 400 for that request only."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,22 +66,22 @@ def resolve_backend(name: str | None) -> tuple[str, frozenset[str]]:
     if name is None or not name.strip():
         return "xgrammar", frozenset()
     if not isinstance(name, str):
-        raise StructuredOutputError("guided_decoding_backend", "must be a string")
+        raise StructuredOutputError("must be a string", "guided_decoding_backend")
     base, _, opts = name.strip().partition(":")
     backend = BACKEND_NAMES.get(base.strip().lower())
     if backend is None:
         raise StructuredOutputError(
-            "guided_decoding_backend",
             f"unknown guided decoding backend {base.strip()!r}; accepted: "
             + ", ".join(sorted(BACKEND_NAMES)),
+            "guided_decoding_backend",
         )
     options = frozenset(o.strip().lower() for o in opts.split(",") if o.strip())
     unknown = sorted(options - BACKEND_OPTIONS)
     if unknown:
         raise StructuredOutputError(
-            "guided_decoding_backend",
             f"unknown guided decoding backend option {unknown[0]!r}; accepted: "
             + ", ".join(sorted(BACKEND_OPTIONS)),
+            "guided_decoding_backend",
         )
     return backend, options
 
@@ -109,15 +100,15 @@ def _canonical_schema(schema: Any, param: str) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise StructuredOutputError(param, f"the JSON schema is not valid JSON: {exc}") from exc
+            raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}", param) from exc
     if not isinstance(schema, (dict, bool)):
         raise StructuredOutputError(
-            param, f"the JSON schema must be an object, got {type(schema).__name__}"
+            f"the JSON schema must be an object, got {type(schema).__name__}", param
         )
     try:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise StructuredOutputError(param, f"the JSON schema is not valid JSON: {exc}") from exc
+        raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}", param) from exc
 
 
 @dataclass(frozen=True)
@@ -159,37 +150,37 @@ class StructuredOutputSpec:
         param = self.param or _PARAM_OF.get(kinds[0] if kinds else "", "guided_json")
         if len(kinds) != 1:
             raise StructuredOutputError(
-                param,
                 "exactly one structured output kind must be given (guided_json, guided_regex, "
                 f"guided_choice, guided_grammar or response_format), got {len(kinds)}",
+                param,
             )
         if self.json is not None:
             object.__setattr__(self, "json", _canonical_schema(self.json, param))
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise StructuredOutputError(param, "the regex must be a non-empty string")
+            raise StructuredOutputError("the regex must be a non-empty string", param)
         if self.grammar is not None and (
             not isinstance(self.grammar, str) or not self.grammar.strip()
         ):
-            raise StructuredOutputError(param, "the grammar must be a non-empty string")
+            raise StructuredOutputError("the grammar must be a non-empty string", param)
         if self.choice is not None:
             choice = self.choice
             if isinstance(choice, str) or not isinstance(choice, (list, tuple)):
-                raise StructuredOutputError(param, "the choices must be a list of strings")
+                raise StructuredOutputError("the choices must be a list of strings", param)
             if not choice:
-                raise StructuredOutputError(param, "the list of choices is empty")
+                raise StructuredOutputError("the list of choices is empty", param)
             for i, c in enumerate(choice):
                 if not isinstance(c, str) or not c:
-                    raise StructuredOutputError(param, f"choice {i} must be a non-empty string")
+                    raise StructuredOutputError(f"choice {i} must be a non-empty string", param)
             object.__setattr__(self, "choice", tuple(choice))
         if self.whitespace_pattern is not None and (
             not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern
         ):
             raise StructuredOutputError(
-                "guided_whitespace_pattern", "the whitespace pattern must be a non-empty regex"
+                "the whitespace pattern must be a non-empty regex", "guided_whitespace_pattern"
             )
         if self.backend not in set(BACKEND_NAMES.values()):
             raise StructuredOutputError(
-                "guided_decoding_backend", f"unknown guided decoding backend {self.backend!r}"
+                f"unknown guided decoding backend {self.backend!r}", "guided_decoding_backend"
             )
         if not self.param:
             object.__setattr__(self, "param", param)
@@ -255,14 +246,14 @@ class StructuredOutputSpec:
             return None
         if len(found) > 1:
             raise StructuredOutputError(
-                found[1][0],
                 f"only one structured output constraint may be given, got {found[0][0]} and "
                 f"{found[1][0]}",
+                found[1][0],
             )
         param, fields = found[0]
         ws = fields.pop("whitespace_pattern", None) or guided_whitespace_pattern
         if ws is not None and not isinstance(ws, str):
-            raise StructuredOutputError("guided_whitespace_pattern", "must be a string")
+            raise StructuredOutputError("must be a string", "guided_whitespace_pattern")
         disabled = not fields.pop("any_whitespace", True)  # disable_any_whitespace in a dict
         any_ws = any_whitespace_of(options) and not disabled
         return cls(
@@ -285,7 +276,7 @@ _PARAM_OF = {
 
 def _from_response_format(fmt: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(fmt, Mapping):
-        raise StructuredOutputError("response_format", "must be an object with a 'type'")
+        raise StructuredOutputError("must be an object with a 'type'", "response_format")
     kind = fmt.get("type")
     if kind in (None, "text"):
         return None
@@ -295,7 +286,7 @@ def _from_response_format(fmt: Mapping[str, Any]) -> dict[str, Any] | None:
         js = fmt.get("json_schema")
         if not isinstance(js, Mapping):
             raise StructuredOutputError(
-                "response_format", "type 'json_schema' needs a 'json_schema' object"
+                "type 'json_schema' needs a 'json_schema' object", "response_format"
             )
         schema = js.get("schema", js.get("json_schema"))
         if schema is None:
@@ -303,8 +294,8 @@ def _from_response_format(fmt: Mapping[str, Any]) -> dict[str, Any] | None:
             return {"json_object": True}
         return {"json": _canonical_schema(schema, "response_format")}
     raise StructuredOutputError(
-        "response_format",
         f"unknown response_format type {kind!r}; accepted: text, json_object, json_schema",
+        "response_format",
     )
 
 
@@ -313,7 +304,7 @@ def _from_vllm_dict(
 ) -> tuple[dict[str, Any] | None, str | None, frozenset[str]]:
     """vLLM's `structured_outputs` (>= 0.10) and `guided_decoding` (GuidedDecodingParams)."""
     if not isinstance(blob, Mapping):
-        raise StructuredOutputError(param, "must be an object")
+        raise StructuredOutputError("must be an object", param)
     known = {
         "json",
         "regex",
@@ -329,7 +320,7 @@ def _from_vllm_dict(
     }
     unknown = sorted(set(blob) - known)
     if unknown:
-        raise StructuredOutputError(param, f"unsupported key {unknown[0]!r} in {param}")
+        raise StructuredOutputError(f"unsupported key {unknown[0]!r} in {param}", param)
     backend, options = (None, frozenset())
     if blob.get("backend") is not None:
         backend, options = resolve_backend(blob["backend"])
@@ -346,5 +337,5 @@ def _from_vllm_dict(
     if blob.get("disable_any_whitespace"):
         fields["any_whitespace"] = False
     if len(fields.keys() & {"json", "regex", "choice", "grammar", "json_object"}) > 1:
-        raise StructuredOutputError(param, f"only one kind of constraint may be set in {param}")
+        raise StructuredOutputError(f"only one kind of constraint may be set in {param}", param)
     return fields, backend, options
