@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from serverless_llm import __version__
+from serverless_llm.engine.loader.quantization import SERVED_METHODS
 from serverless_llm.worker import console_form
 from serverless_llm.worker.settings import CATEGORIES, Settings, settings_metadata
-from serverless_llm.worker.settings.limits import SERVED_QUANTIZATION
 
 REPO = Path(__file__).resolve().parents[2]
 hcl2 = pytest.importorskip("hcl2", reason="pip install -r requirements-dev.txt (python-hcl2)")
@@ -194,6 +194,6 @@ def test_form_options_are_accepted() -> None:
         if field["type"] != "select":
             continue
         for option in field["options"]:
-            if env == "QUANTIZATION" and option["value"] not in SERVED_QUANTIZATION:
+            if env == "QUANTIZATION" and option["value"] not in SERVED_METHODS:
                 continue  # valid, but stops start-up until the format is served
             Settings.from_env({env: option["value"]})

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from serverless_llm.api.batching import BatchSizes
+from serverless_llm.engine.config import (
+    GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
+    QUANTIZED_WEIGHTS_MODES,
+    EngineConfig,
+)
 from serverless_llm.engine.loader import ModelLoadError
+from serverless_llm.engine.loader.quantization import QUANTIZATION_METHODS, SERVED_METHODS
 from serverless_llm.worker.settings import (
     CATEGORIES,
     EMBEDDED_MODEL_NAME,
@@ -161,6 +169,34 @@ def test_defaults_match_the_table():
     assert s.disable_log_stats is True and s.disable_log_requests is True
     assert s.limitations() == []
     assert s.engine_config().model is None  # the embedded default
+
+
+def test_engine_rules_are_read_not_restated():
+    """The choices and the one default the worker shares with the engine are the engine's own
+    constants: the same objects, so a change in the engine reaches the settings, the docs and
+    the console form."""
+    rows = {row["env"]: row for row in settings_metadata()}
+    assert rows["QUANTIZATION"]["choices"] == list(QUANTIZATION_METHODS)
+    assert rows["KV_CACHE_DTYPE"]["choices"] == list(KV_CACHE_DTYPE_CHOICES)
+    assert rows["QUANTIZED_WEIGHTS"]["choices"] == list(QUANTIZED_WEIGHTS_MODES)
+    assert rows["KV_CACHE_DTYPE"]["choices"] == ["auto", *KV_CACHE_DTYPES]
+    # One GPU memory default: the worker's, the engine's and the offline LLM's.
+    assert rows["GPU_MEMORY_UTILIZATION"]["default"] == GPU_MEMORY_UTILIZATION
+    assert EngineConfig().gpu_memory_utilization == GPU_MEMORY_UTILIZATION
+    assert Settings.from_env({}).engine_config().gpu_memory_utilization == GPU_MEMORY_UTILIZATION
+    # Every value each choice list offers is one the engine takes.
+    for dtype in KV_CACHE_DTYPE_CHOICES:
+        assert EngineConfig(kv_cache_dtype=dtype).kv_cache_dtype == dtype
+    for mode in QUANTIZED_WEIGHTS_MODES:
+        assert EngineConfig(quantized_weights=mode).quantized_weights == mode
+    # A QUANTIZATION the engine serves starts; any other one stops start-up, with the reason.
+    assert set(SERVED_METHODS) < set(QUANTIZATION_METHODS)
+    for method in QUANTIZATION_METHODS:
+        if method in SERVED_METHODS:
+            assert Settings.from_env({"QUANTIZATION": method}).limitations() == [], method
+        else:
+            with pytest.raises(SettingsError, match=f"QUANTIZATION='{method}'"):
+                Settings.from_env({"QUANTIZATION": method})
 
 
 def test_reads_os_environ(monkeypatch):

@@ -32,6 +32,14 @@ KV_CACHE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+# What kv_cache_dtype (KV_CACHE_DTYPE) takes.
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+# How quantized weights are held (quantized_weights, QUANTIZED_WEIGHTS); see the field below.
+QUANTIZED_WEIGHTS_MODES = ("auto", "packed", "dequantize")
+# The share of GPU memory the engine may use: worker-vllm's documented GPU_MEMORY_UTILIZATION
+# default, which the worker reads from here, so the deployed worker and the offline LLM size
+# their KV cache alike (vLLM's own default is 0.9; see docs/engine.md).
+GPU_MEMORY_UTILIZATION = 0.95
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
 DECODE_CAPTURE_MODES = ("auto", "off", "replay")
@@ -67,7 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, else 2048 (LLMEngine)
     # KV cache.
     block_size: int = 16
-    gpu_memory_utilization: float = 0.90
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     kv_cache_space_gib: float = 4.0  # the cache's size on CPU
     num_kv_blocks: int | None = None  # overrides both of the above (tests, debugging)
     enable_prefix_caching: bool = True
@@ -118,14 +126,15 @@ class EngineConfig:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization}: allowed (0, 1]"
             )
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ConfigError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r}: allowed auto, "
-                + ", ".join(KV_CACHE_DTYPES)
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: allowed "
+                + ", ".join(KV_CACHE_DTYPE_CHOICES)
             )
-        if self.quantized_weights not in ("auto", "packed", "dequantize"):
+        if self.quantized_weights not in QUANTIZED_WEIGHTS_MODES:
             raise ConfigError(
-                f"quantized_weights={self.quantized_weights!r}: allowed auto, packed, dequantize"
+                f"quantized_weights={self.quantized_weights!r}: allowed "
+                + ", ".join(QUANTIZED_WEIGHTS_MODES)
             )
         if self.decode_capture not in DECODE_CAPTURE_MODES:
             raise ConfigError(

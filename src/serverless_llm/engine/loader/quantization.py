@@ -24,7 +24,23 @@ from ..config import ConfigError
 
 # vLLM's kernel-specific names for the checkpoint formats they read.
 _SAME_FORMAT = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}
+# The checkpoint formats the engine serves.
 SERVED = ("gptq", "awq", "fp8", "compressed-tensors")
+# Every `quantization` name that loads a served format, vLLM's kernel-specific ones included.
+SERVED_METHODS = (*SERVED, *_SAME_FORMAT)
+# The names `quantization` (QUANTIZATION) takes: vLLM's. Those outside SERVED_METHODS name real
+# formats the engine does not serve yet, and stop the load with the reason.
+QUANTIZATION_METHODS = (
+    "awq",
+    "gptq",
+    "squeezellm",
+    "fp8",
+    "bitsandbytes",
+    "marlin",
+    "awq_marlin",
+    "gptq_marlin",
+    "compressed-tensors",
+)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...engine.config import GPU_MEMORY_UTILIZATION
 from .fields import (
     CATEGORIES,
     EMBEDDED_MODEL_NAME,
@@ -100,6 +101,23 @@ def settings_markdown() -> str:
     for lim in LIMITS:
         out.append(f"| `{lim.env}` | {lim.level} | {_md_cell(lim.message)} |")
     out += [
+        "",
+        "## Defaults and choices shared with the engine",
+        "",
+        "The choices of `QUANTIZATION`, `KV_CACHE_DTYPE`, `QUANTIZED_WEIGHTS`, `DTYPE`,",
+        "`LOAD_FORMAT`, `BLOCK_SIZE` and `ATTENTION_BACKEND`, the quantized formats that start",
+        "(the table above), and the `GPU_MEMORY_UTILIZATION` default are the engine's own",
+        "constants (`engine/config.py`, `engine/loader/quantization.py`), read by the worker,",
+        "not restated.",
+        "",
+        f"`GPU_MEMORY_UTILIZATION` is {GPU_MEMORY_UTILIZATION}, worker-vllm's documented default,",
+        "for the worker and the offline `LLM` alike (one constant). vLLM's own default is 0.9;",
+        "the worker is what users deploy, with worker-vllm's table in hand, so its value wins, and",
+        "the engine takes it too so that a model that starts deployed starts offline. The KV",
+        "cache gets what is left of that share after the weights, a profiling pass of the largest",
+        "step and the memory outside PyTorch (the CUDA context); the rest is headroom for what the",
+        "profile does not see (CUDA graphs, allocator fragmentation, other processes). Lower it",
+        "when the GPU is shared or start-up runs out of memory.",
         "",
         "## Differences from worker-vllm",
         "",

@@ -18,7 +18,16 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ...engine.config import ATTENTION_BACKENDS, BLOCK_SIZES, DTYPE_CHOICES, LOAD_FORMATS
+from ...engine.config import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    DTYPE_CHOICES,
+    GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPE_CHOICES,
+    LOAD_FORMATS,
+    QUANTIZED_WEIGHTS_MODES,
+)
+from ...engine.loader.quantization import QUANTIZATION_METHODS
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_BASE_PATH = "/runpod-volume"
@@ -33,18 +42,6 @@ SERVERLESS = "Serverless Settings"
 LIMITS = "Request Limits"
 CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS, LIMITS)
 
-QUANTIZATION_METHODS = (
-    "awq",
-    "gptq",
-    "squeezellm",
-    "fp8",
-    "bitsandbytes",
-    "marlin",
-    "awq_marlin",
-    "gptq_marlin",
-    "compressed-tensors",
-)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -191,7 +188,7 @@ class SettingsFields(BaseSettings):
             "`fp8_e5m2` store it in 8 bits (twice the tokens of a 16-bit model's cache), with "
             "per-layer K and V scales from the checkpoint (`k_scale`, `v_scale`) or 1.0."
         ),
-        choices=KV_CACHE_DTYPES,
+        choices=KV_CACHE_DTYPE_CHOICES,
     )
     quantized_weights: str = _llm(
         "auto",
@@ -203,7 +200,7 @@ class SettingsFields(BaseSettings):
             "load: faster on CPU, 4x the memory), or `auto`: packed on CUDA, dequantized "
             "elsewhere."
         ),
-        choices=("auto", "packed", "dequantize"),
+        choices=QUANTIZED_WEIGHTS_MODES,
     )
     enable_lora: bool = _llm(
         False,
@@ -292,7 +289,7 @@ class SettingsFields(BaseSettings):
 
     # -- System Settings --------------------------------------------------------------------
     gpu_memory_utilization: float = _system(
-        0.95,
+        GPU_MEMORY_UTILIZATION,
         "GPU_MEMORY_UTILIZATION",
         title="GPU Memory Utilization",
         description=(

@@ -12,17 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ...engine.loader.quantization import SERVED_METHODS
 from .fields import SettingsFields, shown_value
-
-SERVED_QUANTIZATION = (
-    "awq",
-    "gptq",
-    "marlin",
-    "awq_marlin",
-    "gptq_marlin",
-    "fp8",
-    "compressed-tensors",
-)
 
 
 @dataclass(frozen=True)
@@ -48,7 +39,7 @@ LIMITS: tuple[Limit, ...] = (
     Limit(
         "QUANTIZATION",
         "error",
-        lambda s: s.quantization not in (None, *SERVED_QUANTIZATION),
+        lambda s: s.quantization not in (None, *SERVED_METHODS),
         "of the quantized formats only GPTQ, AWQ, FP8 and compressed-tensors FP8 checkpoints are "
         "supported yet (QUANTIZATION awq, gptq, fp8, compressed-tensors, or the marlin names; "
         "unset, it follows the checkpoint); serve one of those, an unquantized model, or a .gguf "
