@@ -103,3 +103,15 @@ def test_tensor_parallel_tiny(tiny_llama, capsys):
     assert "llama-70b   8         161" in out
     assert "TP 2: 9 all-reduces per step counted on rank 0" in out
     assert "SUMMARY TP2/TP1 throughput" in out
+
+
+def test_kv_capacity_tiny(capsys):
+    from bench import kv_capacity
+
+    args = ["--budget-gib", "0.5", "--tokens", "2048", "--new-tokens", "256", "--check"]
+    assert kv_capacity.main(args) == 0
+    out = capsys.readouterr().out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("SUMMARY") and "gemma3-1b" in summary and "mistral-7b" in summary
+    # Gemma 3's local layers hold a quarter of 2k tokens: far more requests fit.
+    assert float(summary.split("gemma3-1b ")[1].split("x")[0]) > 2

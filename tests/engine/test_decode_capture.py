@@ -42,27 +42,38 @@ def test_capture_sizes_cover_every_batch_up_to_the_top():
 
 
 def test_static_batch_pads_rows_past_the_step():
-    s = StaticDecodeBatch(max_rows=8, max_blocks=4, device=torch.device("cpu"))
+    """Two cache groups: each has its own slots and tables, padded alike."""
+    s = StaticDecodeBatch(max_rows=8, max_blocks=4, device=torch.device("cpu"), num_groups=2)
     s.block_tables.fill_(7)  # stale values from an earlier, wider step
     tables = torch.tensor([[3, 4], [5, 6], [9, 1]], dtype=torch.int32)
-    s.fill(4, [11, 12, 13], [20, 5, 17], [100, 90, 30], [21, 6, 18], tables)
+    window = torch.tensor([[0, 8], [2, 10], [11, 0]], dtype=torch.int32)
+    slots = [[100, 90, 30], [130, 40, 180]]
+    s.fill(4, [11, 12, 13], [20, 5, 17], slots, [21, 6, 18], [tables, window])
     assert s.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert s.positions[:4].tolist() == [20, 5, 17, 0]
-    assert s.slot_mapping[:4].tolist() == [100, 90, 30, -1]
+    assert s.slot_mapping[0, :4].tolist() == [100, 90, 30, -1]
+    assert s.slot_mapping[1, :4].tolist() == [130, 40, 180, -1]
     assert s.seq_lens[:4].tolist() == [21, 6, 18, 1]
     assert s.context_lens[:4].tolist() == [20, 5, 17, 0]
-    assert s.block_tables[:3, :2].tolist() == tables.tolist()
-    assert s.block_tables[:4, 2:].eq(0).all() and s.block_tables[3].eq(0).all()
-    meta = s.metadata(4, [21, 6, 18, 1], block_size=16)
-    assert meta.num_decodes == 4 and meta.max_seq_len == 21 and meta.num_requests == 4
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert s.block_tables[0, :3, :2].tolist() == tables.tolist()
+    assert s.block_tables[1, :3, :2].tolist() == window.tolist()
+    assert s.block_tables[:, :4, 2:].eq(0).all() and s.block_tables[:, 3].eq(0).all()
+    metas = s.metadata(4, [21, 6, 18, 1], block_size=16)
+    assert len(metas) == 2
+    for g, meta in enumerate(metas):
+        assert meta.num_decodes == 4 and meta.max_seq_len == 21 and meta.num_requests == 4
+        assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+        assert meta.slot_mapping.tolist() == s.slot_mapping[g, :4].tolist()
+        assert meta.block_tables.tolist() == s.block_tables[g, :4].tolist()
+    assert metas[0].backend_state is not metas[1].backend_state
     with pytest.raises(ValueError):
-        s.fill(2, [1, 2, 3], [0, 0, 0], [0, 1, 2], [1, 1, 1], tables)
+        s.fill(2, [1, 2, 3], [0, 0, 0], [[0, 1, 2]] * 2, [1, 1, 1], [tables] * 2)
     # A request may hold more blocks than a captured context reads: the extra columns drop.
-    s.fill(8, [1], [0], [0], [1], torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32))
-    assert s.block_tables[0].tolist() == [1, 2, 3, 4]
+    wide = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)
+    s.fill(8, [1], [0], [[0], [0]], [1], [wide, wide])
+    assert s.block_tables[:, 0].tolist() == [[1, 2, 3, 4]] * 2
     with pytest.raises(ValueError):
-        s.fill(9, [1], [0], [0], [1], torch.zeros(1, 1, dtype=torch.int32))
+        s.fill(9, [1], [0], [[0]] * 2, [1], [torch.zeros(1, 1, dtype=torch.int32)] * 2)
 
 
 def _llm(tiny_llama, **kw):
@@ -85,7 +96,7 @@ def test_padded_rows_write_no_cache_and_reach_no_sampler(tiny_llama):
     lens = [3, 9, 12]
     positions = [n - 1 for n in lens]
     slots = [int(tables[0, p // bs]) * bs + p % bs for p in positions]
-    hidden = captured.run(4, [7, 8, 9], positions, slots, lens, tables)
+    hidden = captured.run(4, [7, 8, 9], positions, [slots], lens, [tables])
     assert hidden.shape[0] == 3  # the padded row is not returned
     for c, b in zip(caches, before):
         changed = (c != b).flatten(3).any(-1)  # [2, blocks, block_size]: slots written

@@ -8,6 +8,11 @@ import pytest
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.kv_cache import BlockPool, block_hash
+from serverless_llm.engine.kv_cache_manager import (
+    FullAttentionSpec,
+    KVCacheManager,
+    plan_cache_groups,
+)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -52,30 +57,38 @@ def test_a_repeated_prompt_recomputes_only_its_last_token(tiny_llama):
     assert seen[0] == [32 - 24]
 
 
+def one_group(num_blocks: int, block_size: int) -> KVCacheManager:
+    layout = plan_cache_groups([FullAttentionSpec()] * 2)
+    return KVCacheManager(BlockPool(num_blocks), layout, block_size)
+
+
 def test_block_pool_reference_counts_and_lru():
-    pool = BlockPool(4)
+    kv = one_group(4, 2)
+    pool = kv.pool
     a = pool.allocate(2)
-    pool.register(a[0], b"some other prefix", [7, 8])
+    pool.register(a[0], (0, b"some other prefix"), [7, 8])
     pool.free(a)
     assert pool.num_free == 4
-    blocks, hashes = pool.lookup([1, 2], block_size=2, max_blocks=1)
-    assert blocks == [] and hashes == []  # different tokens, different hash
-    h = block_hash(None, [1, 2])
-    b = pool.allocate(1)
-    pool.register(b[0], h, [1, 2])
-    pool.free(b)
-    got, hashes = pool.lookup([1, 2, 3, 4], block_size=2, max_blocks=2)
-    assert got == b and hashes == [h] and pool.num_free == 3
-    got2, _ = pool.lookup([1, 2], block_size=2, max_blocks=1)
-    assert got2 == b  # shared: two references
-    pool.free(got)
+    assert kv.take_cached_prefix("x", [1, 2], max_blocks=1) == 0  # other tokens, other key
+    assert not kv.holds("x")
+    assert kv.allocate("w", 0, 2)
+    kv.cache_full_blocks("w", 2, lambda a, b: [1, 2][a:b])
+    kv.free("w")
+    kv.check()
+    assert kv.take_cached_prefix("x", [1, 2, 3, 4], max_blocks=2) == 2
+    assert kv.block_tables("x") == [[kv.block_tables("x")[0][0]]] and pool.num_free == 3
+    assert kv.take_cached_prefix("y", [1, 2], max_blocks=1) == 2
+    assert kv.block_tables("y") == kv.block_tables("x")  # shared: two references
+    kv.check()
+    kv.free("x")
     assert pool.num_free == 3
-    pool.free(got2)
+    kv.free("y")
     assert pool.num_free == 4
+    kv.check()
     # Allocating everything evicts the cached block and forgets its key.
-    pool.allocate(4)
-    pool.free(list(range(4)))
-    assert pool.lookup([1, 2], block_size=2, max_blocks=1) == ([], [])
+    assert kv.allocate("z", 0, 8)
+    kv.free("z")
+    assert kv.take_cached_prefix("x", [1, 2, 3], max_blocks=1) == 0
 
 
 # Two 16-token blocks whose Python `hash((None, tuple(block)))` is equal (found by a birthday
@@ -100,15 +113,17 @@ def test_known_hash_collision_gets_distinct_digests():
 def test_equal_digests_never_share_a_block():
     """Even if two blocks' digests were equal, a hit is checked against the block's tokens."""
     a, b = COLLIDING
-    pool = BlockPool(4)
+    kv = one_group(4, 16)
+    pool = kv.pool
     blk = pool.allocate(1)
-    pool.register(blk[0], block_hash(None, a), a)
+    pool.register(blk[0], (0, block_hash(None, a)), a)
     pool.free(blk)
-    assert pool.lookup(a, 16, 1)[0] == blk
-    pool.free(blk)
-    forged = {**pool._cached, block_hash(None, b): blk[0]}  # b's digest points at a's block
+    assert kv.take_cached_prefix("a", a + [0], 1) == 16
+    assert kv.block_tables("a") == [blk]
+    kv.free("a")
+    forged = {**pool._cached, (0, block_hash(None, b)): blk[0]}  # b's digest points at a's block
     pool._cached = forged
-    assert pool.lookup(b, 16, 1) == ([], [])
+    assert kv.take_cached_prefix("b", b + [0], 1) == 0
 
 
 @pytest.mark.parametrize("collide", [False, True], ids=["blake2b", "forced-collision"])
@@ -117,7 +132,7 @@ def test_colliding_prompts_each_get_their_own_output(tiny_llama, monkeypatch, co
     collided under the old key, must produce what it produces on a fresh engine. With the
     digest forced to collide (every first block keyed alike), the token check keeps them
     apart."""
-    from serverless_llm.engine import kv_cache, scheduler
+    from serverless_llm.engine import kv_cache, kv_cache_manager
 
     if collide:
         real = kv_cache.block_hash
@@ -126,7 +141,7 @@ def test_colliding_prompts_each_get_their_own_output(tiny_llama, monkeypatch, co
             return real(parent, [0] * len(tokens), extra)
 
         monkeypatch.setattr(kv_cache, "block_hash", forged)
-        monkeypatch.setattr(scheduler, "block_hash", forged)
+        monkeypatch.setattr(kv_cache_manager, "block_hash", forged)
     tail = [11, 12, 13, 14, 15]
     llm = LLM(tiny_llama, block_size=16, num_kv_blocks=32, max_model_len=128)
     vocab = llm.engine.vocab_size

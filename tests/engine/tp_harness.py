@@ -26,10 +26,10 @@ def prompt_batch(ids: list[int]) -> HostBatch:
     return HostBatch(
         input_ids=list(ids),
         positions=list(range(n)),
-        slots=list(range(n)),
+        slots=[list(range(n))],
         query_lens=[n],
         seq_lens=[n],
-        block_table=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
+        block_tables=[torch.arange(blocks, dtype=torch.int32).unsqueeze(0)],
         num_decodes=0,
         sample_reqs=[],
         sample_idx=list(range(n)),

@@ -6,7 +6,8 @@ The search itself (which tokens extend which beams, scores, when to stop) is
 side: each step, every live beam runs as a request that computes its last token's logits,
 reports its top tokens and ends, handing its KV blocks to the group. Once all have reported, the
 next beams start from their parents' blocks, so each step computes one token per beam. Blocks
-move only through the scheduler's and the block pool's own interfaces.
+move only through the KV cache manager (a finished beam's stay there under its id until its
+children take them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .input_processor import InputProcessor
-from .kv_cache import BlockPool
+from .kv_cache_manager import KVCacheManager
 from .outputs import EngineOutput
 from .request import FinishReason, Request, RequestStatus
 from .sampling.beam_search import BeamSearch, Hypothesis
@@ -28,10 +29,10 @@ from .scheduler import Scheduler
 
 @dataclass(slots=True)
 class HeldKV:
-    """The blocks of a beam that has reported, kept for the beams that extend it."""
+    """A beam that has reported: its blocks stay with the KV cache manager under `owner` (its
+    finished one-step request) for the beams that extend it."""
 
-    block_ids: list[int]
-    block_hashes: list[bytes]
+    owner: Request
     num_computed_tokens: int
 
 
@@ -85,12 +86,12 @@ class BeamSearchRunner:
     def __init__(
         self,
         scheduler: Scheduler,
-        block_pool: BlockPool,
+        kv: KVCacheManager,
         copy_blocks: Callable[[list[tuple[int, int]]], None],
         inputs: InputProcessor,
     ) -> None:
         self.scheduler = scheduler
-        self.pool = block_pool
+        self.kv = kv
         self.copy_blocks = copy_blocks  # the runner's: (src, dst) block pairs, in every layer
         self.inputs = inputs
         self._unfinished_steps: set[BeamGroup] = set()  # some beams reported, not all
@@ -141,9 +142,8 @@ class BeamSearchRunner:
         group.tops[j] = top
         if member.prompt_logprobs is not None:
             group.root.prompt_logprobs = member.prompt_logprobs
-        computed = member.num_computed_tokens
-        block_ids, block_hashes = self.scheduler.finish_keeping_blocks(member, FinishReason.STOP)
-        group.held[j] = HeldKV(block_ids, block_hashes, computed)
+        self.scheduler.finish_keeping_blocks(member, FinishReason.STOP)
+        group.held[j] = HeldKV(member, member.num_computed_tokens)
         if not group.complete:
             self._unfinished_steps.add(group)
             return None
@@ -179,39 +179,31 @@ class BeamSearchRunner:
         copy of its last, partly filled one (copy-on-write done at once, as the first child is
         about to write into it). Without room for a copy, a beam computes that block's tokens
         again. Blocks of beams nobody extends are freed (their full blocks stay cached)."""
-        pool, bs = self.pool, self.scheduler.block_size
-        for b, kv in enumerate(held):
-            if kv is not None and b not in parents:
-                pool.free(kv.block_ids)
-        taken = [False] * len(held)
+        kv = self.kv
+        for b, held_kv in enumerate(held):
+            if held_kv is not None and b not in parents:
+                kv.free(held_kv.owner)
+        first_child: dict[int, Request] = {}
         copies: list[tuple[int, int]] = []
         for child, b in zip(children, parents):
-            kv = held[b]
-            if kv is None:  # released: the cached prefix serves when it is admitted
+            held_kv = held[b]
+            if held_kv is None:  # released: the cached prefix serves when it is admitted
                 continue
-            if not taken[b]:
-                taken[b] = True
-                child.block_ids = kv.block_ids
-                child.block_hashes = kv.block_hashes
-                child.num_computed_tokens = kv.num_computed_tokens
+            if b not in first_child:
+                first_child[b] = child
                 continue
-            full = kv.num_computed_tokens // bs
-            pool.share(kv.block_ids[:full])
-            child.block_ids = kv.block_ids[:full]
-            child.block_hashes = kv.block_hashes[:full]
-            child.num_computed_tokens = full * bs
-            if kv.num_computed_tokens > full * bs:
-                new = pool.allocate(1)
-                if new is not None:
-                    copies.append((kv.block_ids[full], new[0]))
-                    child.block_ids.append(new[0])
-                    child.num_computed_tokens = kv.num_computed_tokens
+            computed, pairs = kv.fork(held_kv.owner, child, held_kv.num_computed_tokens)
+            child.num_computed_tokens = computed
+            copies.extend(pairs)
+        for b, child in first_child.items():  # the parent's own blocks, once the others forked
+            kv.transfer(held[b].owner, child)
+            child.num_computed_tokens = held[b].num_computed_tokens
         self.copy_blocks(copies)
 
     def _release_held(self, group: BeamGroup) -> None:
-        for j, kv in enumerate(group.held):
-            if kv is not None:
-                self.pool.free(kv.block_ids)
+        for j, held_kv in enumerate(group.held):
+            if held_kv is not None:
+                self.kv.free(held_kv.owner)
                 group.held[j] = None
 
     def _finish(self, group: BeamGroup) -> EngineOutput:

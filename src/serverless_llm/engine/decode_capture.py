@@ -68,14 +68,17 @@ def bucket_for(rows: int, sizes: list[int]) -> int | None:
 class StaticDecodeBatch:
     """The fixed input buffers of captured steps, on the model's device."""
 
-    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, max_rows: int, max_blocks: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(max_rows, dtype=i64, device=device)
         self.positions = torch.zeros(max_rows, dtype=i64, device=device)
-        self.slot_mapping = torch.full((max_rows,), -1, dtype=i64, device=device)
-        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=i32, device=device)
+        # Per cache group (kv_cache_manager): its slots and block tables.
+        self.slot_mapping = torch.full((num_groups, max_rows), -1, dtype=i64, device=device)
+        self.block_tables = torch.zeros(num_groups, max_rows, max_blocks, dtype=i32, device=device)
         self.seq_lens = torch.ones(max_rows, dtype=i32, device=device)
         self.context_lens = torch.zeros(max_rows, dtype=i32, device=device)
         self.query_start_loc = torch.arange(max_rows + 1, dtype=i32, device=device)
@@ -85,9 +88,9 @@ class StaticDecodeBatch:
         size: int,
         input_ids: list[int],
         positions: list[int],
-        slots: list[int],
+        slots: list[list[int]],  # per cache group
         seq_lens: list[int],
-        block_tables: torch.Tensor,  # [rows, <= max_blocks] int32, on the host
+        block_tables: list[torch.Tensor],  # per cache group, [rows, <= max_blocks] int32, host
     ) -> None:
         """Rows 0..n-1 from the step, rows n..size-1 as padding. Table columns past
         `max_blocks` are dropped: no row of a captured step (context <= the capture's longest)
@@ -95,16 +98,19 @@ class StaticDecodeBatch:
         n = len(input_ids)
         if n > size or size > self.max_rows:
             raise ValueError(f"{n} rows do not fit bucket {size} (largest {self.max_rows})")
-        block_tables = block_tables[:, : self.max_blocks]
-        w = block_tables.shape[1]
         self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.int64), non_blocking=True)
         self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        for g, (group_slots, table) in enumerate(zip(slots, block_tables)):
+            table = table[:, : self.max_blocks]
+            w = table.shape[1]
+            self.slot_mapping[g, :n].copy_(
+                torch.tensor(group_slots, dtype=torch.int64), non_blocking=True
+            )
+            self.block_tables[g, :n, :w].copy_(table, non_blocking=True)
+            self.block_tables[g, :n, w:].zero_()
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         self.seq_lens[:n].copy_(lens, non_blocking=True)
         self.context_lens[:n].copy_(lens - 1, non_blocking=True)
-        self.block_tables[:n, :w].copy_(block_tables, non_blocking=True)
-        self.block_tables[:n, w:].zero_()
         self.pad(n, size)
 
     def pad(self, start: int, end: int) -> None:
@@ -114,27 +120,33 @@ class StaticDecodeBatch:
             return
         self.input_ids[start:end].zero_()
         self.positions[start:end].zero_()
-        self.slot_mapping[start:end].fill_(-1)
-        self.block_tables[start:end].zero_()
+        self.slot_mapping[:, start:end].fill_(-1)
+        self.block_tables[:, start:end].zero_()
         self.seq_lens[start:end].fill_(1)
         self.context_lens[start:end].zero_()
 
-    def metadata(self, size: int, seq_lens_host: list[int], block_size: int) -> AttentionMetadata:
-        """Attention metadata viewing the first `size` rows: all decodes. `seq_lens_host` is what
-        host-side choices see (a capture's: its longest context on every row)."""
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            context_lens=self.context_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
-            num_decodes=size,
-            max_query_len=1,
-            max_seq_len=max(seq_lens_host),
-            query_lens_host=[1] * size,
-            seq_lens_host=list(seq_lens_host),
-            block_size=block_size,
-        )
+    def metadata(
+        self, size: int, seq_lens_host: list[int], block_size: int
+    ) -> list[AttentionMetadata]:
+        """Attention metadata viewing the first `size` rows, one per cache group: all decodes.
+        `seq_lens_host` is what host-side choices see (a capture's: its longest context on
+        every row)."""
+        return [
+            AttentionMetadata(
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens[:size],
+                context_lens=self.context_lens[:size],
+                block_tables=self.block_tables[g, :size],
+                slot_mapping=self.slot_mapping[g, :size],
+                num_decodes=size,
+                max_query_len=1,
+                max_seq_len=max(seq_lens_host),
+                query_lens_host=[1] * size,
+                seq_lens_host=list(seq_lens_host),
+                block_size=block_size,
+            )
+            for g in range(self.slot_mapping.shape[0])
+        ]
 
 
 class CapturedDecode:
@@ -151,6 +163,7 @@ class CapturedDecode:
         max_num_seqs: int,
         max_seq_len: int,
         mode: str = "cuda",
+        group_of_layer: tuple[int, ...] | None = None,
     ) -> None:
         if mode not in ("cuda", "replay"):
             raise ValueError(f"capture mode {mode!r}: allowed cuda, replay")
@@ -163,9 +176,11 @@ class CapturedDecode:
         self.max_seq_len = max_seq_len
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_seq_len // block_size)
-        self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device)
+        self.group_of_layer = group_of_layer  # cache groups (None: one)
+        num_groups = 1 if group_of_layer is None else max(group_of_layer) + 1
+        self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device, num_groups)
         # bucket -> (graph, its output buffer, the metadata it was captured with)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         self.enabled = False
         self.capture_seconds = 0.0
         self.replays = 0  # steps served captured (tests, stats)
@@ -207,8 +222,8 @@ class CapturedDecode:
         s.pad(0, s.max_rows)  # captures write no cache slot and read block 0 only
         pool = None
         for size in reversed(self.sizes):
-            meta = s.metadata(size, [self.max_seq_len] * size, self.block_size)
-            self.backend.prepare(meta)
+            metas = s.metadata(size, [self.max_seq_len] * size, self.block_size)
+            meta = self._prepare(metas)
             ids, pos = s.input_ids[:size], s.positions[:size]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -223,7 +238,7 @@ class CapturedDecode:
             pool = graph.pool()
             # The metadata stays alive with its graph: the backend's per-step plans cached in it
             # during the warm-up were made outside the graph's pool, and the graph reads them.
-            self.graphs[size] = (graph, out, meta)
+            self.graphs[size] = (graph, out, metas)
         torch.cuda.synchronize(self.device)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -239,9 +254,9 @@ class CapturedDecode:
         size: int,
         input_ids: list[int],
         positions: list[int],
-        slots: list[int],
+        slots: list[list[int]],
         seq_lens: list[int],
-        block_tables: torch.Tensor,
+        block_tables: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step's n rows, through bucket `size`. The
         result is a view of the capture's output buffer: valid until the next step."""
@@ -257,10 +272,17 @@ class CapturedDecode:
             return out
         # The twin: the same buffers and metadata shape, run now (host lengths are the step's,
         # which the torch backend sizes its gather by).
-        meta = self.static.metadata(size, seq_lens_host, self.block_size)
-        self.backend.prepare(meta)
+        meta = self._prepare(self.static.metadata(size, seq_lens_host, self.block_size))
         s = self.static
         return self.model(s.input_ids[:size], s.positions[:size], self.kv_caches, meta)
+
+    def _prepare(self, metas: list[AttentionMetadata]):
+        """Each group's metadata prepared by the backend; what the model's forward takes."""
+        for meta in metas:
+            self.backend.prepare(meta)
+        if len(metas) == 1:
+            return metas[0]
+        return [metas[g] for g in self.group_of_layer]
 
     # -- the self-check ----------------------------------------------------------------------------
 
@@ -303,8 +325,10 @@ class CapturedDecode:
             # the split-KV grid), so both run the same kernels on the same inputs and agree
             # to rounding whatever the dtype; the twin replays with the real lengths.
             host = lens if self.mode == "replay" else [self.max_seq_len] * n
+            groups = self.static.slot_mapping.shape[0]
             expected = self._eager(ids, positions, slots, lens, tables, host)
-            got = self.run(size, ids, positions, slots, lens, tables).clone()
+            got = self.run(size, ids, positions, [slots] * groups, lens, [tables] * groups)
+            got = got.clone()
             if SELF_CHECK_HOOK is not None:
                 got = SELF_CHECK_HOOK(got)
             err = _mismatch(got, expected)
@@ -320,6 +344,7 @@ class CapturedDecode:
         # Built without StaticDecodeBatch on purpose: the check must not share the code it checks.
         dev = self.device
         n = len(ids)
+        # Every cache group reads the probe's one table, so one metadata serves every layer.
         meta = AttentionMetadata(
             query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32).to(dev),

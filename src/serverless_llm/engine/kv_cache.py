@@ -25,6 +25,7 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -60,9 +61,9 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._hash_of: list = [None] * num_blocks  # each block's key in `_cached`
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._cached: dict[bytes, int] = {}  # prefix digest -> block id
+        self._cached: dict = {}  # key -> block id
         self.hits = 0  # blocks taken from the prefix cache
         self.queries = 0  # blocks looked up
 
@@ -101,37 +102,45 @@ class BlockPool:
             if self._refs[block] == 0:
                 self._free[block] = None
 
-    # -- prefix cache -----------------------------------------------------------------------
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
-    def lookup(
-        self, tokens: list[int], block_size: int, max_blocks: int, extra: bytes = b""
-    ) -> tuple[list[int], list[bytes]]:
-        """Takes (refs) the cached blocks holding the longest full-block prefix of `tokens`, at
-        most `max_blocks` of them; returns their ids and prefix digests. A block is taken only
-        if its digest matches and its tokens are the request's own."""
-        if not self.enable_prefix_caching:
-            return [], []
-        found: list[int] = []
-        hashes: list[bytes] = []
-        parent = None
-        for i in range(max_blocks):
-            self.queries += 1
-            chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
-            parent = block_hash(parent, chunk, extra)
-            block = self._cached.get(parent)
-            if block is None or self._tokens_of[block] != chunk:
-                break
-            found.append(block)
-            hashes.append(parent)
-        for block in found:
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+    # -- prefix cache -----------------------------------------------------------------------
+    # A key is whatever names a block's contents in full: the KV cache manager's is
+    # (cache group, prefix digest).
+
+    def cached_block(self, key, tokens: Sequence[int]) -> int | None:
+        """The block cached under `key`, if its tokens are `tokens` (not taken)."""
+        block = self._cached.get(key)
+        if block is None or self._tokens_of[block] != tuple(tokens):
+            return None
+        return block
+
+    def take(self, blocks: list[int]) -> None:
+        """Adds a holder to cached blocks, held or free (a free one leaves the free list)."""
+        for block in blocks:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
-        self.hits += len(found)
-        return found, hashes
 
-    def register(self, block: int, h: bytes, tokens: list[int] | tuple[int, ...]) -> None:
-        """Marks a full, computed block holding `tokens` as the end of the prefix `h`."""
+    def forget(self, block: int) -> bool:
+        """Takes a block its one holder is about to write over out of the prefix cache. False
+        when others hold it too (then it must not be written)."""
+        if self._refs[block] > 1:
+            return False
+        h = self._hash_of[block]
+        if h is not None:
+            if self._cached.get(h) == block:
+                del self._cached[h]
+            self._hash_of[block] = None
+            self._tokens_of[block] = None
+        return True
+
+    def register(self, block: int, h, tokens: Sequence[int]) -> None:
+        """Marks a full, computed block holding `tokens` as cached under key `h`."""
         if not self.enable_prefix_caching or self._hash_of[block] is not None:
             return
         self._hash_of[block] = h
@@ -200,13 +209,14 @@ def allocate_kv_cache(
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-    """Copies the K and V of block `src` into block `dst`, in every layer, for each pair."""
+    """Copies the K and V of block `src` into block `dst`, in every layer tensor, for each pair."""
     if not pairs:
         return
     device = kv_caches[0].device
     src = torch.tensor([a for a, _ in pairs], device=device)
     dst = torch.tensor([b for _, b in pairs], device=device)
-    for cache in kv_caches:
+    # Layers of different cache groups share tensors (kv_cache_manager): each copied once.
+    for cache in {id(c): c for c in kv_caches}.values():
         if is_fp8(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
             cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]

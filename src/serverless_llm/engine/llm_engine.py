@@ -21,6 +21,7 @@ from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PromptInput
 from .kv_cache import BlockPool
+from .kv_cache_manager import KVCacheManager, blocks_for_one_request
 from .lora import LoRAManager, LoRARequest
 from .model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
 from .model_runner import ModelRunner
@@ -124,13 +125,19 @@ class LLMEngine:
                 num_blocks = self.tp.min_int(num_blocks, self.device)
             except Exception as e:
                 raise self.ranks.failure(e) from e
-        if num_blocks * self.block_size < self.max_model_len:
+        self.cache_layout = layout = loaded.cache_layout()
+        one_request = blocks_for_one_request(
+            layout, self.block_size, self.max_model_len, self.max_num_batched_tokens
+        )
+        if num_blocks < one_request:
             raise ConfigError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than "
+                f"the {one_request} one request of max_model_len={self.max_model_len} needs: "
+                "lower max_model_len or give the cache more memory"
             )
         self.kv_caches = loaded.allocate_kv_cache(num_blocks, self.block_size)
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.block_pool, layout, self.block_size)
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(
@@ -143,15 +150,16 @@ class LLMEngine:
                 token=config.hf_token,
             )
         self.scheduler = Scheduler(
-            self.block_pool,
+            self.kv,
             self.block_size,
             config.max_num_seqs,
             self.max_num_batched_tokens,
             config.max_loras if config.enable_lora else 0,
         )
         self.runner = ModelRunner(
-            self.model, self.kv_caches, self.backend, self.block_size, self.device
+            self.model, self.kv_caches, self.backend, self.block_size, self.device, layout
         )
+        self.runner.kv = self.kv
         if self.lora is not None:
             self.runner.lora_step = self.lora.step
             if self.ranks is not None:
@@ -161,9 +169,7 @@ class LLMEngine:
             self.runner.peers = self.ranks
         self.runner.captured = self._capture_decodes(config)
         self.sampler = Sampler(config.seed, self.device)
-        self.beams = BeamSearchRunner(
-            self.scheduler, self.block_pool, self.runner.copy_blocks, self.inputs
-        )
+        self.beams = BeamSearchRunner(self.scheduler, self.kv, self.runner.copy_blocks, self.inputs)
         self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps
         self.requests: dict[str, Request] = {}
         # Requests that failed alone in a step (their output processing raised): aborted, the
@@ -173,8 +179,8 @@ class LLMEngine:
         captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
-            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) decode_capture=%s "
-            "tensor_parallel_size=%d",
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) cache=%s "
+            "decode_capture=%s tensor_parallel_size=%d",
             time.perf_counter() - t0,
             self.resolved.source,
             str(self.dtype).replace("torch.", ""),
@@ -186,6 +192,7 @@ class LLMEngine:
             self.block_size,
             num_blocks * self.block_size,
             str(self.cache_dtype).replace("torch.", ""),
+            layout.describe(),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
             self.tp.size,
         )
@@ -243,6 +250,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_seq_len=min(config.max_seq_len_to_capture, self.max_model_len),
             mode=mode,
+            group_of_layer=self.cache_layout.group_of_layer,
         )
         return captured if captured.capture() else None
 

@@ -14,6 +14,7 @@ from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, ConfigError, EngineConf
 from .cpu_tuning import cap_kernel_caches, tune_allocator
 from .kernels import cpu_native
 from .kv_cache import allocate_kv_cache, bytes_per_block
+from .kv_cache_manager import CacheLayout, layer_cache_specs, plan_cache_groups
 from .layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -44,11 +45,19 @@ class LoadedModel:
     cache_dtype: torch.dtype  # the KV cache's: the model dtype, or an 8-bit float
     param_bytes: int = 0  # the weights this process holds (its shard with tensor parallelism)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        """The paged KV cache of this model (this rank's KV heads), laid out for its backend."""
+    def cache_layout(self) -> CacheLayout:
+        """The model's cache groups: its layers by the kind of cache each keeps."""
         m = self.model
-        return allocate_kv_cache(
-            m.num_layers,
+        windows = getattr(m.spec, "windows", None) or (None,) * m.num_layers
+        return plan_cache_groups(layer_cache_specs(windows, self.max_model_len))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """The paged KV cache of this model (this rank's KV heads), laid out for its backend:
+        one tensor per layer of a cache group, each layer given its slot's."""
+        m = self.model
+        layout = self.cache_layout()
+        tensors = allocate_kv_cache(
+            layout.layers_per_page,
             num_blocks,
             block_size,
             m.num_kv_heads,
@@ -57,6 +66,7 @@ class LoadedModel:
             self.device,
             head_major=self.backend.head_major_cache,
         )
+        return [tensors[slot] for slot in layout.slot_of_layer]
 
 
 @dataclass
@@ -242,7 +252,11 @@ def num_kv_blocks(
     peak step; on CPU the configured cache size."""
     m = loaded.model
     per_block = bytes_per_block(
-        m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.cache_dtype
+        loaded.cache_layout().layers_per_page,
+        block_size,
+        m.num_kv_heads,
+        m.head_dim,
+        loaded.cache_dtype,
     )
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks

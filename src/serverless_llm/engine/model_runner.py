@@ -16,6 +16,7 @@ import torch
 
 from .decode_capture import CapturedDecode
 from .kv_cache import copy_blocks
+from .kv_cache_manager import CacheLayout, KVCacheManager
 from .layers.attention import AttentionBackend, AttentionMetadata
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
@@ -40,10 +41,10 @@ class HostBatch:
 
     input_ids: list[int]
     positions: list[int]
-    slots: list[int]
+    slots: list[list[int]]  # per cache group, each token's slot
     query_lens: list[int]
     seq_lens: list[int]
-    block_table: torch.Tensor  # [requests, max blocks] int32, padded with 0
+    block_tables: list[torch.Tensor]  # per cache group, [requests, max blocks] int32, 0-padded
     num_decodes: int
     sample_reqs: list[Request]
     sample_idx: list[int]
@@ -71,9 +72,12 @@ class ModelRunner:
         backend: AttentionBackend,
         block_size: int,
         device: torch.device,
+        layout: CacheLayout | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.layout = layout  # cache groups; None: one group of every layer
+        self.kv: KVCacheManager | None = None  # the block tables' owner (the engine's)
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -98,12 +102,13 @@ class ModelRunner:
         # Decodes first: the backend then finds them as one contiguous run of tokens.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         bs = self.block_size
+        num_groups = 1 if self.layout is None else self.layout.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         sample_reqs: list[Request] = []
         sample_idx: list[int] = []
         prompt_work = PromptLogprobWork()
@@ -128,33 +133,30 @@ class ModelRunner:
             if req.lora_id:
                 lora_rows.append((req.lora_id, len(input_ids), n))
             input_ids.extend(req.token_slice(start, end))
-            blocks = req.block_ids
             if n == 1:
                 positions.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
             else:
-                rng = range(start, end)
-                positions.extend(rng)
-                slots.extend(blocks[p // bs] * bs + p % bs for p in rng)
+                positions.extend(range(start, end))
+            for g, blocks in enumerate(self.kv.block_tables(req)):
+                if n == 1:
+                    slots[g].append(blocks[start // bs] * bs + start % bs)
+                else:
+                    slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+                tables[g].append(blocks)
             query_lens.append(n)
             seq_lens.append(end)
-            tables.append(blocks)
             if end == req.num_tokens:
                 sample_reqs.append(req)
                 sample_idx.append(len(input_ids) - 1)
         if prompt_work.requests:
             prompt_work.k = max(r.params.prompt_logprobs for r in prompt_work.requests)
-        max_blocks = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
         return HostBatch(
             input_ids,
             positions,
             slots,
             query_lens,
             seq_lens,
-            table,
+            [_table_tensor(t) for t in tables],
             num_decodes,
             sample_reqs,
             sample_idx,
@@ -162,20 +164,21 @@ class ModelRunner:
             lora_rows,
         )
 
-    def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids, positions and the attention metadata on the model's device."""
+    def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """input_ids, positions and the attention metadata on the model's device: one per cache
+        group (the groups share everything but their block tables and slots)."""
         dev = self.device
         qsl = [0]
         for n in h.query_lens:
             qsl.append(qsl[-1] + n)
         seq_t = torch.tensor(h.seq_lens, dtype=torch.int32)
         q_t = torch.tensor(h.query_lens, dtype=torch.int32)
-        meta = AttentionMetadata(
+        first = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
             seq_lens=seq_t.to(dev),
             context_lens=(seq_t - q_t).to(dev),
-            block_tables=h.block_table.to(dev),
-            slot_mapping=torch.tensor(h.slots, dtype=torch.int64).to(dev),
+            block_tables=h.block_tables[0].to(dev),
+            slot_mapping=torch.tensor(h.slots[0], dtype=torch.int64).to(dev),
             num_decodes=h.num_decodes,
             max_query_len=max(h.query_lens),
             max_seq_len=max(h.seq_lens),
@@ -183,9 +186,24 @@ class ModelRunner:
             seq_lens_host=h.seq_lens,
             block_size=self.block_size,
         )
+        metas = [first] + [
+            dataclasses.replace(
+                first,
+                block_tables=table.to(dev),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+                backend_state={},
+            )
+            for table, slots in zip(h.block_tables[1:], h.slots[1:])
+        ]
         ids_t = torch.tensor(h.input_ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
-        return ids_t, pos_t, meta
+        return ids_t, pos_t, metas
+
+    def layer_metadata(self, metas: list[AttentionMetadata]):
+        """What the model's forward takes: the one metadata, or each layer's group's."""
+        if len(metas) == 1:
+            return metas[0]
+        return [metas[g] for g in self.layout.group_of_layer]
 
     def lora_groups(self, h: HostBatch, slots: dict[int, int]) -> tuple[list, torch.Tensor]:
         """Each adapter slot's rows of the step (a slice when they are one run, else indices),
@@ -232,15 +250,18 @@ class ModelRunner:
         size = None if h.lora_rows else self._captured_bucket(h)
         if size is not None:
             hidden = self.captured.run(
-                size, h.input_ids, h.positions, h.slots, h.seq_lens, h.block_table
+                size, h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables
             )
         else:
-            input_ids, positions, meta = self.device_inputs(h)
-            self.backend.prepare(meta)
+            input_ids, positions, metas = self.device_inputs(h)
+            for meta in metas:
+                self.backend.prepare(meta)
             if h.lora_rows:
                 self.lora_step.set(*self.lora_groups(h, self.lora_slots))
             try:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                hidden = self.model(
+                    input_ids, positions, self.kv_caches, self.layer_metadata(metas)
+                )
             finally:
                 if self.lora_step is not None:
                     self.lora_step.clear()
@@ -277,3 +298,11 @@ class ModelRunner:
                     entry.top_logprobs = entry.top_logprobs[:mine]
                 req.prompt_logprobs.append(entry)
             start += count
+
+
+def _table_tensor(tables: list[list[int]]) -> torch.Tensor:
+    """[requests, longest] int32, padded with block 0."""
+    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return table

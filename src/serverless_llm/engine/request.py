@@ -37,10 +37,7 @@ class Request:
     max_total_tokens: int  # prompt + the most output this request may produce
     arrival: int = 0  # admission order; preemption picks the newest
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_ids: list[int] = field(default_factory=list)
-    # Prefix digests of full, computed blocks.
-    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (blocks: kv_cache_manager)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS

@@ -10,6 +10,9 @@ tokens; then waiting requests while budget, blocks and `max_num_seqs` allow. Whe
 request needs a block and none is free, the newest running request is preempted: its blocks
 are freed, its computed tokens forgotten, and it goes back to the head of the queue, to be
 recomputed later (its prompt plus the output it already has, so the output continues exactly).
+
+Blocks are the KV cache manager's (kv_cache_manager.py): the scheduler asks it for a request's
+cached prefix, for the blocks a grant needs, and to free them; it never holds block ids itself.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool, block_hash, blocks_needed
+from .kv_cache_manager import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
 
 
@@ -39,13 +42,13 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
-        block_pool: BlockPool,
+        kv: KVCacheManager,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int = 0,
     ) -> None:
-        self.pool = block_pool
+        self.kv = kv
         self.max_loras = max_loras  # distinct adapters running at once (0: no adapters)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -70,6 +73,13 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Removes a request wherever it is and frees its blocks at once."""
+        self._remove(request)
+        self._free_blocks(request)
+        request.status = RequestStatus.FINISHED
+        if request.finish_reason is None:
+            request.finish_reason = reason
+
+    def _remove(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -77,27 +87,21 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self._free_blocks(request)
+
+    def finish_keeping_blocks(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request whose KV lives on (a beam's, for the beams that extend it): its blocks
+        stay with the KV cache manager under its id, for the caller to fork or free."""
+        self._remove(request)
         request.status = RequestStatus.FINISHED
         if request.finish_reason is None:
             request.finish_reason = reason
-
-    def finish_keeping_blocks(
-        self, request: Request, reason: FinishReason
-    ) -> tuple[list[int], list[int]]:
-        """Ends a request whose KV lives on (a beam's, for the beams that extend it): its block
-        ids and prefix hashes pass to the caller, who frees them through the pool."""
-        held = request.block_ids, request.block_hashes
-        request.block_ids, request.block_hashes = [], []
-        self.finish(request, reason)
-        return held
 
     def release_waiting_blocks(self, which: Callable[[Request], bool]) -> bool:
         """Frees the blocks that waiting requests chosen by `which` hold (they compute again, or
         find their prefixes in the cache, once admitted). Whether any were freed."""
         released = False
         for req in self.waiting:
-            if req.block_ids and which(req):
+            if self.kv.holds(req) and which(req):
                 self._free_blocks(req)
                 req.num_computed_tokens = 0
                 released = True
@@ -166,7 +170,7 @@ class Scheduler:
         """Starts a request after the longest prefix already in the cache. At least its last
         token is always computed (it yields the logits to sample from), so the blocks it writes
         are never shared ones."""
-        if req.num_computed_tokens or req.block_ids:
+        if req.num_computed_tokens or self.kv.holds(req):
             return
         if req.needs_prompt_logprobs:  # cached positions would yield no logits
             return
@@ -174,40 +178,22 @@ class Scheduler:
         if max_blocks == 0:
             return
         tokens = req.prompt_token_ids + req.output_token_ids
-        blocks, hashes = self.pool.lookup(tokens, self.block_size, max_blocks, req.cache_salt)
-        req.block_ids = blocks
-        req.block_hashes = hashes
-        req.num_computed_tokens = len(blocks) * self.block_size
+        req.num_computed_tokens = self.kv.take_cached_prefix(
+            req, tokens, max_blocks, req.cache_salt
+        )
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """After a step: keys each block of `req` that has just become full and computed."""
-        if not self.pool.enable_prefix_caching:
-            return
-        bs = self.block_size
-        full = req.num_computed_tokens // bs
-        parent = req.block_hashes[-1] if req.block_hashes else None
-        for i in range(len(req.block_hashes), full):
-            tokens = req.token_slice(i * bs, (i + 1) * bs)
-            parent = block_hash(parent, tokens, req.cache_salt)
-            self.pool.register(req.block_ids[i], parent, tokens)
-            req.block_hashes.append(parent)
+        """After a step: keys each block of `req` that has just become full and computed, and
+        lets go of what fell out of its sliding windows."""
+        self.kv.cache_full_blocks(req, req.num_computed_tokens, req.token_slice, req.cache_salt)
+        self.kv.release_out_of_window(req, req.num_computed_tokens)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Makes `req` own enough blocks for `num_tokens` tokens; False if the pool is short."""
-        need = blocks_needed(num_tokens, self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        new = self.pool.allocate(need)
-        if new is None:
-            return False
-        req.block_ids.extend(new)
-        return True
+        """Makes `req` hold enough blocks for `num_tokens` tokens; False if the pool is short."""
+        return self.kv.allocate(req, req.num_computed_tokens, num_tokens)
 
     def _free_blocks(self, req: Request) -> None:
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
-        req.block_hashes = []
+        self.kv.free(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

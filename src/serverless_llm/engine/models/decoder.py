@@ -19,6 +19,7 @@ kernel; `residual is None` means the stream is x itself.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -692,7 +693,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         """Hidden states of every token, after the final norm: [T, hidden]."""
         s = self.spec
@@ -716,8 +717,10 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             for cache, r in zip(self.rope_caches, self.rope_specs)
         ]
         residual = None
-        for layer, cache, r in zip(self.layers, kv_caches, self.rope_of_layer):
-            x, residual = layer(x, residual, None if r is None else steps[r], cache, meta)
+        # One metadata for every layer, or (cache groups) a list: each layer's group's.
+        metas = meta if isinstance(meta, list) else itertools.repeat(meta)
+        for layer, cache, r, m in zip(self.layers, kv_caches, self.rope_of_layer, metas):
+            x, residual = layer(x, residual, None if r is None else steps[r], cache, m)
         x, _ = _add_norm(self.norm, x, residual)
         if self.project_out is not None:
             x = self.project_out(x)

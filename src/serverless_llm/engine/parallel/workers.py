@@ -259,7 +259,14 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
         budget = step_token_budget(config, loaded.device)
         blocks = tp.min_int(num_kv_blocks(config, loaded, config.block_size, budget), loaded.device)
         kv_caches = loaded.allocate_kv_cache(blocks, config.block_size)
-        runner = ModelRunner(model, kv_caches, loaded.backend, config.block_size, loaded.device)
+        runner = ModelRunner(
+            model,
+            kv_caches,
+            loaded.backend,
+            config.block_size,
+            loaded.device,
+            loaded.cache_layout(),
+        )
         lora = None
         if config.enable_lora:  # the same slots as rank 0's, filled as its header says
             from ..config import lora_dtype

@@ -1,0 +1,445 @@
+"""The KV cache manager: the one owner of "which request holds which cache blocks".
+
+Layers that keep the same kind of cache form a **cache group**, and every group has its own block
+table per request:
+- full attention keeps every token;
+- a sliding window of W tokens keeps only what its next query can still see: a block whose tokens
+  all fell out of the window goes back to the pool while the request runs (its slot in the
+  request's table becomes a hole, block 0, which no kernel reads: they start at the window);
+- room for what is coming: a latent of another width, or a fixed-size recurrent state per request,
+  is another `CacheSpec` with its own rule for which blocks it holds.
+
+All groups draw on **one block pool**. To make a block the same number of bytes whatever group
+holds it, groups have the same number of layers, `layers_per_page` (S): a block id names one
+`block_size`-token page in S layer tensors, and layer `l` lives in tensor `slot_of_layer[l]`
+(`plan_cache_groups`). A block is held by one group at a time, so layers of different groups
+may share a tensor without ever touching the same memory. With one kind of layer there is one
+group of every layer, exactly the cache of a model without groups.
+
+Prefix caching with groups: a full block is keyed by the chained digest of its tokens (the same
+digests for every group) and its group. A new request starts after the longest prefix every group
+can serve: a full-attention group needs every block of the prefix, a sliding-window group only the
+blocks inside the window of the prefix's end.
+
+An owner is any hashable object: the scheduler's are the requests themselves (identity, so no
+request id a client chooses can reach another request's blocks).
+
+Nothing but this module edits the pool's reference counts: the scheduler asks it to take a cached
+prefix, allocate, cache full blocks, release what fell out of a window, free, roll back; beam
+search asks it to hand a finished beam's blocks to the beams that extend it (`fork`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockPool, block_hash
+
+HOLE = 0  # a released block's place in a table: block 0 is always finite memory, never read
+
+
+# -- what a layer keeps -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """Keys and values of every token."""
+
+    def first_needed_block(self, num_computed: int, block_size: int) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return "full attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    """Keys and values of the last `window` tokens: the query at position p sees p - W < j <= p."""
+
+    window: int
+
+    def first_needed_block(self, num_computed: int, block_size: int) -> int:
+        """The first block the next query (at position `num_computed`) can see."""
+        return max(0, num_computed - self.window + 1) // block_size
+
+    def describe(self) -> str:
+        return f"sliding window {self.window}"
+
+
+CacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+def layer_cache_specs(windows: Sequence[int | None], max_model_len: int) -> list[CacheSpec]:
+    """Each layer's spec from its sliding window (None: full attention). A window that covers the
+    longest sequence keeps everything, so it is full attention for the cache."""
+    return [
+        FullAttentionSpec() if w is None or w >= max_model_len else SlidingWindowSpec(int(w))
+        for w in windows
+    ]
+
+
+# -- groups -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    spec: CacheSpec
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    groups: tuple[CacheGroup, ...]
+    layers_per_page: int  # S: layer tensors a block spans
+    group_of_layer: tuple[int, ...]
+    slot_of_layer: tuple[int, ...]  # which of the S tensors holds the layer
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def describe(self) -> str:
+        if self.num_groups == 1:
+            return self.groups[0].spec.describe()
+        kinds: dict[str, int] = {}
+        for g in self.groups:
+            kinds[g.spec.describe()] = kinds.get(g.spec.describe(), 0) + len(g.layers)
+        parts = ", ".join(f"{n} layers {k}" for k, n in kinds.items())
+        return f"{self.num_groups} groups of {self.layers_per_page} layers ({parts})"
+
+
+def plan_cache_groups(specs: Sequence[CacheSpec], max_padding: float = 0.1) -> CacheLayout:
+    """Groups the layers by spec, `S` layers a group. S is the largest size, up to the smallest
+    kind's layer count, whose padding (tensor slots a group's blocks leave unused, when a kind's
+    count is not a multiple of S) stays within `max_padding` of the layers; S = 1 never pads. A
+    larger S means fewer groups, so fewer block tables to build each step."""
+    kinds: dict[CacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        kinds.setdefault(spec, []).append(i)
+    if not kinds:
+        raise ValueError("a model without layers has no cache")
+    total = len(specs)
+    size = 1
+    for s in range(min(len(v) for v in kinds.values()), 0, -1):
+        padded = sum(math.ceil(len(v) / s) * s for v in kinds.values())
+        if padded - total <= max_padding * total:
+            size = s
+            break
+    groups = []
+    group_of = [0] * total
+    slot_of = [0] * total
+    for spec, layers in kinds.items():
+        for start in range(0, len(layers), size):
+            members = tuple(layers[start : start + size])
+            for slot, layer in enumerate(members):
+                group_of[layer] = len(groups)
+                slot_of[layer] = slot
+            groups.append(CacheGroup(spec, members))
+    return CacheLayout(tuple(groups), size, tuple(group_of), tuple(slot_of))
+
+
+# -- the manager --------------------------------------------------------------------------------
+
+
+@dataclass
+class HeldBlocks:
+    """One owner's blocks: per group a table (block ids; HOLE where released) and how many of its
+    leading entries are released; and the prefix digests of its full, computed blocks."""
+
+    tables: list[list[int]]
+    released: list[int]
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, layout: CacheLayout, block_size: int) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.block_size = block_size
+        self.specs = [g.spec for g in layout.groups]
+        self._held: dict[Hashable, HeldBlocks] = {}
+
+    # -- looking --------------------------------------------------------------------------------
+
+    def holds(self, owner: Hashable) -> bool:
+        return owner in self._held
+
+    def block_tables(self, owner: Hashable) -> list[list[int]]:
+        """Per group, the owner's table (HOLE where a block was released)."""
+        held = self._held.get(owner)
+        if held is None:
+            return [[] for _ in self.specs]
+        return held.tables
+
+    def num_held(self, owner: Hashable, group: int | None = None) -> int:
+        """Blocks the owner holds (in one group, or in all)."""
+        held = self._held.get(owner)
+        if held is None:
+            return 0
+        groups = range(len(self.specs)) if group is None else (group,)
+        return sum(len(held.tables[g]) - held.released[g] for g in groups)
+
+    def owners(self) -> list[Hashable]:
+        return list(self._held)
+
+    def _new(self) -> HeldBlocks:
+        n = len(self.specs)
+        return HeldBlocks([[] for _ in range(n)], [0] * n)
+
+    def _key(self, group: int, digest: bytes) -> tuple[int, bytes]:
+        return (group, digest)
+
+    # -- a new request's cached prefix ----------------------------------------------------------
+
+    def take_cached_prefix(
+        self, owner: Hashable, tokens: Sequence[int], max_blocks: int, salt: bytes = b""
+    ) -> int:
+        """Takes the blocks of the longest prefix of `tokens` (at most `max_blocks` blocks) every
+        group can serve from the prefix cache; returns the number of tokens they hold (0 when
+        none). The owner must hold nothing yet."""
+        assert owner not in self._held, f"{owner} already holds blocks"
+        pool, bs = self.pool, self.block_size
+        if not pool.enable_prefix_caching or max_blocks <= 0:
+            return 0
+        full_groups = [g for g, s in enumerate(self.specs) if isinstance(s, FullAttentionSpec)]
+        digests: list[bytes] = []
+        found: list[list[int | None]] = [[] for _ in self.specs]
+        parent = None
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, chunk, salt)
+            digests.append(parent)
+            missed = False
+            for g in range(len(self.specs)):
+                block = pool.cached_block(self._key(g, parent), chunk)
+                found[g].append(block)
+                missed |= block is None and g in full_groups
+            if missed:  # a full-attention group's prefix ends here: no longer prefix can serve
+                break
+        pool.queries += len(digests)
+        length = len(digests)
+        for g in full_groups:
+            run = next((i for i, b in enumerate(found[g]) if b is None), len(found[g]))
+            length = min(length, run)
+        while length > 0 and not self._serves(found, length):
+            length -= 1
+        if length == 0:
+            return 0
+        held = self._new()
+        for g, spec in enumerate(self.specs):
+            first = spec.first_needed_block(length * bs, bs)
+            blocks = [b for b in found[g][first:length]]
+            pool.take(blocks)
+            held.tables[g] = [HOLE] * first + blocks
+            held.released[g] = first
+        held.hashes = digests[:length]
+        self._held[owner] = held
+        pool.hits += length
+        return length * bs
+
+    def _serves(self, found: list[list[int | None]], length: int) -> bool:
+        """Whether every group has the blocks a prefix of `length` blocks needs."""
+        for g, spec in enumerate(self.specs):
+            first = spec.first_needed_block(length * self.block_size, self.block_size)
+            if any(b is None for b in found[g][first:length]):
+                return False
+        return True
+
+    # -- growing and shrinking ------------------------------------------------------------------
+
+    def num_new_blocks(self, owner: Hashable, num_computed: int, num_tokens: int) -> int:
+        """Blocks a grant up to `num_tokens` tokens needs beyond what the owner holds (after the
+        blocks that fell out of its windows are released)."""
+        held = self._held.get(owner)
+        need = 0
+        target = math.ceil(num_tokens / self.block_size)
+        for g in range(len(self.specs)):
+            have = 0 if held is None else len(held.tables[g])
+            need += max(0, target - have)
+        return need
+
+    def allocate(self, owner: Hashable, num_computed: int, num_tokens: int) -> bool:
+        """Makes the owner hold blocks for its first `num_tokens` tokens in every group (those
+        a window has passed excepted); all or nothing. False when the pool is short."""
+        self.release_out_of_window(owner, num_computed)
+        need = self.num_new_blocks(owner, num_computed, num_tokens)
+        if need == 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        held = self._held.get(owner)
+        if held is None:
+            held = self._held[owner] = self._new()
+        target = math.ceil(num_tokens / self.block_size)
+        for table in held.tables:
+            grow = max(0, target - len(table))
+            table.extend(new[:grow])
+            del new[:grow]
+        return True
+
+    def release_out_of_window(self, owner: Hashable, num_computed: int) -> int:
+        """Frees, in each sliding-window group, the blocks no query from position
+        `num_computed` on can see. Returns how many were freed."""
+        held = self._held.get(owner)
+        if held is None:
+            return 0
+        freed = 0
+        for g, spec in enumerate(self.specs):
+            first = min(spec.first_needed_block(num_computed, self.block_size), len(held.tables[g]))
+            start = held.released[g]
+            if first > start:
+                table = held.tables[g]
+                self.pool.free(table[start:first])
+                table[start:first] = [HOLE] * (first - start)
+                held.released[g] = first
+                freed += first - start
+        return freed
+
+    def cache_full_blocks(
+        self,
+        owner: Hashable,
+        num_computed: int,
+        token_slice: Callable[[int, int], Sequence[int]],
+        salt: bytes = b"",
+    ) -> None:
+        """Keys each block that has just become full and computed, in every group that still
+        holds it, so later requests can take it."""
+        held = self._held.get(owner)
+        if held is None or not self.pool.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = num_computed // bs
+        parent = held.hashes[-1] if held.hashes else None
+        for i in range(len(held.hashes), full):
+            tokens = token_slice(i * bs, (i + 1) * bs)
+            parent = block_hash(parent, tokens, salt)
+            held.hashes.append(parent)
+            for g, table in enumerate(held.tables):
+                if i >= held.released[g] and i < len(table):
+                    self.pool.register(table[i], self._key(g, parent), tokens)
+
+    def free(self, owner: Hashable) -> None:
+        """Gives back every block the owner holds (full ones stay cached until evicted)."""
+        held = self._held.pop(owner, None)
+        if held is None:
+            return
+        for g, table in enumerate(held.tables):
+            self.pool.free(table[held.released[g] :])
+
+    def rollback(self, owner: Hashable, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
+        """Forgets every token from `num_tokens` on: blocks that held only such tokens are freed,
+        digests of blocks no longer full are dropped. A kept, partly filled last block that the
+        prefix cache knows under its old tokens is taken out of the cache, so no one reads the
+        tokens written over it; if another owner holds it too, this owner writes into a copy
+        (returned as a (src, dst) pair to copy), or, with no block free for one, lets it go and
+        computes its tokens again. Returns the tokens still computed and the copies. Rolling
+        back past what a window has released is refused (ValueError)."""
+        held = self._held.get(owner)
+        if held is None:
+            return 0, []
+        bs = self.block_size
+        for g, spec in enumerate(self.specs):
+            if spec.first_needed_block(num_tokens, bs) < held.released[g]:
+                raise ValueError(
+                    f"cannot roll {owner} back to {num_tokens} tokens: "
+                    "its window has released blocks the next query would see"
+                )
+        keep = math.ceil(num_tokens / bs)
+        full = num_tokens // bs
+        for table in held.tables:
+            if len(table) > keep:
+                self.pool.free(table[keep:])
+                del table[keep:]
+        del held.hashes[full:]
+        if full == keep:
+            return num_tokens, []
+        shared = [g for g, t in enumerate(held.tables) if not self.pool.forget(t[keep - 1])]
+        new = self.pool.allocate(len(shared)) if shared else []
+        if new is None:  # no room for copies: the partial block is computed again
+            for table in held.tables:
+                self.pool.free(table[keep - 1 :])
+                del table[keep - 1 :]
+            return full * bs, []
+        copies = []
+        for g, block in zip(shared, new):
+            table = held.tables[g]
+            copies.append((table[keep - 1], block))
+            self.pool.free([table[keep - 1]])
+            table[keep - 1] = block
+        return num_tokens, copies
+
+    # -- beam search ----------------------------------------------------------------------------
+
+    def transfer(self, src: Hashable, dst: Hashable) -> None:
+        """The owner `dst` takes over every block `src` holds."""
+        held = self._held.pop(src, None)
+        if held is not None:
+            assert dst not in self._held, f"{dst} already holds blocks"
+            self._held[dst] = held
+
+    def fork(
+        self, src: Hashable, dst: Hashable, num_computed: int
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """`dst` shares `src`'s full blocks and gets a copy of its last, partly filled one (in
+        every group: copy-on-write done at once, as either is about to write into it). Returns
+        the tokens `dst` now has computed and the (src, dst) block pairs to copy; without room
+        for the copies, `dst` shares the full blocks only and computes the rest again."""
+        held = self._held.get(src)
+        if held is None:
+            return 0, []
+        bs = self.block_size
+        full = num_computed // bs
+        partial = num_computed > full * bs
+        child = self._new()
+        child.hashes = list(held.hashes[:full])
+        new = self.pool.allocate(len(self.specs)) if partial else None
+        copies: list[tuple[int, int]] = []
+        for g, table in enumerate(held.tables):
+            r = min(held.released[g], full)
+            shared = table[r:full]
+            self.pool.share(shared)
+            child.tables[g] = [HOLE] * r + shared
+            child.released[g] = r
+            if new is not None:
+                copies.append((table[full], new[g]))
+                child.tables[g].append(new[g])
+        self._held[dst] = child
+        return (num_computed if new is not None else full * bs), copies
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Asserts the pool's books balance: each block's references are the owners holding it,
+        no held block is on the free list, and every free block is unreferenced."""
+        refs = [0] * self.pool.num_blocks
+        for held in self._held.values():
+            for g, table in enumerate(held.tables):
+                assert all(b == HOLE for b in table[: held.released[g]])
+                for b in table[held.released[g] :]:
+                    refs[b] += 1
+        for b in range(self.pool.num_blocks):
+            assert self.pool.refs(b) == refs[b], (
+                f"block {b}: {self.pool.refs(b)} refs, {refs[b]} owners"
+            )
+            assert (refs[b] == 0) == self.pool.is_free(b), f"block {b}: free list disagrees"
+
+
+def blocks_for_one_request(
+    layout: CacheLayout, block_size: int, max_model_len: int, max_step_tokens: int
+) -> int:
+    """The most blocks one request of `max_model_len` tokens holds at once: every block in a
+    full-attention group; in a sliding-window group its window, plus the step that writes the
+    most new tokens (they are all written before the window passes them)."""
+    whole = math.ceil(max_model_len / block_size)
+    total = 0
+    for group in layout.groups:
+        spec = group.spec
+        if isinstance(spec, SlidingWindowSpec):
+            span = spec.window - 1 + min(max_step_tokens, max_model_len)
+            total += min(whole, math.ceil(span / block_size) + 1)
+        else:
+            total += whole
+    return total
