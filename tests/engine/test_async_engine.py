@@ -52,28 +52,35 @@ def test_consumer_that_stops_listening_aborts(setup):
     llm, aengine = setup
     prompt = random_prompts(1, llm.engine.vocab_size, seed=12)[0]
 
+    async def whole_again():
+        # The abort lands at the next step boundary; then the pool is whole again (the
+        # deadline only guards against a hang).
+        deadline = asyncio.get_running_loop().time() + 30
+        while llm.engine.block_pool.num_free != 64 or llm.engine.requests:
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.01)
+
     async def main():
         gen = aengine.generate(prompt, SamplingParams(max_tokens=200, **GREEDY))
         async for _ in gen:
             break
         await gen.aclose()
-        # The abort lands at the next step boundary; then the pool is whole again.
-        for _ in range(100):
-            if llm.engine.block_pool.num_free == 64 and not llm.engine.requests:
-                break
-            await asyncio.sleep(0.01)
-        # A cancelled task aborts too.
-        task = asyncio.ensure_future(
-            collect(aengine, prompt, SamplingParams(max_tokens=200, **GREEDY))
-        )
-        await asyncio.sleep(0.05)
+        await whole_again()
+        # A cancelled task aborts too: cancelled once it has its first token (not after a
+        # sleep, which a fast machine could spend finishing all 200).
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in aengine.generate(prompt, SamplingParams(max_tokens=200, **GREEDY)):
+                started.set()
+
+        task = asyncio.ensure_future(consume())
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if llm.engine.block_pool.num_free == 64 and not llm.engine.requests:
-                break
-            await asyncio.sleep(0.01)
+        await whole_again()
         await aengine.shutdown()
 
     asyncio.run(main())

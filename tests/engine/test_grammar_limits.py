@@ -1,12 +1,18 @@
 """Grammar compilation under hostile specs (issue 14 item 3): a time limit that kills the compile
 process, a size limit checked before any work, abandonment when no request waits, grammars that
-accept nothing refused, and a compile process that cannot start or crashes."""
+accept nothing refused, and a compile process that cannot start or crashes.
+
+The compile processes here hold the answer of every large spec until the test releases it
+(tests/held_compiles.py): a "slow" grammar can never beat its limit, however fast this machine
+compiles it, and a test acts on a compile once it is known to be running, not after a sleep."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import threading
 import time
 
 import pytest
@@ -20,13 +26,15 @@ from serverless_llm.engine.sampling.structured.spec import (
     StructuredOutputError,
     StructuredOutputSpec,
 )
+from tests.held_compiles import HeldCompiles
 from tests.tiny_models import build_tokenizer
 
 MODEL_VOCAB = 400
 EOS = 2
 
 # Seconds to compile on a 2-core machine (about 7 s alone), whatever the vocabulary: xgrammar's
-# work grows with the square of the alternatives, not with the tokens.
+# work grows with the square of the alternatives, not with the tokens. Held (see above), so they
+# never finish on their own on a faster machine either.
 SLOW_REGEX = "(a|b|c|d|e|f|g)" * 3000
 SLOW_SCHEMA = {"enum": [f"value-{i}" for i in range(30000)]}
 
@@ -56,8 +64,18 @@ def tokenizer():
     return build_tokenizer()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def held(tmp_path_factory):
+    """Every compile pool of this module (its zygote) holds the specs of 5,000 chars or more."""
+    held = HeldCompiles(tmp_path_factory.mktemp("held"))
+    with pytest.MonkeyPatch.context() as mp:
+        held.install(mp)
+        yield held
+        held.release_all()
+
+
 @pytest.fixture(scope="module")
-def shared():
+def shared(held):
     p = CompilePool(2)
     yield p
     p.close()
@@ -151,24 +169,48 @@ def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
-def test_an_abandoned_compilation_is_killed_and_others_do_not_queue_behind_it(tokenizer, pool):
+class PollCounter:
+    """The compile pool's `select` module, counting the polls of the threads that wait for a
+    compile (each poll is followed by a look at whether the compile was abandoned)."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def select(self, *args):
+        if threading.current_thread().name.startswith("grammar-compile"):
+            self.polls += 1
+        return select.select(*args)
+
+
+def test_an_abandoned_compilation_is_killed_and_others_do_not_queue_behind_it(
+    tokenizer, pool, held, monkeypatch
+):
     comp = make(tokenizer, pool, compile_timeout=60, max_spec_chars=0)
     killed = pool.killed
+    before = held.held()
     slow = comp.compile_async(StructuredOutputSpec.from_request(guided_regex=SLOW_REGEX * 3))
-    time.sleep(0.2)
-    # The other child compiles another request's grammar meanwhile, in well under the slow one's
-    # time (seconds).
+    held.wait_new(before)  # a child is on it, and will not answer
+    # The other child compiles another request's grammar meanwhile.
     t0 = time.monotonic()
     quick = comp.compile(StructuredOutputSpec.from_request(guided_choice=["yes", "no"]))
     assert quick is not None and time.monotonic() - t0 < 2.0
     assert not slow.done()
     assert slow.cancel()  # the only waiter leaves
     assert wait_for(lambda: pool.killed == killed + 1, timeout=2.0)
-    # A spec two requests wait for survives one of them leaving (this one takes ~0.3 s).
+    # A spec two requests wait for survives one of them leaving: one waiter leaves while it
+    # compiles, and it is released only after its compile's thread has looked twice more
+    # whether it was abandoned.
+    polls = PollCounter()
+    monkeypatch.setattr(compile_pool, "select", polls)
     spec = StructuredOutputSpec.from_request(guided_regex="(a|b|c|d|e|f|g)" * 500)
+    before = held.held()
     first, second = comp.compile_async(spec), comp.compile_async(spec)
-    time.sleep(0.1)
+    held.wait_new(before)
     first.cancel()
+    seen = polls.polls
+    assert wait_for(lambda: polls.polls >= seen + 2)
+    assert not second.done() and pool.killed == killed + 1
+    held.release_all()
     assert second.result(timeout=60) is not None and pool.killed == killed + 1
 
 
@@ -199,14 +241,16 @@ def test_no_compile_process_means_compiling_in_process(tokenizer, monkeypatch, t
         comp.compile(StructuredOutputSpec.from_request(guided_json=CYCLE))
 
 
-def test_a_compile_process_that_dies_fails_that_grammar_only(tokenizer):
+def test_a_compile_process_that_dies_fails_that_grammar_only(tokenizer, held):
     pool = CompilePool(1)
     try:
         comp = make(tokenizer, pool, compile_timeout=60, max_spec_chars=0)
         pool.prestart()
         (pid,) = pool.pids()
+        before = held.held()
         pending = comp.compile_async(StructuredOutputSpec.from_request(guided_regex=SLOW_REGEX))
-        time.sleep(0.3)
+        (compiling,) = held.wait_new(before)
+        assert held.pid(compiling) == pid  # it is compiling there now
         os.kill(pid, signal.SIGKILL)  # as a crash inside xgrammar would end it
         with pytest.raises(StructuredOutputError, match="could not be compiled .*died"):
             pending.result(timeout=10)

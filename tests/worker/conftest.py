@@ -65,3 +65,16 @@ def joined(items: list[dict], choice: int = 0) -> str:
 def blocks_all_free(worker: Worker) -> bool:
     stats = worker.engine.stats()
     return stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+async def wait_blocks_free(worker: Worker, timeout: float = 30.0) -> bool:
+    """Whether every KV block is free once the engine loop has applied what is pending (an
+    abort lands at the next step boundary): polls instead of sleeping a guessed time
+    (`timeout` only guards against a hang)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not blocks_all_free(worker):
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True

@@ -3,11 +3,10 @@ pinned as a plain test: what was sent, and the documented answer it now gets."""
 
 from __future__ import annotations
 
-import asyncio
 import tracemalloc
 
 from serverless_llm.api.openai import http_status
-from tests.worker.conftest import blocks_all_free, run, run_job
+from tests.worker.conftest import run, run_job, wait_blocks_free
 
 CHAT = "/v1/chat/completions"
 
@@ -35,8 +34,7 @@ def test_lone_surrogates_are_refused_in_the_routes_shape(make_worker):
     async def scenario(w):
         results = [await run_job(w, job) for job in jobs]
         fine = await run_job(w, {"prompt": "Hello", "sampling_params": {"max_tokens": 2}})
-        await asyncio.sleep(0.05)
-        return results, fine, blocks_all_free(w)
+        return results, fine, await wait_blocks_free(w)
 
     results, fine, free = run(make_worker(), scenario)
     native = [items[0]["error"] for items in results[:3]]
@@ -66,8 +64,7 @@ def test_huge_length_penalty_runs_the_beam_search(make_worker):
             w, {"prompt": "Hello", "sampling_params": {**beam, "early_stopping": "never"}}
         )
         chat = await run_job(w, _chat("Hello", **beam))
-        await asyncio.sleep(0.05)
-        return native, never, chat, blocks_all_free(w)
+        return native, never, chat, await wait_blocks_free(w)
 
     native, never, chat, free = run(make_worker(), scenario)
     for items in (native, never):
@@ -115,8 +112,7 @@ def test_a_megabyte_stop_string_runs(make_worker):
                 {"prompt": "Hi", "max_tokens": 3, "stop": "é" * 1_000_000, "stream": True},
             ),
         )
-        await asyncio.sleep(0.05)
-        return native, completion, blocks_all_free(w)
+        return native, completion, await wait_blocks_free(w)
 
     native, completion, free = run(make_worker(), scenario)
     assert native[-1]["usage"]["output"] == 3, native
@@ -142,8 +138,7 @@ def test_batch_knobs_past_a_float_stream(make_worker):
         completion = await run_job(
             w, {**_openai("/v1/completions", {"prompt": "Hi", **greedy, "stream": True}), **huge}
         )
-        await asyncio.sleep(0.05)
-        return native, whole, completion, blocks_all_free(w)
+        return native, whole, completion, await wait_blocks_free(w)
 
     native, whole, completion, free = run(make_worker(), scenario)
     assert [len(item["choices"][0]["tokens"]) for item in native] == [1, 3, 2], native

@@ -14,7 +14,7 @@ from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.worker import handler as handler_module
 from serverless_llm.worker.handler import Worker, _iterates_generators
 from serverless_llm.worker.settings import Settings
-from tests.worker.conftest import blocks_all_free, joined, run, run_job, token_counts
+from tests.worker.conftest import joined, run, run_job, token_counts, wait_blocks_free
 
 
 def test_many_concurrent_jobs_complete(make_worker):
@@ -46,8 +46,7 @@ def test_many_concurrent_jobs_complete(make_worker):
                 "sampling_params": {"max_tokens": 27, "ignore_eos": True, "temperature": 0},
             },
         )
-        await asyncio.sleep(0.05)
-        return results, alone, blocks_all_free(w), w.active_jobs
+        return results, alone, await wait_blocks_free(w), w.active_jobs
 
     results, alone, free, active = run(worker, scenario)
     for i, items in enumerate(results):
@@ -238,13 +237,22 @@ def test_stats_logging(make_worker, monkeypatch, caplog):
     monkeypatch.setattr(handler_module, "STATS_INTERVAL_S", 0.01)
     worker = make_worker(DISABLE_LOG_STATS="0", DISABLE_LOG_REQUESTS="0")
 
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records]
+
     async def scenario(w):
         with caplog.at_level("INFO", logger="serverless_llm"):
             await run_job(
                 w, {"prompt": "Hi", "sampling_params": {"max_tokens": 40, "ignore_eos": True}}
             )
-            await asyncio.sleep(0.05)
-        return [r.getMessage() for r in caplog.records]
+            # The stats line comes at the logger's next tick after the job: wait for it, not
+            # for a guessed time (the deadline only guards against a hang).
+            deadline = asyncio.get_running_loop().time() + 30
+            while not any(m.startswith("stats: ") for m in logged()):
+                if asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.01)
+        return logged()
 
     messages = run(worker, scenario)
     assert any(m.startswith("stats: ") and "KV cache" in m for m in messages)

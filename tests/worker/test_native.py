@@ -10,7 +10,15 @@ import pytest
 from serverless_llm.api.sampling import build_sampling_params, parse_sampling_params
 from serverless_llm.engine import SamplingParamsError
 from serverless_llm.engine.tokenizer import apply_chat_template
-from tests.worker.conftest import GREEDY_LONG, blocks_all_free, joined, run, run_job, token_counts
+from tests.worker.conftest import (
+    GREEDY_LONG,
+    blocks_all_free,
+    joined,
+    run,
+    run_job,
+    token_counts,
+    wait_blocks_free,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -325,13 +333,11 @@ def test_malformed_jobs_get_an_error_and_the_worker_recovers(make_worker):
         results = [await run_job(w, job) for job in MALFORMED]
         results += [await run_job(w, job) for job in NOT_A_DICT]
         results.append([item async for item in w.handle("not even a job")])
-        await asyncio.sleep(0.05)  # let the engine loop apply any abort
-        free = blocks_all_free(w)
+        free = await wait_blocks_free(w)  # once the engine loop has applied any abort
         after = await run_job(
             w, {"prompt": "Hello", "sampling_params": GREEDY_LONG, "stream": True}
         )
-        await asyncio.sleep(0.05)
-        return results, free, after, blocks_all_free(w)
+        return results, free, after, await wait_blocks_free(w)
 
     results, free_between, after, free_after = run(make_worker(), scenario)
     assert len(results) >= 30
@@ -392,17 +398,16 @@ def test_cancelling_a_job_task_propagates_and_frees_blocks(make_worker, n):
     params = {"n": n, "max_tokens": 400, "ignore_eos": True}
 
     async def scenario(w):
-        got: list = []
+        started = asyncio.Event()
 
         async def consume():
-            async for item in w.handle(
+            async for _ in w.handle(
                 {"id": "k", "input": {"prompt": "Hi", "sampling_params": params, "stream": True}}
             ):
-                got.append(item)
+                started.set()
 
         task = asyncio.create_task(consume())
-        while not got:
-            await asyncio.sleep(0.005)
+        await started.wait()  # cancelled at its first item, before it can finish
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
