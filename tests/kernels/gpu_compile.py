@@ -28,6 +28,7 @@ from serverless_llm.engine.kernels import (
     layer_norm,
     rms_norm,
     rotary,
+    triton_common,
     w4a16,
 )
 from serverless_llm.engine.kernels import fp8 as fp8_weights
@@ -332,7 +333,7 @@ def main(quick: bool = False) -> int:
                         pointers=ptrs,
                     )
             for res in (False, True):
-                block, warps = rms_norm._launch_shape(4096)
+                block, warps = triton_common.row_launch_shape(4096)
                 ce = dict(HAS_RESIDUAL=res, BLOCK=block)
                 attempt(
                     f"rms_norm {dtype} res={res}",
@@ -344,7 +345,7 @@ def main(quick: bool = False) -> int:
                     1,
                 )
             for res, affine in ((False, False), (True, True)):
-                block, warps = layer_norm._launch_shape(4096)
+                block, warps = triton_common.row_launch_shape(4096)
                 ce = dict(HAS_RESIDUAL=res, HAS_WEIGHT=affine, HAS_BIAS=affine, BLOCK=block)
                 attempt(
                     f"layer_norm {dtype} res={res} affine={affine}",

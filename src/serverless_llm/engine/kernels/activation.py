@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .triton_common import rows_of, tanh
 from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -65,14 +66,6 @@ ACT_CODES = {
 
 
 @jit
-def _tanh(x):
-    """tanh from exp (not every Triton has one in tl): exp(-2|x|) never overflows."""
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0.0, -t, t)
-
-
-@jit
 def _act(x, ACT: tl.constexpr):
     """The activation of code ACT on float32 x."""
     if ACT == 0:  # silu
@@ -80,7 +73,7 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == 1:  # gelu, erf form
         y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACT == 2:  # gelu, tanh approximation: sqrt(2 / pi) * (x + 0.044715 x^3)
-        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+        y = 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
     else:  # relu
         y = tl.maximum(x, 0.0)
     return y
@@ -124,11 +117,6 @@ def _activation_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     """x: [..., 2 * I] = [..., gate | up] -> act(gate) * up, [..., I]."""
     code = ACT_CODES[act]
@@ -136,7 +124,7 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     if two_i % 2:
         raise ValueError(f"act_and_mul needs an even last dimension, got {two_i}")
     n = two_i // 2
-    x2 = _rows(x)
+    x2 = rows_of(x, two_i)
     rows = x2.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows and n:
@@ -157,7 +145,7 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
     """act(x), elementwise, in the input's dtype."""
     code = ACT_CODES[act]
     n = x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows_of(x, n)
     rows = x2.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows and n:

@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from .e4m3 import e4m3_decode
+from .triton_common import dot_acc, w_tile, x_tile
 from .triton_lazy import jit
-from .w4a16 import dot_acc, run_split_k, split_k_tile, store_split, x_tile
+from .w4a16 import run_split_k, split_k_tile, store_split
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -153,11 +154,7 @@ def _fp8_w8a16_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = x_tile(x_ptr, stride_xm, offs_m, mask_m, offs_k, mask_k)
-        byte = tl.load(
-            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0,
-        ).to(tl.int32)  # [BLOCK_K, BLOCK_N], 0..255
+        byte = w_tile(w_ptr, stride_wn, offs_k, mask_k, offs_n, mask_n).to(tl.int32)  # 0..255
         acc = dot_acc(acc, x, e4m3_decode(byte))
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     store_split(out_ptr, acc * scale[None, :], offs_m, mask_m, offs_n, mask_n, stride_os, stride_om)

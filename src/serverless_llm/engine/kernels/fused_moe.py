@@ -47,8 +47,8 @@ from torch import Tensor
 
 from .activation import act_and_mul, act_and_mul_reference
 from .e4m3 import e4m3_decode
+from .triton_common import dot_acc, w_tile, x_tile
 from .triton_lazy import cdiv, jit
-from .w4a16 import dot_acc
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -162,33 +162,56 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(rows_ptr + offs_m)
-    mask_m = rows < num_rows
-    a_rows = rows // A_DIV
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    rows, mask_m, a_rows, offs_n, mask_n = expert_block(
+        rows_ptr, pid_m, pid_n, N, num_rows, A_DIV, BLOCK_M, BLOCK_N
+    )
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        a = tl.load(
-            a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0,
-        )
+        a = x_tile(a_ptr, stride_am, a_rows, mask_m, offs_k, mask_k)
+        w = w_tile(w_base, stride_wn, offs_k, mask_k, offs_n, mask_n)
         if W_E4M3:
             w = e4m3_decode(w.to(tl.int32))
         acc = dot_acc(acc, a, w)
     if W_E4M3:
         e_scale = wscale_ptr + expert.to(tl.int64) * stride_se
         acc = acc * tl.load(e_scale + offs_n, mask=mask_n, other=0.0)[None, :]
+    store_rows(
+        out_ptr, acc, rows, mask_m, offs_n, mask_n, stride_om, weight_ptr, MUL_WEIGHT, ACCUMULATE
+    )
+
+
+# The pieces both expert-block GEMMs share (this module's and kernels/fused_moe_w4a16.py's):
+# program (b, n) computes the rows of block b of `moe_align`'s order, all of one expert, for one
+# tile of output columns.
+
+
+@jit
+def expert_block(
+    rows_ptr, pid_m, pid_n, N, num_rows,
+    A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Block pid_m's rows with their mask (sentinels out), the rows of `a` they read
+    (row // A_DIV), and tile pid_n's columns with their mask."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(rows_ptr + offs_m)
+    mask_m = rows < num_rows
+    a_rows = rows // A_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    return rows, mask_m, a_rows, offs_n, mask_n
+
+
+@jit
+def store_rows(
+    out_ptr, acc, rows, mask_m, offs_n, mask_n, stride_om, weight_ptr,
+    MUL_WEIGHT: tl.constexpr, ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """The block's float32 sums into out's rows `rows` (sentinels skipped), in out's dtype:
+    times weight[row] (the router's, float32) when MUL_WEIGHT, plus out's own value when
+    ACCUMULATE."""
     if MUL_WEIGHT:
         scale = tl.load(weight_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .fused_moe import fused_moe_reference, run_experts
+from .fused_moe import expert_block, fused_moe_reference, run_experts, store_rows
+from .triton_common import dot_acc, x_tile
 from .triton_lazy import cdiv, jit
-from .w4a16 import dot_acc, int_weight_tile, pack_int32, unpack_int32
+from .w4a16 import int_weight_tile, pack_int32, unpack_int32
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -147,12 +148,9 @@ def _moe_w4a16_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(rows_ptr + offs_m)
-    mask_m = rows < num_rows
-    a_rows = rows // A_DIV
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    rows, mask_m, a_rows, offs_n, mask_n = expert_block(
+        rows_ptr, pid_m, pid_n, N, num_rows, A_DIV, BLOCK_M, BLOCK_N
+    )
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -162,11 +160,7 @@ def _moe_w4a16_kernel(
             cols = tl.load(perm_ptr + e64 * stride_ge + offs_k, mask=mask_k, other=0)
         else:
             cols = offs_k
-        a = tl.load(
-            a_ptr + a_rows[:, None].to(tl.int64) * stride_am + cols[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = x_tile(a_ptr, stride_am, a_rows, mask_m, cols, mask_k)
         w = int_weight_tile(
             qw_ptr + e64 * stride_qe,
             s_ptr + e64 * stride_se,
@@ -181,11 +175,7 @@ def _moe_w4a16_kernel(
             BITS,
         )
         acc = dot_acc(acc, a, w)
-    if MUL_WEIGHT:
-        scale = tl.load(weight_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
-        acc = acc * scale[:, None]
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_rows(out_ptr, acc, rows, mask_m, offs_n, mask_n, stride_om, weight_ptr, MUL_WEIGHT, False)
 
 
 def _packed_gemm(a, w: PackedExperts, rows, block_expert, weights, num_rows, a_div, tiles):

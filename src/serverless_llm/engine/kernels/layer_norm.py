@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton_lazy import jit, next_power_of_2
+from .triton_common import norm_input_row, norm_rows, row_launch_shape
+from .triton_lazy import jit
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
@@ -57,11 +58,10 @@ def _layer_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    x = norm_input_row(
+        x_ptr, res_ptr, res_out_ptr, row, stride_x, stride_res, stride_res_out, cols, mask,
+        HAS_RESIDUAL,
+    )  # fmt: skip
     h = x.to(tl.float32)
     mean = tl.sum(h, axis=0) / n_cols
     centered = tl.where(mask, h - mean, 0.0)
@@ -74,13 +74,6 @@ def _layer_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(n_cols: int) -> tuple[int, int]:
-    block = next_power_of_2(n_cols)
-    # About 8-16 elements per thread: wide rows get more warps instead of more registers.
-    num_warps = max(1, min(16, block // 512))
-    return block, num_warps
-
-
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -91,20 +84,10 @@ def layer_norm(
     """norm(x) or, with `residual`, (norm(x + residual), x + residual); x: [..., hidden]. The
     output has the input's dtype, as `layer_norm_reference`."""
     shape = x.shape
-    n = shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
+    x2, res2, res_out = norm_rows(x, residual)
+    rows, n = x2.shape
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block, num_warps = _launch_shape(n)
-    if residual is None:
-        res2 = res_out = x2  # unused by the kernel
-    else:
-        res2 = residual.reshape(-1, n)
-        if res2.stride(-1) != 1:
-            res2 = res2.contiguous()
-        res_out = torch.empty_like(x2)
+    block, num_warps = row_launch_shape(n)
     if rows:
         _layer_norm_kernel[(rows,)](
             x2,

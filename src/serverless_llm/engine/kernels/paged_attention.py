@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .e4m3 import e4m3_as_bytes, e4m3_decode
 from .kv_write import dequantize_kv, is_fp8
 from .metadata import AttentionMetadata, AttentionSpec
+from .triton_common import tanh
 from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -53,14 +54,6 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
-
-
-@jit
-def _tanh(x):
-    """tanh from exp (not every Triton has one in tl): exp(-2|x|) never overflows."""
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0.0, -t, t)
 
 
 @jit
@@ -197,7 +190,7 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2e
         if HAS_SOFTCAP:
-            s = softcap_log2e * _tanh(s / softcap_log2e)
+            s = softcap_log2e * tanh(s / softcap_log2e)
         if HAS_ALIBI:
             s += slope[:, None] * (keys[None, :] - pos[:, None]).to(tl.float32)
         allowed = (keys[None, :] <= pos[:, None]) & kmask[None, :]

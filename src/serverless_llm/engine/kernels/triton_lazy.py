@@ -11,8 +11,9 @@ The first launch imports Triton, binds `tl` (triton.language) in the kernel modu
 the kernel bodies look it up (Triton's compiler and its interpreter both resolve a kernel's names
 in its module; so each kernel module starts with `tl = None`), and replaces every `jit` function of
 that module by its Triton JIT function, so kernels calling kernels call JIT functions. A `jit`
-helper imported from another kernel module (kernels/e4m3.py's codec) is bound in its own module
-first, where its body finds `tl`, and the importing module gets that same JIT function.
+helper imported from another kernel module (kernels/triton_common.py's shared helpers,
+kernels/e4m3.py's codec) is bound in its own module first, where its body finds `tl`, and the
+importing module gets that same JIT function.
 """
 
 from __future__ import annotations

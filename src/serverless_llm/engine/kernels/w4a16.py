@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .triton_common import dot_acc, x_tile
 from .triton_lazy import cdiv, jit
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -198,6 +199,7 @@ def int_weight_tile(
 
 # The pieces every weight-streaming split-K GEMM of this layout shares (this module's and
 # kernels/fp8.py's): program (m tile, n tile, split) owns out[split, tile] over its share of K.
+# (Their activation tile and dot, which every GEMM kernel shares, are in kernels/triton_common.py.)
 
 
 @jit
@@ -207,25 +209,6 @@ def split_k_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     return offs_m, offs_m < M, offs_n, offs_n < N, k_begin, tl.minimum(k_begin + k_per_split, K)
-
-
-@jit
-def x_tile(x_ptr, stride_xm, offs_m, mask_m, offs_k, mask_k):
-    """The activations' [BLOCK_M, BLOCK_K] tile (row-major x, zeros outside)."""
-    return tl.load(
-        x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-        mask=mask_m[:, None] & mask_k[None, :],
-        other=0.0,
-    )
-
-
-@jit
-def dot_acc(acc, x, w):
-    """acc + x @ w, w the float32 weight tile: IEEE float32 dots for float32 activations, else
-    w rounded to the activations' 16-bit type."""
-    if x.dtype == tl.float32:
-        return acc + tl.dot(x, w, input_precision="ieee")
-    return acc + tl.dot(x, w.to(x.dtype))
 
 
 @jit
