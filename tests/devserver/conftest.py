@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from serverless_llm.devserver.app import create_app
 from tests.devserver.fake_worker import FakeWorker
+from tests.step_gate import StepGate
 
 
 class ServerThread:
@@ -95,78 +96,9 @@ def kv_pool(server: ServerThread) -> Any:
     return server.worker.engine.core.block_pool  # type: ignore[attr-defined]
 
 
-class StepGate:
-    """Holds the engine between two steps, so that how far a generation gets is up to the test,
-    not to the machine's speed. Installed on the session worker's `LLMEngine` (its `step` and
-    `abort_request`, both looked up on the instance at each call): steps run freely until one
-    produces output; the step after it waits on the step thread, with the request(s) still in
-    the engine and holding KV blocks, until `release()`. The event loop stays free meanwhile
-    (the step runs in an executor), so disconnects and cancellations are seen and queue their
-    aborts, which the engine applies right after the held step. `seen` lists the requests that
-    produced output, `finished` those that ended on their own, `aborted` those the engine
-    aborted while they were still in it."""
-
-    def __init__(self, core: Any) -> None:
-        self._core = core
-        self._step = core.step
-        self._abort = core.abort_request
-        self._cond = threading.Condition()
-        self.rearm()
-
-    def rearm(self) -> None:
-        """Closes the gate again: the next generation is held after its first output."""
-        with self._cond:
-            self._produced = self._released = self._holding = False
-            self.seen: list[str] = []
-            self.finished: list[str] = []
-            self.aborted: list[str] = []
-
-    def step(self) -> list[Any]:
-        with self._cond:
-            if self._produced and not self._released:
-                self._holding = True
-                self._cond.notify_all()
-                self._cond.wait_for(lambda: self._released)
-                self._holding = False
-        outputs = self._step()
-        with self._cond:
-            for out in outputs:
-                if out.request_id not in self.seen:
-                    self.seen.append(out.request_id)
-                if out.finished:
-                    self.finished.append(out.request_id)
-            self._produced = self._produced or bool(outputs)
-        return outputs
-
-    def abort_request(self, request_id: str) -> Any:
-        out = self._abort(request_id)
-        if out is not None:
-            with self._cond:
-                self.aborted.append(request_id)
-        return out
-
-    def wait_held(self, timeout: float = 60.0) -> None:
-        """Until a step waits at the gate (`timeout` only guards against a hang)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._holding, timeout):
-                raise AssertionError(f"no engine step reached the gate; outputs from {self.seen}")
-
-    def release(self) -> None:
-        with self._cond:
-            self._released = True
-            self._cond.notify_all()
-
-    def install(self) -> None:
-        self._core.step = self.step
-        self._core.abort_request = self.abort_request
-
-    def uninstall(self) -> None:
-        self.release()  # never leave the session's engine stuck on a failed test
-        del self._core.step, self._core.abort_request
-
-
 @pytest.fixture()
 def step_gate(endpoint: ServerThread) -> Iterator[StepGate]:
+    """Holds the session engine's step after a generation's first output (tests/step_gate.py)."""
     gate = StepGate(endpoint.worker.engine.core)  # type: ignore[attr-defined]
     gate.install()
     try:

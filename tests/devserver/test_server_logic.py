@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from serverless_llm.devserver import job_store
 from serverless_llm.devserver.app import create_app
 from serverless_llm.devserver.job_store import JobManager
 from tests.devserver.conftest import ServerThread, serve
@@ -331,7 +333,13 @@ def test_job_api_errors_keep_the_server_serving(fake_server: ServerThread):
         )
 
 
-def test_finished_jobs_are_bounded():
+def test_finished_jobs_are_bounded(monkeypatch: pytest.MonkeyPatch):
+    # The job store's clock is the test's: a finished job ages by 0.35 s only when the test
+    # says so, not while a slow machine runs the jobs (a 0.3 s TTL on the real clock could
+    # purge them before the count limit is checked).
+    now = [1000.0]
+    monkeypatch.setattr(job_store, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
     async def main() -> None:
         async def handle(job):
             yield {"n": 1}
@@ -340,9 +348,10 @@ def test_finished_jobs_are_bounded():
         first = [jobs.submit({}) for _ in range(5)]
         for job in first:
             await jobs.wait_done(job, 1.0)
+        assert all(job.done for job in first)
         jobs.submit({})  # purges down to the newest 3 finished
         assert [jobs.get(j.id) is not None for j in first] == [False, False, True, True, True]
-        await asyncio.sleep(0.35)
+        now[0] += 0.35
         assert all(jobs.get(j.id) is None for j in first)  # and by age
         await jobs.shutdown()
 

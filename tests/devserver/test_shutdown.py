@@ -28,6 +28,16 @@ def stream_events(base: str, body: dict, results: list, first: threading.Event) 
     results.append(events)
 
 
+def sigterm_and_wait_draining(proc, base: str) -> None:
+    """Sends SIGTERM and returns once the server has taken it (/health says not ok), rather
+    than after a guessed time (the deadline only guards against a hang)."""
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{base}/health").json()["ok"]:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.01)
+
+
 def test_sigterm_drains_then_ends_the_rest_and_exits_0():
     proc, base = start(grace=1.5)
     try:
@@ -45,8 +55,7 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_0():
             firsts.append(first)
         assert all(f.wait(10) for f in firsts)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        sigterm_and_wait_draining(proc, base)
         # While draining: new work is refused in each route's shape; status still answers.
         oai = httpx.post(
             f"{base}/openai/v1/completions", json={"model": "fake-model", "prompt": "x"}
@@ -87,8 +96,7 @@ def test_a_second_signal_exits_at_once():
         t = threading.Thread(target=stream_events, args=(base, body, [], first), daemon=True)
         t.start()
         assert first.wait(10)
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        sigterm_and_wait_draining(proc, base)  # a second signal sent too soon could merge
         assert proc.poll() is None  # draining: up to 30 s
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -18,6 +18,7 @@ from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.engine.sampling.params import SamplingParamsError
 from serverless_llm.llm import BeamSearchParams
 from tests.engine.reference import hf_model
+from tests.step_gate import StepGate
 from tests.tiny_models import build_tiny_model
 
 VOCAB = 384  # the tiny tokenizer's
@@ -283,30 +284,35 @@ def test_async_engine_beam_search_and_cancel(llm):
     params = beam_params(best_of=3, n=2, max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
 
+    # The cancelled search is held after its first step (blocks taken, 199 tokens to go), so it
+    # is still running when its consumer leaves, however fast the machine.
+    gate = StepGate(llm.engine, hold_when=lambda gate: gate.steps >= 1)
+
     async def main():
         engine = AsyncEngine(llm.engine)
         try:
             outs = [o async for o in engine.generate(prompt, params)]
+            gate.install()
             stream = engine.generate(
                 prompt, beam_params(best_of=4, max_tokens=200, ignore_eos=True)
             )
             task = asyncio.create_task(stream.__anext__())
-            for _ in range(50):
-                await asyncio.sleep(0.01)
-                if llm.engine.block_pool.num_free < llm.engine.block_pool.num_blocks:
-                    break
+            await asyncio.to_thread(gate.wait_held)
+            assert llm.engine.block_pool.num_free < llm.engine.block_pool.num_blocks
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
-            for _ in range(200):
-                if pool_full(llm):
-                    break
+            gate.release()
+            deadline = asyncio.get_running_loop().time() + 30  # only against a hang
+            while not pool_full(llm) and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
             return outs
         finally:
+            gate.uninstall()
             await engine.shutdown()
 
     outs = asyncio.run(main())
+    assert len(gate.aborted) == 1 and gate.finished == []  # aborted, never finished
     assert len(outs) == 1 and outs[0].finished
     assert [s.new_token_ids for s in outs[0].sequences] == want
     assert outs[0].new_token_ids == want[0]

@@ -76,6 +76,21 @@ def output_of(log) -> str:
     return log.read()
 
 
+def logged_so_far(log) -> str:
+    """What the running worker has written to `log` (read at an offset: the file's position is
+    shared with the worker's writes and must not move)."""
+    fd = log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+def sigterm_and_wait_draining(proc: subprocess.Popen, log) -> None:
+    """Sends SIGTERM and returns once the worker has taken it (its handler logs the line after
+    setting `draining`), rather than after a guessed time."""
+    proc.send_signal(signal.SIGTERM)
+    line = f"signal {int(signal.SIGTERM)}: finishing"
+    wait_until(lambda: line in logged_so_far(log) or proc.poll() is not None, 60, line)
+
+
 def test_sigterm_finishes_short_jobs_ends_the_rest_and_exits_0(platform):
     grace = 1.5
     ids = [f"job-{i}" for i in range(8)]
@@ -89,8 +104,7 @@ def test_sigterm_finishes_short_jobs_ends_the_rest_and_exits_0(platform):
         try:
             wait_until(lambda: len(platform.snapshot()[1]) == len(ids), 60, "every job to stream")
             t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            sigterm_and_wait_draining(proc, log)
             platform.add("late", {"items": 1})  # after the signal: refused if taken at all
             proc.wait(timeout=grace + 5)
             elapsed = time.monotonic() - t0
@@ -138,8 +152,7 @@ def test_a_second_signal_exits_at_once(platform):
         proc = start_worker(platform, 30, log)
         try:
             wait_until(lambda: "long" in platform.snapshot()[1], 60, "the job to stream")
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            sigterm_and_wait_draining(proc, log)  # a second signal sent too soon could merge
             assert proc.poll() is None  # draining: up to 30 s
             sigterm_and_wait(proc, 5)
         finally:
