@@ -153,32 +153,32 @@ class LLM:
         if group[0].beam is not None:
             return self._beam_result(group[0])
         decode = self._decode_token
-        chosen = choose_sequences(group, lambda r: r.cumulative_logprob, params)
+        chosen = choose_sequences(group, lambda r: r.out.cumulative_logprob, params)
         show_logprobs = params.logprobs is not None
         outputs = []
         for index, req in enumerate(chosen):
             outputs.append(
                 CompletionOutput(
                     index=index,
-                    text=req.output_text,
+                    text=req.out.text,
                     token_ids=list(req.output_token_ids),
                     finish_reason=req.finish_reason.value if req.finish_reason else None,
                     stop_reason=req.stop_reason,
-                    cumulative_logprob=req.cumulative_logprob,
-                    logprobs=[position_logprobs(e, decode) for e in req.logprobs]
+                    cumulative_logprob=req.out.cumulative_logprob,
+                    logprobs=[position_logprobs(e, decode) for e in req.out.logprobs]
                     if show_logprobs
                     else None,
                 )
             )
         first = group[0]
         prompt_lp = None
-        if first.prompt_logprobs is not None:
+        if first.out.prompt_logprobs is not None:
             prompt_lp = [
-                None if e is None else position_logprobs(e, decode) for e in first.prompt_logprobs
+                None if e is None else position_logprobs(e, decode) for e in first.out.prompt_logprobs
             ]
         return RequestOutput(
             request_id=first.request_id.split(".")[0],
-            prompt=first.prompt_text,
+            prompt=first.out.prompt_text,
             prompt_token_ids=first.prompt_token_ids,
             outputs=outputs,
             prompt_logprobs=prompt_lp,
@@ -203,13 +203,13 @@ class LLM:
             for index, out in enumerate(root.beam.outputs or [])
         ]
         prompt_lp = None
-        if root.prompt_logprobs is not None:
+        if root.out.prompt_logprobs is not None:
             prompt_lp = [
-                None if e is None else position_logprobs(e, decode) for e in root.prompt_logprobs
+                None if e is None else position_logprobs(e, decode) for e in root.out.prompt_logprobs
             ]
         return RequestOutput(
             request_id=root.request_id,
-            prompt=root.prompt_text,
+            prompt=root.out.prompt_text,
             prompt_token_ids=root.prompt_token_ids,
             outputs=outputs,
             prompt_logprobs=prompt_lp,

@@ -9,6 +9,7 @@ from serverless_llm.engine.request import Request
 from serverless_llm.engine.sampling.logits_processors import RequestSamplingState
 from serverless_llm.engine.sampling.params import SamplingParams
 from serverless_llm.engine.sampling.sampler import Sampler, SamplingBatch
+from serverless_llm.engine.stop_rule import StopRule
 
 EOS = 2
 
@@ -22,7 +23,8 @@ def make_requests(
     for i, p in enumerate(params):
         prompt = list(prompts[i]) if prompts else [1]
         req = Request(f"r{i}", prompt, p, max_total_tokens=1 << 30)
-        req.sampling = RequestSamplingState(p, prompt, {EOS})
+        req.stop_rule = StopRule.of(p, {EOS}, None)
+        req.sampling = RequestSamplingState(p, prompt, req.stop_rule)
         for t in outputs[i] if outputs else ():
             req.output_token_ids.append(t)
             req.sampling.on_token(t)

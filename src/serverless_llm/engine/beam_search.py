@@ -25,6 +25,7 @@ from .sampling.logits_processors import RequestSamplingState
 from .sampling.logprobs import TokenLogprob
 from .sampling.params import SamplingParams
 from .scheduler import Scheduler
+from .stop_rule import StopRule
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class BeamGroup:
             member.beam = self
             member.beam_index = j
             if member.params.prompt_logprobs is not None:
-                member.prompt_logprobs = [None]
+                member.out.prompt_logprobs = [None]
             self.members.append(member)
         self.tops = [None] * len(self.members)
         self.held = [None] * len(self.members)
@@ -100,13 +101,9 @@ class BeamSearchRunner:
         """Makes `root` a beam search and queues its first step: the prompt, as transformers
         starts (one beam)."""
         p = root.params
-        eos = self.inputs.eos_token_ids
         search = BeamSearch(
             width=p.num_sequences,
-            max_new_tokens=root.max_total_tokens - root.num_prompt_tokens,
-            eos_token_ids=() if p.ignore_eos else sorted(eos),
-            stop_token_ids=p.stop_token_ids,
-            min_tokens=p.min_tokens,
+            stop_rule=root.stop_rule,
             length_penalty=p.length_penalty,
             early_stopping=p.early_stopping,
             logprobs=p.logprobs,
@@ -118,7 +115,9 @@ class BeamSearchRunner:
         if p.prompt_logprobs is not None:
             first = dataclasses.replace(member, logprobs=None, prompt_logprobs=p.prompt_logprobs)
             first.logprobs = member.logprobs
-        sampling = RequestSamplingState(member, root.prompt_token_ids, eos)
+        # Members run greedy and never stop on their own: the search's rule decides.
+        no_stop = StopRule.of(member, (), None)
+        sampling = RequestSamplingState(member, root.prompt_token_ids, no_stop)
         group = BeamGroup(root, search, member, sampling)
         root.beam = group
         for m in group.spawn(first):
@@ -140,8 +139,8 @@ class BeamSearchRunner:
         group = member.beam
         j = member.beam_index
         group.tops[j] = top
-        if member.prompt_logprobs is not None:
-            group.root.prompt_logprobs = member.prompt_logprobs
+        if member.out.prompt_logprobs is not None:
+            group.root.out.prompt_logprobs = member.out.prompt_logprobs
         self.scheduler.finish_keeping_blocks(member, FinishReason.STOP)
         group.held[j] = HeldKV(member, member.num_computed_tokens)
         if not group.complete:
@@ -237,5 +236,5 @@ class BeamSearchRunner:
             num_output_tokens=len(hyp.token_ids),
             logprobs=hyp.logprobs if p.logprobs is not None else None,
             cumulative_logprob=hyp.cumulative_logprob,
-            prompt_logprobs=root.prompt_logprobs,
+            prompt_logprobs=root.out.prompt_logprobs,
         )

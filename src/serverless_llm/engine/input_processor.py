@@ -18,6 +18,7 @@ from .sampling.logits_processors import RequestSamplingState
 from .sampling.params import SamplingParams, SamplingParamsError
 from .sampling.structured.grammar import CompiledGrammar, GrammarCompiler
 from .sampling.structured.spec import StructuredOutputError, StructuredOutputSpec
+from .stop_rule import StopRule
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -200,24 +201,25 @@ class InputProcessor:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         req = Request(request_id, token_ids, params, max_total_tokens=max_total)
+        req.stop_rule = StopRule.of(params, self.eos_token_ids, max_total - n)
         if len(token_ids) == len(prompt_input.token_ids):
-            req.prompt_text = prompt_input.text
+            req.out.prompt_text = prompt_input.text
         if params.use_beam_search:
             return req
-        req.sampling = RequestSamplingState(params, token_ids, self.eos_token_ids)
+        req.sampling = RequestSamplingState(params, token_ids, req.stop_rule)
         if params.structured is not None:
             if compiled_grammar is None:
                 compiled_grammar = self.compile_grammar(params.structured).result()
             req.grammar = compiled_grammar.matcher(extra_stop_token_ids=params.stop_token_ids)
             req.grammar_open = not params.structured_after
-        req.detokenizer = self.detokenizer(token_ids, params)
+        req.out.detokenizer = self.detokenizer(token_ids, params)
         if params.stop:
-            req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            req.out.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         if params.logprobs is not None:
-            req.logprobs = []
-            req.cumulative_logprob = 0.0
+            req.out.logprobs = []
+            req.out.cumulative_logprob = 0.0
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
+            req.out.prompt_logprobs = [None]
         return req
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
@@ -231,7 +233,7 @@ class InputProcessor:
     def _check_min_tokens(self, params: SamplingParams) -> None:
         if not (params.min_tokens and params.allowed_token_ids):
             return
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        stops = StopRule.of(params, self.eos_token_ids, None).stop_ids
         if set(params.allowed_token_ids) <= stops:
             raise InvalidRequestError(
                 "allowed_token_ids holds only end-of-sequence and stop tokens, which "

@@ -33,7 +33,7 @@ from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
 from .sampling.structured.bitmask import allocate_bitmask, fill_bitmasks
-from .scheduler import Scheduler
+from .scheduler import Sampled, Scheduler
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,7 @@ class LLMEngine:
             self.model, self.kv_caches, self.backend, self.block_size, self.device, layout
         )
         self.runner.kv = self.kv
+        self.scheduler.copy_blocks = self.runner.copy_blocks
         if self.lora is not None:
             self.runner.lora_step = self.lora.step
             if self.ranks is not None:
@@ -359,25 +360,38 @@ class LLMEngine:
                 sample_reqs, logits = self.runner.execute(batch)
             except Exception as e:  # the ranks are out of step now: the engine cannot go on
                 raise self.ranks.failure(e) from e
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            self.scheduler.cache_computed_blocks(req)
-        if not sample_reqs:
-            return []
-        sb = SamplingBatch.build(
-            sample_reqs, self.vocab_size, self.device, cache=self._sampling_cache
-        )
-        self._fill_grammar_masks(sample_reqs, sb)
-        sampled = self.sampler(logits, sb)
-        logprobs = sampled.logprobs or [None] * len(sample_reqs)
+        sampled: list[Sampled] = []
+        beams: list[tuple[Request, object]] = []
+        if sample_reqs:
+            sb = SamplingBatch.build(
+                sample_reqs, self.vocab_size, self.device, cache=self._sampling_cache
+            )
+            self._fill_grammar_masks(sample_reqs, sb)
+            out = self.sampler(logits, sb)
+            logprobs = out.logprobs or [None] * len(sample_reqs)
+            for req, tok, lp in zip(sample_reqs, out.token_ids, logprobs):
+                if req.beam is not None:
+                    beams.append((req, lp))
+                else:
+                    sampled.append(Sampled(req, [tok], [lp]))
+        updates = self.scheduler.update(batch, sampled, process_token)
         outputs = []
-        for req, tok, lp in zip(sample_reqs, sampled.token_ids, logprobs):
+        for up in updates:
+            req = up.request
+            if up.error is not None:
+                self._fail_request(req, up.error)
+                continue
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+            outputs.append(make_output(req, up.token_ids, up.text, up.logprobs or None))
+        for req, lp in beams:
             try:
-                out = self._postprocess(req, tok, lp)
-            except Exception as exc:  # this request's own fault: it fails, the others go on
+                out = self.beams.on_top_tokens(req, lp)
+            except Exception as exc:  # this search's own fault: it fails, the others go on
                 self._fail_request(req, exc)
                 continue
             if out is not None:
+                self.requests.pop(out.request_id, None)
                 outputs.append(out)
         self.beams.end_step()
         return outputs
@@ -385,21 +399,11 @@ class LLMEngine:
     def _fail_request(self, req: Request, exc: Exception) -> None:
         """Aborts the request that `req` serves (a beam search as a whole) and records why."""
         rid = req.beam.root.request_id if req.beam is not None else req.request_id
-        logger.exception("request %s failed in output processing; the others go on", rid)
-        self.abort_request(rid)  # a no-op if _postprocess had already finished it
+        logger.exception(
+            "request %s failed in output processing; the others go on", rid, exc_info=exc
+        )
+        self.abort_request(rid)  # a no-op if it had already finished
         self.failed[rid] = exc
-
-    def _postprocess(self, req: Request, tok: int, lp) -> EngineOutput | None:
-        if req.beam is not None:
-            out = self.beams.on_top_tokens(req, lp)
-            if out is not None:
-                self.requests.pop(out.request_id, None)
-            return out
-        text, reason = process_token(req, tok, lp, self.eos_token_ids)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            self.requests.pop(req.request_id, None)
-        return make_output(req, [tok], text, None if lp is None else [lp])
 
     def _fill_grammar_masks(self, reqs: list[Request], sb: SamplingBatch) -> None:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar_open]

@@ -122,7 +122,7 @@ class ModelRunner:
                 num_decodes += 1
             if req.needs_prompt_logprobs:
                 # Position j scores prompt token j + 1; the first still missing is len(list).
-                lo = max(start, len(req.prompt_logprobs) - 1)
+                lo = max(start, len(req.out.prompt_logprobs) - 1)
                 hi = min(end, req.num_prompt_tokens - 1)
                 if lo < hi:
                     base = len(input_ids) - start
@@ -296,7 +296,7 @@ class ModelRunner:
                 if len(entry.top_ids) > mine:
                     entry.top_ids = entry.top_ids[:mine]
                     entry.top_logprobs = entry.top_logprobs[:mine]
-                req.prompt_logprobs.append(entry)
+                req.out.prompt_logprobs.append(entry)
             start += count
 
 

@@ -1,6 +1,6 @@
-"""A request's way out: each sampled token appended, the end decided (EOS, stop tokens, the
-grammar, stop strings, length: vLLM's rules), the text it releases decoded, and the
-`EngineOutput` the caller gets."""
+"""A request's output side: for each token the step's update appends, the sampling state,
+logprobs, grammar, released text and stop strings (the stop rule itself is stop_rule.py), and
+the `EngineOutput` the caller gets."""
 
 from __future__ import annotations
 
@@ -9,81 +9,72 @@ import logging
 from .outputs import EngineOutput
 from .request import FinishReason, Request
 from .sampling.logprobs import TokenLogprob
+from .stop_rule import Stop
 
 logger = logging.getLogger(__name__)
 
 
 def process_token(
-    req: Request, tok: int, lp: TokenLogprob | None, eos_token_ids: set[int]
-) -> tuple[str, FinishReason | None]:
-    """Appends a sampled token to `req` and returns the text it releases and the reason the
-    request ends, if it does (the caller finishes it in the scheduler)."""
+    req: Request, tok: int, lp: TokenLogprob | None, stop: Stop | None
+) -> tuple[str, Stop | None]:
+    """The output side of one token the step's update has appended to `req`: sampling state,
+    logprobs, the grammar, the text it releases and stop strings. `stop` is the stop rule's
+    verdict on the token; returns the text and the final verdict (a grammar that ends or
+    refuses the token, or a stop string, ends the request too)."""
     p = req.params
-    req.output_token_ids.append(tok)
+    rule = req.stop_rule
+    num_out = len(req.output_token_ids)
     req.sampling.on_token(tok)
     if lp is not None:
-        req.logprobs.append(lp)
-        req.cumulative_logprob += lp.logprob
-    num_out = len(req.output_token_ids)
-    reason: FinishReason | None = None
-    # EOS and stop tokens count once min_tokens are out (they are masked before that).
-    if num_out >= p.min_tokens:
-        if not p.ignore_eos and tok in eos_token_ids:
-            reason = FinishReason.STOP
-        elif tok in p.stop_token_ids:
-            reason = FinishReason.STOP
-            req.stop_reason = tok
+        req.out.logprobs.append(lp)
+        req.out.cumulative_logprob += lp.logprob
     if req.grammar is not None:
         if req.grammar_open:
-            reason = _advance_grammar(req, tok, reason)
+            ended = _advance_grammar(req, tok, stop is not None and stop.by_token)
+            if ended is not None:
+                stop = ended
         else:
             after = p.structured_after
             req.grammar_open = req.output_token_ids[-len(after) :] == list(after)
-    stopped_by_token = reason is not None
+    by_token = stop is not None and stop.by_token
     # The text of the token that stopped the request is not output (vLLM), unless asked.
-    text = "" if stopped_by_token and not p.include_stop_str_in_output else None
+    text = "" if by_token and not p.include_stop_str_in_output else None
     if text is None:
-        text = req.detokenizer.add([tok])
-    if reason is None and req.num_tokens >= req.max_total_tokens:
-        reason = FinishReason.LENGTH
-    if reason is not None:
+        text = req.out.detokenizer.add([tok])
+    if stop is not None:
         # An output that ends inside a multi-byte character still shows what it has.
-        text += req.detokenizer.flush()
-    matcher = req.stop_matcher
+        text += req.out.detokenizer.flush()
+    matcher = req.out.stop_matcher
     if matcher is not None:
-        if stopped_by_token:
+        if by_token:
             text = matcher.flush() + text
         else:
-            text, hit = matcher.feed(text, active=num_out >= p.min_tokens)
+            text, hit = matcher.feed(text, active=rule.strings_active(num_out))
             if hit is not None:
-                reason = FinishReason.STOP
-                req.stop_reason = hit
-            elif reason is not None:
+                stop = rule.check(tok, num_out, stop_string=hit)
+            elif stop is not None:
                 text += matcher.flush()
     if text:
-        req.text_chunks.append(text)
-    if reason is not None:
-        req.finish_reason = reason
-    return text, reason
+        req.out.text_chunks.append(text)
+    return text, stop
 
 
-def _advance_grammar(req: Request, tok: int, reason: FinishReason | None) -> FinishReason | None:
-    """Moves the request's grammar past `tok`; a token the grammar refuses, or the grammar's
-    own end, finishes the request."""
-    if reason is not None:
+def _advance_grammar(req: Request, tok: int, stopped: bool) -> Stop | None:
+    """Moves the request's grammar past `tok` (already a stop token when `stopped`); a token the
+    grammar refuses, or the grammar's own end, ends the request."""
+    if stopped:
         req.grammar.accept_token(tok)
-        return reason
+        return None
     if not req.grammar.accept_token(tok):
         logger.warning(
             "request %s: token %d breaks its grammar (another constraint disagreed); finishing it",
             req.request_id,
             tok,
         )
-        return FinishReason.STOP
+        return Stop(FinishReason.STOP, None, by_token=True)
     if req.grammar.is_terminated():  # the grammar's stop token: the output is complete
-        if tok in req.params.stop_token_ids:
-            req.stop_reason = tok
-        return FinishReason.STOP
+        stop_reason = tok if tok in req.params.stop_token_ids else None
+        return Stop(FinishReason.STOP, stop_reason, by_token=True)
     return None
 
 
@@ -97,9 +88,10 @@ def make_output(
     first token, its prompt logprobs."""
     finished = req.finished
     prompt_logprobs = None
-    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and new_ids:
-        prompt_logprobs = req.prompt_logprobs
-        req.prompt_logprobs_sent = True
+    out = req.out
+    if out.prompt_logprobs is not None and not out.prompt_logprobs_sent and new_ids:
+        prompt_logprobs = out.prompt_logprobs
+        out.prompt_logprobs_sent = True
     return EngineOutput(
         request_id=req.request_id,
         new_token_ids=new_ids,
@@ -110,6 +102,6 @@ def make_output(
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=len(req.output_token_ids),
         logprobs=logprobs,
-        cumulative_logprob=req.cumulative_logprob,
+        cumulative_logprob=out.cumulative_logprob,
         prompt_logprobs=prompt_logprobs,
     )

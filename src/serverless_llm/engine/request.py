@@ -1,4 +1,5 @@
-"""One generation request as the engine tracks it."""
+"""One generation request as the engine tracks it: the core state scheduling reads and the step's
+update changes (`Request`), and its output side (`OutputState`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured.grammar import GrammarMatcher
+    from .stop_rule import StopRule
     from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -42,16 +44,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
     num_preemptions: int = 0
+    stop_rule: StopRule | None = None  # when its output ends (stop_rule.py)
     sampling: RequestSamplingState | None = None  # generator, penalty counts, id tensors
-    detokenizer: IncrementalDetokenizer | None = None
-    stop_matcher: StopStringMatcher | None = None  # when the request has stop strings
-    prompt_text: str | None = None
-    text_chunks: list[str] = field(default_factory=list)  # the output text, as released
-    # Logprobs, when asked for: per output token, and per prompt token (None for the first).
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_logprobs_sent: bool = False
-    cumulative_logprob: float | None = None
     # Beam search: the group this request belongs to, as its handle (never scheduled) or as the
     # one-step request of live beam `beam_index`.
     beam: BeamGroup | None = None
@@ -63,6 +57,7 @@ class Request:
     grammar_open: bool = True
     lora: LoRARequest | None = None  # the adapter this request runs with
     lora_adapter: LoRAAdapter | None = None  # its weights, read when the request came in
+    out: OutputState = field(default_factory=lambda: OutputState())  # what the caller sees
 
     @property
     def lora_id(self) -> int:
@@ -94,16 +89,32 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt positions whose logprobs are still to compute (they need the prompt run
         through the model, so such a request does not start from cached blocks)."""
-        pl = self.prompt_logprobs
+        pl = self.out.prompt_logprobs
         return pl is not None and len(pl) < len(self.prompt_token_ids)
-
-    @property
-    def output_text(self) -> str:
-        chunks = self.text_chunks
-        if len(chunks) > 1:
-            chunks[:] = ["".join(chunks)]
-        return chunks[0] if chunks else ""
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(eq=False)
+class OutputState:
+    """A request's output side, apart from what scheduling reads: the detokenizer, stop strings,
+    released text and logprobs (output_processor.py fills it token by token)."""
+
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None  # when the request has stop strings
+    prompt_text: str | None = None
+    text_chunks: list[str] = field(default_factory=list)  # the output text, as released
+    # Logprobs, when asked for: per output token, and per prompt token (None for the first).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    cumulative_logprob: float | None = None
+
+    @property
+    def text(self) -> str:
+        chunks = self.text_chunks
+        if len(chunks) > 1:
+            chunks[:] = ["".join(chunks)]
+        return chunks[0] if chunks else ""

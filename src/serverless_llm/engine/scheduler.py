@@ -23,6 +23,39 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
+from .sampling.logprobs import TokenLogprob
+from .stop_rule import Stop
+
+
+@dataclass
+class Sampled:
+    """What a step produced for one request: its new tokens (one, or several to append in order
+    until one stops it) with their logprobs, and how many computed tokens to roll back (a
+    speculative step's rejected drafts)."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+    rollback: int = 0
+
+
+@dataclass
+class Update:
+    """One request's outcome of a step: the tokens it kept (those after a stop are dropped), the
+    text they released, their logprobs, and the error that failed it alone, if any."""
+
+    request: Request
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    error: Exception | None = None
+
+
+# The output side of a token: (request, token, logprob, the stop rule's verdict) -> (the text it
+# releases, the final verdict). output_processor.process_token.
+TokenOutput = Callable[
+    [Request, int, "TokenLogprob | None", "Stop | None"], tuple[str, "Stop | None"]
+]
 
 
 @dataclass
@@ -57,6 +90,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = 0
+        # KV blocks (src, dst) to copy in every layer (the model runner's; set by the engine).
+        self.copy_blocks: Callable[[list[tuple[int, int]]], None] = _no_copies
 
     # -- queue management -------------------------------------------------------------------
 
@@ -160,6 +195,60 @@ class Scheduler:
             budget -= num_new
         return out
 
+    # -- a step's outcome ----------------------------------------------------------------------
+
+    def update(
+        self, batch: ScheduledBatch, sampled: list[Sampled], output: TokenOutput
+    ) -> list[Update]:
+        """Applies a step's outcome in one place: every scheduled request's computed tokens
+        advance (less any rolled back); each sampled token is appended and judged by the stop
+        rule and the output side (`output`), until one stops the request (later ones are
+        dropped); every block that became full is keyed and what left a window is released;
+        finished requests end and free their blocks. A request whose output side raises is
+        reported with its error (the caller aborts it); the others go on."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        updates = []
+        ended: list[tuple[Request, Stop]] = []
+        for s in sampled:
+            req = s.request
+            if s.rollback:
+                self.rollback(req, req.num_computed_tokens - s.rollback)
+            up = Update(req)
+            updates.append(up)
+            lps = s.logprobs or [None] * len(s.token_ids)
+            try:
+                for tok, lp in zip(s.token_ids, lps):
+                    req.output_token_ids.append(tok)
+                    stop = req.stop_rule.check(tok, len(req.output_token_ids))
+                    text, stop = output(req, tok, lp, stop)
+                    up.token_ids.append(tok)
+                    if lp is not None:
+                        up.logprobs.append(lp)
+                    up.text += text
+                    if stop is not None:
+                        ended.append((req, stop))
+                        break
+            except Exception as exc:  # this request's own fault: it fails, the others go on
+                up.error = exc
+        for req in batch.requests:
+            if not req.finished:  # blocks of requests ending now are cached before they go
+                self.cache_computed_blocks(req)
+        for req, stop in ended:
+            req.finish_reason = stop.reason
+            req.stop_reason = stop.stop_reason
+            self.finish(req, stop.reason)
+        return updates
+
+    def rollback(self, req: Request, num_computed: int) -> None:
+        """Forgets the KV of `req`'s tokens from `num_computed` on (rejected speculative tokens):
+        the blocks that held only those go back to the pool. Tokens still uncomputed are
+        computed again by a later grant."""
+        computed, copies = self.kv.rollback(req, max(0, num_computed))
+        req.num_computed_tokens = computed
+        if copies:
+            self.copy_blocks(copies)
+
     def _lora_fits(self, lora_id: int) -> bool:
         active = {r.lora_id for r in self.running if r.lora_id}
         return lora_id in active or len(active) < self.max_loras
@@ -203,3 +292,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _no_copies(pairs: list[tuple[int, int]]) -> None:
+    raise RuntimeError("this scheduler has no KV cache to copy blocks in")

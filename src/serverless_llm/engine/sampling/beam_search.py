@@ -27,11 +27,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .logprobs import TokenLogprob
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..stop_rule import StopRule
 
 __all__ = [
     "Beam",
@@ -115,22 +119,20 @@ class BeamSearch:
         self,
         *,
         width: int,
-        max_new_tokens: int,
-        eos_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
-        min_tokens: int = 0,
+        stop_rule: StopRule,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         logprobs: int | None = None,
     ) -> None:
-        """`eos_token_ids`: empty with ignore_eos. `logprobs`: top tokens to report per output
-        token (None: keep no logprobs)."""
+        """`stop_rule`: which tokens end a hypothesis, and its most output tokens (its
+        max_output must be set). `logprobs`: top tokens to report per output token (None: keep
+        no logprobs)."""
+        assert stop_rule.max_output is not None, "a beam search needs a length limit"
         self.width = width
-        self.max_new_tokens = max_new_tokens
-        self.eos_ids = frozenset(eos_token_ids)
-        self.stop_token_ids = frozenset(stop_token_ids)
-        self.stop_ids = self.eos_ids | self.stop_token_ids
-        self.min_tokens = min_tokens
+        self.rule = stop_rule
+        self.max_new_tokens = stop_rule.max_output
+        self.stop_ids = stop_rule.stop_ids
+        self.min_tokens = stop_rule.min_tokens
         self.length_penalty = float(length_penalty)
         self.early_stopping = early_stopping
         self.top_logprobs = logprobs
@@ -155,7 +157,7 @@ class BeamSearch:
         first). Updates the beams and hypotheses; returns True when the search is over."""
         assert not self.done and len(tops) == len(self.live)
         g = self.num_generated + 1  # output length of every candidate
-        masked = self.stop_ids if self.num_generated < self.min_tokens else frozenset()
+        masked = self.rule.masked_ids(self.num_generated)
         parents: list[int] = []
         ranks: list[int] = []
         tokens: list[int] = []
@@ -173,7 +175,7 @@ class BeamSearch:
         order = torch.sort(acc, descending=True, stable=True).indices[: self.num_candidates]
         order_list = order.tolist()
         acc_list = acc.tolist()
-        ends = [tokens[i] in self.stop_ids or g >= self.max_new_tokens for i in order_list]
+        ends = [self.rule.check(tokens[i], g) is not None for i in order_list]
 
         new_live: list[Beam] = []
         for pos, i in enumerate(order_list):
@@ -217,14 +219,10 @@ class BeamSearch:
         return Beam([*beam.token_ids, token], score, logprobs, parent)
 
     def _hypothesis(self, beam: Beam, score: float) -> Hypothesis:
-        last = beam.token_ids[-1]
-        if last in self.eos_ids:
-            reason, stop_reason = "stop", None
-        elif last in self.stop_token_ids:
-            reason, stop_reason = "stop", last
-        else:
-            reason, stop_reason = "length", None
-        return Hypothesis(beam.token_ids, beam.score, score, reason, stop_reason, beam.logprobs)
+        stop = self.rule.check(beam.token_ids[-1], len(beam.token_ids))
+        return Hypothesis(
+            beam.token_ids, beam.score, score, stop.reason.value, stop.stop_reason, beam.logprobs
+        )
 
     def _cannot_improve(self) -> bool:
         """transformers' early-stop heuristic: with w hypotheses kept, can the best running beam

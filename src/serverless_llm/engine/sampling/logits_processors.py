@@ -11,11 +11,15 @@ token lists.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..stop_rule import StopRule
 
 __all__ = ["RequestSamplingState", "SparseRows", "apply_processors"]
 
@@ -76,7 +80,7 @@ class RequestSamplingState:
     )
 
     def __init__(
-        self, params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: set[int]
+        self, params: SamplingParams, prompt_token_ids: list[int], stop_rule: StopRule
     ) -> None:
         self.serial = next(_serials)  # identifies the request in the batch caches
         self.params = params
@@ -93,9 +97,7 @@ class RequestSamplingState:
             self.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         self.min_tokens_ids = None
         if params.min_tokens > 0:
-            stops = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops |= eos_token_ids
+            stops = stop_rule.masked_ids(0)  # masked while short of min_tokens
             self.min_tokens_ids = _ids(sorted(stops)) if stops else None
         # Repetition penalty: the distinct ids of prompt and output.
         self._seen: set[int] | None = None
