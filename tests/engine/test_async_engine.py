@@ -213,3 +213,40 @@ def test_engine_is_built_and_stepped_on_one_thread(tiny_llama, monkeypatch):
     assert len(ids) == 6
     assert len(seen["init"]) == 1 and seen["step"] == seen["init"]
     assert seen["init"] != {threading.get_ident()}
+
+
+def test_a_request_that_cannot_be_queued_fails_alone(setup, monkeypatch):
+    """An add that raises between steps fails its own request; the loop and the others go on
+    (it used to end the stepping loop, leaving every request in flight waiting)."""
+    from serverless_llm.engine.async_engine import RequestFailedError
+
+    llm, aengine = setup
+    prompts = random_prompts(3, llm.engine.vocab_size, seed=41)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    real_add = llm.engine.add
+
+    def add(req):
+        if req.request_id == "bad":
+            raise RuntimeError("injected add fault")
+        real_add(req)
+
+    monkeypatch.setattr(llm.engine, "add", add)
+
+    async def one(i, rid=None):
+        return [
+            t
+            async for o in aengine.generate(prompts[i], params, request_id=rid)
+            for t in o.new_token_ids
+        ]
+
+    async def main():
+        try:
+            return await asyncio.gather(one(0), one(1, "bad"), one(2), return_exceptions=True)
+        finally:
+            await aengine.shutdown()
+
+    good0, bad, good2 = asyncio.run(main())
+    assert isinstance(bad, RequestFailedError) and "injected" in str(bad)
+    assert [good0, good2] == [expected[0], expected[2]]
+    assert llm.engine.block_pool.num_free == 64 and not llm.engine.requests

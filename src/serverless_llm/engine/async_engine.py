@@ -230,13 +230,28 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _apply_pending(self) -> None:
+        """Adds and aborts since the last step. One that raises fails its own request, never
+        the loop (every request in flight would wait forever)."""
         adds, self._pending_adds = self._pending_adds, []
         for req in adds:
             if req.request_id in self._queues:
-                self.core.add(req)
+                try:
+                    self.core.add(req)
+                except Exception as exc:
+                    logger.exception("request %s could not be queued", req.request_id)
+                    self._queues[req.request_id].put_nowait(
+                        RequestFailedError(f"generation failed: {exc}")
+                    )
         aborts, self._pending_aborts = self._pending_aborts, []
         for rid in aborts:
-            out = self.core.abort_request(rid)
+            try:
+                out = self.core.abort_request(rid)
+            except Exception as exc:
+                logger.exception("request %s could not be aborted", rid)
+                out = None
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(RequestFailedError(f"generation failed: {exc}"))
             queue = self._queues.get(rid)
             if out is not None and queue is not None:
                 queue.put_nowait(out)
