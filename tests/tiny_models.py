@@ -7,6 +7,7 @@ the weights are random with a fixed seed.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -54,29 +55,70 @@ def build_tokenizer(vocab_size: int = 384) -> transformers.PreTrainedTokenizerFa
     return fast
 
 
-def _base_kwargs(tokenizer, **overrides) -> dict:
-    kw = dict(
+# The tiny sizes every test model shares, and the names each kind of transformers config gives
+# them. A naming leaves out the sizes its configs do not take (Bloom has no intermediate size or
+# position limit of its own) or that its tests have always left to the config's default (the KV
+# heads of every naming but Llama's).
+TINY_SIZES = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, positions=512)
+NAMINGS = {
+    "llama": dict(
+        hidden="hidden_size",
+        intermediate="intermediate_size",
+        layers="num_hidden_layers",
+        heads="num_attention_heads",
+        kv_heads="num_key_value_heads",
+        positions="max_position_embeddings",
+    ),
+    # GPT-NeoX, OPT
+    "neox": dict(
+        hidden="hidden_size",
+        intermediate="intermediate_size",
+        layers="num_hidden_layers",
+        heads="num_attention_heads",
+        positions="max_position_embeddings",
+    ),
+    "falcon": dict(
+        hidden="hidden_size",
+        intermediate="ffn_hidden_size",
+        layers="num_hidden_layers",
+        heads="num_attention_heads",
+        positions="max_position_embeddings",
+    ),
+    # GPT-2, GPT-BigCode, GPT-J
+    "gpt2": dict(
+        hidden="n_embd",
+        intermediate="n_inner",
+        layers="n_layer",
+        heads="n_head",
+        positions="n_positions",
+    ),
+    "bloom": dict(hidden="hidden_size", layers="n_layer", heads="n_head"),
+    # MPT, DBRX
+    "mpt": dict(hidden="d_model", layers="n_layers", heads="n_heads", positions="max_seq_len"),
+}
+
+
+def tiny_dims(tokenizer, naming: str = "llama", **overrides) -> dict:
+    """A tiny config's keyword arguments: `TINY_SIZES` under the field names of `naming` (a key
+    of `NAMINGS`), the tokenizer's vocabulary size and special ids, then `overrides` (any field,
+    under the config's own name)."""
+    kw = {field: TINY_SIZES[size] for size, field in NAMINGS[naming].items()}
+    kw.update(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
     )
     kw.update(overrides)
     return kw
 
 
-def make_config(kind: str, tokenizer, **overrides) -> transformers.PretrainedConfig:
-    if kind == "llama":
-        return transformers.LlamaConfig(**_base_kwargs(tokenizer, **overrides))
-    if kind == "llama3":
-        kw = dict(
+# kind -> (config class, its options over the tiny Llama sizes)
+KINDS = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama3": (
+        transformers.LlamaConfig,
+        dict(
             rope_scaling={
                 "rope_type": "llama3",
                 "factor": 8.0,
@@ -85,22 +127,21 @@ def make_config(kind: str, tokenizer, **overrides) -> transformers.PretrainedCon
                 "original_max_position_embeddings": 64,
             },
             rope_theta=500000.0,
-        )
-        kw.update(overrides)
-        return transformers.LlamaConfig(**_base_kwargs(tokenizer, **kw))
-    if kind == "llama_tied":
-        kw = dict(tie_word_embeddings=True, num_key_value_heads=1)
-        kw.update(overrides)
-        return transformers.LlamaConfig(**_base_kwargs(tokenizer, **kw))
-    if kind == "mistral":
-        kw = dict(sliding_window=24)
-        kw.update(overrides)
-        return transformers.MistralConfig(**_base_kwargs(tokenizer, **kw))
-    if kind == "qwen2":
-        kw = dict(tie_word_embeddings=True)
-        kw.update(overrides)
-        return transformers.Qwen2Config(**_base_kwargs(tokenizer, **kw))
-    raise ValueError(kind)
+        ),
+    ),
+    "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+}
+
+
+def make_config(kind: str, tokenizer, **overrides) -> transformers.PretrainedConfig:
+    """The `kind` of `KINDS` at the tiny sizes, untied unless the kind ties, then `overrides`."""
+    if kind not in KINDS:
+        raise ValueError(kind)
+    cls, options = KINDS[kind]
+    options = copy.deepcopy(options)  # transformers edits the rope parameters it is given
+    return cls(**tiny_dims(tokenizer, **{"tie_word_embeddings": False, **options, **overrides}))
 
 
 def build_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:

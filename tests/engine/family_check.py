@@ -1,40 +1,39 @@
 """Checking a model family against transformers: a tiny random model built from the family's own
 transformers config (its characteristic options switched on), saved with the test tokenizer,
 then 8 prompts of different lengths generated together, greedy, token for token against
-transformers' `generate` one prompt at a time."""
+transformers' `generate` one prompt at a time.
+
+A family test module holds a table, `CONFIGS`: case name -> a function of the test tokenizer
+giving that case's config (sized by `tiny_dims`). Two lines make its tests:
+
+    family_models = family_models_fixture(CONFIGS)  # name -> its saved model, once per module
+    test_family_greedy_equals_transformers = greedy_family_test(CONFIGS)
+
+so adding a family or a variant of one is one entry in the table.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 
+import pytest
 import torch
 import transformers
 
 from serverless_llm import LLM, SamplingParams
 from tests.engine.reference import hf_greedy
 from tests.tiny_models import build_tokenizer
+from tests.tiny_models import tiny_dims as tiny_dims  # the family tests' one tiny config builder
 
 NEW_TOKENS = 48
 LENGTHS = (1, 3, 7, 12, 20, 31, 45, 60)
 
-
-def tiny_dims(tokenizer, **overrides) -> dict:
-    """The usual tiny sizes under transformers' usual names (Llama-shaped configs)."""
-    kw = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    kw.update(overrides)
-    return kw
+# case name -> its tiny config, from the test tokenizer
+FamilyConfigs = dict[
+    str, Callable[[transformers.PreTrainedTokenizerBase], transformers.PretrainedConfig]
+]
 
 
 def save_family_model(path: str, config, seed: int = 0, std: float = 0.2) -> str:
@@ -73,11 +72,53 @@ def engine_greedy(path: str, prompts, new_tokens: int = NEW_TOKENS, **engine_kw)
 
 
 def assert_matches_transformers(
-    path: str, new_tokens: int = NEW_TOKENS, lengths=LENGTHS, **engine_kw
+    path: str,
+    new_tokens: int = NEW_TOKENS,
+    lengths=LENGTHS,
+    reference: str | None = None,
+    vocab: int | None = None,
+    **engine_kw,
 ):
-    """The engine's greedy tokens equal transformers' for every prompt."""
-    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+    """The engine's greedy tokens on `path` equal transformers' on `reference` (default: the
+    same checkpoint) for every prompt: `family_prompts` of `lengths` from ids below `vocab`
+    (default: the config's vocabulary)."""
+    if vocab is None:
+        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
     prompts = family_prompts(vocab, lengths=lengths)
     got = engine_greedy(path, prompts, new_tokens, **engine_kw)
     for prompt, tokens in zip(prompts, got):
-        assert tokens == hf_greedy(path, prompt, new_tokens), f"prompt of {len(prompt)} tokens"
+        want = hf_greedy(reference or path, prompt, new_tokens)
+        assert tokens == want, f"prompt of {len(prompt)} tokens"
+
+
+def family_models_fixture(configs: FamilyConfigs):
+    """A module-scoped fixture `family_models` over a table of families: `family_models(name)` is
+    the path of the tiny model of configs[name] (`save_family_model`), saved the first time a
+    test of the module asks for it, so later tests reuse it (they must not modify it)."""
+
+    @pytest.fixture(scope="module", name="family_models")
+    def fixture(tmp_path_factory) -> Callable[[str], str]:
+        tokenizer = build_tokenizer()
+        saved: dict[str, str] = {}
+
+        def get(name: str) -> str:
+            if name not in saved:
+                path = str(tmp_path_factory.mktemp(name))
+                saved[name] = save_family_model(path, configs[name](tokenizer))
+            return saved[name]
+
+        return get
+
+    return fixture
+
+
+def greedy_family_test(configs: FamilyConfigs):
+    """The test of a table of families, parametrised by its names: each model (from the module's
+    `family_models` fixture) generates 48 greedy tokens for 8 prompts batched together, equal to
+    transformers' (`assert_matches_transformers`'s defaults)."""
+
+    @pytest.mark.parametrize("name", list(configs))
+    def test(family_models, name):
+        assert_matches_transformers(family_models(name))
+
+    return test

@@ -15,94 +15,56 @@ import transformers
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.models import UnsupportedModelError, describe_model
 from serverless_llm.engine.models.decoder import alibi_slopes
-from tests.engine.family_check import assert_matches_transformers, save_family_model, tiny_dims
+from tests.engine.family_check import (
+    assert_matches_transformers,
+    family_models_fixture,
+    greedy_family_test,
+    save_family_model,
+    tiny_dims,
+)
 from tests.tiny_models import build_tokenizer
 
+CONFIGS = {
+    "bloom": lambda tok: transformers.BloomConfig(**tiny_dims(tok, "bloom")),
+    # 6 heads, not a power of two: the interleaved slopes
+    "bloom_6heads": lambda tok: transformers.BloomConfig(
+        **tiny_dims(tok, "bloom", hidden_size=96, n_layer=3, n_head=6), tie_word_embeddings=False
+    ),
+    "mpt": lambda tok: transformers.MptConfig(
+        **tiny_dims(tok, "mpt"), attn_config={"clip_qkv": 2.0, "softmax_scale": 0.2}
+    ),
+    "mpt_6heads": lambda tok: transformers.MptConfig(
+        **tiny_dims(tok, "mpt", d_model=96, n_heads=6, n_layers=3)
+    ),
+    # Falcon 7B: multi-query, rotary, parallel, one norm
+    "falcon_multi_query": lambda tok: transformers.FalconConfig(
+        **tiny_dims(tok, "falcon"), multi_query=True, parallel_attn=True, alibi=False, bias=False
+    ),
+    # Falcon RW: [heads, 3, d] q/k/v, ALiBi, sequential, biases
+    "falcon_rw": lambda tok: transformers.FalconConfig(
+        **tiny_dims(tok, "falcon"), multi_query=False, parallel_attn=False, alibi=True, bias=True
+    ),
+    # Falcon 40B: grouped q/k/v, two norms, untied head
+    "falcon_new": lambda tok: transformers.FalconConfig(
+        **tiny_dims(tok, "falcon"),
+        new_decoder_architecture=True,
+        num_kv_heads=2,
+        parallel_attn=True,
+        alibi=False,
+        bias=False,
+        tie_word_embeddings=False,
+    ),
+    "falcon_new_one_norm": lambda tok: transformers.FalconConfig(
+        **tiny_dims(tok, "falcon", num_hidden_layers=3),
+        new_decoder_architecture=True,
+        num_kv_heads=2,
+        num_ln_in_parallel_attn=1,
+        bias=True,
+    ),
+}
 
-def _ids(tok) -> dict:
-    return dict(
-        vocab_size=len(tok),
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-
-
-def _falcon(tok, **kw):
-    base = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        ffn_hidden_size=128,
-    )
-    base.update(kw)
-    return transformers.FalconConfig(**_ids(tok), **base)
-
-
-def _config(name: str, tok):
-    if name == "bloom":
-        return transformers.BloomConfig(**_ids(tok), hidden_size=64, n_layer=2, n_head=4)
-    if name == "bloom_6heads":  # not a power of two: the interleaved slopes
-        return transformers.BloomConfig(
-            **_ids(tok), hidden_size=96, n_layer=3, n_head=6, tie_word_embeddings=False
-        )
-    if name == "mpt":
-        return transformers.MptConfig(
-            **_ids(tok),
-            d_model=64,
-            n_heads=4,
-            n_layers=2,
-            max_seq_len=512,
-            attn_config={"clip_qkv": 2.0, "softmax_scale": 0.2},
-        )
-    if name == "mpt_6heads":
-        return transformers.MptConfig(
-            **_ids(tok), d_model=96, n_heads=6, n_layers=3, max_seq_len=512
-        )
-    if name == "falcon_multi_query":  # Falcon 7B: multi-query, rotary, parallel, one norm
-        return _falcon(tok, multi_query=True, parallel_attn=True, alibi=False, bias=False)
-    if name == "falcon_rw":  # Falcon RW: [heads, 3, d] q/k/v, ALiBi, sequential, biases
-        return _falcon(tok, multi_query=False, parallel_attn=False, alibi=True, bias=True)
-    if name == "falcon_new":  # Falcon 40B: grouped q/k/v, two norms, untied head
-        return _falcon(
-            tok,
-            new_decoder_architecture=True,
-            num_kv_heads=2,
-            parallel_attn=True,
-            alibi=False,
-            bias=False,
-            tie_word_embeddings=False,
-        )
-    if name == "falcon_new_one_norm":
-        return _falcon(
-            tok,
-            new_decoder_architecture=True,
-            num_kv_heads=2,
-            num_ln_in_parallel_attn=1,
-            num_hidden_layers=3,
-            bias=True,
-        )
-    raise ValueError(name)
-
-
-FAMILIES = [
-    "bloom",
-    "bloom_6heads",
-    "mpt",
-    "mpt_6heads",
-    "falcon_multi_query",
-    "falcon_rw",
-    "falcon_new",
-    "falcon_new_one_norm",
-]
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_family_greedy_equals_transformers(tmp_path, name):
-    config = _config(name, build_tokenizer())
-    path = save_family_model(str(tmp_path / name), config)
-    assert_matches_transformers(path)
+family_models = family_models_fixture(CONFIGS)
+test_family_greedy_equals_transformers = greedy_family_test(CONFIGS)
 
 
 # -- the slopes and what is refused --------------------------------------------------------------
@@ -122,11 +84,11 @@ def test_alibi_slopes_are_mpts_for_any_bias_max(bias_max):
 
 
 def test_falcon_alibi_slopes_carry_the_softmax_scale():
-    config = _config("falcon_rw", build_tokenizer())
+    config = CONFIGS["falcon_rw"](build_tokenizer())
     config.architectures = ["FalconForCausalLM"]
     spec = describe_model(config)
     assert spec.alibi_scale == pytest.approx(16**-0.5) and spec.rope == (None, None)
-    bloom = _config("bloom", build_tokenizer())
+    bloom = CONFIGS["bloom"](build_tokenizer())
     bloom.architectures = ["BloomForCausalLM"]
     assert describe_model(bloom).alibi_scale == 1.0
 
@@ -143,7 +105,7 @@ def test_falcon_alibi_slopes_carry_the_softmax_scale():
     ],
 )
 def test_unsupported_options_are_refused_by_name(name, change, words):
-    config = _config(name, build_tokenizer())
+    config = CONFIGS[name](build_tokenizer())
     for key, value in change.items():
         if key == "attn_config":
             value = transformers.models.mpt.configuration_mpt.MptAttentionConfig(**value)
@@ -159,7 +121,7 @@ def test_base_model_checkpoint_names_load(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    path = save_family_model(str(tmp_path / "bloom"), _config("bloom", build_tokenizer()))
+    path = save_family_model(str(tmp_path / "bloom"), CONFIGS["bloom"](build_tokenizer()))
     file = tmp_path / "bloom" / "model.safetensors"
     tensors = load_file(str(file))
     bare = {k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}
@@ -186,12 +148,10 @@ def _run(path, prompts, max_tokens, **kw):
 
 
 @pytest.fixture(scope="module", params=["bloom_6heads", "mistral_window"])
-def engine_model(request, tmp_path_factory):
-    tok = build_tokenizer()
-    if request.param == "mistral_window":
-        config = transformers.MistralConfig(**tiny_dims(tok), sliding_window=16)
-    else:
-        config = _config(request.param, tok)
+def engine_model(request, tmp_path_factory, family_models):
+    if request.param in CONFIGS:
+        return family_models(request.param)
+    config = transformers.MistralConfig(**tiny_dims(build_tokenizer()), sliding_window=16)
     return save_family_model(str(tmp_path_factory.mktemp(request.param)), config)
 
 
@@ -237,11 +197,10 @@ def test_prefix_caching_changes_no_token(engine_model):
     assert [o.outputs[0].token_ids for o in rest] == expected
 
 
-def test_config_without_a_length_serves_the_default(tmp_path):
+def test_config_without_a_length_serves_the_default(family_models):
     """Bloom's config names no maximum length: the engine serves 2048 tokens (vLLM's default)
     instead of refusing to start."""
     from serverless_llm.engine.model_builder import DEFAULT_MAX_MODEL_LEN
 
-    path = save_family_model(str(tmp_path / "bloom"), _config("bloom", build_tokenizer()))
-    llm = LLM(path, num_kv_blocks=2048 // 16 + 1)
+    llm = LLM(family_models("bloom"), num_kv_blocks=2048 // 16 + 1)
     assert llm.engine.max_model_len == DEFAULT_MAX_MODEL_LEN

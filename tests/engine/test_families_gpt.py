@@ -15,104 +15,61 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from serverless_llm.engine.models import describe_model
-from tests.engine.family_check import assert_matches_transformers, save_family_model
+from tests.engine.family_check import (
+    assert_matches_transformers,
+    family_models_fixture,
+    greedy_family_test,
+    save_family_model,
+    tiny_dims,
+)
 from tests.tiny_models import build_tokenizer
 
+# The family's config with its twists switched on.
+CONFIGS = {
+    "gpt2": lambda tok: transformers.GPT2Config(
+        **tiny_dims(tok, "gpt2"), reorder_and_upcast_attn=True
+    ),
+    "gpt2_unscaled": lambda tok: transformers.GPT2Config(
+        **tiny_dims(tok, "gpt2"), scale_attn_weights=False, activation_function="relu"
+    ),
+    "gpt_bigcode": lambda tok: transformers.GPTBigCodeConfig(
+        **tiny_dims(tok, "gpt2"), multi_query=True
+    ),
+    "gpt_bigcode_mha": lambda tok: transformers.GPTBigCodeConfig(
+        **tiny_dims(tok, "gpt2"), multi_query=False
+    ),
+    "gptj": lambda tok: transformers.GPTJConfig(**tiny_dims(tok, "gpt2"), rotary_dim=8),
+    # rotary over the whole head
+    "gptj_full_rotary": lambda tok: transformers.GPTJConfig(
+        **tiny_dims(tok, "gpt2"), rotary_dim=16
+    ),
+    "gpt_neox": lambda tok: transformers.GPTNeoXConfig(
+        **tiny_dims(tok, "neox"), rotary_pct=0.25, rotary_emb_base=1000, use_parallel_residual=True
+    ),
+    "gpt_neox_sequential": lambda tok: transformers.GPTNeoXConfig(
+        **tiny_dims(tok, "neox"), rotary_pct=0.5, use_parallel_residual=False, attention_bias=False
+    ),
+    "opt": lambda tok: transformers.OPTConfig(
+        **tiny_dims(tok, "neox"), ffn_dim=128, do_layer_norm_before=True, word_embed_proj_dim=32
+    ),
+    # opt-350m's shape: norms after the adds, embeddings projected
+    "opt_post_ln": lambda tok: transformers.OPTConfig(
+        **tiny_dims(tok, "neox"), ffn_dim=128, do_layer_norm_before=False, word_embed_proj_dim=32
+    ),
+    "opt_no_bias": lambda tok: transformers.OPTConfig(
+        **tiny_dims(tok, "neox"),
+        ffn_dim=128,
+        enable_bias=False,
+        layer_norm_elementwise_affine=False,
+        tie_word_embeddings=False,
+    ),
+    "phi": lambda tok: transformers.PhiConfig(
+        **tiny_dims(tok), qk_layernorm=True, partial_rotary_factor=0.5
+    ),
+}
 
-def _ids(tok) -> dict:
-    return dict(
-        vocab_size=len(tok),
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-
-
-def _gpt2_dims(tok, **kw) -> dict:
-    """GPT-2's own names for the tiny sizes (GPT-2, GPT-BigCode, GPT-J)."""
-    return dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512, **_ids(tok), **kw)
-
-
-def _dims(tok, **kw) -> dict:
-    """The tiny sizes under the usual names (GPT-NeoX, Phi)."""
-    base = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-    )
-    return {**base, **_ids(tok), **kw}
-
-
-def _config(name: str, tok):
-    """The family's config with its twists switched on."""
-    if name == "gpt2":
-        return transformers.GPT2Config(**_gpt2_dims(tok), reorder_and_upcast_attn=True)
-    if name == "gpt2_unscaled":
-        return transformers.GPT2Config(
-            **_gpt2_dims(tok), scale_attn_weights=False, activation_function="relu"
-        )
-    if name == "gpt_bigcode":
-        return transformers.GPTBigCodeConfig(**_gpt2_dims(tok), multi_query=True)
-    if name == "gpt_bigcode_mha":
-        return transformers.GPTBigCodeConfig(**_gpt2_dims(tok), multi_query=False)
-    if name == "gptj":
-        return transformers.GPTJConfig(**_gpt2_dims(tok), rotary_dim=8)
-    if name == "gptj_full_rotary":
-        return transformers.GPTJConfig(**_gpt2_dims(tok), rotary_dim=16)  # the whole head
-    if name == "gpt_neox":
-        return transformers.GPTNeoXConfig(
-            **_dims(tok), rotary_pct=0.25, rotary_emb_base=1000, use_parallel_residual=True
-        )
-    if name == "gpt_neox_sequential":
-        return transformers.GPTNeoXConfig(
-            **_dims(tok), rotary_pct=0.5, use_parallel_residual=False, attention_bias=False
-        )
-    if name == "opt":
-        return transformers.OPTConfig(
-            **_dims(tok), ffn_dim=128, do_layer_norm_before=True, word_embed_proj_dim=32
-        )
-    if name == "opt_post_ln":  # opt-350m's shape: norms after the adds, embeddings projected
-        return transformers.OPTConfig(
-            **_dims(tok), ffn_dim=128, do_layer_norm_before=False, word_embed_proj_dim=32
-        )
-    if name == "opt_no_bias":
-        return transformers.OPTConfig(
-            **_dims(tok),
-            ffn_dim=128,
-            enable_bias=False,
-            layer_norm_elementwise_affine=False,
-            tie_word_embeddings=False,
-        )
-    if name == "phi":
-        return transformers.PhiConfig(
-            **_dims(tok, num_key_value_heads=2), qk_layernorm=True, partial_rotary_factor=0.5
-        )
-    raise ValueError(name)
-
-
-FAMILIES = [
-    "gpt2",
-    "gpt2_unscaled",
-    "gpt_bigcode",
-    "gpt_bigcode_mha",
-    "gptj",
-    "gptj_full_rotary",
-    "gpt_neox",
-    "gpt_neox_sequential",
-    "opt",
-    "opt_post_ln",
-    "opt_no_bias",
-    "phi",
-]
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_family_greedy_equals_transformers(tmp_path, name):
-    config = _config(name, build_tokenizer())
-    path = save_family_model(str(tmp_path / name), config)
-    assert_matches_transformers(path)
+family_models = family_models_fixture(CONFIGS)
+test_family_greedy_equals_transformers = greedy_family_test(CONFIGS)
 
 
 @pytest.mark.parametrize(("name", "prefix"), [("gpt2", "transformer."), ("opt", "model.")])
@@ -120,7 +77,7 @@ def test_checkpoint_of_the_bare_base_model_loads(tmp_path, name, prefix):
     """GPT-2's and OPT's own checkpoints name their tensors without the head model's prefix
     ("h.0.attn.c_attn.weight", "decoder.layers.0.fc1.weight") and carry buffers (the causal
     mask "h.0.attn.bias") and the tied head."""
-    config = _config(name, build_tokenizer())
+    config = CONFIGS[name](build_tokenizer())
     path = save_family_model(str(tmp_path / name), config)
     file = os.path.join(path, "model.safetensors")
     state = load_file(file)
@@ -136,7 +93,7 @@ def test_checkpoint_of_the_bare_base_model_loads(tmp_path, name, prefix):
 
 
 def test_gpt2_per_layer_scale_is_refused(tmp_path):
-    config = _config("gpt2", build_tokenizer())
+    config = CONFIGS["gpt2"](build_tokenizer())
     config.scale_attn_by_inverse_layer_idx = True
     config.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
@@ -147,7 +104,7 @@ def test_neox_checkpoint_names_from_the_hub(tmp_path):
     """GPT-NeoX checkpoints on the hub name the head `embed_out` (as transformers saves it, the
     other tests) or `lm_head` (its module's name) and carry the attention's mask and rotary
     buffers."""
-    config = _config("gpt_neox", build_tokenizer())
+    config = CONFIGS["gpt_neox"](build_tokenizer())
     path = save_family_model(str(tmp_path / "neox"), config)
     file = os.path.join(path, "model.safetensors")
     state = load_file(file)

@@ -17,146 +17,106 @@ import transformers
 from serverless_llm import LLM, SamplingParams
 from tests.engine.family_check import (
     NEW_TOKENS,
-    assert_matches_transformers,
+    family_models_fixture,
     family_prompts,
-    save_family_model,
+    greedy_family_test,
     tiny_dims,
 )
 from tests.engine.reference import hf_greedy
 from tests.tiny_models import build_tokenizer
 
 
-def _config(name: str, tok):
-    if name == "mixtral":
-        return transformers.MixtralConfig(
-            **tiny_dims(tok), num_local_experts=8, num_experts_per_tok=2, sliding_window=16
-        )
-    if name == "qwen2_moe":
-        # layer 1 dense (mlp_only_layers), a shared expert behind its sigmoid gate, no top-k
-        # renormalisation
-        return transformers.Qwen2MoeConfig(
-            **tiny_dims(tok, num_hidden_layers=3),
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=96,
-            mlp_only_layers=[1],
-            norm_topk_prob=False,
-        )
-    if name == "qwen3_moe":
-        # every second layer sparse (decoder_sparse_step), top-k renormalised, q/k norms
-        return transformers.Qwen3MoeConfig(
-            **tiny_dims(tok, num_hidden_layers=3, head_dim=24),
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            decoder_sparse_step=2,
-            norm_topk_prob=True,
-        )
-    if name == "olmoe":
-        return transformers.OlmoeConfig(
-            **tiny_dims(tok), num_experts=8, num_experts_per_tok=2, clip_qkv=0.8
-        )
-    if name == "granitemoe":
-        return transformers.GraniteMoeConfig(
-            **tiny_dims(tok),
-            num_local_experts=6,
-            num_experts_per_tok=3,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.2,
-            logits_scaling=2.0,
-        )
-    if name == "dbrx":
-        # fused Wqkv clipped, top-3 of 8 renormalised by the 2-norm, the rope base given where
-        # DBRX checkpoints write it (attn_config) and where transformers 5 reads it
-        return transformers.DbrxConfig(
-            vocab_size=len(tok),
-            d_model=64,
-            n_heads=4,
-            n_layers=2,
-            max_seq_len=512,
-            attn_config={"kv_n_heads": 2, "clip_qkv": 0.8, "rope_theta": 5000.0},
-            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-            ffn_config={
-                "ffn_hidden_size": 48,
-                "moe_num_experts": 8,
-                "moe_top_k": 3,
-                "moe_normalize_expert_weights": 2.0,
-            },
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    if name == "phimoe":
-        # sparsemixer routing (a wide jitter threshold, so its softmaxes mix several experts),
-        # LayerNorms with bias, q/k/v/o and LM-head biases, window 16
-        return transformers.PhimoeConfig(
-            **tiny_dims(tok),
-            num_local_experts=6,
-            num_experts_per_tok=2,
-            router_jitter_noise=0.2,
-            attention_bias=True,
-            lm_head_bias=True,
-            sliding_window=16,
-        )
-    if name == "phimoe_longrope":
-        # Phi-3.5-MoE's LongRoPE: cos and sin scaled by short_mscale (= long_mscale)
-        d = 16
-        rope = {
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "short_factor": [1.0 + 0.3 * i for i in range(d // 2)],
-            "long_factor": [2.0 + i for i in range(d // 2)],
-            "short_mscale": 1.4,
-            "long_mscale": 1.4,
-            "original_max_position_embeddings": 4096,
-        }
-        return transformers.PhimoeConfig(
-            **tiny_dims(tok, max_position_embeddings=4 * 4096),
-            num_local_experts=6,
-            router_jitter_noise=0.2,
-            rope_parameters=rope,
-        )
-    raise ValueError(name)
+def _longrope(head_dim: int = 16) -> dict:
+    """Phi-3.5-MoE's LongRoPE: cos and sin scaled by short_mscale (= long_mscale). A new dict
+    each call: transformers edits the rope parameters it is given."""
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.3 * i for i in range(head_dim // 2)],
+        "long_factor": [2.0 + i for i in range(head_dim // 2)],
+        "short_mscale": 1.4,
+        "long_mscale": 1.4,
+        "original_max_position_embeddings": 4096,
+    }
 
 
-FAMILIES = [
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "granitemoe",
-    "dbrx",
-    "phimoe",
-    "phimoe_longrope",
-]
+CONFIGS = {
+    "mixtral": lambda tok: transformers.MixtralConfig(
+        **tiny_dims(tok), num_local_experts=8, num_experts_per_tok=2, sliding_window=16
+    ),
+    # layer 1 dense (mlp_only_layers), a shared expert behind its sigmoid gate, no top-k
+    # renormalisation
+    "qwen2_moe": lambda tok: transformers.Qwen2MoeConfig(
+        **tiny_dims(tok, num_hidden_layers=3),
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    ),
+    # every second layer sparse (decoder_sparse_step), top-k renormalised, q/k norms
+    "qwen3_moe": lambda tok: transformers.Qwen3MoeConfig(
+        **tiny_dims(tok, num_hidden_layers=3, head_dim=24),
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+    ),
+    "olmoe": lambda tok: transformers.OlmoeConfig(
+        **tiny_dims(tok), num_experts=8, num_experts_per_tok=2, clip_qkv=0.8
+    ),
+    "granitemoe": lambda tok: transformers.GraniteMoeConfig(
+        **tiny_dims(tok),
+        num_local_experts=6,
+        num_experts_per_tok=3,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+    ),
+    # fused Wqkv clipped, top-3 of 8 renormalised by the 2-norm, the rope base given where DBRX
+    # checkpoints write it (attn_config) and where transformers 5 reads it
+    "dbrx": lambda tok: transformers.DbrxConfig(
+        **tiny_dims(tok, "mpt"),
+        attn_config={"kv_n_heads": 2, "clip_qkv": 0.8, "rope_theta": 5000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ffn_config={
+            "ffn_hidden_size": 48,
+            "moe_num_experts": 8,
+            "moe_top_k": 3,
+            "moe_normalize_expert_weights": 2.0,
+        },
+    ),
+    # sparsemixer routing (a wide jitter threshold, so its softmaxes mix several experts),
+    # LayerNorms with bias, q/k/v/o and LM-head biases, window 16
+    "phimoe": lambda tok: transformers.PhimoeConfig(
+        **tiny_dims(tok),
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.2,
+        attention_bias=True,
+        lm_head_bias=True,
+        sliding_window=16,
+    ),
+    "phimoe_longrope": lambda tok: transformers.PhimoeConfig(
+        **tiny_dims(tok, max_position_embeddings=4 * 4096),
+        num_local_experts=6,
+        router_jitter_noise=0.2,
+        rope_parameters=_longrope(),
+    ),
+}
 
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    tok = build_tokenizer()
-    made = {}
-
-    def get(name):
-        if name not in made:
-            path = str(tmp_path_factory.mktemp(name))
-            made[name] = save_family_model(path, _config(name, tok))
-        return made[name]
-
-    return get
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_moe_family_greedy_equals_transformers(moe_models, name):
-    assert_matches_transformers(moe_models(name))
+family_models = family_models_fixture(CONFIGS)
+test_moe_family_greedy_equals_transformers = greedy_family_test(CONFIGS)
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
-def test_moe_with_preemption_and_chunked_prefill(moe_models, name):
+def test_moe_with_preemption_and_chunked_prefill(family_models, name):
     """A pool too small for the batch (requests preempted and recomputed) and prompts prefilled
     16 tokens a step: the same tokens as transformers."""
-    path = moe_models(name)
+    path = family_models(name)
     prompts = family_prompts(len(build_tokenizer()))
     llm = LLM(
         path,
@@ -175,12 +135,12 @@ def test_moe_with_preemption_and_chunked_prefill(moe_models, name):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, NEW_TOKENS)
 
 
-def test_moe_layers_and_router_follow_the_config(moe_models):
+def test_moe_layers_and_router_follow_the_config(family_models):
     """Qwen2-MoE's dense layer is a plain MLP, its sparse ones hold stacked experts; a
     checkpoint missing one expert's tensor names it."""
     from serverless_llm.engine.models.decoder import MLP, SparseMoE
 
-    path = moe_models("qwen2_moe")
+    path = family_models("qwen2_moe")
     # bfloat16: the stacked weights stay (float32 on CPU packs them per expert for oneDNN)
     llm = LLM(path, num_kv_blocks=32, max_model_len=128, dtype="bfloat16")
     kinds = [type(layer.mlp) for layer in llm.engine.model.layers]
@@ -210,9 +170,9 @@ def test_moe_layers_and_router_follow_the_config(moe_models):
         LLM(broken, num_kv_blocks=32, max_model_len=128, dtype="float32")
 
 
-def test_moe_dummy_weights_serve(moe_models):
+def test_moe_dummy_weights_serve(family_models):
     """LOAD_FORMAT=dummy: random weights from the config alone, for any MoE shape."""
-    llm = LLM(moe_models("olmoe"), load_format="dummy", num_kv_blocks=32, max_model_len=128)
+    llm = LLM(family_models("olmoe"), load_format="dummy", num_kv_blocks=32, max_model_len=128)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
 
@@ -240,7 +200,7 @@ print(json.dumps({"before": before, "peak": peak, "weights": weights, "warm_peak
 """
 
 
-def test_moe_load_peak_memory_stays_near_the_weights(tmp_path, moe_models):
+def test_moe_load_peak_memory_stays_near_the_weights(tmp_path, family_models):
     """Loading a ~150 MB Qwen3-MoE checkpoint (20 MB shards) raises the process's peak resident
     memory by less than 1.3x the model's weight bytes: each expert tensor goes straight into its
     slice of the stacked weights, with no second copy of the model at any point (the CPU
@@ -261,7 +221,7 @@ def test_moe_load_peak_memory_stays_near_the_weights(tmp_path, moe_models):
     del model
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run(
-        [sys.executable, "-c", _PEAK_SCRIPT, path, moe_models("qwen3_moe")],
+        [sys.executable, "-c", _PEAK_SCRIPT, path, family_models("qwen3_moe")],
         capture_output=True,
         text=True,
         env=env,

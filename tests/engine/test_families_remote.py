@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engine.family_check import engine_greedy, family_prompts
-from tests.engine.reference import hf_greedy
+from tests.engine.family_check import assert_matches_transformers
 from tests.tiny_models import build_tiny_model
 
 
@@ -98,7 +97,4 @@ def test_remote_code_family_under_its_own_names(tmp_path, arch):
     llama_kw, extra, rename = CASES[arch]
     src = build_tiny_model(str(tmp_path / "llama"), "llama", **llama_kw)
     dst = _rewrite(src, str(tmp_path / arch), arch, extra, rename)
-    prompts = family_prompts(300, lengths=(2, 9, 33))
-    got = engine_greedy(dst, prompts, new_tokens=24)
-    for prompt, tokens in zip(prompts, got):
-        assert tokens == hf_greedy(src, prompt, 24)
+    assert_matches_transformers(dst, new_tokens=24, lengths=(2, 9, 33), reference=src, vocab=300)

@@ -303,11 +303,11 @@ def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order,
     import transformers
 
     from tests.engine.family_check import save_family_model, tiny_dims
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
     tok = build_tokenizer()
-    config = _config(family, tok)
+    config = CONFIGS[family](tok)
     if family == "mixtral":  # expert width a multiple of AWQ's 8-column packing and the groups
         config = transformers.MixtralConfig(
             **tiny_dims(tok), num_local_experts=6, num_experts_per_tok=2
@@ -333,10 +333,10 @@ def test_quantized_moe_matches_transformers(tmp_path, family, method, act_order,
 
 def test_quantized_moe_missing_expert_tensor_is_named(tmp_path):
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen3_moe", build_tokenizer()))
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen3_moe"](build_tokenizer()))
     _, quant_dir = write_quantized(src, str(tmp_path / "f"), str(tmp_path / "q"), "gptq", 4, 32)
     path = os.path.join(quant_dir, "model.safetensors")
     state = load_file(path)
@@ -353,10 +353,10 @@ def test_fp8_moe_matches_transformers(tmp_path, style, strategy):
     """FP8 experts (vLLM's fp8 and llm-compressor's float-quantized): dequantized into the
     stacked weights with their scales (the CPU default)."""
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen2_moe"](build_tokenizer()), std=0.1)
     float_dir, quant_dir = write_fp8(
         src, str(tmp_path / "float"), str(tmp_path / "quant"), style, strategy
     )
@@ -373,10 +373,10 @@ def test_fp8_moe_packed_keeps_the_bytes(tmp_path):
     experts compute what the dequantized experts compute."""
     from serverless_llm.engine.layers.moe import Experts
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen2_moe"](build_tokenizer()), std=0.1)
     _, quant_dir = write_fp8(src, str(tmp_path / "f"), str(tmp_path / "q"), "fp8", "tensor")
     forms = {}
     for mode in ("packed", "dequantize"):
@@ -400,10 +400,10 @@ def test_fp8_moe_dummy_weights_packed(tmp_path):
     scales) that serve; the experts take about half of float16's bytes."""
     from serverless_llm.engine.layers.moe import Experts
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen2_moe"](build_tokenizer()), std=0.1)
     cfg = json.load(open(os.path.join(src, "config.json")))
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
@@ -424,10 +424,10 @@ def test_quantized_moe_without_g_idx(tmp_path, mode):
     """GPTQ checkpoints may leave out g_idx (no act-order): each expert settles after the last
     tensor, in both forms."""
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen3_moe", build_tokenizer()), std=0.1)
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen3_moe"](build_tokenizer()), std=0.1)
     float_dir, quant_dir = write_quantized(
         src, str(tmp_path / "f"), str(tmp_path / "q"), "gptq", 4, 32, False
     )

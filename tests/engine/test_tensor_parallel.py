@@ -34,7 +34,7 @@ ENGINE = dict(block_size=8, num_kv_blocks=160, max_model_len=256, dtype="float32
 
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory) -> str:
-    config = test_families_moe._config("qwen2_moe", build_tokenizer())
+    config = test_families_moe.CONFIGS["qwen2_moe"](build_tokenizer())
     return save_family_model(str(tmp_path_factory.mktemp("qwen2_moe")), config)
 
 

@@ -27,13 +27,13 @@ from tests.tiny_models import build_tokenizer
 CASES = {
     name: module
     for module in (test_families, test_families_gpt, test_families_alibi, test_families_moe)
-    for name in module.FAMILIES
+    for name in module.CONFIGS
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_rank_logits_equal_transformers(tmp_path, name):
-    config = CASES[name]._config(name, build_tokenizer())
+    config = CASES[name].CONFIGS[name](build_tokenizer())
     path = save_family_model(str(tmp_path / name), config)
     ids = [5 + (7 * i) % 300 for i in range(37)]
     out = sharded_logits(path, ids)
@@ -112,7 +112,7 @@ def test_quantized_moe_splits_each_experts_width(tmp_path, method, act_order, mo
     each rank holds every expert at half its width, sliced along the packed layouts (act-order
     down projections keep every group); two ranks give one rank's logits."""
     tok = build_tokenizer()
-    config = test_families_moe._config("qwen2_moe", tok)
+    config = test_families_moe.CONFIGS["qwen2_moe"](tok)
     # widths whose halves fall on the test packer's 32-row groups
     config.moe_intermediate_size, config.shared_expert_intermediate_size = 64, 128
     src = save_family_model(str(tmp_path / "src"), config, std=0.1)

@@ -275,7 +275,7 @@ def test_native_backend_tokens_equal_the_torch_backends(tmp_path, module, name, 
     from tests.engine.family_check import engine_greedy, family_prompts, save_family_model
     from tests.tiny_models import build_tokenizer
 
-    config = importlib.import_module(f"tests.engine.{module}")._config(name, build_tokenizer())
+    config = importlib.import_module(f"tests.engine.{module}").CONFIGS[name](build_tokenizer())
     path = save_family_model(str(tmp_path / name), config)
     prompts = family_prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
     native = engine_greedy(path, prompts, 24, attention_backend="native")
@@ -524,7 +524,7 @@ def test_whole_decode_layers_of_other_shapes_equal_transformers(
     from tests.engine.family_check import save_family_model
     from tests.tiny_models import build_tokenizer
 
-    config = importlib.import_module(f"tests.engine.{module}")._config(name, build_tokenizer())
+    config = importlib.import_module(f"tests.engine.{module}").CONFIGS[name](build_tokenizer())
     assert_whole_layers_match(
         monkeypatch, kernels, lambda: save_family_model(str(tmp_path / name), config)
     )
@@ -533,7 +533,7 @@ def test_whole_decode_layers_of_other_shapes_equal_transformers(
 def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monkeypatch, kernels):
     from serverless_llm import LLM
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families import _config
+    from tests.engine.test_families import CONFIGS
     from tests.tiny_models import build_tiny_model, build_tokenizer
 
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "4")
@@ -543,7 +543,7 @@ def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monk
     assert all(layer.native_decode is not None for layer in layers)
     assert layers[0].native_decode.rows == 4
     # Gemma 2's post-norms and soft-cap layers keep the per-op path.
-    gemma2 = save_family_model(str(tmp_path / "gemma2"), _config("gemma2", build_tokenizer()))
+    gemma2 = save_family_model(str(tmp_path / "gemma2"), CONFIGS["gemma2"](build_tokenizer()))
     layers = LLM(gemma2, **kw).engine.runner.model.layers
     assert all(layer.native_decode is None for layer in layers)
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "0")  # no native linears: no whole layers

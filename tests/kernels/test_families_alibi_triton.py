@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("triton")
 
 from tests.engine.family_check import assert_matches_transformers, save_family_model  # noqa: E402
-from tests.engine.test_families import _config as llama_shaped_config  # noqa: E402
-from tests.engine.test_families_alibi import _config as alibi_config  # noqa: E402
+from tests.engine.test_families import CONFIGS as LLAMA_SHAPED  # noqa: E402
+from tests.engine.test_families_alibi import CONFIGS as ALIBI  # noqa: E402
 from tests.tiny_models import build_tokenizer  # noqa: E402
 
 
@@ -19,6 +19,6 @@ def test_family_on_triton_backend(tmp_path, name):
     GELU-tanh through their kernels, the embedding LayerNorm. Falcon RW: slopes scaled by the
     softmax scale. Gemma 2: the attention soft-cap with sliding layers, and the final soft-cap."""
     tok = build_tokenizer()
-    config = llama_shaped_config(name, tok) if name == "gemma2" else alibi_config(name, tok)
+    config = (LLAMA_SHAPED if name == "gemma2" else ALIBI)[name](tok)
     path = save_family_model(str(tmp_path / name), config)
     assert_matches_transformers(path, new_tokens=8, lengths=(3, 20), attention_backend="triton")

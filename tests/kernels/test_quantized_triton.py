@@ -52,10 +52,10 @@ def test_packed_moe_through_the_triton_kernels(tmp_path):
     packed MoE kernel and the W4A16 GEMM give transformers' tokens on the float twin."""
     from serverless_llm.engine.layers.moe import Experts
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen2_moe"](build_tokenizer()), std=0.1)
     float_dir, quant_dir = write_quantized(
         src, str(tmp_path / "float"), str(tmp_path / "quant"), "gptq", 4, 32, True
     )
@@ -105,10 +105,10 @@ def test_fp8_moe_held_as_bytes_through_the_triton_kernels(tmp_path, style, strat
     the dense layers by the W8A16 GEMM: transformers' tokens on the float twin."""
     from serverless_llm.engine.layers.moe import Experts
     from tests.engine.family_check import save_family_model
-    from tests.engine.test_families_moe import _config
+    from tests.engine.test_families_moe import CONFIGS
     from tests.tiny_models import build_tokenizer
 
-    src = save_family_model(str(tmp_path / "src"), _config("qwen2_moe", build_tokenizer()), std=0.1)
+    src = save_family_model(str(tmp_path / "src"), CONFIGS["qwen2_moe"](build_tokenizer()), std=0.1)
     float_dir, quant_dir = write_fp8(
         src, str(tmp_path / "float"), str(tmp_path / "quant"), style, strategy
     )
