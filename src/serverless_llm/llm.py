@@ -95,11 +95,10 @@ class LLM:
         for prompt, p, lora in zip(prompts, params, loras):
             group = []
             children = sequence_params(p)
+            prepared = engine.prepare(prompt, children[0], lora)  # validated once
             for i, child in enumerate(children):
                 rid = f"llm-{self._counter}" + (f".{i}" if len(children) > 1 else "")
-                req = engine.inputs.make_request(prompt, child, request_id=rid)
-                engine.attach_lora(req, lora)
-                group.append(req)
+                group.append(engine.inputs.make_request(prepared, child, request_id=rid))
             self._counter += 1
             groups.append(group)
         requests = [req for group in groups for req in group]
@@ -174,7 +173,8 @@ class LLM:
         prompt_lp = None
         if first.out.prompt_logprobs is not None:
             prompt_lp = [
-                None if e is None else position_logprobs(e, decode) for e in first.out.prompt_logprobs
+                None if e is None else position_logprobs(e, decode)
+                for e in first.out.prompt_logprobs
             ]
         return RequestOutput(
             request_id=first.request_id.split(".")[0],
@@ -205,7 +205,8 @@ class LLM:
         prompt_lp = None
         if root.out.prompt_logprobs is not None:
             prompt_lp = [
-                None if e is None else position_logprobs(e, decode) for e in root.out.prompt_logprobs
+                None if e is None else position_logprobs(e, decode)
+                for e in root.out.prompt_logprobs
             ]
         return RequestOutput(
             request_id=root.request_id,

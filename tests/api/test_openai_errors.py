@@ -312,11 +312,22 @@ def test_streamed_request_errors_before_any_chunk(serve):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_engine_rejection_is_a_400_and_frees_the_others(serve, n):
-    """The engine's own checks back up the serving layer's: with the context check bypassed,
-    the engine refuses the prompt, and the choices already queued are aborted."""
+    """The engine's own guard backs up the serving layer's: with the context check bypassed
+    (a prompt "prepared" without being fitted), the engine refuses to build its requests, and
+    the choices already queued are aborted."""
+    from serverless_llm.engine import PreparedPrompt
+
+    def unfitted(ids, params):
+        max_len = s_engine["engine"].max_model_len
+        return PreparedPrompt(
+            list(ids), None, params.max_tokens, params.truncate_prompt_tokens, max_len
+        )
+
+    s_engine = {}
 
     async def run(s):
-        s.engine.fit_prompt = lambda ids, max_tokens, truncate=None: ids
+        s_engine["engine"] = s.engine
+        s.engine.prepare_prompt = unfitted
         return await collect(s, COMPLETIONS, completion(prompt=[5] * 300, n=n, stream=True))
 
     (err,) = serve(run)

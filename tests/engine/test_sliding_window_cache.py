@@ -128,3 +128,16 @@ def test_prefix_cache_chunked_prefill_and_preemption_change_nothing(gemma3, prom
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert_pool_whole(small)
+
+
+def test_captured_decodes_read_each_groups_table(gemma3, prompts, reference):
+    """The captured-decode twin keeps one slot mapping and block table per cache group: its
+    replayed steps give transformers' tokens too."""
+    llm = engine(gemma3, decode_capture="replay", max_num_seqs=4)
+    captured = llm.engine.runner.captured
+    assert captured is not None and captured.enabled
+    assert captured.static.block_tables.shape[0] == llm.engine.cache_layout.num_groups == 6
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert captured.replays > 0
+    assert_pool_whole(llm)

@@ -438,9 +438,7 @@ def test_prompts_are_prepared_off_the_event_loop(make_worker, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(
-        native.NativeServing, "_prompt_token_ids", spy(native.NativeServing._prompt_token_ids)
-    )
+    monkeypatch.setattr(native.NativeServing, "_prompt", spy(native.NativeServing._prompt))
     monkeypatch.setattr(serving, "render_chat_prompt", spy(serving.render_chat_prompt))
     monkeypatch.setattr(serving, "tokenize_prompts", spy(serving.tokenize_prompts))
 

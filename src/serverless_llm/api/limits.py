@@ -8,7 +8,7 @@ limit, in its route's shape: `RequestLimitError` carries the field, the message 
 OpenAI-style code.
 
 The limits on `top_logprobs` (20) and on a prompt longer than the model are the engine's own
-(SamplingParams, fit_prompt).
+(SamplingParams, prepare_prompt).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from ..engine import (
     EngineClient,
     EngineOutput,
     LoRARequest,
+    PreparedPrompt,
     SamplingParams,
     SamplingParamsError,
     apply_chat_template,
@@ -156,11 +157,11 @@ class NativeServing:
 
     # -- the pieces -------------------------------------------------------------------------
 
-    def _prepare(self, request: NativeRequest) -> tuple[SamplingParams, list[int]]:
+    def _prepare(self, request: NativeRequest) -> tuple[SamplingParams, PreparedPrompt]:
         """Limits, template, tokenizer and parameters: run off the event loop (see
         api.offload)."""
         self._check_limits(request)
-        return self._sampling(request, self._prompt_token_ids(request))
+        return self._sampling(request, self._prompt(request))
 
     def _check_limits(self, request: NativeRequest) -> None:
         """The request's size against the limits, before any tokenizing (see api.limits)."""
@@ -176,14 +177,15 @@ class NativeServing:
             logit_bias=raw.get("logit_bias"),
         )
 
-    def _prompt_token_ids(self, request: NativeRequest) -> list[int]:
+    def _prompt(self, request: NativeRequest) -> str | list[int]:
+        """The prompt for the engine to prepare: the text itself, or a chat's token ids."""
         tokenizer = self.engine.tokenizer
         if request.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in request.messages]
         elif request.apply_chat_template:
             messages = [{"role": "user", "content": request.prompt}]
         else:
-            return self.engine.tokenize_prompt(request.prompt).token_ids
+            return request.prompt
         text = apply_chat_template(tokenizer, messages, chat_template=self.chat_template)
         # The template writes its own special tokens (BOS included); adding them again would
         # double them.
@@ -193,10 +195,11 @@ class NativeServing:
         return list(ids)
 
     def _sampling(
-        self, request: NativeRequest, prompt_ids: list[int]
-    ) -> tuple[SamplingParams, list[int]]:
+        self, request: NativeRequest, prompt: str | list[int]
+    ) -> tuple[SamplingParams, PreparedPrompt]:
         """The job's sampling parameters and its prompt as the model will see it (truncated
-        as asked and checked against max_model_len before any engine request exists)."""
+        as asked and checked against max_model_len before any engine request exists: the
+        engine validates it once, here)."""
         parsed = parse_sampling_params(
             request.sampling_params, default_max_tokens=self.default_max_tokens
         )
@@ -208,18 +211,16 @@ class NativeServing:
                 "best_of",
             )
         if parsed.max_tokens_given:
-            prompt_ids = self.engine.fit_prompt(
-                prompt_ids, params.max_tokens, params.truncate_prompt_tokens
-            )
-            return params, prompt_ids
+            return params, self.engine.prepare_prompt(prompt, params)
         # The default is a convenience, not a demand: it shrinks to what fits.
-        prompt_ids = self.engine.fit_prompt(prompt_ids, None, params.truncate_prompt_tokens)
-        room = self.engine.max_model_len - len(prompt_ids)
+        unbounded = dataclasses.replace(params, max_tokens=None)
+        prepared = self.engine.prepare_prompt(prompt, unbounded)
+        room = self.engine.max_model_len - len(prepared.token_ids)
         if room < params.max_tokens:
             params = dataclasses.replace(
                 params, max_tokens=room, min_tokens=min(params.min_tokens, room)
             )
-        return params, prompt_ids
+        return params, prepared.with_max_tokens(params.max_tokens)
 
     def _lora_of(self, model: str | None) -> LoRARequest | None:
         if model is None or model == self.served_model_name:
@@ -233,8 +234,9 @@ class NativeServing:
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
         lora = self._lora_of(request.model)
-        params, prompt_ids = await prepare(self._prepare, request)
-        num_input = len(prompt_ids)
+        params, prepared = await prepare(self._prepare, request)
+        prepared = await self.engine.prepare(prepared, params, lora)
+        num_input = len(prepared.token_ids)
         if self.log_requests:
             logger.info(
                 "job %s: native, %d prompt tokens, n=%d, stream=%s, %s",
@@ -245,9 +247,8 @@ class NativeServing:
                 params,
             )
         seq = next(self._ids)
-        extra = {} if lora is None else {"lora_request": lora}
         streams = [
-            self.engine.generate(prompt_ids, p, f"{job_id}#{seq}.{i}", **extra)
+            self.engine.generate(prepared, p, f"{job_id}#{seq}.{i}")
             for i, p in enumerate(sequence_params(params))
         ]
         view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer))

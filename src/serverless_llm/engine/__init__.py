@@ -14,7 +14,7 @@ from .config import (
 )
 from .cpu_tuning import release_free_memory, resident_bytes
 from .errors import InvalidRequestError, LoRAError, SamplingParamsError, StructuredOutputError
-from .input_processor import ContextLengthError, PromptInput
+from .input_processor import ContextLengthError, PreparedPrompt, PromptInput
 from .loader import ModelLoadError
 from .lora import LoRARequest
 from .models import UnsupportedModelError
@@ -55,6 +55,7 @@ __all__ = [
     "LoRARequest",
     "ModelInfo",
     "ModelLoadError",
+    "PreparedPrompt",
     "PromptInput",
     "RequestFailedError",
     "SamplingParams",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from .client import ModelInfo
 from .config import EngineConfig
-from .input_processor import InvalidRequestError, PromptInput
+from .input_processor import InvalidRequestError, PreparedPrompt, PromptInput
 from .llm_engine import LLMEngine
 from .lora import LoRARequest
 from .outputs import EngineOutput, EngineStats
@@ -127,11 +128,6 @@ class AsyncEngine:
     def check_token_ids(self, token_ids: list[int], param: str | None = None) -> None:
         self.core.inputs.check_token_ids(token_ids, param)
 
-    def fit_prompt(
-        self, token_ids: list[int], max_tokens: int | None, truncate: int | None = None
-    ) -> list[int]:
-        return self.core.inputs.fit_prompt(token_ids, max_tokens, truncate)
-
     async def compile_grammar(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         """Compiled off the event loop and the step thread (a cache hit resolves at once).
         Cancelling the awaiting task withdraws the request from the compilation, which stops
@@ -150,16 +146,40 @@ class AsyncEngine:
 
         threading.Thread(target=warm_up, name="grammar-warm-up", daemon=True).start()
 
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> PreparedPrompt:
+        """A prompt validated once for requests with `params`: tokenized or checked, fitted
+        (ContextLengthError when it does not fit), the parameters checked. Blocking (the
+        tokenizer): the routes call it off the event loop."""
+        return self.core.inputs.prepare(prompt, params)
+
+    async def prepare(
+        self,
+        prompt: str | list[int] | PreparedPrompt,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> PreparedPrompt:
+        """`prepare_prompt`, then what the requests need compiled or read: the grammar of the
+        structured output (off the event loop; InvalidRequestError naming the field) and the
+        adapter (off the event loop; LoRAError). A prompt prepared already is only completed."""
+        prepared = self.core.inputs.prepare(prompt, params)
+        if params.structured is not None and prepared.grammar is None:
+            grammar = await self.compile_grammar(params.structured)
+            prepared = dataclasses.replace(prepared, grammar=grammar)
+        if lora_request is not None and prepared.lora != lora_request:
+            prepared = await asyncio.to_thread(self.core.with_adapter, prepared, lora_request)
+        return prepared
+
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yields one EngineOutput per step that produced tokens for this request; the last
         has `finished` set. Invalid input raises InvalidRequestError before anything is queued
-        (a bad or unknown adapter among them: LoRAError, read off the event loop)."""
+        (a bad or unknown adapter among them: LoRAError, read off the event loop). A prompt
+        prepared by `prepare` (the routes') is not validated again."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if self.dead is not None:
@@ -169,16 +189,10 @@ class AsyncEngine:
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        compiled = None
-        if params.structured is not None:
-            compiled = await self.compile_grammar(params.structured)
-            if request_id in self._queues:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = self.core.inputs.make_request(prompt, params, request_id, compiled_grammar=compiled)
-        if lora_request is not None:
-            await asyncio.to_thread(self.core.attach_lora, req, lora_request)
-            if request_id in self._queues:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prepared = await self.prepare(prompt, params, lora_request)
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = self.core.inputs.build_request(prepared, params, request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .input_processor import PromptInput
+from .input_processor import PreparedPrompt, PromptInput
 from .lora import LoRARequest
 from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
@@ -54,18 +54,25 @@ class EngineClient(Protocol):
     def check_token_ids(self, token_ids: list[int], param: str | None = None) -> None:
         """InvalidRequestError naming `param` when an id is outside the vocabulary."""
 
-    def fit_prompt(
-        self, token_ids: list[int], max_tokens: int | None, truncate: int | None = None
-    ) -> list[int]:
-        """The prompt truncated as asked and checked against max_model_len
-        (ContextLengthError when it does not fit)."""
-
     async def compile_grammar(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         """The compiled grammar (cached), or InvalidRequestError naming the field."""
 
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> PreparedPrompt:
+        """A prompt validated once for requests with `params` (tokenized or checked, fitted:
+        ContextLengthError when it does not fit). Blocking: call it off the event loop."""
+
+    async def prepare(
+        self,
+        prompt: str | list[int] | PreparedPrompt,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> PreparedPrompt:
+        """`prepare_prompt`, its grammar compiled and its adapter read: what `generate` takes
+        without validating again."""
+
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,

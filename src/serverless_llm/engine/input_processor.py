@@ -2,15 +2,19 @@
 context-length rule, grammar compilation, and the `Request` the scheduler will run.
 
 Everything here runs before a request touches the scheduler, so an invalid request never holds
-blocks. The API routes call the same checks (`tokenize_prompt`, `fit_prompt`, `compile_grammar`)
-so a multi-request job fails whole, before any of its requests is queued.
+blocks. A prompt is validated once (`prepare` -> `PreparedPrompt`: tokenized, fitted, its
+grammar compiled and its adapter read by the async engine); the API routes prepare every prompt
+of a job before any of its requests is queued, so a multi-request job fails whole, and the
+requests built from a prepared prompt (`build_request`, one per sequence) check nothing again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
 from .request import Request
@@ -20,6 +24,9 @@ from .sampling.structured.grammar import CompiledGrammar, GrammarCompiler
 from .sampling.structured.spec import StructuredOutputError, StructuredOutputSpec
 from .stop_rule import StopRule
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+if TYPE_CHECKING:
+    from .lora import LoRAAdapter, LoRARequest
 
 
 class ContextLengthError(InvalidRequestError):
@@ -51,6 +58,45 @@ def structured_error(e: StructuredOutputError) -> InvalidRequestError:
     if param and param not in message:
         message = f"{param}: {message}"
     return InvalidRequestError(message, param)
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedPrompt:
+    """A prompt the engine has validated once (`InputProcessor.prepare`, `AsyncEngine.prepare`):
+    its token ids as the model will see them (checked, truncated, fitted to the context for
+    `max_tokens`), its text when given as text and not truncated, and what the engine compiled
+    or read for it (the grammar of its structured output, its adapter). Requests built from it
+    (one per sequence) are not checked, tokenized, fitted or compiled again."""
+
+    token_ids: list[int]
+    text: str | None
+    max_tokens: int | None  # the fit it was checked for
+    truncate: int | None
+    max_model_len: int
+    grammar: CompiledGrammar | None = None
+    lora: LoRARequest | None = None
+    adapter: LoRAAdapter | None = None
+
+    def with_max_tokens(self, max_tokens: int | None) -> PreparedPrompt:
+        """The same prompt fitted for another max_tokens (ContextLengthError if it does not
+        fit): a route that shrinks its default output to the room the prompt leaves."""
+        n = len(self.token_ids)
+        if n + (max_tokens or 1) > self.max_model_len:
+            raise ContextLengthError(n, max_tokens, self.max_model_len)
+        return dataclasses.replace(self, max_tokens=max_tokens)
+
+    def check_fits(self, params: SamplingParams) -> None:
+        """A request's parameters must be the ones the prompt was fitted for (a programming
+        error otherwise); and, a guard rather than a check, the context must hold them."""
+        if (params.max_tokens, params.truncate_prompt_tokens) != (self.max_tokens, self.truncate):
+            raise ValueError(
+                f"a prompt prepared for max_tokens={self.max_tokens}, truncate="
+                f"{self.truncate} cannot run max_tokens={params.max_tokens}, truncate="
+                f"{params.truncate_prompt_tokens}: prepare it for those"
+            )
+        n = len(self.token_ids)
+        if n == 0 or n + (self.max_tokens or 1) > self.max_model_len:
+            raise ContextLengthError(n, self.max_tokens, self.max_model_len)
 
 
 @dataclass
@@ -170,47 +216,85 @@ class InputProcessor:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def make_request(
+    def prepare(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedPrompt,
         params: SamplingParams,
-        request_id: str | None = None,
         compiled_grammar: CompiledGrammar | None = None,
-    ) -> Request:
-        """Validates and builds a request. The request runs one sequence: `n` and `best_of`
-        are for whoever fans a prompt out (see sequence_params), except with beam search, where
-        the request runs best_of (else n) beams and returns n (the caller makes its group)."""
+    ) -> PreparedPrompt:
+        """Validates a prompt once for requests with `params`: tokenized (or its ids checked)
+        and fitted to the context for params.max_tokens and truncate_prompt_tokens (the same
+        for every sequence of a prompt; their other parameters are each request's, checked when
+        it is built). A prompt already prepared for the same fit is returned as it is (with the
+        grammar, when given)."""
+        if isinstance(prompt, PreparedPrompt):
+            prompt.check_fits(params)
+            if compiled_grammar is not None and prompt.grammar is None:
+                prompt = dataclasses.replace(prompt, grammar=compiled_grammar)
+            return prompt
+        prompt_input = self.tokenize_prompt(prompt)
+        truncate = params.truncate_prompt_tokens
+        token_ids = self.fit_prompt(prompt_input.token_ids, params.max_tokens, truncate)
+        text = prompt_input.text if len(token_ids) == len(prompt_input.token_ids) else None
+        return PreparedPrompt(
+            token_ids, text, params.max_tokens, truncate, self.max_model_len, compiled_grammar
+        )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The checks of `params` against this model (vocabulary, min_tokens). A request runs
+        one sequence: `n` and `best_of` are for whoever fans a prompt out (see
+        sequence_params), except with beam search, where the request runs best_of (else n)
+        beams and returns n (the caller makes its group)."""
         if params.num_sequences > 1 and not params.use_beam_search:
             raise InvalidRequestError(
                 "an engine request runs one sequence: fan n / best_of out with "
                 "sequence_params (LLM.generate and the API routes do)",
                 "n",
             )
-        prompt_input = self.tokenize_prompt(prompt)
         try:
             params.check_vocab(self.vocab_size)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), e.param) from None
         self._check_min_tokens(params)
-        token_ids = self.fit_prompt(
-            prompt_input.token_ids, params.max_tokens, params.truncate_prompt_tokens
+
+    def make_request(
+        self,
+        prompt: str | list[int] | PreparedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        compiled_grammar: CompiledGrammar | None = None,
+    ) -> Request:
+        """Validates (unless `prompt` is prepared already) and builds a request."""
+        return self.build_request(
+            self.prepare(prompt, params, compiled_grammar), params, request_id
         )
+
+    def build_request(
+        self, prepared: PreparedPrompt, params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """The request of a prepared prompt: nothing is tokenized, fitted or compiled again
+        (a grammar not compiled yet is compiled here, blocking: the offline path's). Only the
+        request's own parameters are checked."""
+        self.check_params(params)
+        prepared.check_fits(params)
+        token_ids = prepared.token_ids
         n = len(token_ids)
         max_total = self.max_model_len if params.max_tokens is None else n + params.max_tokens
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        req = Request(request_id, token_ids, params, max_total_tokens=max_total)
+        req = Request(request_id, list(token_ids), params, max_total_tokens=max_total)
         req.stop_rule = StopRule.of(params, self.eos_token_ids, max_total - n)
-        if len(token_ids) == len(prompt_input.token_ids):
-            req.out.prompt_text = prompt_input.text
+        req.out.prompt_text = prepared.text
+        req.lora, req.lora_adapter = prepared.lora, prepared.adapter
         if params.use_beam_search:
             return req
         req.sampling = RequestSamplingState(params, token_ids, req.stop_rule)
         if params.structured is not None:
-            if compiled_grammar is None:
-                compiled_grammar = self.compile_grammar(params.structured).result()
-            req.grammar = compiled_grammar.matcher(extra_stop_token_ids=params.stop_token_ids)
+            grammar = prepared.grammar
+            if grammar is None:
+                grammar = self.compile_grammar(params.structured).result()
+            req.grammar = grammar.matcher(extra_stop_token_ids=params.stop_token_ids)
             req.grammar_open = not params.structured_after
         req.out.detokenizer = self.detokenizer(token_ids, params)
         if params.stop:

@@ -10,6 +10,7 @@ input_processor.py, so an invalid request never reaches the scheduler or holds b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -19,7 +20,7 @@ from .beam_search import BeamSearchRunner
 from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
-from .input_processor import InputProcessor, InvalidRequestError, PromptInput
+from .input_processor import InputProcessor, InvalidRequestError, PreparedPrompt, PromptInput
 from .kv_cache import BlockPool
 from .kv_cache_manager import KVCacheManager, blocks_for_one_request
 from .lora import LoRAManager, LoRARequest
@@ -289,23 +290,38 @@ class LLMEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Request:
-        req = self.inputs.make_request(prompt, params or SamplingParams(), request_id)
-        self.attach_lora(req, lora_request)
+        params = params or SamplingParams()
+        prepared = self.prepare(prompt, params, lora_request)
+        req = self.inputs.build_request(prepared, params, request_id)
         self.add(req)
         return req
 
-    def attach_lora(self, req: Request, lora_request: LoRARequest | None) -> None:
-        """Gives `req` its adapter, read now (LoRAError, a bad request, if it cannot be)."""
-        if lora_request is None:
-            return
+    def prepare(
+        self,
+        prompt: str | list[int] | PreparedPrompt,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> PreparedPrompt:
+        """A prompt validated once for requests with `params` (input_processor.prepare), with
+        its adapter read (LoRAError, a bad request, if it cannot be). Blocking: the grammar is
+        compiled when its first request is built."""
+        prepared = self.inputs.prepare(prompt, params)
+        return self.with_adapter(prepared, lora_request)
+
+    def with_adapter(
+        self, prepared: PreparedPrompt, lora_request: LoRARequest | None
+    ) -> PreparedPrompt:
+        """`prepared` with its adapter, read now unless it has it."""
+        if lora_request is None or prepared.lora == lora_request:
+            return prepared
         if self.lora is None:
             raise InvalidRequestError(
                 f"adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
                 "(enable_lora / ENABLE_LORA)",
                 param="model",
             )
-        req.lora_adapter = self.lora.get(lora_request)
-        req.lora = lora_request
+        adapter = self.lora.get(lora_request)
+        return dataclasses.replace(prepared, lora=lora_request, adapter=adapter)
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         """Stops a request and frees its blocks now. Unknown or finished ids are ignored."""

@@ -43,6 +43,7 @@ from serverless_llm.engine import (
     EngineOutput,
     InvalidRequestError,
     LoRARequest,
+    PreparedPrompt,
     SamplingParams,
     chat_template_source,
     sequence_params,
@@ -216,7 +217,7 @@ class _Plan:
     """A validated request: prompts x sequences engine requests and how to shape their outputs."""
 
     response_id: str
-    prompts: list[list[int]]
+    prompts: list[PreparedPrompt]  # validated once; their grammar and adapter added by `_prepare`
     params: SamplingParams  # as asked (n, best_of, logprobs)
     sequences: list[SamplingParams]  # one engine request of each prompt per entry (best_of)
     stream: bool
@@ -359,7 +360,7 @@ class OpenAIServing:
                 plan = await prepare(self._chat_plan, body)
             else:
                 plan = await prepare(self._completion_plan, body)
-            await self._compile(plan.params)
+            await self._prepare(plan)
         except Exception as exc:
             yield self._error_from(exc)
             return
@@ -376,11 +377,11 @@ class OpenAIServing:
             async for item in items:
                 yield item
 
-    async def _compile(self, params: SamplingParams) -> None:
-        """Compiles a request's grammar before anything streams, so an invalid schema, regex
-        or grammar is the request's 400 (the engine then finds it in the cache)."""
-        if params.structured is not None:
-            await self.engine.compile_grammar(params.structured)
+    async def _prepare(self, plan: _Plan) -> None:
+        """Completes the plan's prompts before anything streams: the grammar compiled (an
+        invalid schema, regex or grammar is the request's 400) and the adapter read, once for
+        every sequence of every prompt; the engine then checks none of it again."""
+        plan.prompts = [await self.engine.prepare(p, plan.params, plan.lora) for p in plan.prompts]
 
     # -- request -> plan --------------------------------------------------------------------
 
@@ -421,13 +422,12 @@ class OpenAIServing:
             for r in self.loras.values()
         ]
 
-    def _fit_prompt(
-        self, ids: list[int], truncate: int | None, max_tokens: int | None, param: str
-    ) -> list[int]:
-        """Applies truncate_prompt_tokens (keep the last k) and checks the context length here,
-        before any engine request exists, so a job fails whole instead of partly queued."""
+    def _prepare_prompt(self, ids: list[int], params: SamplingParams, param: str) -> PreparedPrompt:
+        """The prompt validated once by the engine: truncate_prompt_tokens applied (keep the
+        last k) and the context length checked, before any engine request exists, so a job
+        fails whole instead of partly queued."""
         try:
-            return self.engine.fit_prompt(ids, max_tokens, truncate)
+            return self.engine.prepare_prompt(ids, params)
         except ContextLengthError as e:
             message = _context_length_message(e, "messages" if param == "messages" else "prompt")
             raise OpenAIServingError.bad_request(
@@ -490,7 +490,8 @@ class OpenAIServing:
         # grammar, as in vLLM, and the description costs hundreds of tokens.
         describe = self.describe_tools and choice.mode == "auto"
         ids = render_chat_prompt(request, self.tokenizer, self.chat_template, tools, describe)
-        ids = self._fit_prompt(ids, request.truncate_prompt_tokens, params.max_tokens, "messages")
+        prepared = self._prepare_prompt(ids, params, "messages")
+        ids = prepared.token_ids
         after = self._structured_after(params, ids)
         if after:
             params = dataclasses.replace(params, structured_after=after)
@@ -512,7 +513,7 @@ class OpenAIServing:
         )
         return _Plan(
             response_id=response_id,
-            prompts=[ids],
+            prompts=[prepared],
             params=params,
             sequences=sequence_params(params),
             stream=bool(request.stream),
@@ -571,13 +572,12 @@ class OpenAIServing:
         params = completion_sampling_params(request)
         params.check_vocab(self.vocab_size)
         inputs = tokenize_prompts(request, self.tokenizer, self.vocab_size)
-        prompts: list[list[int]] = []
+        prompts: list[PreparedPrompt] = []
         echo: list[str] | None = [] if request.echo else None
         for param, prompt in inputs:
-            ids = self._fit_prompt(
-                prompt.token_ids, request.truncate_prompt_tokens, params.max_tokens, param
-            )
-            prompts.append(ids)
+            prepared = self._prepare_prompt(prompt.token_ids, params, param)
+            ids = prepared.token_ids
+            prompts.append(prepared)
             if echo is not None:
                 if prompt.text is not None and len(ids) == len(prompt.token_ids):
                     echo.append(prompt.text)
@@ -593,7 +593,7 @@ class OpenAIServing:
             request.num_choices,
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
-            prompt_ids=prompts,
+            prompt_ids=[p.token_ids for p in prompts],
             decoder=TokenDecoder(self.tokenizer),
         )
         return _Plan(
@@ -617,10 +617,9 @@ class OpenAIServing:
         """One engine request per sequence of each prompt, with ids derived from the response
         id (unique). Stream p * len(sequences) + i is sequence i of prompt p."""
         count = len(plan.sequences)
-        extra = {} if plan.lora is None else {"lora_request": plan.lora}
         return [
-            self.engine.generate(ids, seq, f"{plan.response_id}-{p * count + i}", **extra)
-            for p, ids in enumerate(plan.prompts)
+            self.engine.generate(prepared, seq, f"{plan.response_id}-{p * count + i}")
+            for p, prepared in enumerate(plan.prompts)
             for i, seq in enumerate(plan.sequences)
         ]
 
@@ -632,7 +631,9 @@ class OpenAIServing:
         except Exception as exc:
             yield self._error_from(exc)
             return
-        usage = _usage(sum(len(p) for p in plan.prompts), sum(r.num_tokens for r in chosen))
+        usage = _usage(
+            sum(len(p.token_ids) for p in plan.prompts), sum(r.num_tokens for r in chosen)
+        )
         yield plan.formatter.response(chosen, prompt_logprobs, usage)
 
     async def _stream(self, plan: _Plan, batch: BatchSizes) -> AsyncIterator[Any]:
@@ -677,7 +678,7 @@ class OpenAIServing:
         the usage chunk; or (error dict, True) once, after which nothing follows."""
         fmt = plan.formatter
         n = plan.n
-        prompt_lens = [len(p) for p in plan.prompts]
+        prompt_lens = [len(p.token_ids) for p in plan.prompts]
         remaining = plan.num_choices
         generated = [0] * plan.num_choices
         pending: list[dict[str, Any]] = []
