@@ -537,7 +537,9 @@ def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monk
     from tests.tiny_models import build_tiny_model, build_tokenizer
 
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "4")
-    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=32, block_size=8)
+    # 48 blocks: Gemma 2's three layers are three cache groups of one layer (one full, two
+    # windowed), each a block table of up to 16 blocks for a 128-token request.
+    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=48, block_size=8)
     llama = LLM(build_tiny_model(str(tmp_path / "llama"), "llama"), **kw)
     layers = llama.engine.runner.model.layers
     assert all(layer.native_decode is not None for layer in layers)

@@ -434,7 +434,8 @@ class SettingsFields(BaseSettings):
         title="KV Cache Blocks Override",
         description=(
             "Exact number of KV cache blocks, overriding GPU_MEMORY_UTILIZATION and "
-            "CPU_KV_CACHE_SPACE (testing and debugging)."
+            "CPU_KV_CACHE_SPACE (testing and debugging). With sliding-window layers a block "
+            "spans one cache group's layers, not every layer (docs/engine.md, cache groups)."
         ),
         ge=1,
     )
