@@ -6,9 +6,9 @@ local to one global, window 512, 1 KV head of 256; Mistral 7B v0.1's: 32 layers,
 8 KV heads of 128), so the layer kinds, groups and bytes per block are the engine's own
 (`describe_model`, `plan_cache_groups`, `bytes_per_block`). No weight is loaded and no forward
 runs: what limits how many requests run at once is the cache, and that is the engine's
-scheduler and KV cache manager, driven here step by step as the engine drives them, each step
-computing what the scheduler granted and appending one token to each request that reached its
-end. So the figure is measured in seconds on any machine, and is the same on a GPU.
+scheduler and KV cache manager, driven here step by step as the engine drives them (schedule,
+then `Scheduler.update` with one token for each request whose grant reached its end). So the
+figure is measured in seconds on any machine, and is the same on a GPU.
 
 For each model and mode: the blocks the budget holds, the blocks one 8k request holds once it
 decodes, the most requests decoding at once (after a step that preempted nobody), and the
@@ -43,9 +43,15 @@ from serverless_llm.engine.kv_cache_manager import (  # noqa: E402
     plan_cache_groups,
 )
 from serverless_llm.engine.models import describe_model  # noqa: E402
-from serverless_llm.engine.request import FinishReason, Request  # noqa: E402
+from serverless_llm.engine.request import Request  # noqa: E402
 from serverless_llm.engine.sampling.params import SamplingParams  # noqa: E402
-from serverless_llm.engine.scheduler import Scheduler  # noqa: E402
+from serverless_llm.engine.scheduler import Sampled, Scheduler  # noqa: E402
+from serverless_llm.engine.stop_rule import StopRule  # noqa: E402
+
+
+def _no_text(req, tok, lp, stop):
+    """The output side of a token, with nothing to output: the stop rule's verdict stands."""
+    return "", stop
 
 
 def gemma3_1b() -> transformers.PretrainedConfig:
@@ -101,7 +107,9 @@ def run(config, grouped: bool, budget_bytes: int, tokens: int, new_tokens: int, 
     requests = []
     for i in range(args.requests):
         prompt = [rng.randrange(spec.vocab_size) for _ in range(prompt_len)]
-        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=new_tokens), tokens)
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        req = Request(f"r{i}", prompt, params, tokens)
+        req.stop_rule = StopRule.of(params, (), new_tokens)
         requests.append(req)
         sched.add(req)
     most = 0
@@ -112,14 +120,13 @@ def run(config, grouped: bool, budget_bytes: int, tokens: int, new_tokens: int, 
         if not batch.requests:
             raise RuntimeError("no progress: one request does not fit the budget")
         steps += 1
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            sched.cache_computed_blocks(req)
-        for req in batch.requests:
-            if req.num_computed_tokens == req.num_tokens:  # sampled one token
-                req.output_token_ids.append(1)
-                if req.num_tokens >= req.max_total_tokens:
-                    sched.finish(req, FinishReason.LENGTH)
+        # A request whose grant reaches its last token samples one (token 1), as in the engine.
+        sampled = [
+            Sampled(req, [1])
+            for req, n in zip(batch.requests, batch.num_new_tokens)
+            if req.num_computed_tokens + n == req.num_tokens
+        ]
+        sched.update(batch, sampled, _no_text)
         if not batch.preempted:
             decoding = [r for r in sched.running if r.num_computed_tokens >= prompt_len]
             if len(decoding) > most:

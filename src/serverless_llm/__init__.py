@@ -1,6 +1,6 @@
 """A serverless LLM worker with its own paged-attention engine."""
 
-from .engine.lora import LoRARequest
+from .engine.lora_adapters import LoRARequest
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling.params import SamplingParams
 from .llm import LLM

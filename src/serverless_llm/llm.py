@@ -13,7 +13,7 @@ from typing import Any
 
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
-from .engine.lora import LoRARequest
+from .engine.lora_adapters import LoRARequest
 from .engine.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,

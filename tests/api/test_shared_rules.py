@@ -17,12 +17,12 @@ import serverless_llm
 from serverless_llm.api import errors as api_errors
 from serverless_llm.api.errors import REQUEST_ERRORS, NativeJobError, loc_to_path
 from serverless_llm.api.limits import RequestLimitError, RequestLimits
+from serverless_llm.api.native_sampling import VLLMSamplingParams, parse_sampling_params
 from serverless_llm.api.openai import errors as openai_errors
 from serverless_llm.api.openai.errors import request_error
 from serverless_llm.api.openai.protocol import ChatCompletionRequest, _SamplingRequest
 from serverless_llm.api.openai.sse import SSE_DONE, sse_event, sse_events
 from serverless_llm.api.openai.tool_parsers import ToolChoiceError, resolve_tool_choice
-from serverless_llm.api.sampling import VLLMSamplingParams, parse_sampling_params
 from serverless_llm.engine import (
     BEAM_SEARCH_TEMPERATURE,
     SAMPLING_DEFAULTS,
@@ -194,7 +194,7 @@ def test_openai_defaults_are_the_engines():
 @pytest.mark.parametrize(
     "path, cls",
     [
-        ("api/sampling.py", "VLLMSamplingParams"),
+        ("api/native_sampling.py", "VLLMSamplingParams"),
         ("api/openai/protocol.py", "_SamplingRequest"),
     ],
 )

@@ -92,7 +92,7 @@ def test_adapter_matches_peft_merged(lora_env, name):
 def _count_forms(monkeypatch) -> dict[str, int]:
     """Counts the CPU's two LoRA forms as layers run them: slot-major padded (small steps) and
     all-slots masked (large ones, plain or through the packed matrices)."""
-    from serverless_llm.engine.layers import lora as lora_layer
+    from serverless_llm.engine.layers import lora_linear as lora_layer
 
     calls = {"padded": 0, "masked": 0}
 
@@ -308,7 +308,7 @@ def test_cpu_step_picks_the_padded_form_for_small_steps():
     """LoRAStep lays out the padded form while slots spanned x the most rows of one slot is at
     most PADDED_MAX_ROWS, and leaves large steps to the masked form; the Triton path never
     gets a layout."""
-    from serverless_llm.engine.layers.lora import PADDED_MAX_ROWS, LoRAStep
+    from serverless_llm.engine.layers.lora_linear import PADDED_MAX_ROWS, LoRAStep
 
     def token_slots(groups, n):
         t = torch.full((n,), -1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serverless_llm.engine.kernels.lora import add_lora, add_lora_reference
+from serverless_llm.engine.kernels.lora_delta import add_lora, add_lora_reference
 from tests.gpu_marks import GPU_ONLY
 
 pytestmark = GPU_ONLY

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from serverless_llm.engine.kernels.lora import (  # noqa: E402
+from serverless_llm.engine.kernels.lora_delta import (  # noqa: E402
     add_lora,
     add_lora_masked,
     add_lora_padded,

@@ -31,10 +31,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serverless_llm.api.native_sampling import VLLMSamplingParams
 from serverless_llm.api.openai import http_status, is_error
 from serverless_llm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serverless_llm.api.openai.responses import ResponsesRequest
-from serverless_llm.api.sampling import VLLMSamplingParams
 from serverless_llm.worker.handler import Worker
 from serverless_llm.worker.settings import Settings
 

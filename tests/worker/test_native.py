@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serverless_llm.api.sampling import build_sampling_params, parse_sampling_params
+from serverless_llm.api.native_sampling import build_sampling_params, parse_sampling_params
 from serverless_llm.engine import SamplingParamsError
 from serverless_llm.engine.tokenizer import apply_chat_template
 from tests.worker.conftest import (

@@ -51,9 +51,9 @@ from .batching import BatchSizes, batch_stream
 from .errors import REQUEST_ERRORS, NativeJobError, describe_validation_error, native_error
 from .limits import RequestLimits
 from .logprobs import TokenDecoder, native_logprobs
+from .native_sampling import VLLMSamplingParams, parse_sampling_params
 from .offload import prepare
 from .results import SequenceResult, choice_outputs, gather_results
-from .sampling import VLLMSamplingParams, parse_sampling_params
 from .streams import merge_streams
 
 __all__ = ["DEFAULT_MAX_TOKENS", "ChatMessage", "NativeRequest", "NativeServing"]

@@ -16,7 +16,7 @@ from .cpu_tuning import release_free_memory, resident_bytes
 from .errors import InvalidRequestError, LoRAError, SamplingParamsError, StructuredOutputError
 from .input_processor import ContextLengthError, PreparedPrompt, PromptInput
 from .loader import ModelLoadError
-from .lora import LoRARequest
+from .lora_adapters import LoRARequest
 from .models import UnsupportedModelError
 from .outputs import EngineOutput, EngineStats
 from .sampling.logprobs import TokenLogprob

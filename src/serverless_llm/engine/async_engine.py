@@ -28,7 +28,7 @@ from .client import ModelInfo
 from .config import EngineConfig
 from .input_processor import InvalidRequestError, PreparedPrompt, PromptInput
 from .llm_engine import LLMEngine
-from .lora import LoRARequest
+from .lora_adapters import LoRARequest
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import TensorParallelError
 from .sampling.params import SamplingParams

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .input_processor import PreparedPrompt, PromptInput
-from .lora import LoRARequest
+from .lora_adapters import LoRARequest
 from .outputs import EngineOutput, EngineStats
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar

@@ -26,7 +26,7 @@ from .stop_rule import StopRule
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 if TYPE_CHECKING:
-    from .lora import LoRAAdapter, LoRARequest
+    from .lora_adapters import LoRAAdapter, LoRARequest
 
 
 class ContextLengthError(InvalidRequestError):

@@ -77,12 +77,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
-            h = self._hash_of[block]
-            if h is not None:
-                if self._cached.get(h) == block:
-                    del self._cached[h]
-                self._hash_of[block] = None
-                self._tokens_of[block] = None
+            self._unkey(block)
             self._refs[block] = 1
             out.append(block)
         return out
@@ -131,13 +126,17 @@ class BlockPool:
         when others hold it too (then it must not be written)."""
         if self._refs[block] > 1:
             return False
+        self._unkey(block)
+        return True
+
+    def _unkey(self, block: int) -> None:
+        """The block leaves the prefix cache (reused, or about to be written over)."""
         h = self._hash_of[block]
         if h is not None:
             if self._cached.get(h) == block:
                 del self._cached[h]
             self._hash_of[block] = None
             self._tokens_of[block] = None
-        return True
 
     def register(self, block: int, h, tokens: Sequence[int]) -> None:
         """Marks a full, computed block holding `tokens` as cached under key `h`."""

@@ -3,7 +3,7 @@ runs one scheduled batch and returns what each request produced.
 
 A step is: schedule (scheduler.py) -> execute the ragged batch (model_runner.py) -> sample
 (sampling/sampler.py) -> postprocess each sampled token (output_processor.py, or the beam search
-driver, beam_search.py). Requests come in through `add`, built and checked by
+driver, beam_runner.py). Requests come in through `add`, built and checked by
 input_processor.py, so an invalid request never reaches the scheduler or holds blocks.
 """
 
@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from .beam_search import BeamSearchRunner
+from .beam_runner import BeamSearchRunner
 from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PreparedPrompt, PromptInput
 from .kv_cache import BlockPool
 from .kv_cache_manager import KVCacheManager, blocks_for_one_request
-from .lora import LoRAManager, LoRARequest
+from .lora_adapters import LoRAManager, LoRARequest
 from .model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
 from .model_runner import ModelRunner
 from .output_processor import make_output, process_token

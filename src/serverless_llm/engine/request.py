@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from .beam_search import BeamGroup
-    from .lora import LoRAAdapter, LoRARequest
+    from .beam_runner import BeamGroup
+    from .lora_adapters import LoRAAdapter, LoRARequest
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured.grammar import GrammarMatcher

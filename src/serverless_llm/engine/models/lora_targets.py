@@ -1,12 +1,12 @@
 """Where LoRA adapters attach in a `DecoderModel` (a mixin of it): every attention and dense-MLP
-projection wrapped in a `LoRALinear` (layers/lora.py), and an adapter's module names mapped onto
+projection wrapped in a `LoRALinear` (layers/lora_linear.py), and an adapter's module names mapped onto
 them through the family's `WeightNames`."""
 
 from __future__ import annotations
 
 import torch
 
-from ..layers.lora import LoRALinear, LoRAStep
+from ..layers.lora_linear import LoRALinear, LoRAStep
 
 
 class DecoderLoRA:

@@ -270,7 +270,7 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
         lora = None
         if config.enable_lora:  # the same slots as rank 0's, filled as its header says
             from ..config import lora_dtype
-            from ..lora import LoRAManager
+            from ..lora_adapters import LoRAManager
 
             lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_loras,
                                lora_dtype(config, loaded.dtype))  # fmt: skip

@@ -6,7 +6,7 @@ moving over find what they know. Every check names the parameter and the allowed
 
 The engine runs one sequence per request: `n` and `best_of` are honoured by whoever fans a
 prompt out into requests (`LLM.generate`, the API layers), with `sequence_params`. Beam search
-is the exception: one request runs all its beams (see beam_search.py).
+is the exception: one request runs all its beams (see beam_search.py, and the engine's beam_runner.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """LoRA slots on a linear layer: the base layer's output plus each token's adapter delta.
 
 `LoRALinear` wraps a layer (nn.Linear, its CPU-packed form, or a quantized one) and holds
-`max_loras` slots of adapter matrices (kernels/lora.py says how they are laid out). Which slot
+`max_loras` slots of adapter matrices (kernels/lora_delta.py says how they are laid out). Which slot
 each token uses is the step's business: the model's one `LoRAStep` says it for every wrapped
 layer at once, so a step with no adapter costs one attribute check per layer.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..kernels.lora import (
+from ..kernels.lora_delta import (
     PaddedRows,
     add_lora,
     add_lora_masked,
@@ -24,7 +24,7 @@ from ..kernels.lora import (
 )
 from .linear import pack_weight, packed_linear, packed_ops_work
 
-# The CPU's choice between its two forms (kernels/lora.py): the slot-major batched matmuls
+# The CPU's choice between its two forms (kernels/lora_delta.py): the slot-major batched matmuls
 # while the padded batch has at most this many rows, the all-slots masked form above it. On a
 # 2-core AVX2 EPYC (SmolLM2's seven projections, 4 slots of rank 16) the padded form took a
 # third of the masked form's time per layer at 8 to 64 rows and 1.2-1.5x its time at 128-256,
