@@ -16,6 +16,11 @@ preemptions on the way. Prints a table and a final `SUMMARY` line with the ratio
 
     .venv/bin/python bench/kv_capacity.py                    # 16 GiB bf16 budget, 8192 tokens
     .venv/bin/python bench/kv_capacity.py --budget-gib 4 --tokens 4096 --json out.json
+    .venv/bin/python bench/kv_capacity.py --engine     # the same count, the engine stepping
+
+`--engine` cross-checks the simulation with the engine itself: dummy-weight models of the same
+layer pattern, KV heads and head size (narrowed to hidden 64 so they step on a CPU), requests of
+2,048 tokens with the window scaled alike (Gemma 3: 128, Mistral: 1,024).
 """
 
 from __future__ import annotations
@@ -147,6 +152,111 @@ def run(config, grouped: bool, budget_bytes: int, tokens: int, new_tokens: int, 
     }
 
 
+def engine_run(name: str, grouped: bool, args, num_requests: int | None = None) -> dict:
+    """The same count through the engine itself, stepping on this machine: a dummy-weight model
+    with the shape's layers, KV heads, head size and layer kinds, narrowed (hidden 64) so it
+    runs on a CPU, with requests of --engine-tokens and the window scaled by the same factor
+    (so window : request is the model's). The KV budget holds 4.5 full-length requests with
+    every layer keeping every token (float32 cache). `num_requests`: None sizes the load at
+    twice what the grouped cache holds."""
+    import tempfile
+
+    from bench.common import default_model_dir
+    from serverless_llm import LLM
+    from serverless_llm.engine.sampling.params import SamplingParams as Params
+
+    tokens = args.engine_tokens
+    new_tokens = max(1, tokens // 8)
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    config = MODELS[name]()
+    config.sliding_window = max(args.block_size, config.sliding_window * tokens // 8192)
+    config.hidden_size, config.intermediate_size = 64, 128
+    config.num_attention_heads = config.num_key_value_heads * max(
+        1, 4 // config.num_key_value_heads
+    )
+    config.vocab_size = len(tok)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    budget_gib = 4.5 * per_token * tokens / 2**30
+    with tempfile.TemporaryDirectory() as d:
+        config.save_pretrained(d)
+        tok.save_pretrained(d)
+        llm = LLM(
+            d,
+            load_format="dummy",
+            dtype="float32",
+            block_size=args.block_size,
+            kv_cache_space_gib=budget_gib,
+            max_model_len=tokens,
+            max_num_batched_tokens=args.engine_step_tokens,
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=False,
+            disable_hybrid_kv_cache_manager=not grouped,
+        )
+        eng = llm.engine
+        bs = args.block_size
+        if num_requests is None:
+            per_request = sum(
+                -(-tokens // bs) if not hasattr(g.spec, "window") else -(-g.spec.window // bs) + 1
+                for g in eng.cache_layout.groups
+            )
+            num_requests = 2 * (eng.block_pool.num_blocks // per_request) + 2
+        rng = random.Random(0)
+        prompt_len = tokens - new_tokens
+        params = Params(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+        for _ in range(num_requests):
+            eng.add_request([rng.randrange(5, len(tok)) for _ in range(prompt_len)], params)
+        most = steps = 0
+        while eng.has_unfinished_requests():
+            before = eng.scheduler.num_preemptions
+            eng.step()
+            steps += 1
+            if eng.scheduler.num_preemptions == before:
+                running = eng.scheduler.running
+                most = max(most, sum(r.num_computed_tokens >= prompt_len for r in running))
+        pool = eng.block_pool
+        assert pool.num_free == pool.num_blocks, "blocks leaked"
+        return {
+            "model": name,
+            "mode": "after" if grouped else "before",
+            "groups": eng.cache_layout.describe(),
+            "num_blocks": pool.num_blocks,
+            "requests": num_requests,
+            "running_at_once": most,
+            "preemptions": eng.scheduler.num_preemptions,
+            "steps": steps,
+            "tokens": tokens,
+            "window": config.sliding_window,
+            "budget_gib": budget_gib,
+        }
+
+
+def engine_main(args) -> int:
+    rows, summary = [], []
+    for name in args.models.split(","):
+        after = engine_run(name, True, args)
+        before = engine_run(name, False, args, after["requests"])
+        rows += [before, after]
+        ratio = after["running_at_once"] / max(1, before["running_at_once"])
+        summary.append(f"{name} {ratio:.2f}x")
+    print(
+        f"The engine, dummy weights, {args.engine_tokens}-token requests, float32 cache holding "
+        "4.5 full-length requests without groups"
+    )
+    print(
+        f"{'model':<11} {'mode':<7} {'window':>7} {'blocks':>8} {'requests':>9} {'at once':>8} "
+        f"{'preempt':>8}  groups"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<11} {r['mode']:<7} {r['window']:>7} {r['num_blocks']:>8} "
+            f"{r['requests']:>9} {r['running_at_once']:>8} {r['preemptions']:>8}  {r['groups']}"
+        )
+    print("SUMMARY engine requests at once, after / before: " + ", ".join(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -164,8 +274,17 @@ def main(argv=None) -> int:
     p.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--check", action="store_true", help="check the manager's books every step")
+    p.add_argument(
+        "--engine",
+        action="store_true",
+        help="count through the engine itself (dummy weights, narrowed width; slower)",
+    )
+    p.add_argument("--engine-tokens", type=int, default=2048, help="--engine's request length")
+    p.add_argument("--engine-step-tokens", type=int, default=2048)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.engine:
+        return engine_main(args)
     budget = int(args.budget_gib * (1 << 30))
     rows, summary = [], []
     for name in args.models.split(","):

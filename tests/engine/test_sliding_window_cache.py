@@ -141,3 +141,14 @@ def test_captured_decodes_read_each_groups_table(gemma3, prompts, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert captured.replays > 0
     assert_pool_whole(llm)
+
+
+def test_hybrid_cache_off_keeps_every_token_in_one_group(gemma3, prompts, reference):
+    """disable_hybrid_kv_cache_manager (vLLM's flag): one group of every layer, windows applied
+    by the kernels only; the same tokens (bench/kv_capacity.py's "before")."""
+    llm = engine(gemma3, disable_hybrid_kv_cache_manager=True)
+    layout = llm.engine.cache_layout
+    assert layout.num_groups == 1 and layout.groups[0].spec == FullAttentionSpec()
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_pool_whole(llm)

@@ -79,6 +79,9 @@ class EngineConfig:
     kv_cache_space_gib: float = 4.0  # the cache's size on CPU
     num_kv_blocks: int | None = None  # overrides both of the above (tests, debugging)
     enable_prefix_caching: bool = True
+    # Every layer keeps every token in one cache group, sliding windows included (vLLM's
+    # --disable-hybrid-kv-cache-manager): the before of bench/kv_capacity.py, and a way out.
+    disable_hybrid_kv_cache_manager: bool = False
     # Execution.
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU

@@ -44,11 +44,14 @@ class LoadedModel:
     model: torch.nn.Module
     cache_dtype: torch.dtype  # the KV cache's: the model dtype, or an 8-bit float
     param_bytes: int = 0  # the weights this process holds (its shard with tensor parallelism)
+    hybrid_cache: bool = True  # layers in cache groups by kind (False: one group of every layer)
 
     def cache_layout(self) -> CacheLayout:
         """The model's cache groups: its layers by the kind of cache each keeps."""
         m = self.model
         windows = getattr(m.spec, "windows", None) or (None,) * m.num_layers
+        if not self.hybrid_cache:
+            windows = (None,) * m.num_layers
         return plan_cache_groups(layer_cache_specs(windows, self.max_model_len))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
@@ -161,7 +164,16 @@ def load_model(
             logger.info(choice)
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
-        resolved, hf_config, device, dtype, max_model_len, backend, model, cache_dtype, held
+        resolved,
+        hf_config,
+        device,
+        dtype,
+        max_model_len,
+        backend,
+        model,
+        cache_dtype,
+        held,
+        hybrid_cache=not config.disable_hybrid_kv_cache_manager,
     )
 
 
