@@ -90,7 +90,7 @@ def test_allocate_is_all_or_nothing_across_groups():
     assert kv.num_held("a") == 4 and kv.pool.num_free == 1
     assert not kv.allocate("a", 8, 12)  # needs 2, one is free: nothing taken
     assert kv.num_held("a") == 4 and kv.pool.num_free == 1
-    assert kv.num_new_blocks("a", 8, 12) == 2
+    assert kv.num_new_blocks("a", 12) == 2
     kv.free("a")
     assert kv.pool.num_free == 5 and not kv.holds("a")
     kv.check()

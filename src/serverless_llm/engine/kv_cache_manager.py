@@ -230,7 +230,7 @@ class KVCacheManager:
         held = self._new()
         for g, spec in enumerate(self.specs):
             first = spec.first_needed_block(length * bs, bs)
-            blocks = [b for b in found[g][first:length]]
+            blocks = list(found[g][first:length])
             pool.take(blocks)
             held.tables[g] = [HOLE] * first + blocks
             held.released[g] = first
@@ -249,9 +249,9 @@ class KVCacheManager:
 
     # -- growing and shrinking ------------------------------------------------------------------
 
-    def num_new_blocks(self, owner: Hashable, num_computed: int, num_tokens: int) -> int:
-        """Blocks a grant up to `num_tokens` tokens needs beyond what the owner holds (after the
-        blocks that fell out of its windows are released)."""
+    def num_new_blocks(self, owner: Hashable, num_tokens: int) -> int:
+        """Blocks a grant up to `num_tokens` tokens needs beyond what the owner's tables cover
+        (a released block's hole counts as covered: the window has passed it)."""
         held = self._held.get(owner)
         need = 0
         target = math.ceil(num_tokens / self.block_size)
@@ -264,7 +264,7 @@ class KVCacheManager:
         """Makes the owner hold blocks for its first `num_tokens` tokens in every group (those
         a window has passed excepted); all or nothing. False when the pool is short."""
         self.release_out_of_window(owner, num_computed)
-        need = self.num_new_blocks(owner, num_computed, num_tokens)
+        need = self.num_new_blocks(owner, num_tokens)
         if need == 0:
             return True
         new = self.pool.allocate(need)
