@@ -44,6 +44,7 @@ from serverless_llm.engine.kv_cache import BlockPool, bytes_per_block  # noqa: E
 from serverless_llm.engine.kv_cache_manager import (  # noqa: E402
     FullAttentionSpec,
     KVCacheManager,
+    SlidingWindowSpec,
     layer_cache_specs,
     plan_cache_groups,
 )
@@ -196,7 +197,9 @@ def engine_run(name: str, grouped: bool, args, num_requests: int | None = None) 
         bs = args.block_size
         if num_requests is None:
             per_request = sum(
-                -(-tokens // bs) if not hasattr(g.spec, "window") else -(-g.spec.window // bs) + 1
+                -(-g.spec.window // bs) + 1
+                if isinstance(g.spec, SlidingWindowSpec)
+                else -(-tokens // bs)
                 for g in eng.cache_layout.groups
             )
             num_requests = 2 * (eng.block_pool.num_blocks // per_request) + 2

@@ -53,7 +53,9 @@ def sharded_logits(path: str, ids: list[int], size: int = 2, **config) -> dict:
             loaded = load_model(cfg, tp, prepared)
             m = loaded.model
             caches = loaded.allocate_kv_cache(-(-len(ids) // BLOCK), BLOCK)
-            runner = ModelRunner(m, caches, loaded.backend, BLOCK, loaded.device)
+            runner = ModelRunner(
+                m, caches, loaded.backend, BLOCK, loaded.device, loaded.cache_layout()
+            )
             with torch.inference_mode():
                 logits, _ = runner.run(prompt_batch(ids))
             out["bytes"][r] = loaded.param_bytes

@@ -148,8 +148,8 @@ class AsyncEngine:
 
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> PreparedPrompt:
         """A prompt validated once for requests with `params`: tokenized or checked, fitted
-        (ContextLengthError when it does not fit), the parameters checked. Blocking (the
-        tokenizer): the routes call it off the event loop."""
+        (ContextLengthError when it does not fit); each request's own parameters are checked
+        when it is built. Blocking (the tokenizer): the routes call it off the event loop."""
         return self.core.inputs.prepare(prompt, params)
 
     async def prepare(

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from .kv_cache_manager import CacheLayout
 from .layers.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ class CapturedDecode:
         max_num_seqs: int,
         max_seq_len: int,
         mode: str = "cuda",
-        group_of_layer: tuple[int, ...] | None = None,
+        *,
+        layout: CacheLayout,
     ) -> None:
         if mode not in ("cuda", "replay"):
             raise ValueError(f"capture mode {mode!r}: allowed cuda, replay")
@@ -176,9 +178,8 @@ class CapturedDecode:
         self.max_seq_len = max_seq_len
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_seq_len // block_size)
-        self.group_of_layer = group_of_layer  # cache groups (None: one)
-        num_groups = 1 if group_of_layer is None else max(group_of_layer) + 1
-        self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device, num_groups)
+        self.layout = layout  # the cache groups, each with its slots and block tables
+        self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device, layout.num_groups)
         # bucket -> (graph, its output buffer, the metadata it was captured with)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         self.enabled = False
@@ -280,9 +281,7 @@ class CapturedDecode:
         """Each group's metadata prepared by the backend; what the model's forward takes."""
         for meta in metas:
             self.backend.prepare(meta)
-        if len(metas) == 1:
-            return metas[0]
-        return [metas[g] for g in self.group_of_layer]
+        return self.layout.per_layer(metas)
 
     # -- the self-check ----------------------------------------------------------------------------
 
@@ -325,7 +324,7 @@ class CapturedDecode:
             # the split-KV grid), so both run the same kernels on the same inputs and agree
             # to rounding whatever the dtype; the twin replays with the real lengths.
             host = lens if self.mode == "replay" else [self.max_seq_len] * n
-            groups = self.static.slot_mapping.shape[0]
+            groups = self.layout.num_groups
             expected = self._eager(ids, positions, slots, lens, tables, host)
             got = self.run(size, ids, positions, [slots] * groups, lens, [tables] * groups)
             got = got.clone()

@@ -51,6 +51,14 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message)
 
 
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The context-length rule: the prompt and `max_tokens` (or, with none, at least one token)
+    fit within max_model_len; ContextLengthError otherwise."""
+    room = 1 if max_tokens is None else max_tokens
+    if num_prompt_tokens + room > max_model_len:
+        raise ContextLengthError(num_prompt_tokens, max_tokens, max_model_len)
+
+
 def structured_error(e: StructuredOutputError) -> InvalidRequestError:
     """A StructuredOutputError as the request's error, its message naming the field."""
     param = getattr(e, "param", None)
@@ -80,9 +88,7 @@ class PreparedPrompt:
     def with_max_tokens(self, max_tokens: int | None) -> PreparedPrompt:
         """The same prompt fitted for another max_tokens (ContextLengthError if it does not
         fit): a route that shrinks its default output to the room the prompt leaves."""
-        n = len(self.token_ids)
-        if n + (max_tokens or 1) > self.max_model_len:
-            raise ContextLengthError(n, max_tokens, self.max_model_len)
+        check_context(len(self.token_ids), max_tokens, self.max_model_len)
         return dataclasses.replace(self, max_tokens=max_tokens)
 
     def check_fits(self, params: SamplingParams) -> None:
@@ -95,8 +101,9 @@ class PreparedPrompt:
                 f"{params.truncate_prompt_tokens}: prepare it for those"
             )
         n = len(self.token_ids)
-        if n == 0 or n + (self.max_tokens or 1) > self.max_model_len:
+        if n == 0:
             raise ContextLengthError(n, self.max_tokens, self.max_model_len)
+        check_context(n, self.max_tokens, self.max_model_len)
 
 
 @dataclass
@@ -163,11 +170,7 @@ class InputProcessor:
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty (it encodes to no tokens)")
-        limit = self.max_model_len
-        if (max_tokens is None and n >= limit) or (
-            max_tokens is not None and n + max_tokens > limit
-        ):
-            raise ContextLengthError(n, max_tokens, limit)
+        check_context(n, max_tokens, self.max_model_len)
         return token_ids
 
     # -- grammars ---------------------------------------------------------------------------

@@ -100,6 +100,13 @@ class CacheLayout:
     def num_groups(self) -> int:
         return len(self.groups)
 
+    def per_layer(self, per_group: list):
+        """From one value per group (each group's attention metadata) to what the model's
+        forward takes: the one value, or the list of each layer's group's."""
+        if len(per_group) == 1:
+            return per_group[0]
+        return [per_group[g] for g in self.group_of_layer]
+
     def describe(self) -> str:
         if self.num_groups == 1:
             return self.groups[0].spec.describe()

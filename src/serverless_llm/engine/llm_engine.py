@@ -252,7 +252,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_seq_len=min(config.max_seq_len_to_capture, self.max_model_len),
             mode=mode,
-            group_of_layer=self.cache_layout.group_of_layer,
+            layout=self.cache_layout,
         )
         return captured if captured.capture() else None
 
@@ -303,9 +303,12 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> PreparedPrompt:
         """A prompt validated once for requests with `params` (input_processor.prepare), with
-        its adapter read (LoRAError, a bad request, if it cannot be). Blocking: the grammar is
-        compiled when its first request is built."""
+        its adapter read (LoRAError, a bad request, if it cannot be) and its grammar compiled.
+        Blocking: the offline path's (the async engine compiles off the event loop)."""
         prepared = self.inputs.prepare(prompt, params)
+        if params.structured is not None and prepared.grammar is None:
+            grammar = self.inputs.compile_grammar(params.structured).result()
+            prepared = dataclasses.replace(prepared, grammar=grammar)
         return self.with_adapter(prepared, lora_request)
 
     def with_adapter(

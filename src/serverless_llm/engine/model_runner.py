@@ -72,11 +72,11 @@ class ModelRunner:
         backend: AttentionBackend,
         block_size: int,
         device: torch.device,
-        layout: CacheLayout | None = None,
+        layout: CacheLayout,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.layout = layout  # cache groups; None: one group of every layer
+        self.layout = layout  # the cache groups, each with its block tables
         self.kv: KVCacheManager | None = None  # the block tables' owner (the engine's)
         self.backend = backend
         self.block_size = block_size
@@ -102,7 +102,7 @@ class ModelRunner:
         # Decodes first: the backend then finds them as one contiguous run of tokens.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         bs = self.block_size
-        num_groups = 1 if self.layout is None else self.layout.num_groups
+        num_groups = self.layout.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(num_groups)]
@@ -199,12 +199,6 @@ class ModelRunner:
         pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
         return ids_t, pos_t, metas
 
-    def layer_metadata(self, metas: list[AttentionMetadata]):
-        """What the model's forward takes: the one metadata, or each layer's group's."""
-        if len(metas) == 1:
-            return metas[0]
-        return [metas[g] for g in self.layout.group_of_layer]
-
     def lora_groups(self, h: HostBatch, slots: dict[int, int]) -> tuple[list, torch.Tensor]:
         """Each adapter slot's rows of the step (a slice when they are one run, else indices),
         and each token's slot (-1: none)."""
@@ -260,7 +254,7 @@ class ModelRunner:
                 self.lora_step.set(*self.lora_groups(h, self.lora_slots))
             try:
                 hidden = self.model(
-                    input_ids, positions, self.kv_caches, self.layer_metadata(metas)
+                    input_ids, positions, self.kv_caches, self.layout.per_layer(metas)
                 )
             finally:
                 if self.lora_step is not None:

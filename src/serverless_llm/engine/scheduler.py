@@ -108,13 +108,12 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Removes a request wherever it is and frees its blocks at once."""
-        self._remove(request)
+        self.finish_keeping_blocks(request, reason)
         self._free_blocks(request)
-        request.status = RequestStatus.FINISHED
-        if request.finish_reason is None:
-            request.finish_reason = reason
 
-    def _remove(self, request: Request) -> None:
+    def finish_keeping_blocks(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request whose KV lives on (a beam's, for the beams that extend it): its blocks
+        stay with the KV cache manager under its id, for the caller to fork or free."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -122,11 +121,6 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-
-    def finish_keeping_blocks(self, request: Request, reason: FinishReason) -> None:
-        """Ends a request whose KV lives on (a beam's, for the beams that extend it): its blocks
-        stay with the KV cache manager under its id, for the caller to fork or free."""
-        self._remove(request)
         request.status = RequestStatus.FINISHED
         if request.finish_reason is None:
             request.finish_reason = reason
