@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from serverless_llm.engine.kernels import (
     activation,
+    causal_conv1d,
     fused_moe,
     fused_moe_w4a16,
     kv_write,
@@ -365,6 +366,21 @@ def main(quick: bool = False) -> int:
             for neox in (True, False):
                 ce = dict(IS_NEOX=neox, QH_PAD=32, KH_PAD=8, HALF_PAD=64)
                 attempt(f"rotary {dtype} neox={neox}", rotary._rotary_kernel, dtype, ce, arch, 8, 1)
+            # The recurrent layers' short convolution (decode and prefill tiles, K = 4 and 3)
+            # and their gated RMSNorm (per head; one group over a Mamba-2 row).
+            conv_ptrs = {"slots_ptr": "*i32", "init_ptr": "*i1"}
+            for kw, silu, block_t, block_c, warps in ((4, True, 1, 256, 2), (3, False, 16, 128, 4)):
+                ce = dict(KW=kw, HAS_BIAS=silu, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c,
+                          STATE_PAD=triton.next_power_of_2(kw - 1))  # fmt: skip
+                kernel = causal_conv1d._causal_conv1d_kernel
+                label = f"causal_conv1d {dtype} K={kw} block_t={block_t}"
+                attempt(label, kernel, dtype, ce, arch, warps, 1, pointers=conv_ptrs)
+            for before, group in ((True, 128), (False, 4096)):
+                block, warps = triton_common.row_launch_shape(group)
+                ce = dict(NORM_BEFORE_GATE=before, ROUND_WEIGHTED=True, BLOCK=block)
+                kernel = causal_conv1d._gated_rms_norm_kernel
+                label = f"gated_rms_norm {dtype} norm_before_gate={before} group={group}"
+                attempt(label, kernel, dtype, ce, arch, warps, 1)
     if quick:
         # The quick pass is sm90; the e4m3 byte codec exists for sm80, so compile its users there.
         caches = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
