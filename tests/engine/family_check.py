@@ -68,6 +68,8 @@ def engine_greedy(path: str, prompts, new_tokens: int = NEW_TOKENS, **engine_kw)
     outs = llm.generate(prompts, params)
     pool = llm.engine.block_pool
     assert pool.num_free == pool.num_blocks, "KV blocks leaked"
+    states = llm.engine.state_pool
+    assert states is None or states.num_free == states.num_slots - 1, "state slots leaked"
     return [o.outputs[0].token_ids for o in outs]
 
 

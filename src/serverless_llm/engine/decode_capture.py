@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from .kv_cache import RecurrentState
 from .kv_cache_manager import CacheLayout
 from .layers.attention import AttentionBackend, AttentionMetadata
 
@@ -70,7 +71,12 @@ class StaticDecodeBatch:
     """The fixed input buffers of captured steps, on the model's device."""
 
     def __init__(
-        self, max_rows: int, max_blocks: int, device: torch.device, num_groups: int = 1
+        self,
+        max_rows: int,
+        max_blocks: int,
+        device: torch.device,
+        num_groups: int = 1,
+        has_state: bool = False,
     ) -> None:
         self.max_rows = max_rows
         self.max_blocks = max_blocks
@@ -83,6 +89,12 @@ class StaticDecodeBatch:
         self.seq_lens = torch.ones(max_rows, dtype=i32, device=device)
         self.context_lens = torch.zeros(max_rows, dtype=i32, device=device)
         self.query_start_loc = torch.arange(max_rows + 1, dtype=i32, device=device)
+        # Recurrent layers: each row's state slot (padding: the scratch slot 0, started from
+        # zeros, so a padded row reads nothing and what it writes is never read).
+        self.state_slots = torch.zeros(max_rows, dtype=i32, device=device) if has_state else None
+        self.has_initial_state = (
+            torch.zeros(max_rows, dtype=torch.bool, device=device) if has_state else None
+        )
 
     def fill(
         self,
@@ -92,6 +104,7 @@ class StaticDecodeBatch:
         slots: list[list[int]],  # per cache group
         seq_lens: list[int],
         block_tables: list[torch.Tensor],  # per cache group, [rows, <= max_blocks] int32, host
+        state_slots: list[int] | None = None,  # per row, with recurrent layers
     ) -> None:
         """Rows 0..n-1 from the step, rows n..size-1 as padding. Table columns past
         `max_blocks` are dropped: no row of a captured step (context <= the capture's longest)
@@ -112,6 +125,9 @@ class StaticDecodeBatch:
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         self.seq_lens[:n].copy_(lens, non_blocking=True)
         self.context_lens[:n].copy_(lens - 1, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(torch.tensor(state_slots, dtype=torch.int32))
+            self.has_initial_state[:n].copy_(lens > 1)
         self.pad(n, size)
 
     def pad(self, start: int, end: int) -> None:
@@ -125,14 +141,18 @@ class StaticDecodeBatch:
         self.block_tables[:, start:end].zero_()
         self.seq_lens[start:end].fill_(1)
         self.context_lens[start:end].zero_()
+        if self.state_slots is not None:
+            self.state_slots[start:end].zero_()
+            self.has_initial_state[start:end].fill_(False)
 
     def metadata(
         self, size: int, seq_lens_host: list[int], block_size: int
     ) -> list[AttentionMetadata]:
         """Attention metadata viewing the first `size` rows, one per cache group: all decodes.
         `seq_lens_host` is what host-side choices see (a capture's: its longest context on
-        every row)."""
-        return [
+        every row). A model of recurrent layers alone has one (unread) group."""
+        groups = self.slot_mapping.shape[0]
+        metas = [
             AttentionMetadata(
                 query_start_loc=self.query_start_loc[: size + 1],
                 seq_lens=self.seq_lens[:size],
@@ -145,9 +165,14 @@ class StaticDecodeBatch:
                 query_lens_host=[1] * size,
                 seq_lens_host=list(seq_lens_host),
                 block_size=block_size,
+                state_slots=None if self.state_slots is None else self.state_slots[:size],
+                has_initial_state=(
+                    None if self.has_initial_state is None else self.has_initial_state[:size]
+                ),
             )
-            for g in range(self.slot_mapping.shape[0])
+            for g in range(groups)
         ]
+        return metas
 
 
 class CapturedDecode:
@@ -179,7 +204,9 @@ class CapturedDecode:
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_seq_len // block_size)
         self.layout = layout  # the cache groups, each with its slots and block tables
-        self.static = StaticDecodeBatch(self.sizes[-1], max_blocks, device, layout.num_groups)
+        self.static = StaticDecodeBatch(
+            self.sizes[-1], max_blocks, device, max(layout.num_groups, 1), layout.has_state
+        )
         # bucket -> (graph, its output buffer, the metadata it was captured with)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         self.enabled = False
@@ -258,11 +285,12 @@ class CapturedDecode:
         slots: list[list[int]],
         seq_lens: list[int],
         block_tables: list[torch.Tensor],
+        state_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step's n rows, through bucket `size`. The
         result is a view of the capture's output buffer: valid until the next step."""
         n = len(input_ids)
-        self.static.fill(size, input_ids, positions, slots, seq_lens, block_tables)
+        self.static.fill(size, input_ids, positions, slots, seq_lens, block_tables, state_slots)
         self.replays += 1
         return self._replay(size, seq_lens + [1] * (size - n))[:n]
 
@@ -288,28 +316,42 @@ class CapturedDecode:
     @torch.inference_mode()
     def _self_check(self) -> None:
         """Each bucket against the eager forward on a probe batch; sets `enabled`."""
-        cache = self.kv_caches[0]
+        kv = _kv_tensors(self.kv_caches)
+        states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
         bs = self.block_size
-        num_blocks = cache.shape[1]
-        longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT, num_blocks * bs))
+        longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT))
+        if kv:
+            longest = min(longest, kv[0].shape[1] * bs)
         probe_blocks = -(-longest // bs)
         # The probe's keys: finite values in the blocks it reads (an unused cache may hold
         # anything, NaN included). Nothing is served yet, so the blocks are free to scribble on.
         g = torch.Generator(device="cpu").manual_seed(0)
-        for layer_cache in self.kv_caches:
+        for layer_cache in kv:
             junk = torch.randn(
                 (2, probe_blocks, *layer_cache.shape[2:]), generator=g, dtype=torch.float32
             )
             layer_cache[:, :probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
+        # Recurrent states: finite values in every slot; rows past the slots there are start
+        # from zeros in the scratch slot 0 (as padded rows do).
+        num_slots = states[0][0].shape[0] if states else 0
+        for layer in states:
+            for t in layer.tensors:
+                junk = torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.1
+                t.copy_(junk.to(t.dtype))
         table = torch.arange(probe_blocks, dtype=torch.int32)
         vocab = self.model.embed_tokens.num_embeddings
-        tol = 1e-3 if cache.dtype == torch.float32 else 3e-2
+        dtype = self.model.embed_tokens.weight.dtype
+        tol = 1e-3 if dtype == torch.float32 else 3e-2
         self.enabled = True  # for `run` below; reset on any failure
         for size in self.sizes:
             n = max(1, size - 1)
             # Different lengths per row, each row's new token at its own last position; rows that
             # share a length would write one slot twice, so lengths are distinct where they fit.
             lens = [1 + (longest - 1 - (r * 131) % longest) for r in range(n)]
+            state_slots = None
+            if states:  # a row without a slot of its own starts a state in slot 0: its first token
+                state_slots = [r + 1 if r + 1 < num_slots else 0 for r in range(n)]
+                lens = [x if s else 1 for x, s in zip(lens, state_slots)]
             ids = torch.randint(0, vocab, (n,), generator=g).tolist()
             positions = [x - 1 for x in lens]
             # Rows past `longest` repeat a length: they write nothing (two writes of one slot in
@@ -324,9 +366,16 @@ class CapturedDecode:
             # the split-KV grid), so both run the same kernels on the same inputs and agree
             # to rounding whatever the dtype; the twin replays with the real lengths.
             host = lens if self.mode == "replay" else [self.max_seq_len] * n
-            groups = self.layout.num_groups
-            expected = self._eager(ids, positions, slots, lens, tables, host)
-            got = self.run(size, ids, positions, [slots] * groups, lens, [tables] * groups)
+            groups = max(self.layout.num_groups, 1)
+            # Both passes advance the states in place: each starts from the same saved ones.
+            saved = [[t.clone() for t in layer.tensors] for layer in states]
+            expected = self._eager(ids, positions, slots, lens, tables, host, state_slots)
+            for layer, kept in zip(states, saved):
+                for t, k in zip(layer.tensors, kept):
+                    t.copy_(k)
+            got = self.run(
+                size, ids, positions, [slots] * groups, lens, [tables] * groups, state_slots
+            )
             got = got.clone()
             if SELF_CHECK_HOOK is not None:
                 got = SELF_CHECK_HOOK(got)
@@ -339,7 +388,7 @@ class CapturedDecode:
                 )
         self.replays = 0
 
-    def _eager(self, ids, positions, slots, lens, tables, host_lens) -> torch.Tensor:
+    def _eager(self, ids, positions, slots, lens, tables, host_lens, state_slots) -> torch.Tensor:
         # Built without StaticDecodeBatch on purpose: the check must not share the code it checks.
         dev = self.device
         n = len(ids)
@@ -357,10 +406,23 @@ class CapturedDecode:
             seq_lens_host=list(host_lens),
             block_size=self.block_size,
         )
+        if state_slots is not None:
+            meta.state_slots = torch.tensor(state_slots, dtype=torch.int32).to(dev)
+            meta.has_initial_state = torch.tensor([x > 1 for x in lens]).to(dev)
         self.backend.prepare(meta)
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
         return self.model(ids_t, pos_t, self.kv_caches, meta).clone()
+
+
+def _kv_tensors(kv_caches: list) -> list[torch.Tensor]:
+    """The distinct KV tensors among the layers' caches."""
+    out: dict[int, torch.Tensor] = {}
+    for c in kv_caches:
+        t = c.kv if isinstance(c, RecurrentState) else c
+        if t is not None:
+            out[id(t)] = t
+    return list(out.values())
 
 
 def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -26,6 +26,7 @@ import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -207,15 +208,71 @@ def allocate_kv_cache(
     return caches
 
 
-def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-    """Copies the K and V of block `src` into block `dst`, in every layer tensor, for each pair."""
+class StateCopy(NamedTuple):
+    """A state slot to copy (src -> dst) in every recurrent layer: a forked beam's state. It
+    travels among the (src, dst) block pairs the KV cache manager hands out, so one list carries
+    both kinds."""
+
+    src: int
+    dst: int
+
+
+class RecurrentState:
+    """One recurrent layer's per-request state tensors, each `[num_slots, ...]` (a convolution's
+    last inputs, a recurrent matrix; the layer says which, `state_shapes`), indexed by the
+    request's state slot (kv_cache_manager.StatePool). `kv`: the layer's KV cache too, for a
+    layer that both attends and keeps a state (Falcon-H1's parallel hybrid), else None."""
+
+    def __init__(self, tensors: list[torch.Tensor], kv: torch.Tensor | None = None) -> None:
+        self.tensors = tensors
+        self.kv = kv
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tensors[i]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def state_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes of one slot of a layer's state tensors (`shapes`: per tensor its per-request shape
+    and dtype)."""
+    total = 0
+    for shape, dtype in shapes:
+        total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def allocate_state(
+    shapes: list[tuple[tuple[int, ...], torch.dtype]], num_slots: int, device: torch.device
+) -> list[torch.Tensor]:
+    """A layer's state tensors for `num_slots` slots. Left uninitialised on CPU: a request's
+    first step starts from zeros without reading its slot (`has_initial_state`), and what a
+    padded row computes from the scratch slot 0 is never read."""
+    make = torch.zeros if device.type != "cpu" else torch.empty
+    return [make((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in shapes]
+
+
+def copy_blocks(kv_caches: list, pairs: list[tuple[int, int]]) -> None:
+    """Copies the K and V of block `src` into block `dst`, in every layer tensor, for each pair;
+    a `StateCopy` pair copies a state slot in every recurrent layer."""
     if not pairs:
         return
-    device = kv_caches[0].device
-    src = torch.tensor([a for a, _ in pairs], device=device)
-    dst = torch.tensor([b for _, b in pairs], device=device)
-    # Layers of different cache groups share tensors (kv_cache_manager): each copied once.
-    for cache in {id(c): c for c in kv_caches}.values():
-        if is_fp8(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
-            cache = cache.view(torch.uint8)
-        cache[:, dst] = cache[:, src]
+    states = [p for p in pairs if isinstance(p, StateCopy)]
+    blocks = [p for p in pairs if not isinstance(p, StateCopy)]
+    kv = [c.kv if isinstance(c, RecurrentState) else c for c in kv_caches]
+    kv = [c for c in kv if c is not None]
+    if blocks and kv:
+        device = kv[0].device
+        src = torch.tensor([a for a, _ in blocks], device=device)
+        dst = torch.tensor([b for _, b in blocks], device=device)
+        # Layers of different cache groups share tensors (kv_cache_manager): each copied once.
+        for cache in {id(c): c for c in kv}.values():
+            if is_fp8(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
+                cache = cache.view(torch.uint8)
+            cache[:, dst] = cache[:, src]
+    for layer in kv_caches:
+        if isinstance(layer, RecurrentState):
+            for tensor in layer.tensors:
+                for a, b in states:
+                    tensor[b] = tensor[a]

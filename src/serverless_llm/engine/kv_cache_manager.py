@@ -6,8 +6,18 @@ table per request:
 - a sliding window of W tokens keeps only what its next query can still see: a block whose tokens
   all fell out of the window goes back to the pool while the request runs (its slot in the
   request's table becomes a hole, block 0, which no kernel reads: they start at the window);
-- room for what is coming: a latent of another width, or a fixed-size recurrent state per request,
-  is another `CacheSpec` with its own rule for which blocks it holds.
+- a latent of another width would be another `CacheSpec` with its own rule for which blocks it
+  holds.
+
+Recurrent layers (Gated DeltaNet, Mamba, short convolutions) keep no KV: each request has a
+fixed-size state instead (its convolution's last inputs and its recurrent matrix, in every such
+layer). Those layers form the **state group**, whose one page is a request's whole state: a
+**slot** of the `StatePool`, an index into every recurrent layer's state tensors
+(`[num_slots, ...]`). A request holds one slot from its first scheduled step to its end (or its
+preemption); allocation takes the slot and the blocks together, all or nothing. A state cannot
+be rebuilt from blocks or rolled back, so a model with a state group takes no cached prefix (the
+engine turns prefix caching off for it and says why) and refuses roll-back; a beam forks its
+parent's state by copying the slot (`StateCopy`).
 
 All groups draw on **one block pool**. To make a block the same number of bytes whatever group
 holds it, groups have the same number of layers, `layers_per_page` (S): a block id names one
@@ -35,9 +45,10 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool, block_hash
+from .kv_cache import BlockPool, StateCopy, block_hash
 
 HOLE = 0  # a released block's place in a table: block 0 is always finite memory, never read
+NO_SLOT = 0  # state slot 0 is never handed out: padded rows of captured steps write into it
 
 
 # -- what a layer keeps -------------------------------------------------------------------------
@@ -71,13 +82,19 @@ class SlidingWindowSpec:
 CacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 
-def layer_cache_specs(windows: Sequence[int | None], max_model_len: int) -> list[CacheSpec]:
+def layer_cache_specs(
+    windows: Sequence[int | None], max_model_len: int, attention: Sequence[bool] | None = None
+) -> list[CacheSpec | None]:
     """Each layer's spec from its sliding window (None: full attention). A window that covers the
-    longest sequence keeps everything, so it is full attention for the cache."""
-    return [
+    longest sequence keeps everything, so it is full attention for the cache. `attention`: per
+    layer, whether it attends at all (None where it does not: it keeps no KV)."""
+    specs: list[CacheSpec | None] = [
         FullAttentionSpec() if w is None or w >= max_model_len else SlidingWindowSpec(int(w))
         for w in windows
     ]
+    if attention is not None:
+        specs = [s if a else None for s, a in zip(specs, attention)]
+    return specs
 
 
 # -- groups -------------------------------------------------------------------------------------
@@ -95,39 +112,61 @@ class CacheLayout:
     layers_per_page: int  # S: layer tensors a block spans
     group_of_layer: tuple[int, ...]
     slot_of_layer: tuple[int, ...]  # which of the S tensors holds the layer
+    state_layers: tuple[int, ...] = ()  # the state group: layers keeping a recurrent state
 
     @property
     def num_groups(self) -> int:
+        """Block groups (the state group is not one: it holds slots, not blocks)."""
         return len(self.groups)
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_layers)
 
     def per_layer(self, per_group: list):
         """From one value per group (each group's attention metadata) to what the model's
-        forward takes: the one value, or the list of each layer's group's."""
+        forward takes: the one value, or the list of each layer's group's (a layer without KV
+        takes group 0's, or the one value of a model without block groups)."""
         if len(per_group) == 1:
             return per_group[0]
         return [per_group[g] for g in self.group_of_layer]
 
     def describe(self) -> str:
-        if self.num_groups == 1:
+        state = f"{len(self.state_layers)} layers recurrent state" if self.state_layers else ""
+        if self.num_groups == 0:
+            return state
+        if self.num_groups == 1 and not state:
             return self.groups[0].spec.describe()
         kinds: dict[str, int] = {}
         for g in self.groups:
             kinds[g.spec.describe()] = kinds.get(g.spec.describe(), 0) + len(g.layers)
-        parts = ", ".join(f"{n} layers {k}" for k, n in kinds.items())
+        parts = ", ".join(
+            [f"{n} layers {k}" for k, n in kinds.items()] + ([state] if state else [])
+        )
         return f"{self.num_groups} groups of {self.layers_per_page} layers ({parts})"
 
 
-def plan_cache_groups(specs: Sequence[CacheSpec], max_padding: float = 0.1) -> CacheLayout:
-    """Groups the layers by spec, `S` layers a group. S is the largest size, up to the smallest
-    kind's layer count, whose padding (tensor slots a group's blocks leave unused, when a kind's
-    count is not a multiple of S) stays within `max_padding` of the layers; S = 1 never pads. A
-    larger S means fewer groups, so fewer block tables to build each step."""
+def plan_cache_groups(
+    specs: Sequence[CacheSpec | None],
+    max_padding: float = 0.1,
+    state_layers: Sequence[int] = (),
+) -> CacheLayout:
+    """Groups the layers that keep keys and values by spec, `S` layers a group (a layer whose
+    spec is None keeps none). S is the largest size, up to the smallest kind's layer count,
+    whose padding (tensor slots a group's blocks leave unused, when a kind's count is not a
+    multiple of S) stays within `max_padding` of the layers; S = 1 never pads. A larger S means
+    fewer groups, so fewer block tables to build each step. `state_layers`: the layers that keep
+    a recurrent state (the state group; a layer may keep both)."""
     kinds: dict[CacheSpec, list[int]] = {}
     for i, spec in enumerate(specs):
-        kinds.setdefault(spec, []).append(i)
-    if not kinds:
+        if spec is not None:
+            kinds.setdefault(spec, []).append(i)
+    if not kinds and not state_layers:
         raise ValueError("a model without layers has no cache")
-    total = len(specs)
+    total = sum(len(v) for v in kinds.values())
+    if not kinds:  # only recurrent layers (Mamba-2): no block groups at all
+        n = len(specs)
+        return CacheLayout((), 1, (0,) * n, (0,) * n, tuple(state_layers))
     size = 1
     for s in range(min(len(v) for v in kinds.values()), 0, -1):
         padded = sum(math.ceil(len(v) / s) * s for v in kinds.values())
@@ -135,8 +174,10 @@ def plan_cache_groups(specs: Sequence[CacheSpec], max_padding: float = 0.1) -> C
             size = s
             break
     groups = []
-    group_of = [0] * total
-    slot_of = [0] * total
+    group_of = [0] * len(
+        specs
+    )  # a layer without KV reads group 0's metadata (only the shared part)
+    slot_of = [0] * len(specs)
     for spec, layers in kinds.items():
         for start in range(0, len(layers), size):
             members = tuple(layers[start : start + size])
@@ -144,7 +185,38 @@ def plan_cache_groups(specs: Sequence[CacheSpec], max_padding: float = 0.1) -> C
                 group_of[layer] = len(groups)
                 slot_of[layer] = slot
             groups.append(CacheGroup(spec, members))
-    return CacheLayout(tuple(groups), size, tuple(group_of), tuple(slot_of))
+    return CacheLayout(tuple(groups), size, tuple(group_of), tuple(slot_of), tuple(state_layers))
+
+
+# -- the state pool -----------------------------------------------------------------------------
+
+
+class StatePool:
+    """The recurrent-state slots 1 .. num_slots - 1 (slot 0 is scratch), the last freed first."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(
+                f"a state pool needs at least 2 slots (one is scratch), got {num_slots}"
+            )
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))  # a stack: pop() gives the lowest
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert 0 < slot < self.num_slots and slot not in self._free, (
+            f"state slot {slot} freed twice"
+        )
+        self._free.append(slot)
+
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
 
 
 # -- the manager --------------------------------------------------------------------------------
@@ -153,19 +225,30 @@ def plan_cache_groups(specs: Sequence[CacheSpec], max_padding: float = 0.1) -> C
 @dataclass
 class HeldBlocks:
     """One owner's blocks: per group a table (block ids; HOLE where released) and how many of its
-    leading entries are released; and the prefix digests of its full, computed blocks."""
+    leading entries are released; the prefix digests of its full, computed blocks; and its state
+    slot (NO_SLOT: none, or a model without recurrent layers)."""
 
     tables: list[list[int]]
     released: list[int]
     hashes: list[bytes] = field(default_factory=list)
+    state: int = NO_SLOT
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, layout: CacheLayout, block_size: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        layout: CacheLayout,
+        block_size: int,
+        state_pool: StatePool | None = None,
+    ) -> None:
+        if layout.has_state and state_pool is None:
+            raise ValueError("a layout with recurrent layers needs a state pool")
         self.pool = pool
         self.layout = layout
         self.block_size = block_size
         self.specs = [g.spec for g in layout.groups]
+        self.state_pool = state_pool if layout.has_state else None
         self._held: dict[Hashable, HeldBlocks] = {}
 
     # -- looking --------------------------------------------------------------------------------
@@ -179,6 +262,11 @@ class KVCacheManager:
         if held is None:
             return [[] for _ in self.specs]
         return held.tables
+
+    def state_slot(self, owner: Hashable) -> int:
+        """The owner's state slot (NO_SLOT when it holds none)."""
+        held = self._held.get(owner)
+        return NO_SLOT if held is None else held.state
 
     def num_held(self, owner: Hashable, group: int | None = None) -> int:
         """Blocks the owner holds (in one group, or in all)."""
@@ -208,8 +296,8 @@ class KVCacheManager:
         none). The owner must hold nothing yet."""
         assert owner not in self._held, f"{owner} already holds blocks"
         pool, bs = self.pool, self.block_size
-        if not pool.enable_prefix_caching or max_blocks <= 0:
-            return 0
+        if not pool.enable_prefix_caching or max_blocks <= 0 or self.state_pool is not None:
+            return 0  # a recurrent state cannot be rebuilt from blocks
         full_groups = [g for g, s in enumerate(self.specs) if isinstance(s, FullAttentionSpec)]
         digests: list[bytes] = []
         found: list[list[int | None]] = [[] for _ in self.specs]
@@ -269,17 +357,27 @@ class KVCacheManager:
 
     def allocate(self, owner: Hashable, num_computed: int, num_tokens: int) -> bool:
         """Makes the owner hold blocks for its first `num_tokens` tokens in every group (those
-        a window has passed excepted); all or nothing. False when the pool is short."""
+        a window has passed excepted), and a state slot when the model has recurrent layers;
+        all or nothing. False when the pool (or the state pool) is short."""
         self.release_out_of_window(owner, num_computed)
-        need = self.num_new_blocks(owner, num_tokens)
-        if need == 0:
-            return True
-        new = self.pool.allocate(need)
-        if new is None:
-            return False
         held = self._held.get(owner)
+        slot = NO_SLOT
+        if self.state_pool is not None and (held is None or held.state == NO_SLOT):
+            slot = self.state_pool.allocate()
+            if slot is None:
+                return False
+        need = self.num_new_blocks(owner, num_tokens)
+        new = self.pool.allocate(need) if need else []
+        if new is None:
+            if slot != NO_SLOT:
+                self.state_pool.free(slot)
+            return False
+        if not new and slot == NO_SLOT:
+            return True
         if held is None:
             held = self._held[owner] = self._new()
+        if slot != NO_SLOT:
+            held.state = slot
         target = math.ceil(num_tokens / self.block_size)
         for table in held.tables:
             grow = max(0, target - len(table))
@@ -335,6 +433,8 @@ class KVCacheManager:
             return
         for g, table in enumerate(held.tables):
             self.pool.free(table[held.released[g] :])
+        if held.state != NO_SLOT:
+            self.state_pool.free(held.state)
 
     def rollback(self, owner: Hashable, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
         """Forgets every token from `num_tokens` on: blocks that held only such tokens are freed,
@@ -347,6 +447,11 @@ class KVCacheManager:
         held = self._held.get(owner)
         if held is None:
             return 0, []
+        if self.state_pool is not None:
+            raise ValueError(
+                f"cannot roll {owner} back to {num_tokens} tokens: a recurrent state cannot be "
+                "rolled back"
+            )
         bs = self.block_size
         for g, spec in enumerate(self.specs):
             if spec.first_needed_block(num_tokens, bs) < held.released[g]:
@@ -391,9 +496,12 @@ class KVCacheManager:
         self, src: Hashable, dst: Hashable, num_computed: int
     ) -> tuple[int, list[tuple[int, int]]]:
         """`dst` shares `src`'s full blocks and gets a copy of its last, partly filled one (in
-        every group: copy-on-write done at once, as either is about to write into it). Returns
-        the tokens `dst` now has computed and the (src, dst) block pairs to copy; without room
-        for the copies, `dst` shares the full blocks only and computes the rest again."""
+        every group: copy-on-write done at once, as either is about to write into it), and a
+        copy of its state slot with recurrent layers (a `StateCopy` among the pairs). Returns
+        the tokens `dst` now has computed and the (src, dst) pairs to copy; without room for the
+        copies, `dst` shares the full blocks only and computes the rest again (with recurrent
+        layers, whose state is at `num_computed` only, it then takes nothing and computes all
+        again)."""
         held = self._held.get(src)
         if held is None:
             return 0, []
@@ -402,7 +510,16 @@ class KVCacheManager:
         partial = num_computed > full * bs
         child = self._new()
         child.hashes = list(held.hashes[:full])
-        new = self.pool.allocate(len(self.specs)) if partial else None
+        new = self.pool.allocate(len(self.specs)) if partial and self.specs else None
+        if self.state_pool is not None:
+            slot = self.state_pool.allocate() if held.state != NO_SLOT else None
+            if slot is None or (partial and self.specs and new is None):
+                if slot is not None:
+                    self.state_pool.free(slot)
+                if new is not None:
+                    self.pool.free(new)
+                return 0, []
+            child.state = slot
         copies: list[tuple[int, int]] = []
         for g, table in enumerate(held.tables):
             r = min(held.released[g], full)
@@ -414,6 +531,9 @@ class KVCacheManager:
                 copies.append((table[full], new[g]))
                 child.tables[g].append(new[g])
         self._held[dst] = child
+        if child.state != NO_SLOT:
+            copies.append(StateCopy(held.state, child.state))
+            return num_computed, copies
         return (num_computed if new is not None else full * bs), copies
 
     # -- checks ---------------------------------------------------------------------------------
@@ -432,6 +552,13 @@ class KVCacheManager:
                 f"block {b}: {self.pool.refs(b)} refs, {refs[b]} owners"
             )
             assert (refs[b] == 0) == self.pool.is_free(b), f"block {b}: free list disagrees"
+        if self.state_pool is not None:
+            held_slots = [h.state for h in self._held.values() if h.state != NO_SLOT]
+            assert len(held_slots) == len(set(held_slots)), "a state slot has two owners"
+            for slot in range(1, self.state_pool.num_slots):
+                assert (slot in held_slots) != self.state_pool.is_free(slot), (
+                    f"state slot {slot}: free list disagrees"
+                )
 
 
 def blocks_for_one_request(

@@ -22,9 +22,9 @@ from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .input_processor import InputProcessor, InvalidRequestError, PreparedPrompt, PromptInput
 from .kv_cache import BlockPool
-from .kv_cache_manager import KVCacheManager, blocks_for_one_request
+from .kv_cache_manager import KVCacheManager, StatePool, blocks_for_one_request
 from .lora_adapters import LoRAManager, LoRARequest
-from .model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
+from .model_builder import cache_capacity, load_model, prepare_model, step_token_budget
 from .model_runner import ModelRunner
 from .output_processor import make_output, process_token
 from .outputs import EngineOutput, EngineStats
@@ -120,13 +120,16 @@ class LLMEngine:
         )
 
         self.block_size = config.block_size
-        num_blocks = num_kv_blocks(config, loaded, self.block_size, self.max_num_batched_tokens)
+        capacity = cache_capacity(config, loaded, self.block_size, self.max_num_batched_tokens)
+        num_blocks, num_slots = capacity.num_blocks, capacity.num_slots
         if self.ranks is not None:  # every rank's cache holds the same blocks: the fewest
             try:
                 num_blocks = self.tp.min_int(num_blocks, self.device)
+                num_slots = self.tp.min_int(num_slots, self.device)
             except Exception as e:
                 raise self.ranks.failure(e) from e
         self.cache_layout = layout = loaded.cache_layout()
+        self.num_state_slots = num_slots
         one_request = blocks_for_one_request(
             layout, self.block_size, self.max_model_len, self.max_num_batched_tokens
         )
@@ -136,9 +139,21 @@ class LLMEngine:
                 f"the {one_request} one request of max_model_len={self.max_model_len} needs: "
                 "lower max_model_len or give the cache more memory"
             )
-        self.kv_caches = loaded.allocate_kv_cache(num_blocks, self.block_size)
-        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.block_pool, layout, self.block_size)
+        self.kv_caches = loaded.allocate_kv_cache(num_blocks, self.block_size, max(num_slots, 2))
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and layout.has_state:
+            # A recurrent state is known only at the end of each step's chunk, not at every
+            # block boundary, and cannot be rebuilt from KV blocks: a prefix hit would start
+            # from a state that does not match its prefix (docs/engine.md).
+            logger.info(
+                "prefix caching off: the model's %d recurrent layers keep a state that cached "
+                "blocks cannot restore",
+                len(layout.state_layers),
+            )
+            prefix_caching = False
+        self.block_pool = BlockPool(num_blocks, prefix_caching)
+        self.state_pool = StatePool(num_slots) if layout.has_state else None
+        self.kv = KVCacheManager(self.block_pool, layout, self.block_size, self.state_pool)
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(
@@ -181,7 +196,7 @@ class LLMEngine:
         captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
-            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) cache=%s "
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s)%s cache=%s "
             "decode_capture=%s tensor_parallel_size=%d",
             time.perf_counter() - t0,
             self.resolved.source,
@@ -193,10 +208,22 @@ class LLMEngine:
             num_blocks,
             self.block_size,
             num_blocks * self.block_size,
-            str(self.cache_dtype).replace("torch.", ""),
             layout.describe(),
+            self._state_line(loaded),
+            str(self.cache_dtype).replace("torch.", ""),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
             self.tp.size,
+        )
+
+    def _state_line(self, loaded) -> str:
+        """The start-up line's state slots: how many requests' recurrent states fit, and their
+        size ('' for a model without recurrent layers)."""
+        if self.state_pool is None:
+            return ""
+        mib = loaded.state_slot_bytes() / 2**20
+        return (
+            f" state_slots={self.state_pool.num_slots - 1} ({mib:.2f} MiB a request, "
+            f"{len(self.cache_layout.state_layers)} recurrent layers)"
         )
 
     def close(self) -> None:

@@ -13,7 +13,13 @@ import torch
 from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, ConfigError, EngineConfig, resolve_dtype
 from .cpu_tuning import cap_kernel_caches, tune_allocator
 from .kernels import cpu_native
-from .kv_cache import allocate_kv_cache, bytes_per_block
+from .kv_cache import (
+    RecurrentState,
+    allocate_kv_cache,
+    allocate_state,
+    bytes_per_block,
+    state_bytes,
+)
 from .kv_cache_manager import CacheLayout, layer_cache_specs, plan_cache_groups
 from .layers.attention import (
     AttentionBackend,
@@ -47,29 +53,48 @@ class LoadedModel:
     hybrid_cache: bool = True  # layers in cache groups by kind (False: one group of every layer)
 
     def cache_layout(self) -> CacheLayout:
-        """The model's cache groups: its layers by the kind of cache each keeps."""
+        """The model's cache groups: its attention layers by the kind of cache each keeps, and
+        its recurrent layers (the state group)."""
         m = self.model
         windows = getattr(m.spec, "windows", None) or (None,) * m.num_layers
         if not self.hybrid_cache:
             windows = (None,) * m.num_layers
-        return plan_cache_groups(layer_cache_specs(windows, self.max_model_len))
+        attention = getattr(m.spec, "attention_layers", None)
+        specs = layer_cache_specs(windows, self.max_model_len, attention)
+        return plan_cache_groups(specs, state_layers=getattr(m.spec, "state_layers", ()))
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    def state_slot_bytes(self) -> int:
+        """Bytes of one request's recurrent state, over every recurrent layer (0: none)."""
+        shapes = getattr(self.model, "state_shapes", dict)()
+        return sum(state_bytes(layer) for layer in shapes.values())
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_slots: int = 2) -> list:
         """The paged KV cache of this model (this rank's KV heads), laid out for its backend:
-        one tensor per layer of a cache group, each layer given its slot's."""
+        one tensor per layer of a cache group, each layer given its slot's; a recurrent layer
+        gets its state tensors for `num_slots` slots (`RecurrentState`), a layer with neither
+        None."""
         m = self.model
         layout = self.cache_layout()
-        tensors = allocate_kv_cache(
-            layout.layers_per_page,
-            num_blocks,
-            block_size,
-            m.num_kv_heads,
-            m.head_dim,
-            self.cache_dtype,
-            self.device,
-            head_major=self.backend.head_major_cache,
-        )
-        return [tensors[slot] for slot in layout.slot_of_layer]
+        tensors = []
+        if layout.num_groups:
+            tensors = allocate_kv_cache(
+                layout.layers_per_page,
+                num_blocks,
+                block_size,
+                m.num_kv_heads,
+                m.head_dim,
+                self.cache_dtype,
+                self.device,
+                head_major=self.backend.head_major_cache,
+            )
+        attention = getattr(m.spec, "attention_layers", None) or (True,) * m.num_layers
+        caches: list = [
+            tensors[slot] if attends else None
+            for slot, attends in zip(layout.slot_of_layer, attention)
+        ]
+        for i, shapes in getattr(m, "state_shapes", dict)().items():
+            caches[i] = RecurrentState(allocate_state(shapes, num_slots, self.device), caches[i])
+        return caches
 
 
 @dataclass
@@ -257,42 +282,65 @@ def max_model_len_of(hf_config, requested: int | None) -> int:
     return requested
 
 
-def num_kv_blocks(
+@dataclass
+class CacheCapacity:
+    """What the cache memory holds: KV blocks, and recurrent-state slots (slot 0 is scratch;
+    0 for a model without recurrent layers)."""
+
+    num_blocks: int
+    num_slots: int = 0
+
+
+def cache_capacity(
     config: EngineConfig, loaded: LoadedModel, block_size: int, max_num_batched_tokens: int
-) -> int:
+) -> CacheCapacity:
     """NUM_KV_BLOCKS when set; on CUDA what GPU_MEMORY_UTILIZATION leaves after a profiled
-    peak step; on CPU the configured cache size."""
+    peak step; on CPU the configured cache size. A model with recurrent layers first gives
+    max_num_seqs requests (plus the scratch slot) their states, from at most half of that memory
+    when it also attends (all of it when it does not), and the KV blocks the rest; with less
+    room, fewer requests run at once (the others queue)."""
     m = loaded.model
+    layout = loaded.cache_layout()
     per_block = bytes_per_block(
-        loaded.cache_layout().layers_per_page,
+        layout.layers_per_page,
         block_size,
         m.num_kv_heads,
         m.head_dim,
         loaded.cache_dtype,
     )
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+    slot_bytes = loaded.state_slot_bytes()
+    if config.num_kv_blocks is not None and not slot_bytes:
+        return CacheCapacity(config.num_kv_blocks)
     if loaded.device.type == "cuda":
-        return _profile_cuda_blocks(config, loaded, block_size, max_num_batched_tokens, per_block)
-    return max(1, int(config.kv_cache_space_gib * (1 << 30)) // per_block)
+        budget = _profile_cuda_budget(config, loaded, block_size, max_num_batched_tokens)
+    else:
+        budget = int(config.kv_cache_space_gib * (1 << 30))
+    if not slot_bytes:
+        if loaded.device.type == "cuda" and budget < per_block:
+            raise ConfigError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{config.gpu_memory_utilization}"
+            )
+        return CacheCapacity(max(1, budget // per_block))
+    share = budget // 2 if layout.num_groups else budget
+    slots = min(config.max_num_seqs + 1, share // slot_bytes)
+    if slots < 2:
+        raise ConfigError(
+            f"the cache memory ({budget / 2**20:.1f} MiB) has no room for one request's "
+            f"recurrent state ({slot_bytes / 2**20:.1f} MiB): give the cache more memory "
+            "(GPU_MEMORY_UTILIZATION, KV_CACHE_SPACE)"
+        )
+    if config.num_kv_blocks is not None:
+        return CacheCapacity(config.num_kv_blocks, slots)
+    if not layout.num_groups:
+        return CacheCapacity(1, slots)  # no attention: the block pool is never drawn on
+    return CacheCapacity(max(1, (budget - slots * slot_bytes) // per_block), slots)
 
 
-@torch.inference_mode()
-def _profile_cuda_blocks(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    block_size: int,
-    max_num_batched_tokens: int,
-    per_block: int,
-) -> int:
-    """Runs the largest step the scheduler can produce, with nothing cached, and gives the
-    KV cache what is left of GPU_MEMORY_UTILIZATION of the device after that peak."""
-    dev = loaded.device
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    n = min(max_num_batched_tokens, loaded.max_model_len)
-    m = loaded.model
-    dummy = loaded.allocate_kv_cache(1, block_size)
+def profile_metadata(n: int, block_size: int, dev: torch.device, state: bool) -> AttentionMetadata:
+    """The metadata of one request's first `n`-token step with nothing cached, writing no KV
+    (the largest step the scheduler can form, for profiling and warm-up); with recurrent
+    layers it starts a state in slot 1."""
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
@@ -306,6 +354,28 @@ def _profile_cuda_blocks(
         seq_lens_host=[n],
         block_size=block_size,
     )
+    if state:
+        meta.state_slots = torch.ones(1, dtype=torch.int32, device=dev)
+        meta.has_initial_state = torch.zeros(1, dtype=torch.bool, device=dev)
+    return meta
+
+
+@torch.inference_mode()
+def _profile_cuda_budget(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    block_size: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """Runs the largest step the scheduler can produce, with nothing cached, and returns the
+    bytes of GPU_MEMORY_UTILIZATION of the device left after that peak, for the cache."""
+    dev = loaded.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    n = min(max_num_batched_tokens, loaded.max_model_len)
+    m = loaded.model
+    dummy = loaded.allocate_kv_cache(1, block_size)
+    meta = profile_metadata(n, block_size, dev, loaded.cache_layout().has_state)
     loaded.backend.prepare(meta)
     hidden = m(
         torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev), dummy, meta
@@ -319,10 +389,10 @@ def _profile_cuda_blocks(
     free, total = torch.cuda.mem_get_info(dev)
     non_torch = total - free - torch.cuda.memory_reserved(dev)
     budget = total * config.gpu_memory_utilization - peak - non_torch
-    if budget < per_block:
+    if budget <= 0:
         raise ConfigError(
             f"no GPU memory left for the KV cache at gpu_memory_utilization="
             f"{config.gpu_memory_utilization} (weights and activations peak at "
             f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
         )
-    return int(budget // per_block)
+    return int(budget)

@@ -50,6 +50,7 @@ class HostBatch:
     sample_idx: list[int]
     prompt_work: PromptLogprobWork
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (lora id, start, n)
+    state_slots: list[int] | None = None  # per request, its recurrent-state slot (hybrid models)
     # KV blocks to copy (src, dst) before the forward: beam forks made since the last step,
     # when every tensor-parallel rank must copy them in its own cache.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -113,6 +114,7 @@ class ModelRunner:
         sample_idx: list[int] = []
         prompt_work = PromptLogprobWork()
         lora_rows: list[tuple[int, int, int]] = []
+        state_slots: list[int] | None = [] if self.layout.has_state else None
         num_decodes = 0
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
@@ -143,6 +145,8 @@ class ModelRunner:
                 else:
                     slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
                 tables[g].append(blocks)
+            if state_slots is not None:
+                state_slots.append(self.kv.state_slot(req))
             query_lens.append(n)
             seq_lens.append(end)
             if end == req.num_tokens:
@@ -162,6 +166,7 @@ class ModelRunner:
             sample_idx,
             prompt_work,
             lora_rows,
+            state_slots,
         )
 
     def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -173,12 +178,16 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         seq_t = torch.tensor(h.seq_lens, dtype=torch.int32)
         q_t = torch.tensor(h.query_lens, dtype=torch.int32)
+        context = seq_t - q_t
+        # A model of recurrent layers alone has no block group: its one metadata has no tables.
+        table = h.block_tables[0] if h.block_tables else torch.zeros(len(h.seq_lens), 0)
+        slots = h.slots[0] if h.slots else []
         first = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
             seq_lens=seq_t.to(dev),
-            context_lens=(seq_t - q_t).to(dev),
-            block_tables=h.block_tables[0].to(dev),
-            slot_mapping=torch.tensor(h.slots[0], dtype=torch.int64).to(dev),
+            context_lens=context.to(dev),
+            block_tables=table.to(dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
             num_decodes=h.num_decodes,
             max_query_len=max(h.query_lens),
             max_seq_len=max(h.seq_lens),
@@ -186,6 +195,9 @@ class ModelRunner:
             seq_lens_host=h.seq_lens,
             block_size=self.block_size,
         )
+        if h.state_slots is not None:
+            first.state_slots = torch.tensor(h.state_slots, dtype=torch.int32).to(dev)
+            first.has_initial_state = (context > 0).to(dev)
         metas = [first] + [
             dataclasses.replace(
                 first,
@@ -244,7 +256,13 @@ class ModelRunner:
         size = None if h.lora_rows else self._captured_bucket(h)
         if size is not None:
             hidden = self.captured.run(
-                size, h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables
+                size,
+                h.input_ids,
+                h.positions,
+                h.slots,
+                h.seq_lens,
+                h.block_tables,
+                h.state_slots,
             )
         else:
             input_ids, positions, metas = self.device_inputs(h)

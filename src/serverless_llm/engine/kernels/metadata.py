@@ -31,6 +31,11 @@ class AttentionMetadata:
     block_size: int = 16
     # What a backend precomputes once per step and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
+    # Recurrent layers (hybrid models): each request's state slot (kv_cache_manager.StatePool),
+    # and whether it continues a state (it had tokens computed before this step) or starts from
+    # zeros. None for a model without recurrent layers.
+    state_slots: torch.Tensor | None = None  # [B] int32
+    has_initial_state: torch.Tensor | None = None  # [B] bool
 
     @property
     def num_requests(self) -> int:

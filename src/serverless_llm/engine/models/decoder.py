@@ -50,8 +50,9 @@ from ..layers.attention import (
     alibi_slopes,
 )
 from ..layers.linear import PackedLinear, pack_linears_for_cpu, use_native_linears
-from ..layers.moe import ROUTINGS, Experts, route
+from ..layers.moe import ROUTINGS, BiasedRouter, Experts, route
 from ..layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
+from ..layers.recurrent import RecurrentMixerSpec
 from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
 from ..parallel.group import SINGLE, TensorParallel
 from .lora_targets import DecoderLoRA
@@ -94,7 +95,9 @@ class MoESpec:
     token, chosen by a bias-free router (`route` in layers/moe.py says what `routing`,
     `renormalize` (True, or the p of a p-norm) and `jitter_eps` (sparsemixer's threshold) mean),
     plus an optional shared expert of width `shared_size` that every token goes through, scaled
-    by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE)."""
+    by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE). "sigmoid_grouped" routing
+    (Kimi Linear) has a router with a score correction bias (`BiasedRouter`), picks among the
+    best `groups[1]` of `groups[0]` expert groups and scales the weights by `routed_scale`."""
 
     num_experts: int
     top_k: int
@@ -104,12 +107,17 @@ class MoESpec:
     jitter_eps: float = 0.0
     shared_size: int = 0
     shared_gate: bool = False
+    groups: tuple[int, int] = (1, 1)
+    routed_scale: float = 1.0
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
             raise ValueError(f"unknown MoE routing {self.routing!r}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} with {self.num_experts} experts")
+        n, best = self.groups
+        if n < 1 or self.num_experts % n or not 1 <= best <= n:
+            raise ValueError(f"the best {best} of {n} groups of {self.num_experts} experts")
 
 
 def expert_names(prefix: str, num_experts: int, gate: str, up: str, down: str) -> dict:
@@ -140,7 +148,9 @@ class WeightNames:
     - "experts:gate", "experts:up": every expert's gate (or up) matrix in one 2-D tensor
       [experts * out, in], into that half of each expert's rows of the stacked w13 (DBRX);
     - "experts:t": every expert's down matrix stored transposed in one 2-D tensor
-      [experts * in, out], into the stacked w2 [experts, out, in] (DBRX).
+      [experts * in, out], into the stacked w2 [experts, out, in] (DBRX);
+    - "rows:<start>:<n>": the target's rows from `start` on, one of the n pieces a fused
+      module's weight is stored as (Kimi Linear's q/k/v projections and convolutions).
 
     A checkpoint tensor that is a bare parameter rather than a module's weight or bias (DBRX's
     `ffn.experts.mlp.w1`) is looked up in `layer` by its full path and fills the target
@@ -211,6 +221,15 @@ class DecoderSpec:
     final_softcap: float | None = None
     tied: bool = False
     lm_head_bias: bool = False
+    # Token mixers (hybrid models). Per layer: "attention"; "recurrent" (the layer keeps a state
+    # instead of KV: `recurrent` describes it, layers/recurrent.py); or "none" (no mixer: the
+    # layer is its norm and its MLP, Nemotron-H's MLP blocks). None: attention everywhere.
+    mixers: tuple[str, ...] | None = None
+    recurrent: RecurrentMixerSpec | None = None
+    mlp_layers: tuple[bool, ...] | None = None  # per layer, whether it has an MLP (default all)
+    # Qwen3-Next's gated attention: q_proj gives each head's query and a gate of the same width
+    # ([q_h | gate_h] per head); the attention output is multiplied by sigmoid(gate).
+    attn_output_gate: bool = False
 
     def __post_init__(self):
         check_activation(self.act)
@@ -221,10 +240,34 @@ class DecoderSpec:
             self.rope = (None,) * n
         if self.moe_layers is None:
             self.moe_layers = (self.moe is not None,) * n
+        if self.mixers is None:
+            self.mixers = ("attention",) * n
+        if self.mlp_layers is None:
+            self.mlp_layers = (True,) * n
         if len(self.moe_layers) != n:
             raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
         if len(self.windows) != n or len(self.rope) != n:
             raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
+        if len(self.mixers) != n or len(self.mlp_layers) != n:
+            raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
+        unknown = set(self.mixers) - set(MIXER_KINDS)
+        if unknown:
+            raise ValueError(f"{self.arch}: unknown token mixers {sorted(unknown)}")
+        if "recurrent" in self.mixers and self.recurrent is None:
+            raise ValueError(f"{self.arch}: recurrent layers without a recurrent description")
+
+    @property
+    def attention_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends (keeps KV in the paged cache)."""
+        return tuple(m == "attention" for m in self.mixers)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state (the state group)."""
+        return tuple(i for i, m in enumerate(self.mixers) if m == "recurrent")
+
+
+MIXER_KINDS = ("attention", "recurrent", "none")
 
 
 # -- modules -----------------------------------------------------------------------------------
@@ -256,7 +299,11 @@ class Attention(nn.Module):
         h, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.q_size, self.kv_size = h * d, kvh * d
-        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
+        # With an output gate the fused projection is [q | k | v | gate].
+        self.gate_size = self.q_size if s.attn_output_gate else 0
+        self.qkv_proj = nn.Linear(
+            s.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=s.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         self.clip_qkv = s.clip_qkv
         self.clip_after_norm = s.clip_after_norm and s.clip_qkv is not None
@@ -280,15 +327,24 @@ class Attention(nn.Module):
         # norms; a norm over every head only without tensor parallelism, where its statistics
         # would span the ranks).
         self.native_prep = isinstance(backend, NativeCpuBackend) and (
-            not self.clip_after_norm and not (s.qk_norm == "rms_full" and tp.enabled)
+            not self.clip_after_norm
+            and not (s.qk_norm == "rms_full" and tp.enabled)
+            and not self.gate_size
         )
         self._native_layer: tuple | None = None  # (key, struct, prep), rebuilt on a new key
 
     def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if not self.gate_size:
+            return self._out(self._attend(qkv, T, rope, kv_cache, meta))
+        qkv, gate = qkv.split([qkv.shape[-1] - self.gate_size, self.gate_size], dim=-1)
+        attn = self._attend(qkv, T, rope, kv_cache, meta)
+        return self._out(attn * torch.sigmoid(gate))
+
+    def _attend(self, qkv, T: int, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
         if self.native_prep and qkv.dtype == torch.float32:
-            return self._out(self._forward_native(qkv, rope, kv_cache, meta))
+            return self._forward_native(qkv, rope, kv_cache, meta)
         if self.clip_qkv is not None and not self.clip_after_norm:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if rope is not None and rope.cos is not None and self.qk_norm is None:
@@ -297,7 +353,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
             q, k = rotate_gathered(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-            return self._out(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+            return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "rms_full":
             if self.tp.enabled:  # the norm spans every head: its statistics span the ranks
@@ -319,7 +375,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, k, rope, self.rope.is_neox)
-        return self._out(self.backend.forward(q, k, v, kv_cache, meta, self.spec))
+        return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
 
     def _forward_native(self, qkv, rope, kv_cache, meta):
         """The native CPU step from the fused projection: q, k, v prepared in place (clip, q/k
@@ -417,7 +473,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         m = self.moe = s.moe
-        self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
+        if m.routing == "sigmoid_grouped":
+            self.gate = BiasedRouter(s.hidden_size, m.num_experts)
+        else:
+            self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
         self.experts = Experts(
             m.num_experts, s.hidden_size, m.intermediate_size, s.act, use_kernels
         )
@@ -426,7 +485,16 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         m = self.moe
-        weights, ids = route(self.gate(x), m.top_k, m.routing, m.renormalize, m.jitter_eps)
+        weights, ids = route(
+            self.gate(x),
+            m.top_k,
+            m.routing,
+            m.renormalize,
+            m.jitter_eps,
+            score_bias=getattr(self.gate, "e_score_correction_bias", None),
+            groups=m.groups,
+            scale=m.routed_scale,
+        )
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -455,11 +523,18 @@ class DecoderLayer(nn.Module):
         rope,
         sparse=False,
         tp: TensorParallel = SINGLE,
+        mixer: str = "attention",
+        has_mlp: bool = True,
     ):
         super().__init__()
         uk = backend.use_kernels
-        self.self_attn = Attention(s, attn, backend, rope, tp)
-        self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
+        # The token mixer: attention, a recurrent layer (`mixer`, keeping a state), or none.
+        self.self_attn = Attention(s, attn, backend, rope, tp) if mixer == "attention" else None
+        self.mixer = s.recurrent.build(s, backend, tp) if mixer == "recurrent" else None
+        if has_mlp:
+            self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
+        else:
+            self.mlp = None
         for slot in ("in", "post_attn", "mlp", "post_mlp"):
             norm = make_norm(s.norm, s.hidden_size, uk) if slot in s.layer_norms else None
             setattr(self, f"{slot}_norm", norm)
@@ -467,6 +542,14 @@ class DecoderLayer(nn.Module):
         self.post_ln = s.post_ln
         self.residual_scale = s.residual_scale
         self.native_decode: NativeDecodeLayer | None = None  # `NativeDecodeLayer.attach`
+
+    def _mix(self, h, rope, cache, meta):
+        """The token mixer's output for the normed stream `h` (None for a layer without one)."""
+        if self.self_attn is not None:
+            return self.self_attn(h, rope, cache, meta)
+        if self.mixer is not None:
+            return self.mixer(h, cache, meta)
+        return None
 
     def forward(self, x, residual, rope, kv_cache, meta):
         nd = self.native_decode
@@ -482,19 +565,24 @@ class DecoderLayer(nn.Module):
         if self.parallel:
             # GPT-J, Phi, Cohere: one norm feeds both; GPT-NeoX, Falcon's new decoder: two.
             m = self.mlp(self.mlp_norm(residual) if self.mlp_norm is not None else h)
-            return self.self_attn(h, rope, kv_cache, meta) + m, residual
-        h = self.self_attn(h, rope, kv_cache, meta)
+            return self._mix(h, rope, kv_cache, meta) + m, residual
+        if self.self_attn is None and self.mixer is None:  # an MLP block alone (its one norm: in)
+            return self._scaled(self._mlp_out(h)), residual
+        h = self._mix(h, rope, kv_cache, meta)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
-        if self.residual_scale != 1.0:
-            h = h * self.residual_scale
+        h = self._scaled(h)
+        if self.mlp is None:  # a mixer block alone (Nemotron-H's Mamba and attention blocks)
+            return h, residual
         h, residual = _add_norm(self.mlp_norm, h, residual)
+        return self._scaled(self._mlp_out(h)), residual
+
+    def _mlp_out(self, h):
         h = self.mlp(h)
-        if self.post_mlp_norm is not None:
-            h = self.post_mlp_norm(h)
-        if self.residual_scale != 1.0:
-            h = h * self.residual_scale
-        return h, residual
+        return self.post_mlp_norm(h) if self.post_mlp_norm is not None else h
+
+    def _scaled(self, h):
+        return h * self.residual_scale if self.residual_scale != 1.0 else h
 
 
 class NativeDecodeLayer:
@@ -546,6 +634,9 @@ class NativeDecodeLayer:
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives `layer` the whole-layer path where its shape allows; True if it did."""
+        if layer.self_attn is None or layer.mlp is None:  # recurrent, MLP-only, mixer-only
+            layer.native_decode = None
+            return False
         attn, mlp = layer.self_attn, layer.mlp
         norm, mlp_norm = layer.in_norm, layer.mlp_norm
         linears = NativeDecodeLayer.linears_of(layer)
@@ -634,7 +725,16 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in s.rope]
         self.rope_caches: list[torch.Tensor] = []
         self.layers = nn.ModuleList(
-            DecoderLayer(s, self._attention_spec(i), backend, s.rope[i], s.moe_layers[i], tp)
+            DecoderLayer(
+                s,
+                self._attention_spec(i),
+                backend,
+                s.rope[i],
+                s.moe_layers[i],
+                tp,
+                mixer=s.mixers[i],
+                has_mlp=s.mlp_layers[i],
+            )
             for i in range(s.num_layers)
         )
         self.norm = make_norm(s.norm, s.hidden_size, uk) if s.final_norm else None
@@ -681,8 +781,18 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 slopes = slopes.narrow(0, *self.sharder.q_heads)
             slopes = (slopes * self.spec.alibi_scale).to(device)
             for i, layer in enumerate(self.layers):
-                layer.self_attn.spec = self._attention_spec(i, slopes)
+                if layer.self_attn is not None:
+                    layer.self_attn.spec = self._attention_spec(i, slopes)
         return self
+
+    def state_shapes(self) -> dict[int, list]:
+        """Per recurrent layer, one request's state tensors (shape, dtype) (`state_shapes`)."""
+        dtype = self.embed_tokens.weight.dtype
+        return {
+            i: layer.mixer.state_shapes(dtype)
+            for i, layer in enumerate(self.layers)
+            if layer.mixer is not None
+        }
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -692,10 +802,11 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list,
         meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
-        """Hidden states of every token, after the final norm: [T, hidden]."""
+        """Hidden states of every token, after the final norm: [T, hidden]. `kv_caches`: per
+        layer its KV tensor, its `RecurrentState` (a recurrent layer), or None (no mixer)."""
         s = self.spec
         x = self._embed(input_ids)
         if s.embed_scale is not None:
@@ -771,7 +882,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 elif isinstance(m, (SiluAndMul, ActAndMul, Activation)):
                     m.native = self.native if ACT_CODES[m.act] in NATIVE_ACT_CODES else None
             self.native_rotary = float32 and all(
-                layer.self_attn.native_prep for layer in self.layers
+                layer.self_attn.native_prep for layer in self.layers if layer.self_attn is not None
             )
         native = self.native is not None and float32
         if not float32 or not pack_linears_for_cpu(self, keep_panels=native):

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from . import families_alibi, families_gpt, families_moe, families_remote  # noqa: F401
+from . import (  # noqa: F401
+    families_alibi,
+    families_conv,
+    families_gpt,
+    families_jamba,
+    families_kimi,
+    families_linear,
+    families_mamba,
+    families_moe,
+    families_remote,
+)
 from .decoder import DecoderSpec
 from .families import FAMILIES
 

@@ -215,6 +215,14 @@ class DecoderWeights:
     def _place(self, param, pname, how, tensor, loaded: set[str]) -> None:
         s = self.spec
         data = param.data
+        if how == "q_gated":  # [q_h | gate_h] per head: q rows to part 0, the gates after v
+            h, d = s.num_heads, s.head_dim
+            t = tensor.reshape(h, 2, d, *tensor.shape[1:])
+            kv = s.num_kv_heads * d
+            data.narrow(0, 0, h * d).copy_(t[:, 0].flatten(0, 1))
+            data.narrow(0, h * d + 2 * kv, h * d).copy_(t[:, 1].flatten(0, 1))
+            loaded.add(f"{pname}#0")
+            return
         if how in self._SHARDS:
             i = self._SHARDS[how]
             if how in ("q", "k", "v"):
@@ -268,7 +276,9 @@ class DecoderWeights:
             return
         elif how is not None:
             raise ValueError(f"unknown weight placement {how!r}")
-        if s.norm_weight_offset and pname.endswith("norm.weight"):
+        # The offset is the decoder's own norms' (a recurrent mixer's gated norm stores its
+        # weight as it is used).
+        if s.norm_weight_offset and pname.endswith("norm.weight") and ".mixer." not in pname:
             tensor = tensor.float() + s.norm_weight_offset
         data.copy_(tensor.reshape(data.shape))
         loaded.add(pname)

@@ -228,7 +228,7 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    from ..model_builder import load_model, num_kv_blocks, prepare_model, step_token_budget
+    from ..model_builder import cache_capacity, load_model, prepare_model, step_token_budget
     from ..model_runner import ModelRunner
 
     try:
@@ -257,8 +257,10 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
             info["load_peak_bytes"] = peak - before  # host memory the load added at its peak
         conn.send(("loaded", info))
         budget = step_token_budget(config, loaded.device)
-        blocks = tp.min_int(num_kv_blocks(config, loaded, config.block_size, budget), loaded.device)
-        kv_caches = loaded.allocate_kv_cache(blocks, config.block_size)
+        capacity = cache_capacity(config, loaded, config.block_size, budget)
+        blocks = tp.min_int(capacity.num_blocks, loaded.device)
+        slots = tp.min_int(capacity.num_slots, loaded.device)
+        kv_caches = loaded.allocate_kv_cache(blocks, config.block_size, max(slots, 2))
         runner = ModelRunner(
             model,
             kv_caches,

@@ -1,0 +1,83 @@
+"""LFM2's short convolution: a gated depthwise causal convolution of a few taps, the recurrent
+layer of Liquid's LFM2 and LFM3 models (`Lfm2ShortConv` in transformers).
+
+    B, C, x = in_proj(h).chunk(3);  y = out_proj(C * conv(B * x))
+
+Its state per request is the convolution's last K - 1 inputs (B * x). The convolution runs the
+Triton kernel on CUDA and its torch reference elsewhere (kernels/causal_conv1d.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from ..parallel.group import SINGLE, TensorParallel
+from .recurrent import RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+
+
+class ConvWeights(nn.Module):
+    """A depthwise convolution's taps [channels, K] (a checkpoint's [channels, 1, K] fills them)
+    and its bias."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+def run_conv(use_kernels: bool, x, conv: ConvWeights, state, meta, activation: str | None):
+    """The causal convolution of the step's tokens x [T, C] through the requests' state slots."""
+    slots, init = step_slots(meta)
+    fn = causal_conv1d if use_kernels else causal_conv1d_ref
+    return fn(
+        x,
+        conv.weight,
+        conv.bias,
+        state,
+        meta.query_start_loc,
+        slots,
+        init,
+        activation,
+        num_decodes=meta.num_decodes,
+        max_query_len=meta.max_query_len,
+    )
+
+
+@dataclass(frozen=True)
+class ShortConvSpec(RecurrentMixerSpec):
+    kernel: int  # taps (conv_L_cache)
+    bias: bool = False
+
+    def build(self, spec, backend, tp) -> ShortConv:
+        return ShortConv(spec.hidden_size, self, backend.use_kernels, tp)
+
+    def describe(self) -> str:
+        return f"short convolution of {self.kernel} taps"
+
+
+class ShortConv(RecurrentMixer):
+    def __init__(
+        self, hidden: int, spec: ShortConvSpec, use_kernels: bool, tp: TensorParallel = SINGLE
+    ):
+        super().__init__()
+        if tp.enabled:
+            raise ValueError("tensor parallelism of short-convolution layers is not supported yet")
+        self.tp = tp
+        self.hidden = hidden
+        self.spec = spec
+        self.use_kernels = use_kernels
+        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=spec.bias)
+        self.conv1d = ConvWeights(hidden, spec.kernel, spec.bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=spec.bias)
+
+    def state_shapes(self, dtype: torch.dtype) -> StateShapes:
+        return [((self.hidden, self.spec.kernel - 1), dtype)]
+
+    def forward(self, x, state, meta):
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        y = run_conv(self.use_kernels, b * h, self.conv1d, state[0], meta, None)
+        return self.tp.all_reduce(self.out_proj(c * y))
