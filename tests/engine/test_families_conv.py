@@ -1,6 +1,6 @@
-"""LFM2 (attention beside gated short convolutions, issue 35) against transformers: a tiny random
-model with convolution and attention layers interleaved, 8 prompts of different lengths batched
-together, 48 greedy tokens each."""
+"""LFM2 and LFM3 (attention beside gated short convolutions, issue 35) against transformers: a
+tiny random model with convolution and attention layers interleaved, 8 prompts of different
+lengths batched together, 48 greedy tokens each."""
 
 from __future__ import annotations
 
@@ -19,6 +19,24 @@ CONFIGS = {
         block_auto_adjust_ff_dim=True,
         block_multiple_of=32,
         block_ffn_dim_multiplier=1.3,
+        norm_eps=1e-5,
+    ),
+    # conv, sliding (window 16 < the prompts), full (proportional rope over half the pairs),
+    # conv, sliding, with the head gate and sandwich norms; 7 taps
+    "lfm3": lambda tok: transformers.Lfm3Config(
+        **tiny_dims(tok, num_hidden_layers=5, head_dim=16),
+        layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
+        sliding_window=16,
+        conv_L_cache=7,
+        norm_eps=1e-5,
+    ),
+    # without the head gate and the sandwich norms, conv bias on
+    "lfm3_plain": lambda tok: transformers.Lfm3Config(
+        **tiny_dims(tok, num_hidden_layers=3, head_dim=16),
+        layer_types=["conv", "full_attention", "conv"],
+        use_attention_gate=False,
+        use_sandwich_norm=False,
+        conv_bias=True,
         norm_eps=1e-5,
     ),
 }

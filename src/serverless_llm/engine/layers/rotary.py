@@ -20,7 +20,15 @@ from ..kernels.rotary import (
     rotate_neox_ref,
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "su")
+SUPPORTED_ROPE_TYPES = (
+    "default",
+    "linear",
+    "llama3",
+    "dynamic",
+    "longrope",
+    "su",
+    "proportional",
+)
 
 
 class RopeConfigError(ValueError):
@@ -80,6 +88,14 @@ def inv_frequencies(params: dict, head_dim: int, max_position: int) -> torch.Ten
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope_type == "proportional":
+        # LFM3, Gemma 4: the first partial_rotary_factor of the head's frequency pairs rotate at
+        # the frequencies of the whole head; the other pairs do not rotate (frequency 0). The
+        # table spans the whole head (rot_dim = head_dim), halves paired as neox pairs them.
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq = 1.0 / (base ** exponents[:angles])
+        inv_freq = torch.cat([inv_freq, torch.zeros(head_dim // 2 - angles)])
+        return inv_freq / float(params.get("factor", 1.0))
     if rope_type == "dynamic":
         # NTK-aware scaling at the longest length this engine serves (a fixed table, as vLLM
         # does; transformers recomputes per forward past the original length).

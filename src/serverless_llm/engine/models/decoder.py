@@ -166,6 +166,12 @@ class WeightNames:
     top: dict
     ignore: tuple[str, ...] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
     base_prefix: str = ""
+    # Tensors whose name starts with one of these belong to parts the engine does not run
+    # (Qwen3-Next's multi-token-prediction layers, "mtp.") and are skipped.
+    skip_prefixes: tuple[str, ...] = ()
+    # Per token-mixer kind ("attention", "recurrent"), entries overriding `layer` in layers of
+    # that kind (OLMo Hybrid names a norm alike in both kinds of layers and places it apart).
+    mixer_layer: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -183,6 +189,9 @@ class DecoderSpec:
     # Which norms a layer has: "in" (before attention), "post_attn" (on the attention output),
     # "mlp" (before the MLP), "post_mlp" (on the MLP output).
     layer_norms: tuple[str, ...] = ("in", "mlp")
+    # Per token-mixer kind, its layers' norms instead of `layer_norms` (OLMo Hybrid: norms after
+    # attention and MLP in its attention layers, before them in its recurrent layers).
+    mixer_norms: dict | None = None
     final_norm: bool = True
     norm_weight_offset: float = 0.0  # Gemma stores norm weights as w - 1
     parallel: bool = False  # attention and MLP both read the layer's input stream
@@ -230,6 +239,9 @@ class DecoderSpec:
     # Qwen3-Next's gated attention: q_proj gives each head's query and a gate of the same width
     # ([q_h | gate_h] per head); the attention output is multiplied by sigmoid(gate).
     attn_output_gate: bool = False
+    # LFM3's gate per head: the attention output of head h is multiplied by
+    # sigmoid(g_proj(x))[h], g_proj a [heads, hidden] linear of the layer's input.
+    attn_head_gate: bool = False
 
     def __post_init__(self):
         check_activation(self.act)
@@ -305,6 +317,7 @@ class Attention(nn.Module):
             s.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=s.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
+        self.g_proj = nn.Linear(s.hidden_size, h, bias=False) if s.attn_head_gate else None
         self.clip_qkv = s.clip_qkv
         self.clip_after_norm = s.clip_after_norm and s.clip_qkv is not None
         self.qk_norm = s.qk_norm
@@ -336,6 +349,10 @@ class Attention(nn.Module):
     def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.g_proj is not None:
+            attn = self._attend(qkv, T, rope, kv_cache, meta).reshape(T, self.num_heads, -1)
+            gate = torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
+            return self._out((attn * gate).reshape(T, -1))
         if not self.gate_size:
             return self._out(self._attend(qkv, T, rope, kv_cache, meta))
         qkv, gate = qkv.split([qkv.shape[-1] - self.gate_size, self.gate_size], dim=-1)
@@ -535,8 +552,9 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
         else:
             self.mlp = None
+        norms = (s.mixer_norms or {}).get(mixer, s.layer_norms)
         for slot in ("in", "post_attn", "mlp", "post_mlp"):
-            norm = make_norm(s.norm, s.hidden_size, uk) if slot in s.layer_norms else None
+            norm = make_norm(s.norm, s.hidden_size, uk) if slot in norms else None
             setattr(self, f"{slot}_norm", norm)
         self.parallel = s.parallel
         self.post_ln = s.post_ln
@@ -652,6 +670,7 @@ class NativeDecodeLayer:
             and isinstance(mlp, MLP)
             and ACT_CODES[mlp.act_fn.act] in NATIVE_ACT_CODES
             and attn.native_prep
+            and attn.g_proj is None
             and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
         )
         rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
