@@ -31,6 +31,8 @@ ADAPTERS = {
     "all4": ("llama", 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"], True),
     "qwen16": ("qwen2", 16, 8, ["q_proj", "k_proj", "gate_proj", "down_proj"], False),
+    # a hybrid (issue 35): attention and MLP projections of LFM2, beside its short convolutions
+    "lfm2_attn_mlp": ("lfm2", 8, 16, ["q_proj", "v_proj", "w1", "w2"], False),
 }  # fmt: skip
 IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
 
@@ -44,6 +46,12 @@ def lora_env(tmp_path_factory):
         "qwen2": save_family_model(
             str(root / "qwen2"),
             transformers.Qwen2Config(**tiny_dims(tok), tie_word_embeddings=True),
+        ),
+        "lfm2": save_family_model(
+            str(root / "lfm2"),
+            transformers.Lfm2Config(
+                **tiny_dims(tok, num_hidden_layers=3), layer_types=["conv", "full_attention", "conv"]
+            ),
         ),
     }
     adapters = {}

@@ -1,6 +1,7 @@
 """Where LoRA adapters attach in a `DecoderModel` (a mixin of it): every attention and dense-MLP
 projection wrapped in a `LoRALinear` (layers/lora_linear.py), and an adapter's module names mapped onto
-them through the family's `WeightNames`."""
+them through the family's `WeightNames`. A hybrid model's recurrent layers take no adapter (an
+adapter naming their projections is refused); its attention and MLP layers do."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class DecoderLoRA:
         for i, layer in enumerate(self.layers):
             for path in self.LORA_TARGETS:
                 parent_name, _, name = path.rpartition(".")
-                parent = layer.get_submodule(parent_name)
+                parent = getattr(layer, parent_name, None)  # None: a recurrent or MLP-less layer
                 child = getattr(parent, name, None)
                 if child is None:  # a sparse layer's MLP has none of these
                     continue
