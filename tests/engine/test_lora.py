@@ -50,7 +50,8 @@ def lora_env(tmp_path_factory):
         "lfm2": save_family_model(
             str(root / "lfm2"),
             transformers.Lfm2Config(
-                **tiny_dims(tok, num_hidden_layers=3), layer_types=["conv", "full_attention", "conv"]
+                **tiny_dims(tok, num_hidden_layers=3),
+                layer_types=["conv", "full_attention", "conv"],
             ),
         ),
     }
