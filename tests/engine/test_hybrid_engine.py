@@ -12,6 +12,7 @@ import transformers
 from serverless_llm import LLM, SamplingParams
 from tests.engine.family_check import NEW_TOKENS, family_prompts, save_family_model, tiny_dims
 from tests.engine.reference import hf_greedy
+from tests.engine.test_families_jamba import CONFIGS as JAMBA_CONFIGS
 from tests.tiny_models import build_tokenizer
 
 HYBRIDS = {
@@ -23,6 +24,8 @@ HYBRIDS = {
         conv_bias=True,
         norm_eps=1e-5,
     ),
+    # Jamba: Mamba-1 layers beside attention, experts on an attention and a Mamba layer
+    "jamba": lambda tok: JAMBA_CONFIGS["jamba"](tok),
 }
 
 
