@@ -29,6 +29,7 @@ from serverless_llm.engine.kernels import (
     layer_norm,
     rms_norm,
     rotary,
+    selective_scan,
     triton_common,
     w4a16,
 )
@@ -363,6 +364,22 @@ def main(quick: bool = False) -> int:
                 attempt(f"act_and_mul {act} {dtype}", kernel, dtype, ce, arch, 4, 1)
                 kernel = activation._activation_kernel
                 attempt(f"activation {act} {dtype}", kernel, dtype, ce, arch, 4, 1)
+            # Mamba-1's selective scan (Jamba, Mamba, FalconMamba): D and z and the dt bias with
+            # softplus, and none of them.
+            scan_ptrs = {
+                "A_ptr": "*fp32",
+                "D_ptr": "*fp32",
+                "delta_bias_ptr": "*fp32",
+                "state_ptr": "*fp32",
+                "state_slots_ptr": "*i32",
+                "has_initial_state_ptr": "*i1",
+            }
+            for opts in (True, False):
+                ce = dict(HAS_D=opts, HAS_Z=opts, HAS_DELTA_BIAS=opts, DELTA_SOFTPLUS=opts,
+                          BLOCK_D=selective_scan.scan_block_d(8192, 16), N_PAD=16)  # fmt: skip
+                kernel = selective_scan._selective_scan_kernel
+                label = f"selective_scan {dtype} D_z_bias_softplus={opts}"
+                attempt(label, kernel, dtype, ce, arch, 4, 1, pointers=scan_ptrs)
             for neox in (True, False):
                 ce = dict(IS_NEOX=neox, QH_PAD=32, KH_PAD=8, HALF_PAD=64)
                 attempt(f"rotary {dtype} neox={neox}", rotary._rotary_kernel, dtype, ce, arch, 8, 1)
