@@ -33,7 +33,7 @@ from .activation import check_activation
 from .linear import pack_weight, packed_linear
 from .quant_linear import WHOLE, QuantLinear, QuantLoadError, apply_keeping_dtype
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer", "sigmoid_grouped")
 
 
 def route(
@@ -42,6 +42,10 @@ def route(
     routing: str,
     renormalize: bool | float,
     jitter_eps: float = 0.0,
+    *,
+    score_bias: torch.Tensor | None = None,
+    groups: tuple[int, int] = (1, 1),
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] float32, expert ids [T, top_k] int64) from router logits [T, E].
 
@@ -55,7 +59,13 @@ def route(
       relative `2 * jitter_eps` of the best, (best - logit) / max(|logit|, best) <= 2 * eps;
       then the best of the rest, weighted the same way against the second-best logit, with the
       first expert left out of its softmax. transformers' training-time Gumbel sampling and
-      gradient estimate do not change these inference values."""
+      gradient estimate do not change these inference values.
+    - "sigmoid_grouped" (Kimi Linear; DeepSeek-V3's and Nemotron-H's router too): sigmoid
+      scores in float32; the experts are chosen by score + `score_bias` (the checkpoint's
+      e_score_correction_bias) among the best `groups[1]` of `groups[0]` equal groups of experts
+      (a group ranked by the sum of its two best biased scores); weighted by their unbiased
+      scores, divided by their sum (+1e-20) when `renormalize`, times `scale` (the routed
+      scaling factor)."""
     if routing == "softmax_topk":
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -69,11 +79,53 @@ def route(
     if routing == "topk_softmax":
         top, ids = torch.topk(logits.float(), top_k, dim=-1)
         return torch.softmax(top, dim=-1), ids
+    if routing == "sigmoid_grouped":
+        return _sigmoid_grouped(logits.float(), top_k, renormalize, score_bias, groups, scale)
     if routing == "sparsemixer":
         if top_k != 2:
             raise ValueError(f"sparsemixer routing picks 2 experts, not {top_k}")
         return _sparsemixer(logits.float(), jitter_eps)
     raise ValueError(f"unknown MoE routing {routing!r}; known: {', '.join(ROUTINGS)}")
+
+
+def _sigmoid_grouped(
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool | float,
+    score_bias: torch.Tensor | None,
+    groups: tuple[int, int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`'s "sigmoid_grouped" on float32 logits [T, E]."""
+    scores = logits.sigmoid()
+    choice = scores if score_bias is None else scores + score_bias.float()
+    num_groups, best_groups = groups
+    if best_groups < num_groups:  # keep only the experts of the best groups
+        T, E = choice.shape
+        by_group = choice.view(T, num_groups, E // num_groups)
+        ranks = by_group.topk(min(2, E // num_groups), dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(ranks, dtype=torch.bool)
+        keep.scatter_(1, ranks.topk(best_groups, dim=-1)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+class BiasedRouter(nn.Module):
+    """The router of "sigmoid_grouped" routing: `weight` [E, H] and the score correction bias
+    [E] (`e_score_correction_bias`, as checkpoints name it); its logits are computed in float32
+    (as transformers' routers of that kind do), so quantizers and the CPU packing leave it be."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
 
 
 def _sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

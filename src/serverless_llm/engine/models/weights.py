@@ -202,6 +202,9 @@ class DecoderWeights:
         of a qkv_proj, the two of a gate_up_proj, each head of a per-head norm)."""
         if pname in loaded:
             return True
+        rows = [name for name in loaded if name.startswith(pname + "#rows:")]
+        if rows:  # "rows:<start>:<n>" parts: whole once n of them landed
+            return len(rows) == int(rows[0].rsplit(":", 1)[1])
         parts = sum(1 for name in loaded if name.startswith(pname + "#"))
         target = pname.rsplit(".", 2)[-2]
         # per-head norms: a part per row; stacked experts: one per expert (two with gate | up)
@@ -259,6 +262,12 @@ class DecoderWeights:
                 loaded.add(pname)
             else:  # each expert's half, as the per-expert placements count them
                 loaded.update(f"{pname}#expert:{i}:{how[8:]}" for i in range(e))
+            return
+        elif how is not None and how.startswith("rows:"):
+            start = int(how.split(":")[1])
+            rows = tensor.shape[0]
+            data.narrow(0, start, rows).copy_(tensor.reshape(rows, *data.shape[1:]))
+            loaded.add(f"{pname}#{how}")
             return
         elif how is not None and how.startswith("expert:"):
             _, e, half = (how.split(":") + [""])[:3]
