@@ -76,7 +76,7 @@ class DecoderWeights:
         layer_prefix = names.layers_prefix + "."
         kv_scales: dict[int, dict[str, float]] = {}
         for name, tensor in weights:
-            if any(part in name for part in names.ignore):
+            if any(part in name for part in names.ignore) or name.startswith(names.skip_prefixes):
                 continue
             module, _, kind = name.rpartition(".")
             if kind in ("k_scale", "v_scale", "kv_scale") and module.startswith(layer_prefix):
@@ -96,6 +96,9 @@ class DecoderWeights:
             if module.startswith(layer_prefix):
                 idx, _, local = module[len(layer_prefix) :].partition(".")
                 target = names.layer.get(local)
+                if names.mixer_layer and idx.isdigit() and int(idx) < len(self.layers):
+                    by_kind = names.mixer_layer.get(self.spec.mixers[int(idx)], {})
+                    target = by_kind.get(local, target)
                 if target is None and f"{local}.{kind}" in names.layer:  # a bare parameter
                     target, kind = names.layer[f"{local}.{kind}"], "weight"
                 prefix = f"layers.{idx}."
@@ -262,6 +265,15 @@ class DecoderWeights:
                 loaded.add(pname)
             else:  # each expert's half, as the per-expert placements count them
                 loaded.update(f"{pname}#expert:{i}:{how[8:]}" for i in range(e))
+            return
+        elif how is not None and how.startswith("mixer:"):
+            # "mixer:<part>:<n>": one of n checkpoint tensors of a recurrent layer's fused
+            # weight, put in its rows in the layer's order by the layer's description
+            _, part, n = how.split(":")
+            start, tensor = s.recurrent.checkpoint_rows(part, tensor)
+            rows = tensor.shape[0]
+            data.narrow(0, start, rows).copy_(tensor.reshape(rows, *data.shape[1:]))
+            loaded.add(f"{pname}#rows:{start}:{n}")
             return
         elif how is not None and how.startswith("rows:"):
             start = int(how.split(":")[1])
