@@ -30,6 +30,7 @@ from serverless_llm.engine.kernels import (
     rms_norm,
     rotary,
     selective_scan,
+    ssd,
     triton_common,
     w4a16,
 )
@@ -56,6 +57,7 @@ POINTER_TYPES = {
     "alibi_ptr": "*fp32",
 }
 FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps", "k_scale", "v_scale", "fp8_max"}
+FLOAT_ARGS |= {"dt_min", "dt_max"}  # kernels/ssd.py
 # Integer arguments that are multiples of 16 at real shapes (Triton specialises on that).
 # (split, window, soft-cap and ALiBi) of the attention kernel: plain, split with a window, and
 # with a window, soft-cap and ALiBi (Gemma 2, BLOOM).
@@ -358,6 +360,22 @@ def main(quick: bool = False) -> int:
                     warps,
                     1,
                 )
+            # Mamba-2's SSD scan (kernels/ssd.py): the decode step and the chunked prompt scan at
+            # P = 64 with N = 128 (Mamba2, Nemotron-H) and N = 256 (Bamba, Granite 4.0-H defaults),
+            # with D, dt bias and softplus and without.
+            ssd_ptrs = {"A_ptr": "*fp32", "state_ptr": "*fp32", "state_slots_ptr": "*i32",
+                        "has_init_ptr": "*i1"}  # fmt: skip
+            for n_state, opts in ((128, True), (256, False)):
+                block_p, block_n, chunk, warps, decode_p = ssd.tile_sizes(64, n_state, tdt)
+                flags = dict(HAS_D=opts, HAS_BIAS=opts, SOFTPLUS=opts)
+                ce = dict(**flags, BLOCK_P=decode_p, BLOCK_N=block_n)
+                attempt(f"ssd decode {dtype} N={n_state} D_bias_softplus={opts}",
+                        ssd._ssd_decode_kernel, dtype, ce, arch, 4, 1, pointers=ssd_ptrs)  # fmt: skip
+                ce = dict(**flags, IEEE=dtype == "fp32", CHUNK=chunk, BLOCK_P=block_p,
+                          BLOCK_N=block_n)  # fmt: skip
+                attempt(f"ssd chunk scan {dtype} N={n_state} D_bias_softplus={opts}",
+                        ssd._ssd_chunk_scan_kernel, dtype, ce, arch, warps, 1,
+                        no_spill=dtype != "fp32", pointers=ssd_ptrs)  # fmt: skip
             for act in ("silu", "gelu", "gelu_new", "relu"):
                 ce = dict(ACT=activation.ACT_CODES[act], BLOCK=activation.ACT_BLOCK)
                 kernel = activation._act_and_mul_kernel
