@@ -13,6 +13,7 @@ from serverless_llm import LLM, SamplingParams
 from tests.engine.family_check import NEW_TOKENS, family_prompts, save_family_model, tiny_dims
 from tests.engine.reference import hf_greedy
 from tests.engine.test_families_jamba import CONFIGS as JAMBA_CONFIGS
+from tests.engine.test_families_linear import CONFIGS as LINEAR_CONFIGS
 from tests.tiny_models import build_tokenizer
 
 HYBRIDS = {
@@ -26,6 +27,8 @@ HYBRIDS = {
     ),
     # Jamba: Mamba-1 layers beside attention, experts on an attention and a Mamba layer
     "jamba": lambda tok: JAMBA_CONFIGS["jamba"](tok),
+    # Qwen3-Next: Gated DeltaNet layers beside gated attention, a MoE with a shared expert
+    "qwen3_next": lambda tok: LINEAR_CONFIGS["qwen3_next"](tok),
 }
 
 

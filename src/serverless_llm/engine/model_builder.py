@@ -29,6 +29,7 @@ from .layers.attention import (
     TritonAttentionBackend,
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
+from .loader.multimodal import text_weights
 from .loader.quantization import check_quantization, read_side_config
 from .models import DecoderModel, DecoderSpec, describe_model
 from .models.sharding import check_shardable
@@ -178,9 +179,10 @@ def load_model(
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)
     else:
-        model.load_weights(
-            iter_weights(resolved, show_progress=config.show_progress, lazy=tp.enabled)
-        )
+        weights = iter_weights(resolved, show_progress=config.show_progress, lazy=tp.enabled)
+        if getattr(hf_config, "text_part_of", None):  # a multimodal checkpoint's text decoder
+            weights = text_weights(weights)
+        model.load_weights(weights)
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if device.type == "cpu":

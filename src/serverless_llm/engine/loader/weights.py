@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .base import ModelLoadError, ResolvedModel
+from .multimodal import text_part
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PT_INDEX = "pytorch_model.bin.index.json"
@@ -78,9 +79,10 @@ def local_weight_files(model_dir: str, load_format: str) -> tuple[str, list[str]
 def load_hf_config(
     resolved: ResolvedModel, trust_remote_code: bool = False
 ) -> transformers.PretrainedConfig:
-    """The model's transformers config, read from disk only (resolution already fetched it)."""
+    """The model's transformers config, read from disk only (resolution already fetched it);
+    for a multimodal checkpoint, the config of its text decoder (`multimodal.text_part`)."""
     try:
-        return transformers.AutoConfig.from_pretrained(
+        config = transformers.AutoConfig.from_pretrained(
             resolved.model_dir, trust_remote_code=trust_remote_code, local_files_only=True
         )
     except Exception as e:  # transformers raises ValueError, OSError, KeyError for bad configs
@@ -89,6 +91,7 @@ def load_hf_config(
             f"cannot read the model config of {resolved.source} in {resolved.model_dir}: "
             f"{type(e).__name__}: {e}{hint}"
         ) from e
+    return text_part(config)
 
 
 def _torch_load(path: str) -> dict:
