@@ -1,0 +1,165 @@
+"""The Mamba-2 mixer: the recurrent layer of Mamba2, Bamba, Granite 4.0-H (GraniteMoeHybrid),
+Nemotron-H and Falcon-H1 (`Mamba2Mixer`, `BambaMixer`, `GraniteMoeHybridMambaLayer` in
+transformers, which compute the same thing).
+
+    z | xBC | dt = in_proj(h)                   z [d_inner], xBC [conv_dim], dt [H]
+    xBC = silu(conv1d(xBC) + conv_bias)          causal, through the conv state
+    x | B | C = xBC                              x [H, P], B and C [G, N]
+    y = ssd(x, dt, A = -exp(A_log), B, C, D, dt_bias, softplus, time_step_limit)
+    y = norm(y, z)                               gated RMSNorm in groups (or y * silu(z))
+    out = out_proj(y)
+
+with d_inner = H * P and conv_dim = d_inner + 2 G N. Its state per request: the convolution's last
+K - 1 inputs [conv_dim, K-1] in the model dtype, and the SSM state [H, P, N] in float32. The
+convolution and the scan run the Triton kernels on CUDA and their torch references elsewhere
+(kernels/causal_conv1d.py, kernels/ssd.py).
+
+Precision: transformers' torch path computes the in/out projections and the convolution in the
+model dtype and the scan in float32; here the convolution, the scan and the gated norm compute
+in float32 and round once to the model dtype (the kernels' rule). In float32 the two compute the
+same formula. Mamba2's `residual_in_fp32` (a float32 residual stream in 16-bit models) is not
+reproduced: the residual stream is in the model dtype, as for every family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.causal_conv1d import gated_rms_norm, gated_rms_norm_ref
+from ..kernels.ssd import ssd_scan, ssd_scan_ref
+from ..parallel.group import SINGLE, TensorParallel
+from .recurrent import STATE_DTYPE, RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+from .short_conv import ConvWeights, run_conv
+
+ACTIVATIONS = ("silu",)  # the convolution's activation (transformers' hidden_act)
+
+
+@dataclass(frozen=True)
+class Mamba2Spec(RecurrentMixerSpec):
+    """A model's Mamba-2 layers. `norm`: the gated RMSNorm over groups of d_inner / norm_groups
+    channels (`norm_groups` None: n_groups), the silu gate applied before the norm unless
+    `norm_before_gate`; without it the output is y * silu(z) (Falcon-H1's mamba_rms_norm=False).
+    `time_step_limit` clamps dt after its softplus (Nemotron-H: (time_step_min, inf))."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool = True
+    in_bias: bool = False  # in_proj's bias
+    out_bias: bool = False  # out_proj's bias
+    activation: str = "silu"
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    norm: bool = True
+    norm_before_gate: bool = False
+    norm_groups: int | None = None
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"Mamba-2 layers with activation {self.activation!r} (only silu)")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"Mamba-2: {self.num_heads} heads in {self.n_groups} groups")
+        if self.d_inner % self.groups_of_norm:
+            raise ValueError(f"Mamba-2: d_inner {self.d_inner} in {self.groups_of_norm} groups")
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def groups_of_norm(self) -> int:
+        return self.norm_groups or self.n_groups
+
+    def build(self, spec, backend, tp) -> Mamba2Mixer:
+        return Mamba2Mixer(spec.hidden_size, self, backend.use_kernels, tp)
+
+    def describe(self) -> str:
+        return (
+            f"Mamba-2: {self.num_heads} heads of {self.head_dim}, state {self.state_size}, "
+            f"{self.n_groups} groups, conv {self.conv_kernel}"
+        )
+
+
+class GatedNormWeight(nn.Module):
+    """The gated RMSNorm's weight [d_inner] (its own module so the checkpoint's `norm.weight`
+    has a place)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class Mamba2Mixer(RecurrentMixer):
+    def __init__(
+        self, hidden: int, spec: Mamba2Spec, use_kernels: bool, tp: TensorParallel = SINGLE
+    ):
+        super().__init__()
+        if tp.enabled:
+            raise ValueError("tensor parallelism of Mamba-2 layers is not supported yet")
+        self.tp = tp
+        self.spec = spec
+        self.use_kernels = use_kernels
+        H, d_inner, conv_dim = spec.num_heads, spec.d_inner, spec.conv_dim
+        self.in_proj = nn.Linear(hidden, d_inner + conv_dim + H, bias=spec.in_bias)
+        self.conv1d = ConvWeights(conv_dim, spec.conv_kernel, spec.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+        self.norm = GatedNormWeight(d_inner) if spec.norm else None
+        self.out_proj = nn.Linear(d_inner, hidden, bias=spec.out_bias)
+        self.splits = (d_inner, conv_dim, H)
+        self.xbc_splits = (
+            d_inner,
+            spec.n_groups * spec.state_size,
+            spec.n_groups * spec.state_size,
+        )
+
+    def state_shapes(self, dtype: torch.dtype) -> StateShapes:
+        s = self.spec
+        return [
+            ((s.conv_dim, s.conv_kernel - 1), dtype),
+            ((s.num_heads, s.head_dim, s.state_size), STATE_DTYPE),
+        ]
+
+    def forward(self, x, state, meta):
+        s = self.spec
+        T = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
+        xbc = run_conv(self.use_kernels, xbc, self.conv1d, state[0], meta, s.activation)
+        h, B, C = xbc.split(self.xbc_splits, dim=-1)
+        slots, init = step_slots(meta)
+        scan = ssd_scan if self.use_kernels else ssd_scan_ref
+        y = scan(
+            h.view(T, s.num_heads, s.head_dim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            B.view(T, s.n_groups, s.state_size),
+            C.view(T, s.n_groups, s.state_size),
+            self.D,
+            self.dt_bias,
+            True,
+            s.time_step_limit,
+            state[1],
+            meta.query_start_loc,
+            slots,
+            init,
+            num_decodes=meta.num_decodes,
+        ).view(T, s.d_inner)
+        if self.norm is not None:
+            norm = gated_rms_norm if self.use_kernels else gated_rms_norm_ref
+            group = s.d_inner // s.groups_of_norm
+            y = norm(y, z, self.norm.weight, s.norm_eps, group, s.norm_before_gate)
+        else:
+            y = (y.float() * F.silu(z.float())).to(y.dtype)
+        return self.tp.all_reduce(self.out_proj(y))
