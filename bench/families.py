@@ -154,27 +154,117 @@ def family_configs(tokenizer, tiny: bool) -> dict[str, Any]:
 # types ("Invalid layer type"), so their peer is transformers' `generate` on the whole batch,
 # left-padded, with its own torch code for the recurrent layers (its fallbacks when the CUDA
 # kernel packages are absent, as on CPU): the best batch transformers serves them with.
-HYBRIDS = ("lfm2", "lfm3")
+HYBRIDS = (
+    "lfm2",
+    "lfm3",
+    "qwen3_next",
+    "qwen3_5",
+    "olmo_hybrid",
+    "granitemoehybrid",
+    "bamba",
+    "mamba2",
+    "jamba",
+)
 BAR_HYBRID = 3.0
 
 
 def hybrid_configs(llama: dict, tiny: bool) -> dict[str, Any]:
     """The hybrid shapes (issue 35): recurrent layers beside attention in each family's usual
-    proportion, at the shared width and depth."""
+    proportion (one attention layer in three or four), at the shared width and depth; recurrent
+    heads sized as the released models size them for their width."""
     import transformers as t
 
     n, heads = llama["num_hidden_layers"], llama["num_attention_heads"]
-    head_dim = llama["hidden_size"] // heads
-    every3 = ["full_attention" if i % 3 == 1 else "conv" for i in range(n)]
+    h = llama["hidden_size"]
+    head_dim = h // heads
+    inter = llama["intermediate_size"]
+    ids = {k: llama[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+
+    def pattern(attn: str, rec: str, every: int) -> list[str]:
+        # one layer in `every` attends, ending each period (layer 1 of a tiny 2-layer model)
+        return [attn if i % every == every - 1 or (tiny and i == 1) else rec for i in range(n)]
+
+    gdn = dict(
+        layer_types=pattern("full_attention", "linear_attention", 4),
+        linear_num_key_heads=max(1, heads // 3),
+        linear_num_value_heads=max(2, 2 * (heads // 3)),
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+    )
+    mamba = dict(
+        mamba_n_heads=2 * h // (32 if tiny else 64),
+        mamba_d_head=32 if tiny else 64,
+        mamba_d_state=16 if tiny else 64,
+        mamba_n_groups=1,
+        mamba_expand=2,
+        mamba_d_conv=4,
+    )
+    four = pattern("attention", "mamba", 4)
     return {
         # LFM2: one attention layer in three (LFM2-350M's proportion), 3-tap convolutions
-        "lfm2": t.Lfm2Config(**llama, layer_types=every3, block_auto_adjust_ff_dim=False),
+        "lfm2": t.Lfm2Config(
+            **llama,
+            layer_types=pattern("full_attention", "conv", 3),
+            block_auto_adjust_ff_dim=False,
+        ),
         # LFM3: its default pattern (conv, sliding and full attention), 7-tap convolutions
         "lfm3": t.Lfm3Config(
             **llama,
             head_dim=head_dim,
             sliding_window=64,
             layer_types=["conv", "full_attention"] if tiny else None,
+        ),
+        # Gated DeltaNet, three to one (Qwen3-Next's and Qwen3.5's proportion); Qwen3-Next with
+        # its MoE (8 experts, top 2, a shared expert)
+        "qwen3_next": t.Qwen3NextConfig(
+            **llama,
+            **gdn,
+            head_dim=head_dim,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=inter // 2,
+            shared_expert_intermediate_size=inter // 2,
+        ),
+        "qwen3_5": t.Qwen3_5TextConfig(
+            **llama, **gdn, head_dim=head_dim, architectures=["Qwen3_5ForCausalLM"]
+        ),
+        "olmo_hybrid": t.OlmoHybridConfig(**llama, **gdn),
+        # Mamba-2, three to one
+        "granitemoehybrid": t.GraniteMoeHybridConfig(
+            **llama,
+            layer_types=four,
+            num_local_experts=0,
+            shared_intermediate_size=inter,
+            **mamba,
+        ),
+        "bamba": t.BambaConfig(
+            **llama,
+            attn_layer_indices=[i for i, k in enumerate(four) if k == "attention"],
+            **mamba,
+        ),
+        # Mamba-2 layers alone, no MLP: twice the layers for about the same size
+        "mamba2": t.Mamba2Config(
+            hidden_size=h,
+            num_hidden_layers=2 * n,
+            num_heads=mamba["mamba_n_heads"],
+            head_dim=mamba["mamba_d_head"],
+            state_size=mamba["mamba_d_state"],
+            n_groups=1,
+            expand=2,
+            conv_kernel=4,
+            **ids,
+        ),
+        # Jamba: one attention layer in four, experts every other layer (8, top 2)
+        "jamba": t.JambaConfig(
+            **llama,
+            attn_layer_period=4,
+            attn_layer_offset=3 if not tiny else 1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mamba_d_state=16,
+            mamba_expand=2,
         ),
     }
 
