@@ -41,6 +41,11 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
                 f"choose a size that divides it"
             )
 
+    if spec.state_layers:
+        raise ConfigError(
+            f"tensor_parallel_size={size}: tensor parallelism of the model's recurrent layers "
+            f"({spec.recurrent.describe()}) is not supported yet; use tensor_parallel_size=1"
+        )
     need(spec.num_heads, "number of attention heads")
     kvh = spec.num_kv_heads
     if kvh % size and size % kvh:
