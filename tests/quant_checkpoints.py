@@ -130,17 +130,19 @@ def write_quantized(
     sym: bool = False,
     shared_order: bool = True,
     seed: int = 0,
+    linear: re.Pattern = LINEAR,
 ) -> tuple[str, str]:
     """Quantizes the float checkpoint in `src`; writes the quantized checkpoint to `quant_dir`
     and its exact float twin to `float_dir` (both with src's tokenizer). Under act-order, the
     linears that read the same input (q, k, v; gate, up) share one group assignment, as GPTQ
-    gives them (the same Hessian), unless `shared_order` is False."""
+    gives them (the same Hessian), unless `shared_order` is False. `linear`: which weights
+    are quantized (default: the attention, MLP and expert projections)."""
     rng = random.Random(seed)
     orders: dict[str, list[int]] = {}
     state = load_file(os.path.join(src, "model.safetensors"))
     twin, packed = {}, {}
     for name, w in state.items():
-        if not LINEAR.match(name):
+        if not linear.match(name):
             twin[name] = packed[name] = w
             continue
         n_in = w.shape[1]
@@ -194,17 +196,23 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
 def write_fp8(
-    src: str, float_dir: str, quant_dir: str, style: str, strategy: str, static_input: bool = False
+    src: str,
+    float_dir: str,
+    quant_dir: str,
+    style: str,
+    strategy: str,
+    static_input: bool = False,
+    linear: re.Pattern = LINEAR,
 ) -> tuple[str, str]:
     """src's decoder linears as FP8 (e4m3) weights with a float32 scale per tensor or per
     output channel (amax / 448), written in `style` "fp8" (vLLM's / transformers'
     `quant_method: fp8`, scalar scales) or "compressed-tensors" (llm-compressor's
     float-quantized format: scales [1] or [out, 1]); `static_input` adds an input_scale. The
-    float twin holds weight.float() * scale."""
+    float twin holds weight.float() * scale. `linear`: which weights are quantized."""
     state = load_file(os.path.join(src, "model.safetensors"))
     twin, packed = {}, {}
     for name, w in state.items():
-        if not LINEAR.match(name):
+        if not linear.match(name):
             twin[name] = packed[name] = w
             continue
         w = w.float()
