@@ -376,7 +376,7 @@ def main(quick: bool = False) -> int:
                 attempt(f"ssd chunk scan {dtype} N={n_state} D_bias_softplus={opts}",
                         ssd._ssd_chunk_scan_kernel, dtype, ce, arch, warps, 1,
                         no_spill=dtype != "fp32", pointers=ssd_ptrs)  # fmt: skip
-            for act in ("silu", "gelu", "gelu_new", "relu"):
+            for act in ("silu", "gelu", "gelu_new", "relu", "relu2"):
                 ce = dict(ACT=activation.ACT_CODES[act], BLOCK=activation.ACT_BLOCK)
                 kernel = activation._act_and_mul_kernel
                 attempt(f"act_and_mul {act} {dtype}", kernel, dtype, ce, arch, 4, 1)

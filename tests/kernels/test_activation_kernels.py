@@ -27,7 +27,9 @@ from tests.kernels.batch import DEVICE  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-ACTS = pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu"])
+ACTS = pytest.mark.parametrize(
+    "act", ["silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2"]
+)
 
 
 def _input(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

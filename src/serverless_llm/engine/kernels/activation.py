@@ -39,6 +39,7 @@ ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # Nemotron-H's squared ReLU
 }
 
 
@@ -62,6 +63,7 @@ ACT_CODES = {
     "gelu_new": 2,
     "gelu_fast": 2,
     "relu": 3,
+    "relu2": 4,
 }
 
 
@@ -74,8 +76,11 @@ def _act(x, ACT: tl.constexpr):
         y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACT == 2:  # gelu, tanh approximation: sqrt(2 / pi) * (x + 0.044715 x^3)
         y = 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-    else:  # relu
+    elif ACT == 3:  # relu
         y = tl.maximum(x, 0.0)
+    else:  # relu2, the squared relu
+        y = tl.maximum(x, 0.0)
+        y = y * y
     return y
 
 

@@ -44,7 +44,9 @@ class Mamba2Spec(RecurrentMixerSpec):
     """A model's Mamba-2 layers. `norm`: the gated RMSNorm over groups of d_inner / norm_groups
     channels (`norm_groups` None: n_groups), the silu gate applied before the norm unless
     `norm_before_gate`; without it the output is y * silu(z) (Falcon-H1's mamba_rms_norm=False).
-    `time_step_limit` clamps dt after its softplus (Nemotron-H: (time_step_min, inf))."""
+    `time_step_limit` clamps dt after its softplus (Nemotron-H: (time_step_min, inf)); with
+    `clamp_decodes` False it clamps the prompt rows only, as transformers does (its one-token
+    path, `mamba2_selective_state_update`, applies no limit)."""
 
     num_heads: int
     head_dim: int
@@ -56,6 +58,7 @@ class Mamba2Spec(RecurrentMixerSpec):
     out_bias: bool = False  # out_proj's bias
     activation: str = "silu"
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    clamp_decodes: bool = True
     norm: bool = True
     norm_before_gate: bool = False
     norm_groups: int | None = None
@@ -139,6 +142,14 @@ class Mamba2Mixer(RecurrentMixer):
         xbc = run_conv(self.use_kernels, xbc, self.conv1d, state[0], meta, s.activation)
         h, B, C = xbc.split(self.xbc_splits, dim=-1)
         slots, init = step_slots(meta)
+        dt_bias, softplus, limit = self.dt_bias, True, s.time_step_limit
+        nd = meta.num_decodes
+        if not s.clamp_decodes and nd and limit != (0.0, math.inf):
+            # the time steps computed here, so that the decode rows (0 .. nd-1) skip the limit
+            # the prompt rows take; the scan gets them processed (a (0, inf) clamp is a no-op)
+            d = F.softplus(dt.float() + self.dt_bias.float())
+            dt = torch.cat([d[:nd], d[nd:].clamp(*limit)])
+            dt_bias, softplus, limit = None, False, (0.0, math.inf)
         scan = ssd_scan if self.use_kernels else ssd_scan_ref
         y = scan(
             h.view(T, s.num_heads, s.head_dim),
@@ -147,9 +158,9 @@ class Mamba2Mixer(RecurrentMixer):
             B.view(T, s.n_groups, s.state_size),
             C.view(T, s.n_groups, s.state_size),
             self.D,
-            self.dt_bias,
-            True,
-            s.time_step_limit,
+            dt_bias,
+            softplus,
+            limit,
             state[1],
             meta.query_start_loc,
             slots,

@@ -172,6 +172,11 @@ class WeightNames:
     # Per token-mixer kind ("attention", "recurrent"), entries overriding `layer` in layers of
     # that kind (OLMo Hybrid names a norm alike in both kinds of layers and places it apart).
     mixer_layer: dict = field(default_factory=dict)
+    # Multipliers folded into checkpoint tensors as they load (Falcon-H1's muP multipliers on
+    # projection inputs and outputs): a module path inside a layer (as in `layer`) -> (weight
+    # scale, bias scale), each a float or a 1-D tensor over the output rows. Float tensors only;
+    # adapters cannot target these modules (their delta would miss the scale).
+    scales: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -231,8 +236,10 @@ class DecoderSpec:
     tied: bool = False
     lm_head_bias: bool = False
     # Token mixers (hybrid models). Per layer: "attention"; "recurrent" (the layer keeps a state
-    # instead of KV: `recurrent` describes it, layers/recurrent.py); or "none" (no mixer: the
-    # layer is its norm and its MLP, Nemotron-H's MLP blocks). None: attention everywhere.
+    # instead of KV: `recurrent` describes it, layers/recurrent.py); "parallel" (attention and the
+    # recurrent mixer both read the normed input and their outputs are summed: Falcon-H1; the
+    # layer keeps KV and a state); or "none" (no mixer: the layer is its norm and its MLP,
+    # Nemotron-H's MLP blocks). None: attention everywhere.
     mixers: tuple[str, ...] | None = None
     recurrent: RecurrentMixerSpec | None = None
     mlp_layers: tuple[bool, ...] | None = None  # per layer, whether it has an MLP (default all)
@@ -265,21 +272,21 @@ class DecoderSpec:
         unknown = set(self.mixers) - set(MIXER_KINDS)
         if unknown:
             raise ValueError(f"{self.arch}: unknown token mixers {sorted(unknown)}")
-        if "recurrent" in self.mixers and self.recurrent is None:
+        if {"recurrent", "parallel"} & set(self.mixers) and self.recurrent is None:
             raise ValueError(f"{self.arch}: recurrent layers without a recurrent description")
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
         """Per layer, whether it attends (keeps KV in the paged cache)."""
-        return tuple(m == "attention" for m in self.mixers)
+        return tuple(m in ("attention", "parallel") for m in self.mixers)
 
     @property
     def state_layers(self) -> tuple[int, ...]:
         """The layers that keep a recurrent state (the state group)."""
-        return tuple(i for i, m in enumerate(self.mixers) if m == "recurrent")
+        return tuple(i for i, m in enumerate(self.mixers) if m in ("recurrent", "parallel"))
 
 
-MIXER_KINDS = ("attention", "recurrent", "none")
+MIXER_KINDS = ("attention", "recurrent", "parallel", "none")
 
 
 # -- modules -----------------------------------------------------------------------------------
@@ -545,9 +552,11 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         uk = backend.use_kernels
-        # The token mixer: attention, a recurrent layer (`mixer`, keeping a state), or none.
-        self.self_attn = Attention(s, attn, backend, rope, tp) if mixer == "attention" else None
-        self.mixer = s.recurrent.build(s, backend, tp) if mixer == "recurrent" else None
+        # The token mixer: attention, a recurrent layer (`mixer`, keeping a state), both side by
+        # side ("parallel"), or none.
+        attends, recurs = mixer in ("attention", "parallel"), mixer in ("recurrent", "parallel")
+        self.self_attn = Attention(s, attn, backend, rope, tp) if attends else None
+        self.mixer = s.recurrent.build(s, backend, tp) if recurs else None
         if has_mlp:
             self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
         else:
@@ -563,6 +572,8 @@ class DecoderLayer(nn.Module):
 
     def _mix(self, h, rope, cache, meta):
         """The token mixer's output for the normed stream `h` (None for a layer without one)."""
+        if self.self_attn is not None and self.mixer is not None:  # its cache: a RecurrentState
+            return self.mixer(h, cache, meta) + self.self_attn(h, rope, cache.kv, meta)
         if self.self_attn is not None:
             return self.self_attn(h, rope, cache, meta)
         if self.mixer is not None:
@@ -652,7 +663,8 @@ class NativeDecodeLayer:
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives `layer` the whole-layer path where its shape allows; True if it did."""
-        if layer.self_attn is None or layer.mlp is None:  # recurrent, MLP-only, mixer-only
+        if layer.self_attn is None or layer.mlp is None or layer.mixer is not None:
+            # recurrent, MLP-only, mixer-only, attention beside a recurrent mixer
             layer.native_decode = None
             return False
         attn, mlp = layer.self_attn, layer.mlp

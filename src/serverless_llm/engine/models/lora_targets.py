@@ -61,6 +61,11 @@ class DecoderLoRA:
         target = names.layer.get(local)
         if target is None or not idx.isdigit():
             raise KeyError(f"no such module in {self.spec.arch}")
+        if local in names.scales:
+            raise KeyError(
+                f"{self.spec.arch} folds multipliers into this projection's weights at load, "
+                "which an adapter's delta would miss"
+            )
         internal, how = (target, None) if isinstance(target, str) else target
         layer = getattr(self, "lora_layers", {}).get(f"layers.{idx}.{internal}")
         if layer is None:

@@ -101,6 +101,8 @@ class DecoderWeights:
                     target = by_kind.get(local, target)
                 if target is None and f"{local}.{kind}" in names.layer:  # a bare parameter
                     target, kind = names.layer[f"{local}.{kind}"], "weight"
+                if local in names.scales:
+                    tensor = self._fold_scale(name, kind, tensor, names.scales[local])
                 prefix = f"layers.{idx}."
             else:
                 target = names.top.get(module)
@@ -160,6 +162,22 @@ class DecoderWeights:
                 "(no qweight tensors): a config from the quantized repo with unquantized weights?"
             )
         self._settle_quantized()
+
+    def _fold_scale(self, name: str, kind: str, tensor, scale: tuple) -> torch.Tensor:
+        """A checkpoint tensor times its multiplier (`WeightNames.scales`): the weight's rows by
+        the weight scale, the bias by the bias scale, in float32, rounded back once."""
+        if not isinstance(tensor, torch.Tensor):
+            tensor = tensor.full()
+        factor = {"weight": scale[0], "bias": scale[1]}.get(kind)
+        if factor is None or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise QuantLoadError(
+                f"checkpoint tensor {name!r} ({tensor.dtype}): {self.spec.arch}'s multipliers "
+                "are folded into its float weights at load, which a quantized tensor cannot take"
+            )
+        f = torch.as_tensor(factor, dtype=torch.float32)
+        if f.dim() == 1:  # one factor per output row
+            f = f.view(-1, *(1,) * (tensor.dim() - 1))
+        return (tensor.float() * f).to(tensor.dtype)
 
     def _take_kv_scale(self, scales: dict, local: str, kind: str, name: str, tensor) -> None:
         """A layer's KV cache scale (FP8 checkpoints made with a quantized KV cache write
