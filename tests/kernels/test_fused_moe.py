@@ -110,6 +110,26 @@ def test_fused_moe_other_activation(act):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_gated_experts(dtype):
+    """Nemotron-H's experts: w13 holds the up rows alone, out = w2 @ relu(w13 @ x)^2. The
+    reference equals that definition per token; the kernel equals the reference."""
+    x, w13, w2, weights, ids = _case(13, 6, 2, 32, 24, seed=9)
+    w13 = w13[:, :24]  # [E, I, H]
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            want[t] += weights[t, j] * (w2[e] @ torch.relu(w13[e] @ x[t]).square())
+    ref = fused_moe_reference(x, w13, w2, weights, ids, "relu2", gated=False)
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    args = [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights)]
+    got = fused_moe(*args, ids.to(DEVICE), "relu2", gated=False)
+    ref = fused_moe_reference(*args, ids.to(DEVICE), "relu2", gated=False)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
 @pytest.mark.parametrize(
     "tokens,experts,top_k,block_m", [(1, 64, 2, 16), (29, 8, 3, 16), (50, 5, 2, 32)]
 )

@@ -6,7 +6,9 @@ compute, for every token t,
 
     out[t] = sum over j < top_k of weight[t, j] * W2[e] @ act_and_mul(W13[e] @ x[t]),  e = ids[t, j]
 
-with W13 [E, 2I, H] (each expert's gate rows, then its up rows) and W2 [E, H, I].
+with W13 [E, 2I, H] (each expert's gate rows, then its up rows) and W2 [E, H, I]. Non-gated
+experts (`gated=False`, Nemotron-H's relu^2 experts) have W13 [E, I, H], their up rows alone,
+and apply act(W13[e] @ x[t]) in place of act_and_mul.
 
 **Reference** (`fused_moe_reference`): the rows gathered in expert order, one pair of matmuls per
 expert that received any row (an expert with no row costs nothing), each output scaled by its
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .activation import act_and_mul, act_and_mul_reference
+from .activation import act_and_mul, act_and_mul_reference, activation, activation_reference
 from .e4m3 import e4m3_decode
 from .triton_common import dot_acc, w_tile, x_tile
 from .triton_lazy import cdiv, jit
@@ -73,10 +75,13 @@ def fused_moe_reference(
     ids: Tensor,  # [T, k]
     act: str = "silu",
     linear=F.linear,
+    gated: bool = True,
 ) -> Tensor:
     """The torch path (see the module docstring), in x's dtype. `w13` and `w2` are stacked
     tensors, or any per-expert sequences `linear(rows, w13[e])` accepts (the CPU path passes
-    oneDNN-packed weights and their matmul)."""
+    oneDNN-packed weights and their matmul). `gated`: w13 holds gate and up rows (else up
+    alone)."""
+    act_fn = act_and_mul_reference if gated else activation_reference
     T, k = ids.shape
     order, counts = group_by_expert(ids, len(w13))
     tokens = order // k
@@ -87,7 +92,7 @@ def fused_moe_reference(
         if n == 0:
             continue
         seg = rows[start : start + n]
-        out[start : start + n] = linear(act_and_mul_reference(linear(seg, w13[e]), act), w2[e])
+        out[start : start + n] = linear(act_fn(linear(seg, w13[e]), act), w2[e])
         start += n
     out = out * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, tokens, out)
@@ -277,10 +282,12 @@ def grouped_gemm(
     return out
 
 
-def run_experts(x, w13, w2, weights, ids, num_experts: int, gemm, act: str) -> Tensor:
+def run_experts(
+    x, w13, w2, weights, ids, num_experts: int, gemm, act: str, gated: bool = True
+) -> Tensor:
     """The two grouped GEMMs of a MoE MLP with any weight form: the rows aligned by expert,
-    `gemm` (grouped_gemm's signature) for gate/up, the gated activation, `gemm` for down with
-    the router weight applied, then each token's top-k outputs summed."""
+    `gemm` (grouped_gemm's signature) for gate/up (up alone when not `gated`), the activation,
+    `gemm` for down with the router weight applied, then each token's top-k outputs summed."""
     T, k = ids.shape
     num_rows = T * k
     if num_rows == 0:
@@ -289,19 +296,25 @@ def run_experts(x, w13, w2, weights, ids, num_experts: int, gemm, act: str) -> T
     tiles = moe_tiles(num_rows, num_experts, x.dtype)
     rows, block_expert = moe_align(ids, num_experts, tiles[0])
     h = gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
-    h = act_and_mul(h, act)
+    h = act_and_mul(h, act) if gated else activation(h, act)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     out = gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
     return out.view(T, k, -1).sum(dim=1)
 
 
 def fused_moe(
-    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, act: str = "silu"
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    act: str = "silu",
+    gated: bool = True,
 ) -> Tensor:
     """The Triton path with `fused_moe_reference`'s contract; x [T, H] in float16, bfloat16 or
     float32 (float32 accumulation), the result in x's dtype. `grouped_gemm` refuses expert
     weights whose rows are not contiguous."""
-    return run_experts(x, w13, w2, weights, ids, w13.shape[0], grouped_gemm, act)
+    return run_experts(x, w13, w2, weights, ids, w13.shape[0], grouped_gemm, act, gated)
 
 
 @dataclass

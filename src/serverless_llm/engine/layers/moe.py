@@ -151,14 +151,14 @@ class StackedWeight(nn.Module):
 
 
 def experts_forward(
-    x, w13, w2, weights, ids, act: str, use_kernels: bool, linear=F.linear
+    x, w13, w2, weights, ids, act: str, use_kernels: bool, linear=F.linear, gated: bool = True
 ) -> torch.Tensor:
     """The experts' weighted sum for each token: the Triton grouped GEMM when `use_kernels`,
     else its torch reference (kernels/fused_moe.py), whose matmuls are `linear` (per-expert
-    packed weights on CPU)."""
+    packed weights on CPU); `gated`: w13 holds gate and up rows, else up rows alone."""
     if use_kernels:
-        return fused_moe(x, w13, w2, weights, ids, act)
-    return fused_moe_reference(x, w13, w2, weights, ids, act, linear)
+        return fused_moe(x, w13, w2, weights, ids, act, gated)
+    return fused_moe_reference(x, w13, w2, weights, ids, act, linear, gated)
 
 
 class Experts(nn.Module):
@@ -173,12 +173,24 @@ class Experts(nn.Module):
       `PackedExperts` (kernels/fused_moe_w4a16.py) and stay at their bit width, run by the
       packed MoE kernel; FP8 experts stay as their e4m3 bytes and channel scales
       (`Fp8Experts`, kernels/fused_moe.py), run by the grouped GEMM decoding them (each with
-      its torch reference elsewhere)."""
+      its torch reference elsewhere).
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, act: str, use_kernels: bool):
+    Non-gated experts (`gated=False`, Nemotron-H's): `w13` [E, I, H] holds the up rows alone and
+    the activation applies to them; float checkpoints only for now."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        act: str,
+        use_kernels: bool,
+        gated: bool = True,
+    ):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.w13 = StackedWeight(num_experts, 2 * inter, hidden)
+        self.gated = gated
+        self.w13 = StackedWeight(num_experts, (2 if gated else 1) * inter, hidden)
         self.w2 = StackedWeight(num_experts, hidden, inter)
         self.act = check_activation(act)
         self.use_kernels = use_kernels
@@ -191,13 +203,16 @@ class Experts(nn.Module):
         self.w2_groups: int | None = None  # see `quantize`
 
     def _shape(self, which: str) -> tuple[int, int]:
-        return (2 * self.inter, self.hidden) if which == "w13" else (self.hidden, self.inter)
+        rows = (2 if self.gated else 1) * self.inter
+        return (rows, self.hidden) if which == "w13" else (self.hidden, self.inter)
 
     def quantize(self, scheme, mode: str, w2_groups: int | None = None) -> None:
         """Before materializing: the checkpoint's experts are quantized; `mode` as the model's
         other quantized linears ("packed": integer experts packed, FP8 experts kept as bytes).
         `w2_groups`: the down projections' group count when it exceeds their inputs' (a
         tensor-parallel rank of an act-order checkpoint keeps every group)."""
+        if not self.gated:
+            raise ValueError("quantized checkpoints of non-gated experts are not supported yet")
         self.scheme = scheme
         self.w2_groups = w2_groups
         self.mode = "packed" if mode == "packed" else "dequantize"
@@ -338,9 +353,13 @@ class Experts(nn.Module):
             return fn(x, w13, w2, weights, ids, self.act)
         if self.packed is not None:
             w13, w2 = self.packed
-            return experts_forward(x, w13, w2, weights, ids, self.act, False, packed_linear)
+            return experts_forward(
+                x, w13, w2, weights, ids, self.act, False, packed_linear, self.gated
+            )
         w13, w2 = self.w13.weight, self.w2.weight
-        return experts_forward(x, w13, w2, weights, ids, self.act, self.use_kernels)
+        return experts_forward(
+            x, w13, w2, weights, ids, self.act, self.use_kernels, gated=self.gated
+        )
 
     def pack_for_cpu(self) -> None:
         """Each expert's matrices packed for oneDNN in place of the stacked float32 weights (the

@@ -97,7 +97,11 @@ class MoESpec:
     plus an optional shared expert of width `shared_size` that every token goes through, scaled
     by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE). "sigmoid_grouped" routing
     (Kimi Linear) has a router with a score correction bias (`BiasedRouter`), picks among the
-    best `groups[1]` of `groups[0]` expert groups and scales the weights by `routed_scale`."""
+    best `groups[1]` of `groups[0]` expert groups and scales the weights by `routed_scale`.
+    The experts are gated MLPs when the model's MLP is (`DecoderSpec.gated`), else plain ones
+    (Nemotron-H); `latent_size`: they run in a narrower width, between the block's projections
+    `fc1_latent_proj` (hidden -> latent) and `fc2_latent_proj` (latent -> hidden) (Nemotron-H's
+    latent MoE; the router and the shared expert read the hidden width)."""
 
     num_experts: int
     top_k: int
@@ -109,6 +113,7 @@ class MoESpec:
     shared_gate: bool = False
     groups: tuple[int, int] = (1, 1)
     routed_scale: float = 1.0
+    latent_size: int | None = None
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -501,9 +506,16 @@ class SparseMoE(nn.Module):
             self.gate = BiasedRouter(s.hidden_size, m.num_experts)
         else:
             self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
+        if tp.enabled and (m.latent_size or not s.gated):
+            raise ValueError("tensor parallelism of latent or non-gated experts is not supported")
+        width = m.latent_size or s.hidden_size
         self.experts = Experts(
-            m.num_experts, s.hidden_size, m.intermediate_size, s.act, use_kernels
+            m.num_experts, width, m.intermediate_size, s.act, use_kernels, gated=s.gated
         )
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if m.latent_size:
+            self.fc1_latent_proj = nn.Linear(s.hidden_size, width, bias=s.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(width, s.hidden_size, bias=s.mlp_bias)
         self.shared_expert = MLP(s, use_kernels, m.shared_size, tp=None) if m.shared_size else None
         self.shared_expert_gate = nn.Linear(s.hidden_size, 1, bias=False) if m.shared_gate else None
 
@@ -519,7 +531,10 @@ class SparseMoE(nn.Module):
             groups=m.groups,
             scale=m.routed_scale,
         )
-        out = self.experts(x, weights, ids)
+        if self.fc1_latent_proj is None:
+            out = self.experts(x, weights, ids)
+        else:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -228,10 +228,11 @@ class DecoderWeights:
             return len(rows) == int(rows[0].rsplit(":", 1)[1])
         parts = sum(1 for name in loaded if name.startswith(pname + "#"))
         target = pname.rsplit(".", 2)[-2]
-        # per-head norms: a part per row; stacked experts: one per expert (two with gate | up)
-        need = {"qkv_proj": 3, "gate_up_proj": 2, "w13": 2 * param.shape[0]}.get(
-            target, param.shape[0]
-        )
+        # per-head norms: a part per row; stacked experts: one per expert (two with gate | up,
+        # one for non-gated experts' up rows)
+        halves = any(n.endswith((":gate", ":up")) for n in loaded if n.startswith(pname + "#"))
+        need = {"qkv_proj": 3, "gate_up_proj": 2, "w13": (2 if halves else 1) * param.shape[0]}
+        need = need.get(target, param.shape[0])
         return parts > 0 and parts == need
 
     _SHARDS = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
