@@ -31,6 +31,8 @@ HYBRIDS = {
     "granitemoehybrid": lambda tok: MAMBA_CONFIGS["granitemoehybrid"](tok),
     # Mamba-2 layers alone: no attention layer, no KV block
     "mamba2": lambda tok: MAMBA_CONFIGS["mamba2"](tok),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer (KV and a state per layer)
+    "falcon_h1": lambda tok: MAMBA_CONFIGS["falcon_h1"](tok),
     # Jamba: Mamba-1 layers beside attention, experts on an attention and a Mamba layer
     "jamba": lambda tok: JAMBA_CONFIGS["jamba"](tok),
     # Kimi Linear: Kimi Delta Attention layers alone (no MLA yet), a dense MLP and MoEs

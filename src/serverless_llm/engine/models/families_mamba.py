@@ -11,11 +11,25 @@
   attention scale, logits), layer kinds from `layer_types`, rope or no position embedding, a
   top-k MoE (softmax of the top-k logits) plus a shared MLP on every layer, or the shared MLP
   alone when num_local_experts is 0.
+- Nemotron-H (`NemotronHForCausalLM`): blocks of one kind each, from `layers_block_type` (older
+  configs' `hybrid_override_pattern`, M = Mamba-2, * = attention, - = MLP, E = MoE, which
+  transformers turns into that list): norm -> the block's mixer or MLP -> residual. Attention
+  without positions or biases; a non-gated relu^2 MLP; the Mamba-2 dt limited below by
+  time_step_min on prompt rows only (as transformers); names under `backbone.`.
+- Falcon-H1 (`FalconH1ForCausalLM`): every layer runs attention and a Mamba-2 mixer side by side
+  on the same normed input (the decoder's "parallel" layer, keeping KV and a state), their sum
+  into the residual, then a SwiGLU MLP. Its muP multipliers are folded into the projections'
+  weights at load (`WeightNames.scales`): attention input, key, attention output, the SSM input
+  and the per-channel `mup_vector` of in_proj (from `ssm_multipliers`), SSM output, MLP gate
+  and down; the embedding and lm_head multipliers are the decoder's embed_scale and
+  logit_scale.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from ..layers.mamba2 import Mamba2Spec
 from .decoder import DecoderSpec, MoESpec, NormSpec, WeightNames
@@ -227,4 +241,210 @@ def granite_moe_hybrid(config) -> DecoderSpec:
         mlp_bias=False,
         mixers=mixers,
         recurrent=hybrid_mamba_spec(config),
+    )
+
+
+# -- Nemotron-H --------------------------------------------------------------------------------
+
+
+def expert_names_plain(prefix: str, num_experts: int) -> dict:
+    """WeightNames.layer entries for non-gated experts stored one by one (`prefix`.e.up_proj,
+    `prefix`.e.down_proj): each expert's up rows fill its slice of the stacked w13."""
+    names = {}
+    for e in range(num_experts):
+        names[f"{prefix}.{e}.up_proj"] = ("mlp.experts.w13", f"expert:{e}")
+        names[f"{prefix}.{e}.down_proj"] = ("mlp.experts.w2", f"expert:{e}")
+    return names
+
+
+# Block kind -> its token mixer in the decoder (an MLP or MoE block is mixer "none", its MLP
+# reading the block's one norm).
+NEMOTRON_H_MIXERS = {
+    "linear_attention": "recurrent",
+    "full_attention": "attention",
+    "mlp": "none",
+    "moe": "none",
+}
+NEMOTRON_H_LAYER = {
+    "norm": "in_norm",
+    **mixer_names("mixer"),
+    "mixer.q_proj": ("self_attn.qkv_proj", "q"),
+    "mixer.k_proj": ("self_attn.qkv_proj", "k"),
+    "mixer.v_proj": ("self_attn.qkv_proj", "v"),
+    "mixer.o_proj": "self_attn.o_proj",
+    "mixer.up_proj": "mlp.up_proj",
+    "mixer.down_proj": "mlp.down_proj",
+    # MoE blocks: the router with its score correction bias, the latent projections, the shared
+    # expert, and the experts (transformers 5's stacked names; per-expert names are added)
+    "mixer.gate": "mlp.gate",
+    "mixer.fc1_latent_proj": "mlp.fc1_latent_proj",
+    "mixer.fc2_latent_proj": "mlp.fc2_latent_proj",
+    "mixer.shared_experts.up_proj": "mlp.shared_expert.up_proj",
+    "mixer.shared_experts.down_proj": "mlp.shared_expert.down_proj",
+    "mixer.experts.up_proj": "mlp.experts.w13",
+    "mixer.experts.down_proj": "mlp.experts.w2",
+}
+
+
+def nemotron_h_moe(config) -> MoESpec:
+    """Nemotron-H's MoE blocks: DeepSeek-V3's router (sigmoid scores, the best `topk_group` of
+    `n_group` groups, renormalised by norm_topk_prob, times routed_scaling_factor), non-gated
+    experts of moe_intermediate_size (the model's MLP kind), in moe_latent_size when set, and
+    one shared expert of moe_shared_expert_intermediate_size (n_shared_experts is not read:
+    transformers builds one)."""
+    return MoESpec(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        routing="sigmoid_grouped",
+        renormalize=bool(config.norm_topk_prob),
+        shared_size=config.moe_shared_expert_intermediate_size,
+        groups=(config.n_group, config.topk_group),
+        routed_scale=float(config.routed_scaling_factor),
+        latent_size=config.moe_latent_size,
+    )
+
+
+@family("NemotronHForCausalLM")
+def nemotron_h(config) -> DecoderSpec:
+    kinds = list(config.layers_block_type)
+    unknown = sorted(set(kinds) - set(NEMOTRON_H_MIXERS))
+    if unknown:
+        raise ValueError(f"Nemotron-H block kinds {unknown} are not supported")
+    # transformers' NemotronH attention has no biases and no window whatever the config says: a
+    # config asking for them is refused rather than run as transformers runs it
+    if getattr(config, "attention_bias", False):
+        raise ValueError("attention_bias (transformers' Nemotron-H attention has no biases)")
+    if getattr(config, "sliding_window", None):
+        raise ValueError("sliding_window (transformers' Nemotron-H attends to every token)")
+    n = len(kinds)
+    mixers = tuple(NEMOTRON_H_MIXERS[k] for k in kinds)
+    recurrent = Mamba2Spec(
+        num_heads=config.mamba_num_heads,
+        head_dim=config.mamba_head_dim,
+        state_size=config.ssm_state_size,
+        n_groups=config.n_groups,
+        conv_kernel=config.conv_kernel,
+        conv_bias=bool(config.use_conv_bias),
+        in_bias=bool(config.use_bias),
+        out_bias=bool(config.use_bias),
+        activation=config.mamba_hidden_act,
+        # the mixer's own limit (transformers ignores config.time_step_limit here)
+        time_step_limit=(float(config.time_step_min), math.inf),
+        clamp_decodes=False,
+        norm_eps=config.layer_norm_epsilon,
+    )
+    top = {"backbone.embeddings": "embed_tokens", "backbone.norm_f": "norm", "lm_head": "lm_head"}
+    layer = dict(NEMOTRON_H_LAYER)
+    moe = None
+    if "moe" in kinds:
+        moe = nemotron_h_moe(config)
+        layer.update(expert_names_plain("mixer.experts", moe.num_experts))
+    names = WeightNames(
+        "backbone.layers",
+        layer,
+        top,
+        skip_prefixes=("mtp.", "backbone.mtp."),  # multi-token-prediction layers, not run
+    )
+    return DecoderSpec(
+        arch="NemotronHForCausalLM",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=n,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        names=names,
+        norm=NormSpec("rms", config.layer_norm_epsilon),
+        layer_norms=("in",),
+        gated=False,
+        act=config.mlp_hidden_act,
+        mlp_bias=bool(config.mlp_bias),
+        mixers=mixers,
+        mlp_layers=tuple(k in ("mlp", "moe") for k in kinds),
+        moe=moe,
+        moe_layers=tuple(k == "moe" for k in kinds),
+        recurrent=recurrent,
+        # transformers' NemotronH never ties lm_head to the embeddings (no tied keys), whatever
+        # tie_word_embeddings says: the checkpoint's lm_head is read
+        tied=False,
+    )
+
+
+# -- Falcon-H1 ---------------------------------------------------------------------------------
+
+FALCON_H1_LAYER = {
+    "feed_forward.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "feed_forward.up_proj": ("mlp.gate_up_proj", "up"),
+    "feed_forward.down_proj": "mlp.down_proj",
+    "pre_ff_layernorm": "mlp_norm",
+    **mixer_names("mamba"),
+}
+
+
+def falcon_h1_scales(config, d_ssm: int) -> dict:
+    """Falcon-H1's multipliers as `WeightNames.scales` (those that are not 1): a multiplier of a
+    projection's input scales its weight, one of its output its weight and bias. in_proj's
+    output rows [z | x | B | C | dt] each take their `ssm_multipliers` entry (transformers'
+    mup_vector), its input `ssm_in_multiplier`."""
+    a, km = config.attention_in_multiplier, config.key_multiplier
+    ao, so = config.attention_out_multiplier, config.ssm_out_multiplier
+    gate, down = config.mlp_multipliers
+    gn = config.mamba_n_groups * config.mamba_d_state
+    sizes = (d_ssm, d_ssm, gn, gn, config.mamba_n_heads)
+    mup = torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, config.ssm_multipliers)])
+    si = config.ssm_in_multiplier
+    scales = {
+        "self_attn.q_proj": (a, 1.0),
+        "self_attn.k_proj": (a * km, km),
+        "self_attn.v_proj": (a, 1.0),
+        "self_attn.o_proj": (ao, ao),
+        "feed_forward.gate_proj": (gate, gate),
+        "feed_forward.down_proj": (down, down),
+        "mamba.out_proj": (so, so),
+    }
+    scales = {k: v for k, v in scales.items() if v != (1.0, 1.0)}
+    if si != 1.0 or bool((mup != 1.0).any()):
+        scales["mamba.in_proj"] = (mup * si, mup)
+    return scales
+
+
+@family("FalconH1ForCausalLM")
+def falcon_h1(config) -> DecoderSpec:
+    if len(config.ssm_multipliers) != 5 or len(config.mlp_multipliers) != 2:
+        raise ValueError("ssm_multipliers needs 5 entries and mlp_multipliers 2")
+    d_ssm = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
+    heads, head_dim = config.mamba_n_heads, config.mamba_d_head
+    if heads * head_dim != d_ssm:
+        raise ValueError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} is not d_ssm {d_ssm}")
+    recurrent = Mamba2Spec(
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=config.mamba_d_state,
+        n_groups=config.mamba_n_groups,
+        conv_kernel=config.mamba_d_conv,
+        conv_bias=bool(config.mamba_conv_bias),
+        in_bias=bool(config.mamba_proj_bias),
+        out_bias=bool(config.projectors_bias),
+        activation=config.hidden_act,
+        time_step_limit=time_step_limit(config),
+        clamp_decodes=False,
+        norm=bool(config.mamba_rms_norm),
+        norm_before_gate=bool(config.mamba_norm_before_gate),
+        norm_eps=config.rms_norm_eps,
+    )
+    n = config.num_hidden_layers
+    names = llama_names(**FALCON_H1_LAYER)
+    del names.top["model.norm"]
+    names.top["model.final_layernorm"] = "norm"
+    names.scales = falcon_h1_scales(config, d_ssm)
+    embed = config.embedding_multiplier
+    return llama_like(
+        config,
+        names=names,
+        mixers=("parallel",) * n,
+        recurrent=recurrent,
+        embed_scale=None if embed == 1.0 else embed,
+        logit_scale=config.lm_head_multiplier,
     )
