@@ -18,10 +18,17 @@ b, a: one row per value head), so the forward splits them as views. The checkpoi
 (Qwen3-Next's in_proj_qkvz and in_proj_ba interleaved per key head, Qwen3.5's in_proj_qkv / z /
 b / a, OLMo Hybrid's separate q/k/v/g/b/a projections and its split convolution) are put into
 that order at load (`GatedDeltaNetSpec.checkpoint_rows`, the "mixer:<part>" placement).
+
+Tensor parallelism: each rank holds 1/N of the q/k heads and the value heads they serve (GQA
+groups whole on a rank: value head h reads q/k head h // (Hv / Hk)), i.e. its rows of q, k, v,
+z, b and a in in_proj, its convolution channels of q, k and v, its heads' A_log and dt_bias (the
+gated norm is per head: no communication), and out_proj's input columns of its value heads,
+whose partial outputs are all-reduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +38,16 @@ from torch import nn
 from ..kernels.causal_conv1d import gated_rms_norm, gated_rms_norm_ref
 from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_ref
 from ..parallel.group import SINGLE, TensorParallel
-from .recurrent import STATE_DTYPE, RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+from .recurrent import (
+    STATE_DTYPE,
+    RecurrentMixer,
+    RecurrentMixerSpec,
+    Split,
+    StateShapes,
+    indivisible,
+    share,
+    step_slots,
+)
 from .short_conv import ConvWeights, run_conv
 
 
@@ -81,20 +97,64 @@ class GatedDeltaNetSpec(RecurrentMixerSpec):
             f"{self.conv_kernel} taps)"
         )
 
-    def checkpoint_rows(self, part: str, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Where a checkpoint tensor's rows go: (first row, the rows in the fused order) in the
-        fused in_proj (parts "qkvz", "ba", "qkv", "z", "b", "a", "q", "k", "v") or the
-        convolution's channels ("conv_q", "conv_k", "conv_v")."""
+    def tp_refusal(self, hidden: int, size: int) -> str | None:
+        # the value heads are a multiple of the q/k heads: they divide too
+        return indivisible(size, self.num_k_heads, "Gated DeltaNet q/k heads")
+
+    def shard(self, hidden: int, size: int) -> GatedDeltaNetSpec:
+        return dataclasses.replace(
+            self, num_k_heads=self.num_k_heads // size, num_v_heads=self.num_v_heads // size
+        )
+
+    def tp_split(self, name: str, hidden: int, rank: int, size: int) -> Split:
+        kd, vd, dk, dv = self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim
+        k0, kn = share(self.num_k_heads, rank, size)
+        v0, vn = share(self.num_v_heads, rank, size)
+        qkv = [(k0 * dk, kn * dk), (kd + k0 * dk, kn * dk), (2 * kd + v0 * dv, vn * dv)]
+        if name == "in_proj":  # [q | k | v | z | b | a]
+            ba = 2 * kd + 2 * vd
+            z_b_a = [
+                (2 * kd + vd + v0 * dv, vn * dv),
+                (ba + v0, vn),
+                (ba + self.num_v_heads + v0, vn),
+            ]
+            return "out", qkv + z_b_a
+        if name == "conv1d":
+            return "out", qkv
+        if name in ("A_log", "dt_bias"):
+            return "out", [(v0, vn)]
+        if name == "norm":  # one weight [Dv] shared by the heads
+            return None
+        if name == "out_proj":
+            return "in", [(v0 * dv, vn * dv)]
+        raise ValueError(f"Gated DeltaNet: no parameter {name!r}")
+
+    def checkpoint_segments(self, part: str, rows: int) -> list[tuple[int, int, int]]:
+        """Where checkpoint tensor `part`'s rows go in the fused in_proj (parts "qkvz", "ba",
+        "qkv", "z", "b", "a", "q", "k", "v") or the convolution's channels ("conv_q", "conv_k",
+        "conv_v"): runs of (first checkpoint row, first fused row, length)."""
         kd, vd, hk = self.key_dim, self.value_dim, self.num_k_heads
-        r = self.num_v_heads // hk
-        rest = tensor.shape[1:]
+        dk, dv, hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
+        r = hv // hk
         if part == "qkvz":  # per key head h: [q_h | k_h | v of its r heads | z of its r heads]
-            t = tensor.reshape(hk, -1, *rest)
-            q, k, v, z = t.split([self.head_k_dim] * 2 + [r * self.head_v_dim] * 2, dim=1)
-            return 0, torch.cat([p.flatten(0, 1) for p in (q, k, v, z)])
+            w = 2 * dk + 2 * r * dv
+            runs = []
+            for h in range(hk):
+                base = h * w
+                runs += [
+                    (base, h * dk, dk),
+                    (base + dk, kd + h * dk, dk),
+                    (base + 2 * dk, 2 * kd + h * r * dv, r * dv),
+                    (base + 2 * dk + r * dv, 2 * kd + vd + h * r * dv, r * dv),
+                ]
+            return runs
         if part == "ba":  # per key head h: [b of its r heads | a of its r heads]
-            b, a = tensor.reshape(hk, 2 * r, *rest).split([r, r], dim=1)
-            return 2 * kd + 2 * vd, torch.cat([b.flatten(0, 1), a.flatten(0, 1)])
+            ba = 2 * kd + 2 * vd
+            return [
+                run
+                for h in range(hk)
+                for run in ((2 * r * h, ba + h * r, r), (2 * r * h + r, ba + hv + h * r, r))
+            ]
         starts = {
             "qkv": 0,
             "q": 0,
@@ -102,19 +162,26 @@ class GatedDeltaNetSpec(RecurrentMixerSpec):
             "v": 2 * kd,
             "z": 2 * kd + vd,
             "b": 2 * kd + 2 * vd,
-            "a": 2 * kd + 2 * vd + self.num_v_heads,
+            "a": 2 * kd + 2 * vd + hv,
             "conv_q": 0,
             # OLMo Hybrid's q/k/v convolutions: from OLMo-core they are [key_dim, key_dim,
             # value_dim] channels; transformers' save_pretrained splits its fused convolution
             # into three near-equal parts instead. Either way q and k have as many channels and
             # the three cover the whole in order, so k starts where its own size says and v
             # ends at the end.
-            "conv_k": tensor.shape[0],
-            "conv_v": self.conv_dim - tensor.shape[0],
+            "conv_k": rows,
+            "conv_v": self.conv_dim - rows,
         }
         if part not in starts:
             raise ValueError(f"unknown Gated DeltaNet checkpoint part {part!r}")
-        return starts[part], tensor
+        return [(0, starts[part], rows)]
+
+    def checkpoint_rows(self, part: str, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Where a checkpoint tensor's rows go: (first row, the rows in the fused order) in the
+        fused in_proj or the convolution's channels (`checkpoint_segments`)."""
+        runs = sorted(self.checkpoint_segments(part, tensor.shape[0]), key=lambda run: run[1])
+        rows = [tensor.narrow(0, src, n) for src, _, n in runs]
+        return runs[0][1], rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 class GatedRMSNorm(nn.Module):
@@ -138,8 +205,6 @@ class GatedDeltaNet(RecurrentMixer):
         self, hidden: int, spec: GatedDeltaNetSpec, use_kernels: bool, tp: TensorParallel = SINGLE
     ):
         super().__init__()
-        if tp.enabled:
-            raise ValueError("tensor parallelism of Gated DeltaNet layers is not supported yet")
         self.tp = tp
         self.spec = spec
         self.use_kernels = use_kernels

@@ -16,10 +16,16 @@ on CUDA and their torch references elsewhere.
 The output norm is not kernels/causal_conv1d.py's `gated_rms_norm`: KDA gates by sigmoid (not
 silu) and multiplies the weight on the float32 row (transformers' `KimiLinearRMSNormGated`),
 so it is written here in torch (a few elementwise ops on [T, H, D]).
+
+Tensor parallelism: each rank holds 1/N of the heads: its rows of q, k, v and b in in_proj (f_a
+and g_a, the gates' low-rank inputs, whole on every rank), its convolution channels, its heads'
+rows of f_b and g_b, dt_bias and A_log (the norm is per head: no communication), and o_proj's
+input columns of its heads, whose partial outputs are all-reduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +33,15 @@ from torch import nn
 
 from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_ref
 from ..parallel.group import SINGLE, TensorParallel
-from .recurrent import RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+from .recurrent import (
+    RecurrentMixer,
+    RecurrentMixerSpec,
+    Split,
+    StateShapes,
+    indivisible,
+    share,
+    step_slots,
+)
 from .short_conv import ConvWeights, run_conv
 
 
@@ -46,6 +60,31 @@ class KimiDeltaSpec(RecurrentMixerSpec):
             f"Kimi Delta Attention, {self.num_heads} heads of {self.head_dim}, "
             f"convolution of {self.conv_kernel} taps"
         )
+
+    def tp_refusal(self, hidden: int, size: int) -> str | None:
+        return indivisible(size, self.num_heads, "Kimi Delta Attention heads")
+
+    def shard(self, hidden: int, size: int) -> KimiDeltaSpec:
+        return dataclasses.replace(self, num_heads=self.num_heads // size)
+
+    def tp_split(self, name: str, hidden: int, rank: int, size: int) -> Split:
+        H, D = self.num_heads, self.head_dim
+        h0, hn = share(H, rank, size)
+        heads = (h0 * D, hn * D)  # this rank's heads' channels of a [H * D] width
+        qkv = [(part * H * D + heads[0], heads[1]) for part in range(3)]
+        if name == "in_proj":  # [q | k | v | f_a | g_a | b]: f_a and g_a whole
+            return "out", [*qkv, (3 * H * D, 2 * D), (3 * H * D + 2 * D + h0, hn)]
+        if name == "conv1d":
+            return "out", qkv
+        if name in ("f_b_proj", "g_b_proj", "dt_bias"):
+            return "out", [heads]
+        if name == "A_log":
+            return "out", [(h0, hn)]
+        if name == "o_norm":  # one weight [D] shared by the heads
+            return None
+        if name == "o_proj":
+            return "in", [heads]
+        raise ValueError(f"Kimi Delta Attention: no parameter {name!r}")
 
     def in_proj_parts(self) -> tuple[int, ...]:
         """The widths of the fused input projection's pieces: q, k, v, f_a, g_a, b."""
@@ -83,10 +122,7 @@ class KimiDeltaAttention(RecurrentMixer):
         self, hidden: int, spec: KimiDeltaSpec, use_kernels: bool, tp: TensorParallel = SINGLE
     ):
         super().__init__()
-        if tp.enabled:
-            raise ValueError(
-                "tensor parallelism of Kimi Delta Attention layers is not supported yet"
-            )
+        self.tp = tp
         self.spec = spec
         self.use_kernels = use_kernels
         H, D = spec.num_heads, spec.head_dim
@@ -128,4 +164,4 @@ class KimiDeltaAttention(RecurrentMixer):
             num_decodes=meta.num_decodes,
         )
         o = kda_gated_norm(o, self.g_b_proj(g_a).view(T, H, D), self.o_norm.weight, self.spec.eps)
-        return self.o_proj(o.reshape(T, H * D))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, H * D)))

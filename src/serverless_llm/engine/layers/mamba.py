@@ -13,10 +13,19 @@ State per request: the convolution's last K - 1 inputs [d_inner, K - 1] in the m
 the SSM state [d_inner, N] in float32. The convolution and the scan run their Triton kernels on
 CUDA and their torch references elsewhere; both compute in float32 and round once, which in a
 float32 model is what transformers computes (its casts are then the identity).
+
+Tensor parallelism: each rank holds 1/N of the d_inner channels (its rows of in_proj's x and z,
+its convolution channels, dt_proj's output rows, A_log, D and the delta bias; the scan is per
+channel) and out_proj's matching input columns, whose partial outputs are all-reduced. x_proj
+reads every channel: each rank multiplies its columns and the partial [dt | B | C] are
+all-reduced (R + 2N values per token, before Jamba's norms and dt_proj). That is exact and
+cheaper than the alternative, x_proj whole on every rank, which would need u gathered from all
+ranks (d_inner values per token) and N times the x_proj work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +34,16 @@ from torch import nn
 from ..kernels.selective_scan import selective_scan, selective_scan_ref
 from ..parallel.group import SINGLE, TensorParallel
 from .norm import RMSNorm
-from .recurrent import STATE_DTYPE, RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+from .recurrent import (
+    STATE_DTYPE,
+    RecurrentMixer,
+    RecurrentMixerSpec,
+    Split,
+    StateShapes,
+    indivisible,
+    share,
+    step_slots,
+)
 from .short_conv import ConvWeights, run_conv
 
 
@@ -59,14 +77,30 @@ class MambaSpec(RecurrentMixerSpec):
             f"{self.d_conv} taps, dt rank {self.dt_rank}{norms})"
         )
 
+    def tp_refusal(self, hidden: int, size: int) -> str | None:
+        return indivisible(size, self.d_inner, "Mamba inner channels (d_inner)")
+
+    def shard(self, hidden: int, size: int) -> MambaSpec:
+        return dataclasses.replace(self, d_inner=self.d_inner // size)
+
+    def tp_split(self, name: str, hidden: int, rank: int, size: int) -> Split:
+        lo, n = share(self.d_inner, rank, size)
+        if name == "in_proj":  # [x | z]
+            return "out", [(lo, n), (self.d_inner + lo, n)]
+        if name in ("conv1d", "dt_proj", "dt_bias", "A_log", "D"):
+            return "out", [(lo, n)]
+        if name in ("x_proj", "out_proj"):
+            return "in", [(lo, n)]
+        if name in ("dt_norm", "b_norm", "c_norm"):  # after x_proj's all-reduce: whole
+            return None
+        raise ValueError(f"Mamba: no parameter {name!r}")
+
 
 class MambaMixer(RecurrentMixer):
     def __init__(
         self, hidden: int, spec: MambaSpec, use_kernels: bool, tp: TensorParallel = SINGLE
     ) -> None:
         super().__init__()
-        if tp.enabled:
-            raise ValueError("tensor parallelism of mamba layers is not supported yet")
         self.tp = tp
         self.spec = spec
         self.use_kernels = use_kernels
@@ -96,7 +130,9 @@ class MambaMixer(RecurrentMixer):
         conv_state, ssm_state = state[0], state[1]
         x, z = self.in_proj(h).split([s.d_inner, s.d_inner], dim=-1)
         u = run_conv(self.use_kernels, x, self.conv1d, conv_state, meta, "silu")
-        dt, B, C = self.x_proj(u).split([s.dt_rank, s.d_state, s.d_state], dim=-1)
+        # x_proj's partial sums over this rank's channels (see the module docstring)
+        dbc = self.tp.all_reduce(self.x_proj(u))
+        dt, B, C = dbc.split([s.dt_rank, s.d_state, s.d_state], dim=-1)
         if self.dt_norm is not None:
             dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)
         delta = self.dt_proj(dt)

@@ -5,10 +5,15 @@ layer of Liquid's LFM2 and LFM3 models (`Lfm2ShortConv` in transformers).
 
 Its state per request is the convolution's last K - 1 inputs (B * x). The convolution runs the
 Triton kernel on CUDA and its torch reference elsewhere (kernels/causal_conv1d.py).
+
+Tensor parallelism: each rank holds 1/N of the channels (its rows of each of in_proj's B, C and
+x thirds, its convolution channels; the whole computation is per channel) and out_proj's matching
+input columns, whose partial outputs are all-reduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +21,15 @@ from torch import nn
 
 from ..kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from ..parallel.group import SINGLE, TensorParallel
-from .recurrent import RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+from .recurrent import (
+    RecurrentMixer,
+    RecurrentMixerSpec,
+    Split,
+    StateShapes,
+    indivisible,
+    share,
+    step_slots,
+)
 
 
 class ConvWeights(nn.Module):
@@ -51,6 +64,7 @@ def run_conv(use_kernels: bool, x, conv: ConvWeights, state, meta, activation: s
 class ShortConvSpec(RecurrentMixerSpec):
     kernel: int  # taps (conv_L_cache)
     bias: bool = False
+    channels: int | None = None  # None: the hidden size; a tensor-parallel rank's share of it
 
     def build(self, spec, backend, tp) -> ShortConv:
         return ShortConv(spec.hidden_size, self, backend.use_kernels, tp)
@@ -58,24 +72,38 @@ class ShortConvSpec(RecurrentMixerSpec):
     def describe(self) -> str:
         return f"short convolution of {self.kernel} taps"
 
+    def tp_refusal(self, hidden: int, size: int) -> str | None:
+        return indivisible(size, hidden, "short-convolution channels (its hidden size)")
+
+    def shard(self, hidden: int, size: int) -> ShortConvSpec:
+        return dataclasses.replace(self, channels=hidden // size)
+
+    def tp_split(self, name: str, hidden: int, rank: int, size: int) -> Split:
+        lo, n = share(hidden, rank, size)
+        if name == "in_proj":  # this rank's channels of B, of C and of x
+            return "out", [(part * hidden + lo, n) for part in range(3)]
+        if name == "conv1d":
+            return "out", [(lo, n)]
+        if name == "out_proj":
+            return "in", [(lo, n)]
+        raise ValueError(f"short convolution: no parameter {name!r}")
+
 
 class ShortConv(RecurrentMixer):
     def __init__(
         self, hidden: int, spec: ShortConvSpec, use_kernels: bool, tp: TensorParallel = SINGLE
     ):
         super().__init__()
-        if tp.enabled:
-            raise ValueError("tensor parallelism of short-convolution layers is not supported yet")
         self.tp = tp
-        self.hidden = hidden
+        self.channels = c = spec.channels or hidden
         self.spec = spec
         self.use_kernels = use_kernels
-        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=spec.bias)
-        self.conv1d = ConvWeights(hidden, spec.kernel, spec.bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=spec.bias)
+        self.in_proj = nn.Linear(hidden, 3 * c, bias=spec.bias)
+        self.conv1d = ConvWeights(c, spec.kernel, spec.bias)
+        self.out_proj = nn.Linear(c, hidden, bias=spec.bias)
 
     def state_shapes(self, dtype: torch.dtype) -> StateShapes:
-        return [((self.hidden, self.spec.kernel - 1), dtype)]
+        return [((self.channels, self.spec.kernel - 1), dtype)]
 
     def forward(self, x, state, meta):
         b, c, h = self.in_proj(x).chunk(3, dim=-1)

@@ -6,12 +6,19 @@ expert width, and of the padded vocabulary) and reads from each checkpoint tenso
 slice (`Sharder.take`), before the usual placement (weights.py) puts it where a model that small
 would. What is split:
 
-- column-parallel (output rows): the fused qkv (this rank's heads of q, k and v), gate/up, a
-  plain up projection, each expert's gate/up rows;
+- column-parallel (output rows): the fused qkv (this rank's heads of q, k and v, and of
+  Qwen3-Next's attention output gate), gate/up, a plain up projection, each expert's gate/up
+  rows;
 - row-parallel (input columns): o_proj, down, each expert's down; their partial outputs are
   all-reduced, so only rank 0 keeps their bias;
 - vocab-parallel: the embedding rows and the LM head rows (and its bias);
 - per head: a q/k norm with a weight per head or over all heads;
+- recurrent layers (hybrid models): their heads or channels, as the layer's description says
+  (`RecurrentMixerSpec.tp_split`: in projection and convolution by rows, per-head vectors by
+  entries, the output projection by input columns); checkpoint tensors that fill a fused weight
+  in another order (Qwen3-Next's interleaved projections, OLMo Hybrid's split convolution,
+  Kimi Linear's separate q/k/v) give this rank the rows of its heads, placed at their rows of
+  the rank's fused weight;
 - replicated: norms, routers, learned positions, the rest.
 
 Every rank holds every expert, with 1/N of its width: the same all-reduce serves dense and
@@ -29,6 +36,8 @@ from ..parallel.group import TensorParallel
 from .decoder import DecoderSpec
 
 Ranges = list[tuple[int, int]]  # (start, length) along one dim
+# The attribute names of the row-parallel linears (their inputs split across the ranks).
+ROW_PARALLEL = ("o_proj", "down_proj", "w2", "out_proj", "x_proj")
 
 
 def check_shardable(spec: DecoderSpec, size: int) -> None:
@@ -41,21 +50,23 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
                 f"choose a size that divides it"
             )
 
+    if any(spec.attention_layers):
+        need(spec.num_heads, "number of attention heads")
+        kvh = spec.num_kv_heads
+        if kvh % size and size % kvh:
+            raise ConfigError(
+                f"tensor_parallel_size={size} and the model's {kvh} KV heads: one must divide "
+                "the other (the KV heads are split across ranks, or each replicated on "
+                "size/heads ranks)"
+            )
     if spec.state_layers:
-        raise ConfigError(
-            f"tensor_parallel_size={size}: tensor parallelism of the model's recurrent layers "
-            f"({spec.recurrent.describe()}) is not supported yet; use tensor_parallel_size=1"
-        )
-    need(spec.num_heads, "number of attention heads")
-    kvh = spec.num_kv_heads
-    if kvh % size and size % kvh:
-        raise ConfigError(
-            f"tensor_parallel_size={size} and the model's {kvh} KV heads: one must divide the "
-            "other (the KV heads are split across ranks, or each replicated on size/heads ranks)"
-        )
-    if not all(spec.moe_layers):
+        refusal = spec.recurrent.tp_refusal(spec.hidden_size, size)
+        if refusal is not None:
+            raise ConfigError(refusal)
+    mlps = list(zip(spec.mlp_layers, spec.moe_layers))
+    if any(has and not sparse for has, sparse in mlps):
         need(spec.intermediate_size, "MLP intermediate size")
-    if spec.moe is not None:
+    if spec.moe is not None and any(has and sparse for has, sparse in mlps):
         need(spec.moe.intermediate_size, "expert intermediate size")
         if spec.moe.shared_size:
             need(spec.moe.shared_size, "shared expert intermediate size")
@@ -71,8 +82,12 @@ def local_spec(spec: DecoderSpec, tp: TensorParallel) -> DecoderSpec:
             intermediate_size=moe.intermediate_size // n,
             shared_size=moe.shared_size // n,
         )
+    recurrent = spec.recurrent
+    if recurrent is not None and spec.state_layers:
+        recurrent = recurrent.shard(spec.hidden_size, n)
     return dataclasses.replace(
         spec,
+        recurrent=recurrent,
         num_heads=spec.num_heads // n,
         num_kv_heads=max(1, spec.num_kv_heads // n),
         intermediate_size=spec.intermediate_size // n if not all(spec.moe_layers) else 0,
@@ -103,8 +118,12 @@ class Sharder:
         torch tensor or a loader LazyTensor (only the slice is read)."""
         leaf = internal.rpartition(".")[2]
         bias = kind == "bias"
+        if internal == "mixer":  # a recurrent layer's bare parameter (A_log, D), named by kind
+            return self._recurrent(internal, how, kind, tensor)
         if self.scheme is not None and kind not in ("weight", "bias"):
             return self._quantized(internal, leaf, how, kind, tensor), how
+        if internal.startswith("mixer."):
+            return self._recurrent(internal, how, kind, tensor)
         if leaf in ("q_norm", "k_norm"):
             return self._qk_norm(leaf, how, tensor)
         if leaf in ("embed_tokens", "lm_head", "lm_head_bias"):
@@ -164,6 +183,10 @@ class Sharder:
     def _linear_split(self, internal: str, leaf: str, how) -> tuple[str, Ranges] | None:
         """How a linear layer splits, in logical rows: ("out", ranges of its output rows) or
         ("in", the range of its input columns); None for a replicated one."""
+        if internal.startswith("mixer."):  # a recurrent layer's linear
+            if isinstance(how, str) and how.startswith(("mixer:", "rows:")):
+                return None  # a quantized piece of a fused weight: refused by the loader
+            return self._mixer_split(internal.partition(".")[2])
         s = self._mlp_width(internal)
         if leaf == "qkv_proj":
             qn, kvn = (
@@ -172,6 +195,8 @@ class Sharder:
             )
             if how == "q":
                 return "out", [self.q_rows]
+            if how == "q_gated":  # Qwen3-Next: [q_h | gate_h] per head, this rank's heads
+                return "out", [(2 * self.q_rows[0], 2 * self.q_rows[1])]
             if how in ("k", "v"):
                 return "out", [self.kv_rows]
             if how in (None, "t"):  # [q | k | v] fused (a Conv1D stores it as columns)
@@ -202,6 +227,63 @@ class Sharder:
                           "w2"):  # fmt: skip
             return None
         raise ConfigError(f"tensor parallelism over {internal} stored as {how!r} is not supported")
+
+    def _mixer_split(self, name: str):
+        """How this rank cuts the recurrent layer's parameter `name` (`tp_split`)."""
+        return self.spec.recurrent.tp_split(name, self.spec.hidden_size, self.tp.rank, self.tp.size)
+
+    def _recurrent(self, internal: str, how, kind: str, tensor) -> tuple[torch.Tensor, object]:
+        """This rank's part of a recurrent layer's parameter (`internal` under "mixer"; a bare
+        parameter of the mixer, A_log or D, is named by `kind`)."""
+        name = kind if internal == "mixer" else internal.partition(".")[2]
+        split = self._mixer_split(name)
+        if isinstance(how, str) and how.startswith(("mixer:", "rows:")):
+            return self._fused_rows(split, how, tensor)
+        if split is None:
+            return _full(tensor), how
+        axis, ranges = split
+        if axis == "in":
+            if kind == "bias":  # summed by the all-reduce: rank 0 adds it once
+                t = _full(tensor)
+                return (t if self.tp.rank == 0 else torch.zeros_like(t)), how
+            return _read(tensor, 1, ranges), how
+        # The split dimension: the first, or past leading 1s (Kimi's A_log is [1, 1, H, 1]).
+        dim = next((d for d, n in enumerate(tensor.shape) if n > 1), 0)
+        return _read(tensor, dim, ranges), how
+
+    def _fused_rows(self, split, how: str, tensor) -> tuple[torch.Tensor, str]:
+        """This rank's rows of one checkpoint tensor that fills part of a fused recurrent weight
+        ("mixer:<part>:<n>": in the order the layer's description gives,
+        `checkpoint_segments`; "rows:<start>:<n>": from row `start` on), read from the tensor
+        in the order of the rank's fused weight, with their placement there:
+        "rows:<local start>:<whole model's start>:<n>" (the middle field tells the n parts
+        apart when the loader counts them; a part may hold none of this rank's rows)."""
+        if split is None or split[0] != "out":
+            raise ConfigError(f"tensor parallelism over a fused recurrent weight stored as {how!r}")
+        form, first, n = how.split(":")
+        rows = tensor.shape[0]
+        if form == "mixer":
+            runs = self.spec.recurrent.checkpoint_segments(first, rows)
+        else:
+            runs = [(0, int(first), rows)]
+        start = min(dst for _, dst, _ in runs)
+        pieces = []  # (row in this rank's weight, checkpoint row, length)
+        local = 0
+        before = 0  # this rank's rows before `start`: where an empty part would go
+        for lo, ln in split[1]:
+            before += max(0, min(ln, start - lo))
+            for src, dst, length in runs:
+                a, b = max(lo, dst), min(lo + ln, dst + length)
+                if a < b:
+                    pieces.append((local + a - lo, src + a - dst, b - a))
+            local += ln
+        pieces.sort()
+        for (at, _, length), (nxt, _, _) in zip(pieces, pieces[1:]):
+            if at + length != nxt:  # a part's rows are one run of the fused weight
+                raise ConfigError(f"a checkpoint part ({how}) does not fill one run of rows")
+        at = pieces[0][0] if pieces else before
+        part = _read(tensor, 0, [(src, length) for _, src, length in pieces] or [(0, 0)])
+        return part, f"rows:{at}:{start}:{n}"
 
     def _mlp_width(self, internal: str) -> int:
         """The full MLP width of the layer at `internal` (a shared expert's own width)."""
@@ -292,12 +374,13 @@ class Sharder:
         return (a, _read(b, 0, ranges)) if axis == "out" else (_read(a, 1, ranges), b)
 
     def full_groups(self, name: str, in_features: int) -> int | None:
-        """The group count a row-parallel linear (`name`: its attribute name, o_proj or
-        down_proj, or w2 for experts) of an act-order checkpoint holds: every group of the whole
-        input (see `_quantized`); None for any other linear."""
+        """The group count a row-parallel linear (`name`: its attribute name, `ROW_PARALLEL`:
+        o_proj, down_proj, a recurrent layer's out_proj or x_proj, or w2 for experts) of an
+        act-order checkpoint holds: every group of the whole input (see `_quantized`); None for
+        any other linear."""
         if not (self.scheme is not None and self.scheme.desc_act and self.tp.size > 1):
             return None
-        if name not in ("o_proj", "down_proj", "w2") or self.scheme.group_size == -1:
+        if name not in ROW_PARALLEL or self.scheme.group_size == -1:
             return None
         return -(-in_features * self.tp.size // self.scheme.group_size)
 
