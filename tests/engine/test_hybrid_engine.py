@@ -15,6 +15,7 @@ from tests.engine.reference import hf_greedy
 from tests.engine.test_families_jamba import CONFIGS as JAMBA_CONFIGS
 from tests.engine.test_families_kimi import CONFIGS as KIMI_CONFIGS
 from tests.engine.test_families_kimi import kimi_greedy
+from tests.engine.test_families_linear import CONFIGS as LINEAR_CONFIGS
 from tests.engine.test_families_mamba import CONFIGS as MAMBA_CONFIGS
 from tests.tiny_models import build_tokenizer
 
@@ -35,6 +36,12 @@ HYBRIDS = {
     "falcon_h1": lambda tok: MAMBA_CONFIGS["falcon_h1"](tok),
     # Jamba: Mamba-1 layers beside attention, experts on an attention and a Mamba layer
     "jamba": lambda tok: JAMBA_CONFIGS["jamba"](tok),
+    # Qwen3-Next: Gated DeltaNet layers beside gated attention, a MoE with a shared expert
+    "qwen3_next": lambda tok: LINEAR_CONFIGS["qwen3_next"](tok),
+    # Nemotron-H: one-kind blocks (Mamba-2, MoE, attention, MLP), the time step limited on
+    # prompt tokens only (time_step_min 0.5, below which many fall): a preempted or chunked
+    # request's generated tokens, computed again in a prompt chunk, must still skip the limit
+    "nemotron_h": lambda tok: MAMBA_CONFIGS["nemotron_h"](tok),
     # Kimi Linear: Kimi Delta Attention layers alone (no MLA yet), a dense MLP and MoEs
     "kimi_linear": lambda tok: KIMI_CONFIGS["kimi_linear"](tok),
 }

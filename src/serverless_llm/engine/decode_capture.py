@@ -95,6 +95,9 @@ class StaticDecodeBatch:
         self.has_initial_state = (
             torch.zeros(max_rows, dtype=torch.bool, device=device) if has_state else None
         )
+        self.prompt_rows = (
+            torch.zeros(max_rows, dtype=torch.bool, device=device) if has_state else None
+        )
 
     def fill(
         self,
@@ -105,6 +108,7 @@ class StaticDecodeBatch:
         seq_lens: list[int],
         block_tables: list[torch.Tensor],  # per cache group, [rows, <= max_blocks] int32, host
         state_slots: list[int] | None = None,  # per row, with recurrent layers
+        prompt_rows: list[bool] | None = None,  # per row, a prompt token (default: none is)
     ) -> None:
         """Rows 0..n-1 from the step, rows n..size-1 as padding. Table columns past
         `max_blocks` are dropped: no row of a captured step (context <= the capture's longest)
@@ -128,6 +132,7 @@ class StaticDecodeBatch:
         if self.state_slots is not None:
             self.state_slots[:n].copy_(torch.tensor(state_slots, dtype=torch.int32))
             self.has_initial_state[:n].copy_(lens > 1)
+            self.prompt_rows[:n].copy_(torch.tensor(prompt_rows or [False] * n))
         self.pad(n, size)
 
     def pad(self, start: int, end: int) -> None:
@@ -144,6 +149,7 @@ class StaticDecodeBatch:
         if self.state_slots is not None:
             self.state_slots[start:end].zero_()
             self.has_initial_state[start:end].fill_(False)
+            self.prompt_rows[start:end].fill_(False)
 
     def metadata(
         self, size: int, seq_lens_host: list[int], block_size: int
@@ -169,6 +175,7 @@ class StaticDecodeBatch:
                 has_initial_state=(
                     None if self.has_initial_state is None else self.has_initial_state[:size]
                 ),
+                prompt_rows=None if self.prompt_rows is None else self.prompt_rows[:size],
             )
             for g in range(groups)
         ]
@@ -286,11 +293,14 @@ class CapturedDecode:
         seq_lens: list[int],
         block_tables: list[torch.Tensor],
         state_slots: list[int] | None = None,
+        prompt_rows: list[bool] | None = None,
     ) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step's n rows, through bucket `size`. The
         result is a view of the capture's output buffer: valid until the next step."""
         n = len(input_ids)
-        self.static.fill(size, input_ids, positions, slots, seq_lens, block_tables, state_slots)
+        self.static.fill(
+            size, input_ids, positions, slots, seq_lens, block_tables, state_slots, prompt_rows
+        )
         self.replays += 1
         return self._replay(size, seq_lens + [1] * (size - n))[:n]
 
@@ -409,6 +419,7 @@ class CapturedDecode:
         if state_slots is not None:
             meta.state_slots = torch.tensor(state_slots, dtype=torch.int32).to(dev)
             meta.has_initial_state = torch.tensor([x > 1 for x in lens]).to(dev)
+            meta.prompt_rows = torch.zeros(n, dtype=torch.bool, device=dev)
         self.backend.prepare(meta)
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)

@@ -51,6 +51,7 @@ class HostBatch:
     prompt_work: PromptLogprobWork
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (lora id, start, n)
     state_slots: list[int] | None = None  # per request, its recurrent-state slot (hybrid models)
+    prompt_rows: list[bool] | None = None  # per token, a prompt token (with state_slots)
     # KV blocks to copy (src, dst) before the forward: beam forks made since the last step,
     # when every tensor-parallel rank must copy them in its own cache.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -115,6 +116,7 @@ class ModelRunner:
         prompt_work = PromptLogprobWork()
         lora_rows: list[tuple[int, int, int]] = []
         state_slots: list[int] | None = [] if self.layout.has_state else None
+        prompt_rows: list[bool] | None = [] if self.layout.has_state else None
         num_decodes = 0
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
@@ -147,6 +149,8 @@ class ModelRunner:
                 tables[g].append(blocks)
             if state_slots is not None:
                 state_slots.append(self.kv.state_slot(req))
+                k = min(max(req.num_prompt_tokens - start, 0), n)
+                prompt_rows.extend([True] * k + [False] * (n - k))
             query_lens.append(n)
             seq_lens.append(end)
             if end == req.num_tokens:
@@ -167,6 +171,7 @@ class ModelRunner:
             prompt_work,
             lora_rows,
             state_slots,
+            prompt_rows,
         )
 
     def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -198,6 +203,7 @@ class ModelRunner:
         if h.state_slots is not None:
             first.state_slots = torch.tensor(h.state_slots, dtype=torch.int32).to(dev)
             first.has_initial_state = (context > 0).to(dev)
+            first.prompt_rows = torch.tensor(h.prompt_rows, dtype=torch.bool).to(dev)
         metas = [first] + [
             dataclasses.replace(
                 first,
@@ -263,6 +269,7 @@ class ModelRunner:
                 h.seq_lens,
                 h.block_tables,
                 h.state_slots,
+                h.prompt_rows,
             )
         else:
             input_ids, positions, metas = self.device_inputs(h)

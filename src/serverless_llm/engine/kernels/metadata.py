@@ -36,6 +36,10 @@ class AttentionMetadata:
     # zeros. None for a model without recurrent layers.
     state_slots: torch.Tensor | None = None  # [B] int32
     has_initial_state: torch.Tensor | None = None  # [B] bool
+    # Per token, whether it is one of its request's prompt tokens (not a generated one fed
+    # back): a layer that treats the two differently reads it (Nemotron-H's Mamba-2 limits the
+    # time step of prompt tokens only, as transformers does). With recurrent layers only.
+    prompt_rows: torch.Tensor | None = None  # [T] bool
 
     @property
     def num_requests(self) -> int:

@@ -144,11 +144,16 @@ class Mamba2Mixer(RecurrentMixer):
         slots, init = step_slots(meta)
         dt_bias, softplus, limit = self.dt_bias, True, s.time_step_limit
         nd = meta.num_decodes
-        if not s.clamp_decodes and nd and limit != (0.0, math.inf):
-            # the time steps computed here, so that the decode rows (0 .. nd-1) skip the limit
-            # the prompt rows take; the scan gets them processed (a (0, inf) clamp is a no-op)
+        if not s.clamp_decodes and limit != (0.0, math.inf):
+            # The time steps computed here, so that generated tokens skip the limit prompt tokens
+            # take (per token: a preempted request recomputes its generated tokens in a prompt
+            # chunk, a one-token prompt chunk is a "decode"); the scan gets them processed (a
+            # (0, inf) clamp is a no-op).
             d = F.softplus(dt.float() + self.dt_bias.float())
-            dt = torch.cat([d[:nd], d[nd:].clamp(*limit)])
+            rows = meta.prompt_rows
+            if rows is None:  # no per-token flags: the step's decodes are the generated tokens
+                rows = torch.arange(T, device=d.device) >= nd
+            dt = torch.where(rows[:, None], d.clamp(*limit), d)
             dt_bias, softplus, limit = None, False, (0.0, math.inf)
         scan = ssd_scan if self.use_kernels else ssd_scan_ref
         y = scan(
