@@ -25,6 +25,7 @@ from serverless_llm.engine.kernels import (
     causal_conv1d,
     fused_moe,
     fused_moe_w4a16,
+    gated_delta,
     kv_write,
     layer_norm,
     rms_norm,
@@ -56,7 +57,7 @@ POINTER_TYPES = {
     "cache_ptr": "*fp32",
     "alibi_ptr": "*fp32",
 }
-FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps", "k_scale", "v_scale", "fp8_max"}
+FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps", "k_scale", "v_scale", "fp8_max", "q_scale"}
 FLOAT_ARGS |= {"dt_min", "dt_max"}  # kernels/ssd.py
 # Integer arguments that are multiples of 16 at real shapes (Triton specialises on that).
 # (split, window, soft-cap and ALiBi) of the attention kernel: plain, split with a window, and
@@ -416,6 +417,26 @@ def main(quick: bool = False) -> int:
                 kernel = causal_conv1d._gated_rms_norm_kernel
                 label = f"gated_rms_norm {dtype} norm_before_gate={before} group={group}"
                 attempt(label, kernel, dtype, ce, arch, warps, 1)
+            # The gated delta rule (Qwen3-Next's per-head decay, Kimi's per-channel one) at Dk = Dv
+            # = 128: the recurrent decode kernel and the two chunked prefill kernels.
+            delta_ptrs = {"g_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i32",
+                          "init_ptr": "*i1", "chunk_start_ptr": "*i32", "chunk_end_ptr": "*i32",
+                          "first_chunk_ptr": "*i32"}  # fmt: skip
+            for name in ("u_ptr", "w_ptr", "qg_ptr", "kg_ptr", "p_ptr", "decay_ptr"):
+                delta_ptrs[name] = "*fp32"
+            for per_channel in (False, True):
+                flags = dict(L2NORM=True, PER_CHANNEL=per_channel)
+                ce = dict(flags, DK_PAD=128, BV=gated_delta._recurrent_block_v(128, 128))
+                attempt(f"gated_delta recurrent {dtype} per_channel={per_channel}",
+                        gated_delta._recurrent_kernel, dtype, ce, arch, 4, 1,
+                        pointers=delta_ptrs)  # fmt: skip
+                ce = dict(flags, **gated_delta._prepare_config(128, 128))
+                attempt(f"gated_delta chunk_prepare {dtype} per_channel={per_channel}",
+                        gated_delta._chunk_prepare_kernel, dtype, ce, arch,
+                        gated_delta._PREPARE_WARPS, 1, pointers=delta_ptrs)  # fmt: skip
+            attempt(f"gated_delta chunk_state {dtype}", gated_delta._chunk_state_kernel, dtype,
+                    gated_delta._state_config(128, 128), arch, gated_delta._STATE_WARPS, 1,
+                    pointers=delta_ptrs)  # fmt: skip
     if quick:
         # The quick pass is sm90; the e4m3 byte codec exists for sm80, so compile its users there.
         caches = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
