@@ -294,7 +294,9 @@ class SettingsFields(BaseSettings):
         title="GPU Memory Utilization",
         description=(
             "Fraction of GPU memory the engine may use (weights, activations and KV cache); the "
-            "KV cache gets what is left after a profiling pass. No effect on CPU."
+            "KV cache gets what is left after a profiling pass (a hybrid model's recurrent "
+            "states too: MAX_NUM_SEQS requests' states first, from at most half of it). No "
+            "effect on CPU."
         ),
         gt=0.0,
         le=1.0,
@@ -378,7 +380,11 @@ class SettingsFields(BaseSettings):
         256,
         "MAX_NUM_SEQS",
         title="Max Number of Sequences",
-        description="Most requests the engine runs in one step; the rest wait in its queue.",
+        description=(
+            "Most requests the engine runs in one step; the rest wait in its queue. A hybrid "
+            "model (recurrent layers) keeps a state per running request: this many states are "
+            "reserved at start, fewer when memory is short."
+        ),
         ge=1,
     )
     max_num_batched_tokens: int | None = _system(
@@ -423,7 +429,10 @@ class SettingsFields(BaseSettings):
         "CPU_KV_CACHE_SPACE",
         "VLLM_CPU_KV_CACHE_SPACE",
         title="CPU KV Cache Space",
-        description="Size of the KV cache in GiB when running on CPU.",
+        description=(
+            "Size of the KV cache in GiB when running on CPU (with a hybrid model's recurrent "
+            "states, as GPU_MEMORY_UTILIZATION's share)."
+        ),
         gt=0.0,
         allow_inf_nan=False,
     )
