@@ -4,7 +4,7 @@ and Mamba-2 layer, and its state slots hold only that share. Two ranks as the en
 (rank 1 a spawned process, gloo between them), on tiny random models whose counts split: greedy
 tokens equal transformers' through chunked prefills (a step budget of 16 tokens cuts the longer
 prompts, beside other requests' decodes) and decodes. Counts that do not split are refused at
-start, naming them."""
+start, naming them. tensor_parallel_size=2 needs two GPUs on CUDA: these run on CPU."""
 
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ from serverless_llm.engine.models.registry import describe_model
 from serverless_llm.engine.models.sharding import check_shardable
 from serverless_llm.engine.parallel.group import TensorParallel
 from tests.engine.family_check import family_prompts, save_family_model, tiny_dims
-from tests.engine.reference import hf_greedy
+from tests.engine.reference import hf_greedy, hf_model
 from tests.engine.test_families_jamba import CONFIGS as JAMBA
 from tests.engine.test_families_kimi import CONFIGS as KIMI
 from tests.engine.test_families_kimi import kimi_config, kimi_greedy
 from tests.engine.test_families_linear import CONFIGS as LINEAR
 from tests.engine.test_families_linear import LINEAR as GDN_SIZES
+from tests.engine.test_families_mamba import CONFIGS as MAMBA2
+from tests.engine.test_families_mamba import granite_hybrid
 from tests.engine.test_hybrid_engine import HYBRIDS
 from tests.engine.test_quantized_hybrids import MODELS as QUANTIZED_MODELS
+from tests.engine.tp_harness import prompt_batch, sharded_logits
 from tests.quant_checkpoints import write_quantized
 from tests.tiny_models import build_tokenizer
 
@@ -47,6 +50,17 @@ def olmo_hybrid(tok):
     )
 
 
+def granite_one_group(tok):
+    """Granite 4.0-H (Mamba-2 beside attention, a MoE and the shared MLP) with one group of B
+    and C, as the released models: both ranks hold the group, and the gated norm over all of
+    d_inner spans them (its sum of squares all-reduced)."""
+    config = granite_hybrid(
+        tok, num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope"
+    )
+    config.mamba_n_groups = 1
+    return config
+
+
 CONFIGS = {
     # short convolutions beside attention: 32 channels per rank
     "lfm2": HYBRIDS["lfm2"],
@@ -58,6 +72,11 @@ CONFIGS = {
     "jamba": JAMBA["jamba"],
     # Kimi Delta Attention alone: one head per rank
     "kimi_linear": KIMI["kimi_linear"],
+    # Mamba-2: 4 of 8 heads per rank
+    "granitemoehybrid": granite_one_group,
+    # attention beside Mamba-2 in every layer (2 groups: one per rank), the muP multipliers
+    # folded into the weights before each rank takes its rows
+    "falcon_h1": MAMBA2["falcon_h1"],
 }
 # The state tensors one rank of two allocates per slot, per recurrent layer (whole: one rank).
 STATE_SHAPES = {
@@ -69,6 +88,8 @@ STATE_SHAPES = {
     "jamba": ([(64, 2), (64, 8)], [(128, 2), (128, 8)]),
     # conv over 3 x 32 of 3 x 64 channels, one head's delta state of two
     "kimi_linear": ([(96, 2), (1, 32, 32)], [(192, 2), (2, 32, 32)]),
+    # conv over x | B | C: 64 of 128 x channels and the one group's B and C (16 each), whole
+    "granitemoehybrid": ([(96, 2), (4, 16, 16)], [(160, 2), (8, 16, 16)]),
 }
 
 
@@ -160,14 +181,34 @@ REFUSALS = {
         2,
         r"Kimi Delta Attention heads \(3\)",
     ),
+    "mamba2_heads": (
+        lambda tok: _mamba2(tok, num_heads=6, head_dim=32, n_groups=2),
+        4,
+        r"Mamba-2 heads \(6\)",
+    ),
+    # 12 heads split, 3 groups neither split across 2 ranks nor serve whole ones
+    "mamba2_groups": (
+        lambda tok: _mamba2(tok, num_heads=12, head_dim=16, n_groups=3),
+        2,
+        r"and the model's 3 Mamba-2 B/C groups \(n_groups\): one must divide the other",
+    ),
+    "nemotron_h_latent_moe": (MAMBA2["nemotron_h"], 2, "latent or non-gated experts"),
 }
+
+
+def _mamba2(tok, **sizes):
+    config = MAMBA2["mamba2"](tok)
+    config.hidden_size = 96
+    for key, value in sizes.items():
+        setattr(config, key, value)
+    return config
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_counts_that_do_not_split_are_refused_by_name(name):
     config, size, named = REFUSALS[name]
     spec = spec_of(config(build_tokenizer()))
-    with pytest.raises(ConfigError, match=f"tensor_parallel_size={size} does not divide.*{named}"):
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size={size}.*{named}"):
         check_shardable(spec, size)
 
 
@@ -194,3 +235,23 @@ def test_quantized_recurrent_projections_split_packed(tmp_path):
         two = llm.generate(prompts, params)
     one = LLM(quant, **kw).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_four_ranks_share_groups_and_norm_groups(tmp_path, monkeypatch):
+    """Mamba-2 alone with 2 groups of B and C and 2 norm groups over 4 ranks (threads of one
+    process, tp_harness.py): ranks 0-1 hold group 0, ranks 2-3 group 1, and each norm group's
+    sum of squares is all-reduced in its own column. One prefill's logits equal transformers'."""
+    path = save_family_model(str(tmp_path / "m"), MAMBA2["mamba2"](build_tokenizer()))
+    ids = [5 + (7 * i) % 300 for i in range(37)]
+
+    def with_state(ids):  # the prefill in state slot 1, no KV blocks (no attention layer)
+        batch = prompt_batch(ids)
+        batch.slots, batch.block_tables = [], []
+        batch.state_slots, batch.prompt_rows = [1], [True] * len(ids)
+        return batch
+
+    monkeypatch.setattr("tests.engine.tp_harness.prompt_batch", with_state)
+    logits = sharded_logits(path, ids, size=4)["logits"]
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)

@@ -19,10 +19,19 @@ model dtype and the scan in float32; here the convolution, the scan and the gate
 in float32 and round once to the model dtype (the kernels' rule). In float32 the two compute the
 same formula. Mamba2's `residual_in_fp32` (a float32 residual stream in 16-bit models) is not
 reproduced: the residual stream is in the model dtype, as for every family.
+
+Tensor parallelism: each rank holds 1/N of the heads (its rows of z, x and dt in in_proj, its x
+channels of the convolution, its heads' dt_bias, A_log and D, its channels of the norm weight,
+and out_proj's matching input columns, whose partial outputs are all-reduced) and the B and C
+groups its heads read: 1/N of them, or, with fewer groups than ranks, the one group of its
+heads (held by N / G ranks alike). The gated norm needs nothing from the other ranks when each
+norm group lies on one rank; with fewer norm groups than ranks a group spans N / groups ranks,
+whose sums of squares are all-reduced (`norm_span`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,7 +42,16 @@ from torch import nn
 from ..kernels.causal_conv1d import gated_rms_norm, gated_rms_norm_ref
 from ..kernels.ssd import ssd_scan, ssd_scan_ref
 from ..parallel.group import SINGLE, TensorParallel
-from .recurrent import STATE_DTYPE, RecurrentMixer, RecurrentMixerSpec, StateShapes, step_slots
+from .recurrent import (
+    STATE_DTYPE,
+    RecurrentMixer,
+    RecurrentMixerSpec,
+    Split,
+    StateShapes,
+    indivisible,
+    share,
+    step_slots,
+)
 from .short_conv import ConvWeights, run_conv
 
 ACTIVATIONS = ("silu",)  # the convolution's activation (transformers' hidden_act)
@@ -63,6 +81,9 @@ class Mamba2Spec(RecurrentMixerSpec):
     norm_before_gate: bool = False
     norm_groups: int | None = None
     norm_eps: float = 1e-5
+    # Tensor parallelism with fewer norm groups than ranks: how many ranks hold one norm group
+    # between them (a rank's part of the description: its norm group is then partial).
+    norm_span: int = 1
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -87,6 +108,54 @@ class Mamba2Spec(RecurrentMixerSpec):
     def build(self, spec, backend, tp) -> Mamba2Mixer:
         return Mamba2Mixer(spec.hidden_size, self, backend.use_kernels, tp)
 
+    def tp_refusal(self, hidden: int, size: int) -> str | None:
+        heads = indivisible(size, self.num_heads, "Mamba-2 heads")
+        if heads is not None:
+            return heads
+        counts = [(self.n_groups, "Mamba-2 B/C groups (n_groups)")]
+        if self.norm:
+            counts.append((self.groups_of_norm, "Mamba-2 gated norm groups"))
+        for count, what in counts:
+            if count % size and size % count:
+                return (
+                    f"tensor_parallel_size={size} and the model's {count} {what}: one must "
+                    "divide the other (the groups are split across ranks, or each serves "
+                    "size/groups ranks)"
+                )
+        return None
+
+    def shard(self, hidden: int, size: int) -> Mamba2Spec:
+        g, ng = self.n_groups, self.groups_of_norm
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // size,
+            n_groups=g // size if g % size == 0 else 1,
+            norm_groups=ng // size if ng % size == 0 else 1,
+            norm_span=1 if ng % size == 0 else size // ng,
+        )
+
+    def tp_split(self, name: str, hidden: int, rank: int, size: int) -> Split:
+        d, p, n, g = self.d_inner, self.head_dim, self.state_size, self.n_groups
+        h0, hn = share(self.num_heads, rank, size)
+        if g % size == 0:
+            g0, gn = share(g, rank, size)
+        else:  # fewer groups than ranks: the one group this rank's heads read
+            g0, gn = h0 // (self.num_heads // g), 1
+        x = (h0 * p, hn * p)  # this rank's channels of a [d_inner] width
+        bc = [(d + g0 * n, gn * n), (d + g * n + g0 * n, gn * n)]  # of x | B | C
+        if name == "in_proj":  # [z | x | B | C | dt]
+            xbc = [(d + lo, ln) for lo, ln in [x, *bc]]
+            return "out", [x, *xbc, (d + self.conv_dim + h0, hn)]
+        if name == "conv1d":  # [x | B | C]
+            return "out", [x, *bc]
+        if name in ("dt_bias", "A_log", "D"):
+            return "out", [(h0, hn)]
+        if name == "norm":
+            return "out", [x]
+        if name == "out_proj":
+            return "in", [x]
+        raise ValueError(f"Mamba-2: no parameter {name!r}")
+
     def describe(self) -> str:
         return (
             f"Mamba-2: {self.num_heads} heads of {self.head_dim}, state {self.state_size}, "
@@ -108,8 +177,6 @@ class Mamba2Mixer(RecurrentMixer):
         self, hidden: int, spec: Mamba2Spec, use_kernels: bool, tp: TensorParallel = SINGLE
     ):
         super().__init__()
-        if tp.enabled:
-            raise ValueError("tensor parallelism of Mamba-2 layers is not supported yet")
         self.tp = tp
         self.spec = spec
         self.use_kernels = use_kernels
@@ -172,10 +239,32 @@ class Mamba2Mixer(RecurrentMixer):
             init,
             num_decodes=meta.num_decodes,
         ).view(T, s.d_inner)
-        if self.norm is not None:
+        if self.norm is not None and s.norm_span > 1:
+            y = self._norm_across_ranks(y, z)
+        elif self.norm is not None:
             norm = gated_rms_norm if self.use_kernels else gated_rms_norm_ref
             group = s.d_inner // s.groups_of_norm
             y = norm(y, z, self.norm.weight, s.norm_eps, group, s.norm_before_gate)
         else:
             y = (y.float() * F.silu(z.float())).to(y.dtype)
         return self.tp.all_reduce(self.out_proj(y))
+
+    def _norm_across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm of this rank's channels y, z [T, d_inner / N], part of a norm group
+        that `norm_span` ranks hold: the group's sum of squares all-reduced (each group's in its
+        own column, so the ranks of other groups add nothing to it), then `gated_rms_norm_ref`'s
+        casts."""
+        s, tp = self.spec, self.tp
+        gate = F.silu(z.float())
+        h = y.float()
+        if not s.norm_before_gate:
+            h = h * gate
+        sums = h.new_zeros(h.shape[0], tp.size // s.norm_span)
+        group = tp.rank // s.norm_span
+        sums[:, group] = h.pow(2).sum(-1)
+        sq = tp.all_reduce(sums)[:, group : group + 1]
+        h = h * torch.rsqrt(sq / (h.shape[-1] * s.norm_span) + s.norm_eps)
+        out = self.norm.weight * h.to(y.dtype)
+        if s.norm_before_gate:
+            out = out * gate
+        return out.to(y.dtype)

@@ -67,6 +67,11 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
     if any(has and not sparse for has, sparse in mlps):
         need(spec.intermediate_size, "MLP intermediate size")
     if spec.moe is not None and any(has and sparse for has, sparse in mlps):
+        if spec.moe.latent_size or not spec.gated:  # as SparseMoE refuses them
+            raise ConfigError(
+                f"tensor_parallel_size={size}: tensor parallelism of latent or non-gated experts "
+                "(Nemotron-H's) is not supported yet; use tensor_parallel_size=1"
+            )
         need(spec.moe.intermediate_size, "expert intermediate size")
         if spec.moe.shared_size:
             need(spec.moe.shared_size, "shared expert intermediate size")
