@@ -288,7 +288,18 @@ def build_model(config, tokenizer_dir: str, path: str, seed: int = 0) -> None:
 # -- one system, in its own process -----------------------------------------------------------
 
 
-def run_system(system: str, model_dir: str, num_prompts: int, max_tokens: int, tiny: bool) -> dict:
+def run_system(
+    system: str,
+    model_dir: str,
+    num_prompts: int,
+    max_tokens: int,
+    tiny: bool,
+    own_cache: bool = False,
+) -> dict:
+    """One system's run. `own_cache`: the engine sizes its cache as it does by default (the
+    hybrids: their peer, a padded `generate`, has no fixed cache either, and a fixed block count
+    would starve a model whose layers form several cache groups); else it gets the same
+    block count as generate_batch."""
     import torch
 
     from bench.throughput import (
@@ -316,7 +327,7 @@ def run_system(system: str, model_dir: str, num_prompts: int, max_tokens: int, t
             dtype="float32",
             max_model_len=-(-need // PAGE_SIZE) * PAGE_SIZE,
             block_size=PAGE_SIZE,
-            num_kv_blocks=blocks,
+            num_kv_blocks=None if own_cache else blocks,
             max_num_batched_tokens=BATCH_TOKENS,
         )
 
@@ -390,6 +401,7 @@ def in_process(system: str, model_dir: str, args) -> dict:
         "--max-tokens",
         str(args.max_tokens),
         *(["--tiny"] if args.tiny else []),
+        *(["--own-cache"] if getattr(args, "own_cache", False) else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -421,6 +433,7 @@ def parse_args(argv):
     )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--own-cache", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
@@ -438,7 +451,12 @@ def main(argv=None) -> int:
         print(
             json.dumps(
                 run_system(
-                    args.system, args.model_dir, args.num_prompts, args.max_tokens, args.tiny
+                    args.system,
+                    args.model_dir,
+                    args.num_prompts,
+                    args.max_tokens,
+                    args.tiny,
+                    args.own_cache,
                 )
             )
         )
@@ -473,6 +491,7 @@ def main(argv=None) -> int:
                     continue
                 params = sum(_param_count(path).values())
                 log(f"{tag}: engine")
+                args.own_cache = name in HYBRIDS
                 engine = in_process("engine", path, args)
                 hf = None
                 peer = "generate_padded" if name in HYBRIDS else "generate_batch"

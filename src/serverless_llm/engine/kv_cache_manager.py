@@ -135,8 +135,10 @@ class CacheLayout:
         state = f"{len(self.state_layers)} layers recurrent state" if self.state_layers else ""
         if self.num_groups == 0:
             return state
-        if self.num_groups == 1 and not state:
-            return self.groups[0].spec.describe()
+        if self.num_groups == 1:
+            g = self.groups[0]
+            kind = g.spec.describe()
+            return f"{len(g.layers)} layers {kind}, {state}" if state else kind
         kinds: dict[str, int] = {}
         for g in self.groups:
             kinds[g.spec.describe()] = kinds.get(g.spec.describe(), 0) + len(g.layers)

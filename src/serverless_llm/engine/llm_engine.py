@@ -221,10 +221,7 @@ class LLMEngine:
         if self.state_pool is None:
             return ""
         mib = loaded.state_slot_bytes() / 2**20
-        return (
-            f" state_slots={self.state_pool.num_slots - 1} ({mib:.2f} MiB a request, "
-            f"{len(self.cache_layout.state_layers)} recurrent layers)"
-        )
+        return f" state_slots={self.state_pool.num_slots - 1} ({mib:.2f} MiB a request)"
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks and leaves the group (nothing to do without

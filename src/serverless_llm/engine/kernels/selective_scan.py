@@ -123,8 +123,10 @@ def selective_scan_ref(
         if nd:
             # Every decode at once: gather the states, one step, scatter back.
             h = state.index_select(0, slots[:nd])
-            h = torch.where(has_initial_state[:nd, None, None], h, torch.zeros_like(h))
-            h = torch.exp(dt[:nd, :, None] * A) * h + du[:nd, :, None] * Bf[:nd, None, :]
+            if not bool(has_initial_state[:nd].all()):  # a fresh slot may hold NaN: where
+                h = torch.where(has_initial_state[:nd, None, None], h, torch.zeros_like(h))
+            # in place on the gathered copy: fewer passes over the states
+            h.mul_(torch.exp(dt[:nd, :, None] * A)).addcmul_(du[:nd, :, None], Bf[:nd, None, :])
             y[:nd] = torch.bmm(h, Cf[:nd, :, None])[..., 0]
             state.index_copy_(0, slots[:nd], h)
         starts = query_start_loc.tolist()

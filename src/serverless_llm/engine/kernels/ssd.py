@@ -126,13 +126,16 @@ def _decode_ref(
     G, N = B.shape[1:]
     R = H // G
     slots = slots.long()
-    # where, not a product: a slot nobody initialised may hold NaN
-    h = torch.where(has_init[:, None, None, None], state.index_select(0, slots), 0.0)
+    h = state.index_select(0, slots)
+    if not bool(has_init.all()):  # where, not a product: a slot nobody initialised may hold NaN
+        h = torch.where(has_init[:, None, None, None], h, 0.0)
+    # In place on the gathered copy: the states dominate a decode step's memory traffic on CPU,
+    # so each pass over them counts (decay, then the rank-one update, then the read by C).
     h = h.view(n, G, R, P, N)
     Bf, Cf = B.float(), C.float()
     decay = torch.exp(dt * A).view(n, G, R, 1, 1)
     dx = (dt[:, :, None] * x).view(n, G, R, P, 1)
-    h = h * decay + dx * Bf[:, :, None, None, :]
+    h.mul_(decay).addcmul_(dx, Bf[:, :, None, None, :])
     y = (h @ Cf[:, :, None, :, None]).view(n, H, P)
     if D is not None:
         y = y + D.float()[:, None] * x
