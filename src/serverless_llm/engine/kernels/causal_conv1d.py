@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_native
 from .triton_common import row_launch_shape, rows_of
 from .triton_lazy import cdiv, jit, next_power_of_2
 
@@ -73,7 +74,12 @@ def causal_conv1d_ref(
     w = weight.float()
     b32 = bias.float() if bias is not None else None
     nd = num_decodes
-    if nd:
+    native = nd and cpu_native.recurrent_kernels()
+    if native and native.conv1d_decode(
+        x, w, b32, conv_state, state_slots, has_initial_state, activation == "silu", out, nd
+    ):
+        pass  # the native kernel (float32 on CPU): each decode's state read and written once
+    elif nd:
         slots = state_slots[:nd].long()
         init = has_initial_state[:nd].view(nd, 1, 1)
         # where, not a product: a slot's stale contents may be anything, NaN included.

@@ -600,3 +600,307 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
     if (DL->parallel) /* attention + MLP, as the torch path adds them */
         for (int64_t i = 0; i < M * hd; i++) mlp_out[i] = o[i] + mlp_out[i];
 }
+
+/* -- the recurrent layers' decode steps ------------------------------------------------------ */
+
+/* One token per request for the recurrent layers (Gated DeltaNet / Kimi Delta Attention, Mamba-2's
+ * SSD, Mamba-1's selective scan, the short causal convolution), each request's state read from
+ * its slot once and written back once, in place. Why: on a CPU these steps are bound by the
+ * states' memory traffic, and the torch references gather the states by slot (index_select),
+ * update them in a few passes and scatter them back (index_copy_), reading and writing each state
+ * several times. Here one task (request, head) holds its state in L1/L2 between its two passes.
+ *
+ * Semantics are the references' (kernels/gated_delta.py, ssd.py, selective_scan.py,
+ * causal_conv1d.py): has_init[b] == 0 starts request b from zeros without reading its slot (a
+ * fresh slot may hold NaN); several rows may name slot 0 (padding: their writes race, their
+ * results are never read); the operations in the references' order, so float32 results agree
+ * to a few ulps (sums run in another order). */
+
+/* exp(x) for any float32 x, within a few ulps of expf: exp_nonpositive's reduction and
+ * polynomial, 2^k applied as two halves so that k from -150 to 128 fits (denormal results
+ * included), inf past expf's overflow, NaN kept. Branch-free: a loop of it vectorizes. */
+#ifdef __FMA__
+#define MUL_ADD(a, b, c) fmaf((a), (b), (c)) /* one instruction where the target has FMA */
+#else
+#define MUL_ADD(a, b, c) ((a) * (b) + (c))
+#endif
+static inline float exp_any(float x) {
+    float c = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+    float k = floorf(MUL_ADD(c, 1.44269504088896341f, 0.5f));
+    float r = MUL_ADD(k, -0.693359375f, c);
+    r = MUL_ADD(k, 2.12194440e-4f, r);
+    float y = 1.9875691500e-4f;
+    y = MUL_ADD(y, r, 1.3981999507e-3f);
+    y = MUL_ADD(y, r, 8.3334519073e-3f);
+    y = MUL_ADD(y, r, 4.1665795894e-2f);
+    y = MUL_ADD(y, r, 1.6666665459e-1f);
+    y = MUL_ADD(y, r, 5.0000001201e-1f);
+    y = MUL_ADD(y, r * r, r) + 1.0f;
+    int32_t ki = (int32_t)k, k1 = ki >> 1, k2 = ki - k1;
+    union {
+        int32_t i;
+        float f;
+    } a = {.i = (k1 + 127) << 23}, b = {.i = (k2 + 127) << 23};
+    float e = y * a.f * b.f;
+    e = x > 88.72283935546875f ? INFINITY : e;
+    return x != x ? x : e;
+}
+
+/* Gated delta rule, one token for each of n requests (kernels/gated_delta.py's
+ * `_decode_in_place` after `_prepare_qk`). Per (request b, value head h), with S the
+ * [Dk, Dv] state of slot slots[b] (zeros where !has_init[b]), hk = h / (Hv / Hk):
+ *   q, k <- l2norm(q, k) (x * 1/sqrt(sum x^2 + 1e-6), when l2norm), q <- q * scale
+ *   e = exp(g) (a scalar per head, or [Dk] per channel when per_channel)
+ *   rk = (k e)^T S, rq = (q e)^T S              (the old state, decayed: one read)
+ *   delta = (v - rk) * beta
+ *   S <- S * e[:, None] + k delta^T             (in place: one write)
+ *   o = rq + (q . k) delta
+ * q, k [n, Hk, Dk], v [n, Hv, Dv], g [n, Hv] or [n, Hv, Dk], beta [n, Hv]: strides in floats
+ * (rows, heads; the last dim contiguous). state [slots, Hv, Dk, Dv] contiguous; out [n, Hv, Dv]
+ * contiguous. */
+void gated_delta_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const float *k,
+                            int64_t k_st, int64_t k_sh, const float *v, int64_t v_st,
+                            int64_t v_sh, const float *g, int64_t g_st, int64_t g_sh,
+                            int64_t per_channel, const float *beta, int64_t b_st, int64_t b_sh,
+                            float *state, const int32_t *slots, const uint8_t *has_init,
+                            float *out, int64_t n, int64_t Hk, int64_t Hv, int64_t Dk,
+                            int64_t Dv, float scale, int64_t l2norm) {
+    int64_t group = Hv / Hk, tasks = n * Hv;
+#pragma omp parallel for schedule(static) if (tasks * Dk * Dv > PARALLEL_WORK)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = task / Hv, h = task % Hv, hk = h / group;
+        float qv[Dk], kv[Dk], e[Dk], rk[Dv], rq[Dv];
+        const float *qr = q + b * q_st + hk * q_sh, *kr = k + b * k_st + hk * k_sh;
+        float rq_norm = 1.0f, rk_norm = 1.0f;
+        if (l2norm) {
+            rq_norm = 1.0f / sqrtf(sum_squares(qr, Dk) + 1e-6f);
+            rk_norm = 1.0f / sqrtf(sum_squares(kr, Dk) + 1e-6f);
+        }
+        float qk = 0.0f;
+        for (int64_t i = 0; i < Dk; i++) {
+            qv[i] = (l2norm ? qr[i] * rq_norm : qr[i]) * scale;
+            kv[i] = l2norm ? kr[i] * rk_norm : kr[i];
+        }
+#pragma omp simd reduction(+ : qk)
+        for (int64_t i = 0; i < Dk; i++) qk += qv[i] * kv[i];
+        const float *gr = g + b * g_st + h * g_sh;
+        if (per_channel) {
+#pragma omp simd
+            for (int64_t i = 0; i < Dk; i++) e[i] = exp_any(gr[i]);
+        } else {
+            float eh = expf(gr[0]);
+            for (int64_t i = 0; i < Dk; i++) e[i] = eh;
+        }
+        float *S = state + ((int64_t)slots[b] * Hv + h) * Dk * Dv;
+        int init = has_init[b] != 0;
+        for (int64_t j = 0; j < Dv; j++) rk[j] = rq[j] = 0.0f;
+        if (init) {
+            for (int64_t i = 0; i < Dk; i++) {
+                const float *Si = S + i * Dv;
+                float ek = kv[i] * e[i], eq = qv[i] * e[i];
+#pragma omp simd
+                for (int64_t j = 0; j < Dv; j++) {
+                    rk[j] += ek * Si[j];
+                    rq[j] += eq * Si[j];
+                }
+            }
+        }
+        const float *vr = v + b * v_st + h * v_sh;
+        float bt = beta[b * b_st + h * b_sh];
+        float *o = out + (b * Hv + h) * Dv;
+#pragma omp simd
+        for (int64_t j = 0; j < Dv; j++) {
+            rk[j] = (vr[j] - rk[j]) * bt; /* delta */
+            o[j] = rq[j] + qk * rk[j];
+        }
+        for (int64_t i = 0; i < Dk; i++) {
+            float *Si = S + i * Dv;
+            float ki = kv[i], ei = e[i];
+            if (init) {
+#pragma omp simd
+                for (int64_t j = 0; j < Dv; j++) Si[j] = Si[j] * ei + ki * rk[j];
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < Dv; j++) Si[j] = ki * rk[j];
+            }
+        }
+    }
+}
+
+/* Mamba-2's SSD scan, one token for each of n requests (kernels/ssd.py's `_decode_ref`). Per
+ * (request b, head h) with S the [P, N] state of slot slots[b] (zeros where !has_init[b]) and
+ * group gr = h / (H / G):
+ *   decay = exp(dt A[h]);  S <- S * decay + (dt x) B^T;  y = S C (+ D[h] x)
+ * x [n, H, P] (strides x_st, x_sh), dt [n, H] processed (dt_st), A [H], B, C [n, G, N] (row
+ * and group strides), D [H] or NULL, state [slots, H, P, N] contiguous, y [n, H, P]
+ * contiguous. */
+void ssd_decode_f32(const float *x, int64_t x_st, int64_t x_sh, const float *dt, int64_t dt_st,
+                    const float *A, const float *B, int64_t B_st, int64_t B_sg, const float *C,
+                    int64_t C_st, int64_t C_sg, const float *D, float *state,
+                    const int32_t *slots, const uint8_t *has_init, float *y, int64_t n,
+                    int64_t H, int64_t G, int64_t P, int64_t N) {
+    int64_t R = H / G, tasks = n * H;
+#pragma omp parallel for schedule(static) if (tasks * P * N > PARALLEL_WORK)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = task / H, h = task % H, gr = h / R;
+        float d = dt[b * dt_st + h];
+        float decay = expf(d * A[h]);
+        const float *xr = x + b * x_st + h * x_sh;
+        const float *Bg = B + b * B_st + gr * B_sg, *Cg = C + b * C_st + gr * C_sg;
+        float *S = state + ((int64_t)slots[b] * H + h) * P * N;
+        float *yr = y + (b * H + h) * P;
+        int init = has_init[b] != 0;
+        for (int64_t p = 0; p < P; p++) {
+            float *Sp = S + p * N;
+            float dx = d * xr[p], acc = 0.0f;
+            if (init) {
+#pragma omp simd reduction(+ : acc)
+                for (int64_t m = 0; m < N; m++) {
+                    float s = Sp[m] * decay + dx * Bg[m];
+                    Sp[m] = s;
+                    acc += s * Cg[m];
+                }
+            } else {
+#pragma omp simd reduction(+ : acc)
+                for (int64_t m = 0; m < N; m++) {
+                    float s = dx * Bg[m];
+                    Sp[m] = s;
+                    acc += s * Cg[m];
+                }
+            }
+            yr[p] = D ? acc + D[h] * xr[p] : acc;
+        }
+    }
+}
+
+/* Mamba-1's selective scan, one token for each of n requests (kernels/selective_scan.py's
+ * decode branch). Per (request b, channel d) with h the [N] state row of slot slots[b] (zeros
+ * where !has_init[b]):
+ *   h <- h * exp(dt A[d]) + (dt u) B;  y = h . C (+ D[d] u) (* silu(z))
+ * u, dt, z [n, Dn] (row strides; dt processed: bias and softplus applied), A [Dn, N]
+ * contiguous, B, C [n, N] (row strides), D [Dn] or NULL, z or NULL, state [slots, Dn, N]
+ * contiguous, y [n, Dn] (row stride y_st). */
+#define SCAN_CHANNELS 64 /* channels per task: a task is 4 KB of state at N = 16 */
+
+/* Channels d0..d1-1 (at most SCAN_CHANNELS) of one request: the per-channel scalars (dt u, the
+ * D skip, the gate) in vector passes across channels, the state rows one channel at a time.
+ * Inlined with a constant N where it is the usual 16, so the loops over N become straight vector
+ * code (a runtime N costs a loop's prologue and epilogue per channel). */
+static inline __attribute__((always_inline)) void
+scan_channels(const float *restrict u, const float *restrict dt, const float *restrict A,
+              const float *restrict Bb, const float *restrict Cb, const float *restrict D,
+              const float *restrict z, float *restrict Sb, float *restrict yb, int64_t d0,
+              int64_t d1, int64_t N, int init) {
+    float du[SCAN_CHANNELS];
+#pragma omp simd
+    for (int64_t d = d0; d < d1; d++) du[d - d0] = dt[d] * u[d];
+    for (int64_t d = d0; d < d1; d++) {
+        float dtv = dt[d], dud = du[d - d0], acc = 0.0f;
+        const float *Ad = A + d * N;
+        float *h = Sb + d * N;
+        if (init) {
+#pragma omp simd reduction(+ : acc)
+            for (int64_t m = 0; m < N; m++) {
+                float s = h[m] * exp_any(dtv * Ad[m]) + dud * Bb[m];
+                h[m] = s;
+                acc += s * Cb[m];
+            }
+        } else {
+#pragma omp simd reduction(+ : acc)
+            for (int64_t m = 0; m < N; m++) {
+                float s = dud * Bb[m];
+                h[m] = s;
+                acc += s * Cb[m];
+            }
+        }
+        yb[d] = acc;
+    }
+    if (D)
+#pragma omp simd
+        for (int64_t d = d0; d < d1; d++) yb[d] = yb[d] + u[d] * D[d];
+    if (z)
+#pragma omp simd
+        for (int64_t d = d0; d < d1; d++) yb[d] = yb[d] * act_silu(z[d]);
+}
+
+void selective_scan_decode_f32(const float *u, int64_t u_st, const float *dt, int64_t dt_st,
+                               const float *A, const float *B, int64_t B_st, const float *C,
+                               int64_t C_st, const float *D, const float *z, int64_t z_st,
+                               float *state, const int32_t *slots, const uint8_t *has_init,
+                               float *y, int64_t y_st, int64_t n, int64_t Dn, int64_t N) {
+    int64_t blocks = (Dn + SCAN_CHANNELS - 1) / SCAN_CHANNELS, tasks = n * blocks;
+#pragma omp parallel for schedule(static) if (n * Dn * N > PARALLEL_WORK)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = task / blocks, d0 = task % blocks * SCAN_CHANNELS;
+        int64_t d1 = d0 + SCAN_CHANNELS < Dn ? d0 + SCAN_CHANNELS : Dn;
+        const float *ub = u + b * u_st, *dtb = dt + b * dt_st, *zb = z ? z + b * z_st : NULL;
+        const float *Bb = B + b * B_st, *Cb = C + b * C_st;
+        float *Sb = state + (int64_t)slots[b] * Dn * N, *yb = y + b * y_st;
+        int init = has_init[b] != 0;
+        if (N == 16)
+            scan_channels(ub, dtb, A, Bb, Cb, D, zb, Sb, yb, d0, d1, 16, init);
+        else
+            scan_channels(ub, dtb, A, Bb, Cb, D, zb, Sb, yb, d0, d1, N, init);
+    }
+}
+
+/* The depthwise causal convolution, one token for each of n requests (kernels/causal_conv1d.py's
+ * decode branch). Per (request b, channel c) with s the K-1 previous inputs in slot slots[b]
+ * (zeros where !has_init[b]), oldest first:
+ *   y = act(sum_j w[c, j] * [s, x][j] (+ bias[c]));  s <- the last K-1 of [s, x]
+ * x [n, C] (row stride x_st), w [C, K] contiguous, bias [C] or NULL, conv_state
+ * [slots, C, K-1] contiguous, out [n, C] (row stride out_st); silu: 1 for SiLU, 0 for none. */
+
+/* One request's channels; inlined with a constant K for the usual K = 4, so the loops over K
+ * unroll and the loop over channels vectorizes (strided loads of the state): one loop for each
+ * case of `init` and the bias and the activation in passes of their own, as a loop with a branch
+ * does not vectorize. */
+static inline __attribute__((always_inline)) void
+conv_channels(const float *restrict xb, const float *restrict w, const float *restrict bias,
+              float *restrict sb, float *restrict ob, int64_t C, int64_t K, int init, int silu) {
+    int64_t Km = K - 1;
+    if (init) {
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) {
+            float *s = sb + c * Km;
+            const float *wc = w + c * K;
+            float acc = 0.0f, xc = xb[c];
+            for (int64_t j = 0; j < Km; j++) acc += s[j] * wc[j];
+            ob[c] = acc + xc * wc[Km];
+            for (int64_t j = 0; j + 1 < Km; j++) s[j] = s[j + 1]; /* the window shifted */
+            s[Km - 1] = xc;
+        }
+    } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) {
+            float *s = sb + c * Km;
+            float xc = xb[c];
+            ob[c] = xc * w[c * K + Km];
+            for (int64_t j = 0; j + 1 < Km; j++) s[j] = 0.0f;
+            s[Km - 1] = xc;
+        }
+    }
+    if (bias)
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) ob[c] = ob[c] + bias[c];
+    if (silu)
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) ob[c] = act_silu(ob[c]);
+}
+
+void conv1d_decode_f32(const float *x, int64_t x_st, const float *w, const float *bias,
+                       float *conv_state, const int32_t *slots, const uint8_t *has_init,
+                       float *out, int64_t out_st, int64_t n, int64_t C, int64_t K,
+                       int64_t silu) {
+    int64_t Km = K - 1;
+#pragma omp parallel for schedule(static) if (n * C * K > PARALLEL_WORK)
+    for (int64_t b = 0; b < n; b++) {
+        const float *xb = x + b * x_st;
+        float *sb = conv_state + (int64_t)slots[b] * C * Km, *ob = out + b * out_st;
+        int init = has_init[b] != 0;
+        if (K == 4)
+            conv_channels(xb, w, bias, sb, ob, C, 4, init, silu != 0);
+        else
+            conv_channels(xb, w, bias, sb, ob, C, K, init, silu != 0);
+    }
+}

@@ -13,7 +13,13 @@ group in one call, float32, reading the paged cache in place:
   where it measures faster than oneDNN (layers/linear.py chooses);
 - `activation`: the MLP's activation, plain or gated (silu, gelu and its tanh form, relu);
 - `decoder_layer`: a whole pre-norm decoder layer of a decode step, sequential or parallel (its
-  MLP gated or plain, of a native activation).
+  MLP gated or plain, of a native activation);
+- the recurrent layers' decode steps, `gated_delta_decode`, `ssd_decode`,
+  `selective_scan_decode`, `conv1d_decode`: each request's state read from its slot once and
+  written back once, in place, parallel over (request, head) — the torch references gather the
+  states by slot, update them in a few passes and scatter them back, and on a CPU a decode step
+  of these layers is bound by that traffic. The references' decode branches call them
+  (`recurrent_kernels()`) when a `load()` has succeeded and the tensors are float32 on the CPU.
 
 The build: the system C compiler (`CC`, else `cc`), `-O3 -march=native -fopenmp`, once per
 machine: the library is cached under `NATIVE_KERNEL_CACHE` (default
@@ -25,11 +31,14 @@ leave the torch path in place with a warning line; `ATTENTION_BACKEND=torch` tur
 
 References: the torch code this replaces, in its own kernel modules (`rms_norm_reference`,
 `layer_norm_reference`, `rotary_embedding_reference`, `reshape_and_cache_reference`,
-`paged_attention_reference`); `attention_step_reference` composes them in this call's order.
+`paged_attention_reference`); `attention_step_reference` composes them in this call's order. The
+recurrent decodes' references are the torch decode branches of `gated_delta_rule_ref`,
+`ssd_scan_ref`, `selective_scan_ref` and `causal_conv1d_ref` (run inside `torch_decodes()`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -228,6 +237,23 @@ class NativeKernels:
         f.argtypes = [_P, _I, _P] + [_I] * 4
         f.restype = None
         self._activation = f
+        f = self.lib.gated_delta_decode_f32
+        f.argtypes = [_P, _I, _I] * 3 + [_P, _I, _I, _I, _P, _I, _I] + [_P] * 4 + [_I] * 5
+        f.argtypes += [_F, _I]
+        f.restype = None
+        self._gated_delta = f
+        f = self.lib.ssd_decode_f32
+        f.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I, _I] + [_P] * 5 + [_I] * 5
+        f.restype = None
+        self._ssd = f
+        f = self.lib.selective_scan_decode_f32
+        f.argtypes = [_P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _I] + [_P] * 4 + [_I] * 4
+        f.restype = None
+        self._selective_scan = f
+        f = self.lib.conv1d_decode_f32
+        f.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P] + [_I] * 5
+        f.restype = None
+        self._conv1d = f
 
     def activation(self, x, code: int, gated: bool):
         """act(x) of ACT_CODES' `code` (one of NATIVE_ACT_CODES) for x [M, n] (last dim
@@ -317,8 +343,123 @@ class NativeKernels:
         )
         return out, res
 
+    # -- the recurrent layers' decode steps (each returns False, doing nothing, where the
+    # tensors do not qualify: the caller's torch code runs instead) --
+
+    def gated_delta_decode(
+        self, q, k, v, g, beta, state, slots, has_init, scale: float, l2norm: bool, out, n: int
+    ) -> bool:
+        """kernels/gated_delta.py's decode branch for requests 0..n-1 (rows 0..n-1): q, k
+        [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] or [T, Hv, Dk], beta [T, Hv] float32 (any row and
+        head strides, last dims contiguous), state [slots, Hv, Dk, Dv] updated in place,
+        out [>= n, Hv, Dv] contiguous float32 gets o (q scaled by `scale`, l2-normalised with
+        q and k when `l2norm`)."""
+        per_channel = g.dim() == 3
+        if not (_f32_cpu(q, k, v, g, beta, state, out) and state.is_contiguous()):
+            return False
+        if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not out.is_contiguous():
+            return False
+        if per_channel and g.stride(2) != 1:
+            return False
+        slots, has_init = _slots_flags(slots, has_init, n)
+        _, Hk, Dk = q.shape
+        Hv, Dv = v.shape[1:]
+        self._gated_delta(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1),
+            g.data_ptr(), g.stride(0), g.stride(1), int(per_channel),
+            beta.data_ptr(), beta.stride(0), beta.stride(1),
+            state.data_ptr(), slots.data_ptr(), has_init.data_ptr(), out.data_ptr(),
+            n, Hk, Hv, Dk, Dv, scale, int(l2norm),
+        )  # fmt: skip
+        return True
+
+    def ssd_decode(self, x, dt, A, B, C, D, state, slots, has_init, y, n: int) -> bool:
+        """kernels/ssd.py's decode step (`_decode_ref`, the D skip included) for rows 0..n-1:
+        x [T, H, P] (any row and head strides, P contiguous), dt [T, H] processed (time_steps),
+        A [H], B, C [T, G, N] (N contiguous), D [H] or None, all float32; state
+        [slots, H, P, N] updated in place; y [>= n, H, P] contiguous float32 gets y."""
+        if not (_f32_cpu(x, dt, A, B, C, state, y) and state.is_contiguous()):
+            return False
+        if D is not None and not (_f32_cpu(D) and D.is_contiguous()):
+            return False
+        if x.stride(2) != 1 or dt.stride(1) != 1 or B.stride(2) != 1 or C.stride(2) != 1:
+            return False
+        if not (A.is_contiguous() and y.is_contiguous()):
+            return False
+        slots, has_init = _slots_flags(slots, has_init, n)
+        _, H, P = x.shape
+        G, N = B.shape[1:]
+        self._ssd(
+            x.data_ptr(), x.stride(0), x.stride(1), dt.data_ptr(), dt.stride(0), A.data_ptr(),
+            B.data_ptr(), B.stride(0), B.stride(1), C.data_ptr(), C.stride(0), C.stride(1),
+            ptr_or_null(D), state.data_ptr(), slots.data_ptr(), has_init.data_ptr(),
+            y.data_ptr(), n, H, G, P, N,
+        )  # fmt: skip
+        return True
+
+    def selective_scan_decode(self, u, dt, A, B, C, D, z, state, slots, has_init, y, n) -> bool:
+        """kernels/selective_scan.py's decode step (the D skip and the z gate included) for rows
+        0..n-1: u, dt (processed: bias and softplus applied), z [T, Dn], B, C [T, N] (any row
+        strides, last dims contiguous), A [Dn, N], D [Dn] or None, z or None, all float32;
+        state [slots, Dn, N] updated in place; y [>= n, Dn] (last dim contiguous) gets y."""
+        if not (_f32_cpu(u, dt, A, B, C, state, y) and state.is_contiguous()):
+            return False
+        if D is not None and not (_f32_cpu(D) and D.is_contiguous()):
+            return False
+        if z is not None and not (_f32_cpu(z) and z.stride(1) == 1):
+            return False
+        if any(t.stride(1) != 1 for t in (u, dt, B, C, y)) or not A.is_contiguous():
+            return False
+        slots, has_init = _slots_flags(slots, has_init, n)
+        Dn, N = A.shape
+        self._selective_scan(
+            u.data_ptr(), u.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(),
+            B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0), ptr_or_null(D),
+            ptr_or_null(z), 0 if z is None else z.stride(0), state.data_ptr(), slots.data_ptr(),
+            has_init.data_ptr(), y.data_ptr(), y.stride(0), n, Dn, N,
+        )  # fmt: skip
+        return True
+
+    def conv1d_decode(self, x, weight, bias, conv_state, slots, has_init, silu, out, n) -> bool:
+        """kernels/causal_conv1d.py's decode branch for rows 0..n-1: x [T, C] (any row stride,
+        channels contiguous), weight [C, K], bias [C] or None, conv_state [slots, C, K-1] (updated
+        in place), all float32; out [>= n, C] (channels contiguous) gets act(conv) (SiLU when
+        `silu`)."""
+        if not (_f32_cpu(x, weight, conv_state, out) and conv_state.is_contiguous()):
+            return False
+        if bias is not None and not (_f32_cpu(bias) and bias.is_contiguous()):
+            return False
+        if x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
+            return False
+        slots, has_init = _slots_flags(slots, has_init, n)
+        C, K = weight.shape
+        self._conv1d(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), ptr_or_null(bias),
+            conv_state.data_ptr(), slots.data_ptr(), has_init.data_ptr(), out.data_ptr(),
+            out.stride(0), n, C, K, int(silu),
+        )  # fmt: skip
+        return True
+
+
+def _f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _slots_flags(slots: torch.Tensor, has_init: torch.Tensor, n: int):
+    """state_slots[:n] as contiguous int32 and has_initial_state[:n] as contiguous bool (one
+    byte each), as the native decodes read them."""
+    slots, has_init = slots[:n], has_init[:n]
+    if slots.dtype != torch.int32 or not slots.is_contiguous():
+        slots = slots.to(torch.int32).contiguous()
+    if has_init.dtype != torch.bool or not has_init.is_contiguous():
+        has_init = has_init.to(torch.bool).contiguous()
+    return slots, has_init
+
 
 _lock = threading.Lock()
+_torch_decodes = 0  # > 0: inside torch_decodes(), the references' decodes run their torch code
 _loaded: dict[str, NativeKernels | None] = {}
 
 
@@ -344,6 +485,27 @@ def load() -> NativeKernels | None:
             )
         _loaded["lib"] = kernels
         return kernels
+
+
+def recurrent_kernels() -> NativeKernels | None:
+    """The library for the recurrent layers' decode steps, which the torch references of
+    gated_delta, ssd, selective_scan and causal_conv1d call when it is there: the kernels of an
+    earlier `load()` in this process (the engine's CPU backend loads them, unless
+    ATTENTION_BACKEND=torch), None before one, where it failed, or inside `torch_decodes()`. It
+    never builds or loads anything itself."""
+    return None if _torch_decodes else _loaded.get("lib")
+
+
+@contextlib.contextmanager
+def torch_decodes():
+    """Within it the recurrent references' decodes run their torch code (tests, the
+    self-check's other side)."""
+    global _torch_decodes
+    _torch_decodes += 1
+    try:
+        yield
+    finally:
+        _torch_decodes -= 1
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -464,8 +626,8 @@ def add_norm_reference(x, residual, weight, bias, eps: float, kind: int):
 
 def self_check(kernels: NativeKernels) -> str | None:
     """Each function against its torch reference on a small probe (GQA, partial GPT-J rotary,
-    q/k norm, soft-cap, ALiBi, a window, a prefill row; linears and norms): None, or what
-    disagreed."""
+    q/k norm, soft-cap, ALiBi, a window, a prefill row; linears and norms; the recurrent
+    decodes): None, or what disagreed."""
     from .kv_write import reshape_and_cache_reference
     from .paged_attention import paged_attention_reference
 
@@ -561,7 +723,76 @@ def self_check(kernels: NativeKernels) -> str | None:
                 err = 0.0 if a is None else (a - b2).abs().max().item()
                 if not err <= 1e-4:
                     return f"add_norm (kind {kind}): differs by {err:.3g}"
-    return None
+    return _check_recurrent(kernels, g)
+
+
+def _check_recurrent(kernels: NativeKernels, g: torch.Generator) -> str | None:
+    """The recurrent decodes against the references' torch decodes on a probe of 3 requests
+    (one fresh, its slot holding NaN; odd sizes; GQA; per-channel decay): None, or what
+    disagreed."""
+    from .causal_conv1d import causal_conv1d_ref
+    from .gated_delta import gated_delta_rule_ref
+    from .selective_scan import _time_steps, selective_scan_ref
+    from .ssd import ssd_scan_ref, time_steps
+
+    n = 3
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    slots = torch.tensor([2, 4, 1], dtype=torch.int32)
+    init = torch.tensor([True, False, True])
+
+    def states(*shape):
+        s = torch.randn(5, *shape, generator=g)
+        s[4] = float("nan")  # the fresh request's slot: never read
+        return s, s.clone()
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    problems = []
+
+    def compare(name, got, want, state, ref_state):
+        for what, a, b in (("output", got, want), ("state", state, ref_state)):
+            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                problems.append(f"{name}: {what} differs by {(a - b).abs().max():.3g}")
+
+    with torch_decodes():
+        for gdim in ((n, 4), (n, 4, 5)):
+            q, k, v = rnd(n, 2, 5), rnd(n, 2, 5), rnd(n, 4, 7)
+            gl, beta = -torch.rand(*gdim, generator=g), torch.rand(n, 4, generator=g)
+            state, ref_state = states(4, 5, 7)
+            out = torch.empty(n, 4, 7)
+            want = gated_delta_rule_ref(
+                q, k, v, gl, beta, ref_state, qsl, slots, init, 0.3, True, num_decodes=n
+            )
+            kernels.gated_delta_decode(q, k, v, gl, beta, state, slots, init, 0.3, True, out, n)
+            compare(f"gated_delta_decode (g {len(gdim)}-d)", out, want, state, ref_state)
+        x, dt, A = rnd(n, 4, 3), rnd(n, 4), -torch.rand(4, generator=g)
+        B, C, D, bias = rnd(n, 2, 5), rnd(n, 2, 5), rnd(4), rnd(4)
+        state, ref_state = states(4, 3, 5)
+        want = ssd_scan_ref(
+            x, dt, A, B, C, D, bias, True, (0.0, 9.0), ref_state, qsl, slots, init, n
+        )
+        y = torch.empty(n, 4, 3)
+        d = time_steps(dt, bias, True, (0.0, 9.0))
+        kernels.ssd_decode(x, d, A, B, C, D, state, slots, init, y, n)
+        compare("ssd_decode", y, want, state, ref_state)
+        u, delta, z, A = rnd(n, 6), rnd(n, 6), rnd(n, 6), -torch.rand(6, 5, generator=g)
+        B, C, D, bias = rnd(n, 5), rnd(n, 5), rnd(6), rnd(6)
+        state, ref_state = states(6, 5)
+        want = selective_scan_ref(
+            u, delta, A, B, C, D, z, bias, True, ref_state, qsl, slots, init, n
+        )
+        y = torch.empty(n, 6)
+        dt = _time_steps(delta, bias, True)
+        kernels.selective_scan_decode(u, dt, A, B, C, D, z, state, slots, init, y, n)
+        compare("selective_scan_decode", y, want, state, ref_state)
+        x, w, bias = rnd(n, 6), rnd(6, 4), rnd(6)
+        state, ref_state = states(6, 3)
+        want = causal_conv1d_ref(x, w, bias, ref_state, qsl, slots, init, "silu", num_decodes=n)
+        out = torch.empty(n, 6)
+        kernels.conv1d_decode(x, w, bias, state, slots, init, True, out, n)
+        compare("conv1d_decode", out, want, state, ref_state)
+    return problems[0] if problems else None
 
 
 def activation_code_reference(x: torch.Tensor, code: int, gated: bool) -> torch.Tensor:

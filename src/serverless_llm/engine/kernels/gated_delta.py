@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import cpu_native
 from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -251,11 +252,21 @@ def gated_delta_rule_ref(
     _check(q, k, v, g, beta, state, state_slots)
     Hv = v.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qp, kp = _prepare_qk(q, k, Hv, scale, use_qk_l2norm)
-    v32, g32, b32 = v.float(), g.float(), beta.float()
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     nd = num_decodes
-    if nd:
+    # The native kernel (float32 on CPU) reads and writes each decode's state once, in its slot.
+    native = nd and cpu_native.recurrent_kernels()
+    if native and native.gated_delta_decode(
+        q, k, v, g, beta, state, state_slots, has_initial_state, scale, use_qk_l2norm, out, nd
+    ):
+        if nd == q.shape[0]:
+            return out
+        nd_torch = 0
+    else:
+        nd_torch = nd
+    qp, kp = _prepare_qk(q, k, Hv, scale, use_qk_l2norm)
+    v32, g32, b32 = v.float(), g.float(), beta.float()
+    if nd_torch:
         slots = state_slots[:nd].long()
         S = state.index_select(0, slots)
         init = has_initial_state[:nd]

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_native
 from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -115,12 +116,23 @@ def selective_scan_ref(
     if T:
         A = A.float()
         dt = _time_steps(delta, delta_bias, delta_softplus)
+        nd = num_decodes
+        # The native kernel (float32 on CPU) reads and writes each decode's state once, in its
+        # slot, and applies the D skip and the gate to its rows: the torch code below does rows
+        # `first` onwards.
+        native = nd and cpu_native.recurrent_kernels()
+        first = 0
+        if native and native.selective_scan_decode(
+            u, dt, A, B, C, D, z, state, state_slots, has_initial_state, y, nd
+        ):
+            first = nd
+            if nd == T:
+                return y
         uf = u.float()
         du = dt * uf
         Bf, Cf = B.float(), C.float()
         slots = state_slots.long()
-        nd = num_decodes
-        if nd:
+        if nd and not first:
             # Every decode at once: gather the states, one step, scatter back.
             h = state.index_select(0, slots[:nd])
             if not bool(has_initial_state[:nd].all()):  # a fresh slot may hold NaN: where
@@ -138,9 +150,9 @@ def selective_scan_ref(
             y[s:e] = _scan_tokens(h, dt[s:e], du[s:e], A, Bf[s:e], Cf[s:e])
             state[slot] = h
         if D is not None:
-            y += uf * D.float()
+            y[first:] += uf[first:] * D.float()
         if z is not None:
-            y *= F.silu(z.float())
+            y[first:] *= F.silu(z[first:].float())
     return y.to(u.dtype)
 
 

@@ -74,6 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_native
 from .triton_lazy import cdiv, jit, next_power_of_2
 
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
@@ -200,7 +201,10 @@ def ssd_scan_ref(
     d = time_steps(dt, dt_bias, dt_softplus, dt_limit)
     A = A.float()
     nd = num_decodes
-    if nd:
+    native = nd and cpu_native.recurrent_kernels()
+    if native and native.ssd_decode(x, d, A, B, C, D, state, state_slots, has_initial_state, y, nd):
+        pass  # the native kernel (float32 on CPU): each decode's state read and written once
+    elif nd:
         yd = _decode_ref(
             x[:nd].float(), d[:nd], A, B[:nd], C[:nd], D, state, state_slots[:nd],
             has_initial_state[:nd],
