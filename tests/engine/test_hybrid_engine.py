@@ -197,6 +197,15 @@ def test_captured_decodes_give_the_same_tokens(hybrid, prompts, reference):
     assert_books_whole(llm)
 
 
+def test_torch_attention_backend_gives_the_same_tokens(hybrid, prompts, reference):
+    """The torch reference backend (the CPU default is the native one) beside the recurrent
+    layers' torch paths."""
+    llm = engine(hybrid, attention_backend="torch")
+    assert llm.engine.backend.name == "torch"
+    assert greedy(llm, prompts) == reference
+    assert_books_whole(llm)
+
+
 def test_beam_search_forks_copy_state_slots(hybrid, prompts):
     """Beams forked with a copy of their parent's state give the same sequences as beams that
     cannot fork (one state slot: every child recomputes its prefix from zeros)."""

@@ -196,7 +196,7 @@ class LLMEngine:
         captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
-            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s)%s cache=%s "
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) cache=%s%s "
             "decode_capture=%s tensor_parallel_size=%d",
             time.perf_counter() - t0,
             self.resolved.source,
@@ -208,9 +208,9 @@ class LLMEngine:
             num_blocks,
             self.block_size,
             num_blocks * self.block_size,
+            str(self.cache_dtype).replace("torch.", ""),
             layout.describe(),
             self._state_line(loaded),
-            str(self.cache_dtype).replace("torch.", ""),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
             self.tp.size,
         )
@@ -221,7 +221,7 @@ class LLMEngine:
         if self.state_pool is None:
             return ""
         mib = loaded.state_slot_bytes() / 2**20
-        return f" state_slots={self.state_pool.num_slots - 1} ({mib:.2f} MiB a request)"
+        return f"; state_slots={self.state_pool.num_slots - 1} ({mib:.2f} MiB a request)"
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks and leaves the group (nothing to do without
