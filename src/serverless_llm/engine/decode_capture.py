@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kv_cache import RecurrentState
+from .kv_cache import RecurrentState, kv_tensors
 from .kv_cache_manager import CacheLayout
 from .layers.attention import AttentionBackend, AttentionMetadata
 
@@ -326,7 +326,7 @@ class CapturedDecode:
     @torch.inference_mode()
     def _self_check(self) -> None:
         """Each bucket against the eager forward on a probe batch; sets `enabled`."""
-        kv = _kv_tensors(self.kv_caches)
+        kv = kv_tensors(self.kv_caches)
         states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
         bs = self.block_size
         longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT))
@@ -424,16 +424,6 @@ class CapturedDecode:
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
         return self.model(ids_t, pos_t, self.kv_caches, meta).clone()
-
-
-def _kv_tensors(kv_caches: list) -> list[torch.Tensor]:
-    """The distinct KV tensors among the layers' caches."""
-    out: dict[int, torch.Tensor] = {}
-    for c in kv_caches:
-        t = c.kv if isinstance(c, RecurrentState) else c
-        if t is not None:
-            out[id(t)] = t
-    return list(out.values())
 
 
 def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:

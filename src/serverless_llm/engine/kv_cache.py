@@ -253,26 +253,35 @@ def allocate_state(
     return [make((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in shapes]
 
 
+def kv_tensors(kv_caches: list) -> list[torch.Tensor]:
+    """The distinct KV tensors among the layers' caches (layers of different cache groups share
+    tensors; a recurrent layer's cache holds one only when the layer also attends)."""
+    out: dict[int, torch.Tensor] = {}
+    for c in kv_caches:
+        t = c.kv if isinstance(c, RecurrentState) else c
+        if t is not None:
+            out[id(t)] = t
+    return list(out.values())
+
+
 def copy_blocks(kv_caches: list, pairs: list[tuple[int, int]]) -> None:
     """Copies the K and V of block `src` into block `dst`, in every layer tensor, for each pair;
     a `StateCopy` pair copies a state slot in every recurrent layer."""
-    if not pairs:
-        return
     states = [p for p in pairs if isinstance(p, StateCopy)]
     blocks = [p for p in pairs if not isinstance(p, StateCopy)]
-    kv = [c.kv if isinstance(c, RecurrentState) else c for c in kv_caches]
-    kv = [c for c in kv if c is not None]
-    if blocks and kv:
-        device = kv[0].device
-        src = torch.tensor([a for a, _ in blocks], device=device)
-        dst = torch.tensor([b for _, b in blocks], device=device)
-        # Layers of different cache groups share tensors (kv_cache_manager): each copied once.
-        for cache in {id(c): c for c in kv}.values():
-            if is_fp8(cache.dtype):  # bytes are bytes (see allocate_kv_cache)
-                cache = cache.view(torch.uint8)
-            cache[:, dst] = cache[:, src]
-    for layer in kv_caches:
-        if isinstance(layer, RecurrentState):
-            for tensor in layer.tensors:
-                for a, b in states:
-                    tensor[b] = tensor[a]
+    _copy_rows(kv_tensors(kv_caches), blocks, dim=1)  # [2, num_blocks, ...]
+    slots = [t for c in kv_caches if isinstance(c, RecurrentState) for t in c.tensors]
+    _copy_rows(slots, states, dim=0)  # [num_slots, ...]
+
+
+def _copy_rows(tensors: list[torch.Tensor], pairs: list[tuple[int, int]], dim: int) -> None:
+    """Row `src` of each tensor along `dim` copied into row `dst`, for each pair."""
+    if not pairs or not tensors:
+        return
+    device = tensors[0].device
+    src = torch.tensor([a for a, _ in pairs], device=device)
+    dst = torch.tensor([b for _, b in pairs], device=device)
+    for t in tensors:
+        if is_fp8(t.dtype):  # bytes are bytes (see allocate_kv_cache)
+            t = t.view(torch.uint8)
+        t.index_copy_(dim, dst, t.index_select(dim, src))
