@@ -39,11 +39,11 @@ from ..kernels.causal_conv1d import gated_rms_norm, gated_rms_norm_ref
 from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_ref
 from ..parallel.group import SINGLE, TensorParallel
 from .recurrent import (
-    STATE_DTYPE,
     RecurrentMixer,
     RecurrentMixerSpec,
     Split,
     StateShapes,
+    conv_and_state,
     indivisible,
     share,
     step_slots,
@@ -217,10 +217,9 @@ class GatedDeltaNet(RecurrentMixer):
 
     def state_shapes(self, dtype: torch.dtype) -> StateShapes:
         s = self.spec
-        return [
-            ((s.conv_dim, s.conv_kernel - 1), dtype),
-            ((s.num_v_heads, s.head_k_dim, s.head_v_dim), STATE_DTYPE),
-        ]
+        return conv_and_state(
+            s.conv_dim, s.conv_kernel, (s.num_v_heads, s.head_k_dim, s.head_v_dim), dtype
+        )
 
     def forward(self, x, state, meta):
         s = self.spec

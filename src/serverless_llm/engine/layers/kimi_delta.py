@@ -34,10 +34,12 @@ from torch import nn
 from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_ref
 from ..parallel.group import SINGLE, TensorParallel
 from .recurrent import (
+    ParamHolder,
     RecurrentMixer,
     RecurrentMixerSpec,
     Split,
     StateShapes,
+    conv_and_state,
     indivisible,
     share,
     step_slots,
@@ -109,14 +111,6 @@ def kda_gated_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight.float() * h * torch.sigmoid(gate.float())).to(o.dtype)
 
 
-class GatedNormWeight(nn.Module):
-    """The output norm's weight [D] (`o_norm`), applied by `kda_gated_norm`."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-
-
 class KimiDeltaAttention(RecurrentMixer):
     def __init__(
         self, hidden: int, spec: KimiDeltaSpec, use_kernels: bool, tp: TensorParallel = SINGLE
@@ -132,12 +126,12 @@ class KimiDeltaAttention(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.empty(H * D))
         self.A_log = nn.Parameter(torch.empty(H))
         self.g_b_proj = nn.Linear(D, H * D, bias=False)
-        self.o_norm = GatedNormWeight(D)
+        self.o_norm = ParamHolder(D)  # applied by kda_gated_norm
         self.o_proj = nn.Linear(H * D, hidden, bias=False)
 
     def state_shapes(self, dtype: torch.dtype) -> StateShapes:
         H, D, K = self.spec.num_heads, self.spec.head_dim, self.spec.conv_kernel
-        return [((3 * H * D, K - 1), dtype), ((H, D, D), torch.float32)]
+        return conv_and_state(3 * H * D, K, (H, D, D), dtype)
 
     def forward(self, x, state, meta):
         conv_state, delta_state = state

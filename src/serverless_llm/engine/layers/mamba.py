@@ -35,25 +35,17 @@ from ..kernels.selective_scan import selective_scan, selective_scan_ref
 from ..parallel.group import SINGLE, TensorParallel
 from .norm import RMSNorm
 from .recurrent import (
-    STATE_DTYPE,
+    ParamHolder,
     RecurrentMixer,
     RecurrentMixerSpec,
     Split,
     StateShapes,
+    conv_and_state,
     indivisible,
     share,
     step_slots,
 )
 from .short_conv import ConvWeights, run_conv
-
-
-class ParamHolder(nn.Module):
-    """A bare checkpoint parameter (A_log, D, dt_proj's bias) as a module's `weight`, the place
-    the loader fills for a bare parameter (models/weights.py)."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
 
 
 @dataclass(frozen=True)
@@ -123,7 +115,7 @@ class MambaMixer(RecurrentMixer):
 
     def state_shapes(self, dtype: torch.dtype) -> StateShapes:
         s = self.spec
-        return [((s.d_inner, s.d_conv - 1), dtype), ((s.d_inner, s.d_state), STATE_DTYPE)]
+        return conv_and_state(s.d_inner, s.d_conv, (s.d_inner, s.d_state), dtype)
 
     def forward(self, h, state, meta):
         s = self.spec

@@ -43,11 +43,12 @@ from ..kernels.causal_conv1d import gated_rms_norm, gated_rms_norm_ref
 from ..kernels.ssd import ssd_scan, ssd_scan_ref
 from ..parallel.group import SINGLE, TensorParallel
 from .recurrent import (
-    STATE_DTYPE,
+    ParamHolder,
     RecurrentMixer,
     RecurrentMixerSpec,
     Split,
     StateShapes,
+    conv_and_state,
     indivisible,
     share,
     step_slots,
@@ -163,15 +164,6 @@ class Mamba2Spec(RecurrentMixerSpec):
         )
 
 
-class GatedNormWeight(nn.Module):
-    """The gated RMSNorm's weight [d_inner] (its own module so the checkpoint's `norm.weight`
-    has a place)."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-
-
 class Mamba2Mixer(RecurrentMixer):
     def __init__(
         self, hidden: int, spec: Mamba2Spec, use_kernels: bool, tp: TensorParallel = SINGLE
@@ -186,7 +178,7 @@ class Mamba2Mixer(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.A_log = nn.Parameter(torch.empty(H))
         self.D = nn.Parameter(torch.empty(H))
-        self.norm = GatedNormWeight(d_inner) if spec.norm else None
+        self.norm = ParamHolder(d_inner) if spec.norm else None  # the gated norm's weight
         self.out_proj = nn.Linear(d_inner, hidden, bias=spec.out_bias)
         self.splits = (d_inner, conv_dim, H)
         self.xbc_splits = (
@@ -197,10 +189,9 @@ class Mamba2Mixer(RecurrentMixer):
 
     def state_shapes(self, dtype: torch.dtype) -> StateShapes:
         s = self.spec
-        return [
-            ((s.conv_dim, s.conv_kernel - 1), dtype),
-            ((s.num_heads, s.head_dim, s.state_size), STATE_DTYPE),
-        ]
+        return conv_and_state(
+            s.conv_dim, s.conv_kernel, (s.num_heads, s.head_dim, s.state_size), dtype
+        )
 
     def forward(self, x, state, meta):
         s = self.spec

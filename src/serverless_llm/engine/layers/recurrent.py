@@ -103,6 +103,27 @@ def indivisible(size: int, value: int, what: str) -> str | None:
     return None
 
 
+class ParamHolder(nn.Module):
+    """One parameter as a module's `weight`: where the loader puts a bare checkpoint parameter
+    (A_log, D, a bias used apart from its linear) or a gated norm's weight applied by a kernel
+    (models/weights.py)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
+def conv_and_state(
+    conv_channels: int, kernel: int, state: tuple[int, ...] | None, dtype: torch.dtype
+) -> StateShapes:
+    """A recurrent layer's state tensors: its causal convolution's last kernel - 1 inputs (the
+    model dtype), then its recurrent state of shape `state` (STATE_DTYPE), if it has one."""
+    shapes = [((conv_channels, kernel - 1), dtype)]
+    if state is not None:
+        shapes.append((state, STATE_DTYPE))
+    return shapes
+
+
 def step_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's (state_slots [B] int32, has_initial_state [B] bool)."""
     if meta.state_slots is None or meta.has_initial_state is None:

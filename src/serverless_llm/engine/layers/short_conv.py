@@ -26,6 +26,7 @@ from .recurrent import (
     RecurrentMixerSpec,
     Split,
     StateShapes,
+    conv_and_state,
     indivisible,
     share,
     step_slots,
@@ -103,7 +104,7 @@ class ShortConv(RecurrentMixer):
         self.out_proj = nn.Linear(c, hidden, bias=spec.bias)
 
     def state_shapes(self, dtype: torch.dtype) -> StateShapes:
-        return [((self.channels, self.spec.kernel - 1), dtype)]
+        return conv_and_state(self.channels, self.spec.kernel, None, dtype)
 
     def forward(self, x, state, meta):
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
