@@ -35,10 +35,8 @@ def lfm2_mlp_width(config) -> int:
     return width
 
 
-LFM2_LAYER = {
-    "self_attn.q_layernorm": "self_attn.q_norm",
-    "self_attn.k_layernorm": "self_attn.k_norm",
-    "self_attn.out_proj": "self_attn.o_proj",
+# The names LFM2 and LFM3 share: the convolution, the MLP (w1/w3/w2) and the two norms.
+LFM_LAYER = {
     "conv.in_proj": "mixer.in_proj",
     "conv.conv": "mixer.conv1d",
     "conv.out_proj": "mixer.out_proj",
@@ -47,6 +45,12 @@ LFM2_LAYER = {
     "feed_forward.w2": "mlp.down_proj",
     "operator_norm": "in_norm",
     "ffn_norm": "mlp_norm",
+}
+LFM2_LAYER = {
+    **LFM_LAYER,
+    "self_attn.q_layernorm": "self_attn.q_norm",
+    "self_attn.k_layernorm": "self_attn.k_norm",
+    "self_attn.out_proj": "self_attn.o_proj",
 }
 
 
@@ -69,19 +73,12 @@ def lfm2(config) -> DecoderSpec:
 
 
 LFM3_LAYER = {
+    **LFM_LAYER,
     "self_attn.q_norm": "self_attn.q_norm",
     "self_attn.k_norm": "self_attn.k_norm",
     "self_attn.gate_proj": "self_attn.g_proj",  # the checkpoints' name (transformers renames it)
     "self_attn.g_proj": "self_attn.g_proj",
-    "conv.in_proj": "mixer.in_proj",
-    "conv.conv": "mixer.conv1d",
-    "conv.out_proj": "mixer.out_proj",
-    "feed_forward.w1": ("mlp.gate_up_proj", "gate"),
-    "feed_forward.w3": ("mlp.gate_up_proj", "up"),
-    "feed_forward.w2": "mlp.down_proj",
-    "operator_norm": "in_norm",
     "post_operator_norm": "post_attn_norm",
-    "ffn_norm": "mlp_norm",
     "post_ffn_norm": "post_mlp_norm",
 }
 
