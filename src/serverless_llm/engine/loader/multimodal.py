@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # (prefix of the decoder's tensors in a composite checkpoint, its causal LM name)
 TEXT_PREFIXES = (
     ("model.language_model.", "model."),
+    ("model.text_model.", "model."),  # Idefics3, SmolVLM
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
