@@ -76,7 +76,9 @@ def gemma3_config(
     hidden_act: str = "gelu_pytorch_tanh",
     tie_word_embeddings: bool = True,
 ) -> transformers.Gemma3Config:
-    """A tiny Gemma3Config whose image token ids are the tokenizer's."""
+    """A tiny Gemma3Config whose image token ids are the tokenizer's. `tie_word_embeddings`
+    False saves a separate lm_head (the engine's Gemma descriptions tie always, so such a
+    checkpoint is for transformers-side checks only)."""
     ids = tokenizer.convert_tokens_to_ids([BOI, EOI, IMAGE_TOKEN])
     vision = transformers.SiglipVisionConfig(
         hidden_size=vision_hidden,
