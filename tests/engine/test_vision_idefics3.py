@@ -304,6 +304,26 @@ def test_partially_valid_frames(models, hf_models):
     torch.testing.assert_close(torch.cat([g.embeds for g in got]), want, atol=1e-4, rtol=1e-4)
 
 
+def test_encode_bfloat16(models):
+    """A bfloat16 tower against transformers' model in bfloat16 (the features in the tower's
+    dtype)."""
+    _, path, config, family, processor = _setup(models, "idefics3")
+    tower = family.build_tower(config, torch.bfloat16)
+    weights = load_file(f"{path}/model.safetensors")
+    tower.load_weights((k, v) for k, v in weights.items() if k.startswith(family.tower_prefixes))
+    images = sample_images()[:3]
+    mm = family.process(processor, IMAGE_TOKEN * len(images), images)
+    got = torch.cat([g.embeds for g in tower.encode([item.data for item in mm.items])])
+    assert got.dtype == torch.bfloat16
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16)
+    out = processor(text=[IMAGE_TOKEN * len(images)], images=[images], return_tensors="pt")
+    with torch.no_grad():
+        want = model.eval().model.get_image_features(
+            out["pixel_values"], out["pixel_attention_mask"]
+        )
+    torch.testing.assert_close(got, torch.cat(want.pooler_output), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("case", ["idefics3", "smolvlm"])
 def test_every_tower_weight_loaded(models, case):
     _, path, config, family, _ = _setup(models, case)

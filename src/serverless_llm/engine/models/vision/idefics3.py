@@ -24,8 +24,7 @@ row-major order, then the global frame), which are the rows transformers scatter
 
 from __future__ import annotations
 
-import json
-import os
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -229,7 +228,7 @@ class Idefics3Tower(VisionTower):
         hidden = self.vision_model(pixel_values.to(self.dtype), patch_mask)
         return self.connector(hidden, rows, cols)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[ImageFeatures]:
         frames = [item["pixel_values"] for item in items]
         masks = [
@@ -281,19 +280,14 @@ def _tower_key(name: str) -> str:
     return name.removeprefix("model.")
 
 
-def _image_seq_len(model_dir: str, config) -> int:
-    """The `<image>` tokens a frame stands for: the processor config's `image_seq_len`, else
-    (frame patches per side)^2 / scale_factor^2 as the model computes it."""
-    path = os.path.join(model_dir, "processor_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            value = json.load(f).get("image_seq_len")
-        if value is not None:
-            return int(value)
+def _image_seq_len(config) -> int:
+    """The `<image>` tokens a frame stands for, as the model computes it (for a checkpoint whose
+    processor config does not say): (frame patches per side)^2 / scale_factor^2."""
     vc = config.vision_config
     return int((vc.image_size // vc.patch_size) ** 2 / config.scale_factor**2)
 
 
+@functools.cache
 def _smolvlm_processor_class():
     """SmolVLMProcessor for images only: transformers' class requires a video processor (its
     class needs torchvision) and num2words (for video prompts); images need neither."""
@@ -345,7 +339,7 @@ class Idefics3Family(VisionFamily):
         processor_dict = {
             k: v for k, v in processor_dict.items() if k in ("image_seq_len", "chat_template")
         }
-        processor_dict.setdefault("image_seq_len", _image_seq_len(model_dir, config))
+        processor_dict.setdefault("image_seq_len", _image_seq_len(config))
         image_processor = image_processor_cls.from_pretrained(model_dir)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         if processor_dict.get("chat_template") is None and tokenizer.chat_template is not None:
