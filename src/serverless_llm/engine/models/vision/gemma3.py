@@ -10,7 +10,8 @@ image always gives `mm_tokens_per_image` rows and images batch by stacking.
 The processor writes each `<start_of_image>` placeholder as
 "\\n\\n" + `<start_of_image>` + `<image_soft_token>` * mm_tokens_per_image + `<end_of_image>` +
 "\\n\\n"; only the soft tokens take features, so an image's span is its run of soft tokens alone
-(embed_mask None). With pan-and-scan (the processor called with `do_pan_and_scan`), a
+(embed_mask None). With pan-and-scan (`enable_pan_and_scan`, or a processor called with
+`do_pan_and_scan`), a
 placeholder becomes the original image's run and one run per crop, with text between them; each
 run is an `ImageItem` of its own (its own pixel rows), in prompt order.
 
