@@ -201,6 +201,7 @@ class Gemma3Tower(VisionTower):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision(pixels))
 
+    @torch.no_grad()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[ImageFeatures]:
         dtype = self.projector.mm_input_projection_weight.dtype
         rows = [item["pixel_values"] for item in items]
