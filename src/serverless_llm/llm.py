@@ -14,6 +14,7 @@ from typing import Any
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.lora_adapters import LoRARequest
+from .engine.multimodal import MultiModalInput
 from .engine.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -27,7 +28,28 @@ from .engine.sampling.params import SamplingParams, choose_sequences, sequence_p
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"]
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+
+
+def _engine_prompt(prompt):
+    """vLLM's prompt forms as the engine takes them: a string, token ids, or a dict with
+    `prompt` (text with the model's image placeholders) and `multi_modal_data: {"image": one
+    PIL image or a list}`, or `prompt_token_ids`."""
+    if not isinstance(prompt, dict):
+        return prompt
+    mm = prompt.get("multi_modal_data") or {}
+    unknown = set(mm) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: {sorted(unknown)} are not served (images only)")
+    if "image" in mm:
+        if "prompt" not in prompt:
+            raise ValueError("a prompt with images needs its text as `prompt`")
+        images = mm["image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        return MultiModalInput(prompt["prompt"], images)
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    return prompt["prompt"]
 
 
 class LLM:
@@ -64,11 +86,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """vLLM's `LLM.generate`; `lora_request`: one adapter for every prompt, or one (or
         None, the base model) per prompt."""
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_engine_prompt(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

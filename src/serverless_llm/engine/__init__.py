@@ -18,6 +18,7 @@ from .input_processor import ContextLengthError, PreparedPrompt, PromptInput
 from .loader import ModelLoadError
 from .lora_adapters import LoRARequest
 from .models import UnsupportedModelError
+from .multimodal import MultiModalInput
 from .outputs import EngineOutput, EngineStats
 from .sampling.logprobs import TokenLogprob
 from .sampling.params import (
@@ -35,6 +36,7 @@ from .sampling.structured.spec import (
 from .tokenizer import ChatTemplateError, apply_chat_template, chat_template_source
 
 __all__ = [
+    "MultiModalInput",
     "ATTENTION_BACKENDS",
     "BEAM_SEARCH_TEMPERATURE",
     "BLOCK_SIZES",

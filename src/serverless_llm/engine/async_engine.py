@@ -29,6 +29,7 @@ from .config import EngineConfig
 from .input_processor import InvalidRequestError, PreparedPrompt, PromptInput
 from .llm_engine import LLMEngine
 from .lora_adapters import LoRARequest
+from .multimodal import MultiModalInput
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import TensorParallelError
 from .sampling.params import SamplingParams
@@ -111,6 +112,7 @@ class AsyncEngine:
             block_size=core.block_size,
             num_kv_blocks=core.block_pool.num_blocks,
             tensor_parallel_size=core.tp.size,
+            image_input=core.vision is not None,
         )
 
     def load_lora(self, lora_request: LoRARequest) -> None:
@@ -146,7 +148,9 @@ class AsyncEngine:
 
         threading.Thread(target=warm_up, name="grammar-warm-up", daemon=True).start()
 
-    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> PreparedPrompt:
+    def prepare_prompt(
+        self, prompt: str | list[int] | MultiModalInput, params: SamplingParams
+    ) -> PreparedPrompt:
         """A prompt validated once for requests with `params`: tokenized or checked, fitted
         (ContextLengthError when it does not fit); each request's own parameters are checked
         when it is built. Blocking (the tokenizer): the routes call it off the event loop."""
@@ -154,7 +158,7 @@ class AsyncEngine:
 
     async def prepare(
         self,
-        prompt: str | list[int] | PreparedPrompt,
+        prompt: str | list[int] | MultiModalInput | PreparedPrompt,
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
     ) -> PreparedPrompt:

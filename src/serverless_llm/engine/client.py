@@ -27,6 +27,7 @@ class ModelInfo:
     block_size: int
     num_kv_blocks: int
     tensor_parallel_size: int = 1
+    image_input: bool = False  # a vision-language model: prompts may carry images
 
 
 class EngineClient(Protocol):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
+from .multimodal import MultiModalInput, MultiModalPrompt
 from .request import Request
 from .sampling.logits_processors import RequestSamplingState
 from .sampling.params import SamplingParams, SamplingParamsError
@@ -84,6 +85,7 @@ class PreparedPrompt:
     grammar: CompiledGrammar | None = None
     lora: LoRARequest | None = None
     adapter: LoRAAdapter | None = None
+    mm: MultiModalPrompt | None = None  # its images, processed
 
     def with_max_tokens(self, max_tokens: int | None) -> PreparedPrompt:
         """The same prompt fitted for another max_tokens (ContextLengthError if it does not
@@ -112,6 +114,17 @@ class PromptInput:
 
     token_ids: list[int]
     text: str | None = None
+    mm: MultiModalPrompt | None = None
+
+
+@dataclass
+class ImageInputs:
+    """What a vision-language model's requests are processed with: its family, the
+    transformers processor, and the limits an image prompt must keep."""
+
+    family: object  # multimodal.VisionFamily
+    processor: object
+    max_span: int | None = None  # the longest image span one step can take (whole images)
 
 
 class InputProcessor:
@@ -134,10 +147,13 @@ class InputProcessor:
         self._next_id = 0
         self._grammar_compiler: GrammarCompiler | None = None  # made on the first grammar
         self._grammar_lock = threading.Lock()
+        self.images: ImageInputs | None = None  # set by the engine for a vision model
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
+    def tokenize_prompt(self, prompt: str | list[int] | MultiModalInput) -> PromptInput:
+        if isinstance(prompt, MultiModalInput):
+            return self.process_images(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
@@ -150,6 +166,32 @@ class InputProcessor:
             self.check_token_ids(prompt)
             return PromptInput(list(prompt))
         raise InvalidRequestError("the prompt must be a string or a list of token ids")
+
+    def process_images(self, prompt: MultiModalInput) -> PromptInput:
+        """A prompt with images through the model's processor: the token ids with every image
+        expanded, and the images' spans and data. InvalidRequestError when the model takes no
+        images or the placeholders and images disagree."""
+        vision = self.images
+        if vision is None:
+            if not prompt.images:
+                return self.tokenize_prompt(prompt.text)
+            raise InvalidRequestError("this model does not take images (it is a text model)")
+        if not prompt.text:
+            raise InvalidRequestError("the prompt is empty")
+        try:
+            mm = vision.family.process(
+                vision.processor, prompt.text, list(prompt.images), prompt.add_special_tokens
+            )
+        except (ValueError, TypeError, OSError) as e:
+            raise InvalidRequestError(f"the prompt's images cannot be processed: {e}") from None
+        if vision.max_span is not None:
+            for item in mm.items:
+                if item.length > vision.max_span:
+                    raise InvalidRequestError(
+                        f"an image takes {item.length} tokens, more than one step computes "
+                        f"(max_num_batched_tokens={vision.max_span})"
+                    )
+        return PromptInput(list(mm.token_ids), prompt.text, mm if mm.items else None)
 
     def check_token_ids(self, token_ids: list[int], param: str | None = None) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -237,10 +279,22 @@ class InputProcessor:
             return prompt
         prompt_input = self.tokenize_prompt(prompt)
         truncate = params.truncate_prompt_tokens
+        if prompt_input.mm is not None and truncate is not None:
+            if len(prompt_input.token_ids) > truncate:
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens would cut a prompt with images; send it whole",
+                    "truncate_prompt_tokens",
+                )
         token_ids = self.fit_prompt(prompt_input.token_ids, params.max_tokens, truncate)
         text = prompt_input.text if len(token_ids) == len(prompt_input.token_ids) else None
         return PreparedPrompt(
-            token_ids, text, params.max_tokens, truncate, self.max_model_len, compiled_grammar
+            token_ids,
+            text,
+            params.max_tokens,
+            truncate,
+            self.max_model_len,
+            compiled_grammar,
+            mm=prompt_input.mm,
         )
 
     def check_params(self, params: SamplingParams) -> None:
@@ -290,6 +344,7 @@ class InputProcessor:
         req.stop_rule = StopRule.of(params, self.eos_token_ids, max_total - n)
         req.out.prompt_text = prepared.text
         req.lora, req.lora_adapter = prepared.lora, prepared.adapter
+        req.mm = prepared.mm
         if params.use_beam_search:
             return req
         req.sampling = RequestSamplingState(params, token_ids, req.stop_rule)

@@ -291,7 +291,11 @@ class KVCacheManager:
     # -- a new request's cached prefix ----------------------------------------------------------
 
     def take_cached_prefix(
-        self, owner: Hashable, tokens: Sequence[int], max_blocks: int, salt: bytes = b""
+        self,
+        owner: Hashable,
+        tokens: Sequence[int],
+        max_blocks: int,
+        salt: bytes | Callable[[int], bytes] = b"",
     ) -> int:
         """Takes the blocks of the longest prefix of `tokens` (at most `max_blocks` blocks) every
         group can serve from the prefix cache; returns the number of tokens they hold (0 when
@@ -306,7 +310,7 @@ class KVCacheManager:
         parent = None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, chunk, salt)
+            parent = block_hash(parent, chunk, salt(i) if callable(salt) else salt)
             digests.append(parent)
             missed = False
             for g in range(len(self.specs)):
@@ -410,10 +414,11 @@ class KVCacheManager:
         owner: Hashable,
         num_computed: int,
         token_slice: Callable[[int, int], Sequence[int]],
-        salt: bytes = b"",
+        salt: bytes | Callable[[int], bytes] = b"",
     ) -> None:
         """Keys each block that has just become full and computed, in every group that still
-        holds it, so later requests can take it."""
+        holds it, so later requests can take it. `salt`: bytes for every block, or block
+        index -> bytes (a prompt's images key the blocks they overlap)."""
         held = self._held.get(owner)
         if held is None or not self.pool.enable_prefix_caching:
             return
@@ -422,7 +427,7 @@ class KVCacheManager:
         parent = held.hashes[-1] if held.hashes else None
         for i in range(len(held.hashes), full):
             tokens = token_slice(i * bs, (i + 1) * bs)
-            parent = block_hash(parent, tokens, salt)
+            parent = block_hash(parent, tokens, salt(i) if callable(salt) else salt)
             held.hashes.append(parent)
             for g, table in enumerate(held.tables):
                 if i >= held.released[g] and i < len(table):

@@ -20,11 +20,23 @@ from .beam_runner import BeamSearchRunner
 from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
-from .input_processor import InputProcessor, InvalidRequestError, PreparedPrompt, PromptInput
+from .input_processor import (
+    ImageInputs,
+    InputProcessor,
+    InvalidRequestError,
+    PreparedPrompt,
+    PromptInput,
+)
 from .kv_cache import BlockPool
 from .kv_cache_manager import KVCacheManager, StatePool, blocks_for_one_request
 from .lora_adapters import LoRAManager, LoRARequest
-from .model_builder import cache_capacity, load_model, prepare_model, step_token_budget
+from .model_builder import (
+    cache_capacity,
+    encoder_cache_bytes,
+    load_model,
+    prepare_model,
+    step_token_budget,
+)
 from .model_runner import ModelRunner
 from .output_processor import make_output, process_token
 from .outputs import EngineOutput, EngineStats
@@ -56,6 +68,19 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
+
+    def _image_inputs(self, config: EngineConfig) -> ImageInputs:
+        """The processor of a vision-language model, from its checkpoint's files."""
+        family = self.vision.family
+        try:
+            processor = family.make_processor(self.resolved.model_dir, self.vision.config)
+        except Exception as e:
+            raise ConfigError(
+                f"cannot build the image processor of {self.resolved.source}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        whole = family.bidirectional_images
+        return ImageInputs(family, processor, self.max_num_batched_tokens if whole else None)
 
     def _start_ranks(self, config: EngineConfig):
         """Tensor parallelism: checks that the model splits, starts ranks 1..N-1 and loads
@@ -119,6 +144,9 @@ class LLMEngine:
             grammar_max_chars=config.grammar_max_chars,
         )
 
+        self.vision = loaded.vision
+        if self.vision is not None:
+            self.inputs.images = self._image_inputs(config)
         self.block_size = config.block_size
         capacity = cache_capacity(config, loaded, self.block_size, self.max_num_batched_tokens)
         num_blocks, num_slots = capacity.num_blocks, capacity.num_slots
@@ -176,6 +204,10 @@ class LLMEngine:
             self.model, self.kv_caches, self.backend, self.block_size, self.device, layout
         )
         self.runner.kv = self.kv
+        if self.vision is not None:
+            whole = self.vision.family.bidirectional_images
+            self.runner.attach_vision(self.vision.tower, encoder_cache_bytes(config, loaded), whole)
+            self.scheduler.whole_images = whole
         self.scheduler.copy_blocks = self.runner.copy_blocks
         if self.lora is not None:
             self.runner.lora_step = self.lora.step

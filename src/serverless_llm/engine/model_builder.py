@@ -33,11 +33,25 @@ from .loader.multimodal import text_weights
 from .loader.quantization import check_quantization, read_side_config
 from .models import DecoderModel, DecoderSpec, describe_model
 from .models.sharding import check_shardable
+from .multimodal import VisionFamily, vision_family_of
 from .parallel.group import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048  # for a config that names no maximum length
+
+
+@dataclass
+class Vision:
+    """A vision-language model's image side: its family (multimodal/base.py), its tower on
+    the model's device, and the composite transformers config (the processor reads it)."""
+
+    family: VisionFamily
+    tower: torch.nn.Module
+    config: object
+
+    def tower_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tower.state_dict().values())
 
 
 @dataclass
@@ -52,6 +66,7 @@ class LoadedModel:
     cache_dtype: torch.dtype  # the KV cache's: the model dtype, or an 8-bit float
     param_bytes: int = 0  # the weights this process holds (its shard with tensor parallelism)
     hybrid_cache: bool = True  # layers in cache groups by kind (False: one group of every layer)
+    vision: Vision | None = None  # a vision-language model's family, tower and processor config
 
     def cache_layout(self) -> CacheLayout:
         """The model's cache groups: its attention layers by the kind of cache each keeps, and
@@ -176,13 +191,27 @@ def load_model(
     # In the model's dtype before any storage exists: materialized in float32 and converted
     # after loading, a 7B float16 model would need 28 GB on the device for a moment.
     model = model.to(dtype).materialize(device)
+    family = vision_family_of(getattr(hf_config, "architectures", None))
+    tower_weights: list = []
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)
     else:
         weights = iter_weights(resolved, show_progress=config.show_progress, lazy=tp.enabled)
         if getattr(hf_config, "text_part_of", None):  # a multimodal checkpoint's text decoder
-            weights = text_weights(weights)
+            keep = None
+            if family is not None:
+                prefixes = family.tower_prefixes
+
+                def keep(name: str, tensor) -> None:
+                    if name.startswith(prefixes):
+                        full = tensor.full() if hasattr(tensor, "full") else tensor
+                        tower_weights.append((name, full))
+
+            weights = text_weights(weights, keep)
         model.load_weights(weights)
+    vision = None
+    if family is not None:
+        vision = load_vision(family, resolved, config, dtype, device, tower_weights)
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if device.type == "cpu":
@@ -201,7 +230,36 @@ def load_model(
         cache_dtype,
         held,
         hybrid_cache=not config.disable_hybrid_kv_cache_manager,
+        vision=vision,
     )
+
+
+def load_vision(
+    family: VisionFamily, resolved: ResolvedModel, config: EngineConfig, dtype, device, weights
+) -> Vision:
+    """The vision tower of a vision-language checkpoint (replicated on every tensor-parallel
+    rank: it is small beside the decoder and its images' features feed every rank's embedding
+    rows), its weights from `weights` (random for load_format=dummy)."""
+    import transformers
+
+    composite = transformers.AutoConfig.from_pretrained(
+        resolved.model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
+    tower = family.build_tower(composite, dtype)
+    if resolved.load_format == "dummy":
+        gen = torch.Generator().manual_seed(config.seed)
+        with torch.no_grad():
+            for p in tower.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    else:
+        tower.load_weights(weights)
+    tower = tower.to(device=device, dtype=dtype).eval()
+    logger.info(
+        "vision tower: %s, %.1f MiB",
+        type(tower).__name__,
+        sum(t.numel() * t.element_size() for t in tower.state_dict().values()) / 2**20,
+    )
+    return Vision(family, tower, composite)
 
 
 def step_token_budget(config: EngineConfig, device: torch.device) -> int:
@@ -317,6 +375,8 @@ def cache_capacity(
         budget = _profile_cuda_budget(config, loaded, block_size, max_num_batched_tokens)
     else:
         budget = int(config.kv_cache_space_gib * (1 << 30))
+    if loaded.vision is not None:  # the encoder cache comes out of the same memory
+        budget -= encoder_cache_bytes(config, loaded)
     if not slot_bytes:
         if loaded.device.type == "cuda" and budget < per_block:
             raise ConfigError(
@@ -337,6 +397,16 @@ def cache_capacity(
     if not layout.num_groups:
         return CacheCapacity(1, slots)  # no attention: the block pool is never drawn on
     return CacheCapacity(max(1, (budget - slots * slot_bytes) // per_block), slots)
+
+
+def encoder_cache_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The encoder cache of a vision-language model: image features for twice a step's token
+    budget (at least 4096 rows) of the decoder's width, in the model dtype."""
+    if loaded.vision is None:
+        return 0
+    rows = max(2 * step_token_budget(config, loaded.device), 4096)
+    width = loaded.model.full_spec.hidden_size
+    return rows * width * torch.finfo(loaded.dtype).bits // 8
 
 
 def profile_metadata(n: int, block_size: int, dev: torch.device, state: bool) -> AttentionMetadata:

@@ -18,6 +18,7 @@ from .decode_capture import CapturedDecode
 from .kv_cache import copy_blocks
 from .kv_cache_manager import CacheLayout, KVCacheManager
 from .layers.attention import AttentionBackend, AttentionMetadata
+from .multimodal import EncoderCache, ImageItem
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
 from .scheduler import ScheduledBatch
@@ -59,6 +60,17 @@ class HostBatch:
     # slots loaded since the last step ((slot, LoRARequest, local directory)).
     lora_slots: dict[int, int] = field(default_factory=dict)
     lora_loads: list[tuple] = field(default_factory=list)
+    # Images: the flat token rows that take image features, and where those come from, in
+    # the same order: (image, its first feature row, rows); the tower runs for images whose
+    # features are not in the encoder cache.
+    mm_rows: list[int] = field(default_factory=list)
+    mm_parts: list[tuple[ImageItem, int, int]] = field(default_factory=list)
+    # Multimodal rotary positions: (first flat row, [3, n] positions) of prompt runs whose
+    # three position streams differ (every other token's streams all equal `positions`).
+    mrope_runs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Bidirectional image spans (Gemma 3): per request, None or its tokens' key limits
+    # (AttentionMetadata.key_limits_host); None when no request of the step has one.
+    key_limits: list[list[int] | None] | None = None
 
     def for_peers(self) -> HostBatch:
         """What the other tensor-parallel ranks need to run the same step: no requests."""
@@ -89,7 +101,19 @@ class ModelRunner:
         self.lora_loads: list[tuple] = []  # slot loads for the peers (HostBatch.lora_loads)
         # Tensor parallelism: the other ranks, sent each step's inputs (parallel/workers.py).
         self.peers = None
+        # A vision-language model's tower and the cache of its images' features (set by the
+        # engine for such models).
+        self.vision_tower = None
+        self.encoder_cache: EncoderCache | None = None
+        self.bidirectional_images = False  # an image's tokens attend to each other both ways
         self._pending_copies: list[tuple[int, int]] = []
+
+    def attach_vision(self, tower, cache_bytes: int, bidirectional: bool) -> None:
+        """A vision-language model's tower and an encoder cache of `cache_bytes` (every
+        tensor-parallel rank holds both: the cache evolves the same on every rank)."""
+        self.vision_tower = tower
+        self.encoder_cache = EncoderCache(cache_bytes)
+        self.bidirectional_images = bidirectional
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies KV blocks (src, dst) in every layer: now, or with tensor parallelism at the
@@ -115,6 +139,10 @@ class ModelRunner:
         sample_idx: list[int] = []
         prompt_work = PromptLogprobWork()
         lora_rows: list[tuple[int, int, int]] = []
+        mm_rows: list[int] = []
+        mm_parts: list[tuple[ImageItem, int, int]] = []
+        mrope_runs: list[tuple[int, torch.Tensor]] = []
+        key_limits: list[list[int] | None] = []
         state_slots: list[int] | None = [] if self.layout.has_state else None
         prompt_rows: list[bool] | None = [] if self.layout.has_state else None
         num_decodes = 0
@@ -136,11 +164,16 @@ class ModelRunner:
                     prompt_work.targets.extend(req.prompt_token_ids[lo + 1 : hi + 1])
             if req.lora_id:
                 lora_rows.append((req.lora_id, len(input_ids), n))
+            if req.mm is not None:
+                self._image_rows(req, start, end, len(input_ids), mm_rows, mm_parts, mrope_runs)
+            if self.bidirectional_images:
+                key_limits.append(_key_limits(req, start, end))
             input_ids.extend(req.token_slice(start, end))
+            delta = req.mrope_delta
             if n == 1:
-                positions.append(start)
+                positions.append(start + delta)
             else:
-                positions.extend(range(start, end))
+                positions.extend(range(start + delta, end + delta))
             for g, blocks in enumerate(self.kv.block_tables(req)):
                 if n == 1:
                     slots[g].append(blocks[start // bs] * bs + start % bs)
@@ -158,7 +191,7 @@ class ModelRunner:
                 sample_idx.append(len(input_ids) - 1)
         if prompt_work.requests:
             prompt_work.k = max(r.params.prompt_logprobs for r in prompt_work.requests)
-        return HostBatch(
+        h = HostBatch(
             input_ids,
             positions,
             slots,
@@ -173,6 +206,35 @@ class ModelRunner:
             state_slots,
             prompt_rows,
         )
+        h.mm_rows, h.mm_parts, h.mrope_runs = mm_rows, mm_parts, mrope_runs
+        if any(limits is not None for limits in key_limits):
+            h.key_limits = key_limits
+        return h
+
+    @staticmethod
+    def _image_rows(req: Request, start: int, end: int, base: int, rows, parts, mrope_runs):
+        """The rows of tokens [start, end) of `req` (flat rows from `base`) that take image
+        features, and their sources; and the multimodal positions of its prompt tokens among
+        them."""
+        mm = req.mm
+        for item in mm.items:
+            lo, hi = max(start, item.offset), min(end, item.end)
+            if lo >= hi:
+                continue
+            first = base + lo - start
+            if item.embed_mask is None:
+                rows.extend(range(first, first + hi - lo))
+                parts.append((item, lo - item.offset, hi - lo))
+                continue
+            mask = item.embed_mask
+            skip = int(mask[: lo - item.offset].sum())
+            taken = torch.nonzero(mask[lo - item.offset : hi - item.offset]).flatten().tolist()
+            if taken:
+                rows.extend(first + j for j in taken)
+                parts.append((item, skip, len(taken)))
+        if mm.mrope_positions is not None and start < req.num_prompt_tokens:
+            hi = min(end, req.num_prompt_tokens)
+            mrope_runs.append((base, mm.mrope_positions[:, start:hi]))
 
     def device_inputs(self, h: HostBatch) -> tuple[torch.Tensor, torch.Tensor, list]:
         """input_ids, positions and the attention metadata on the model's device: one per cache
@@ -199,6 +261,7 @@ class ModelRunner:
             query_lens_host=h.query_lens,
             seq_lens_host=h.seq_lens,
             block_size=self.block_size,
+            key_limits_host=h.key_limits,
         )
         if h.state_slots is not None:
             first.state_slots = torch.tensor(h.state_slots, dtype=torch.int32).to(dev)
@@ -277,9 +340,16 @@ class ModelRunner:
                 self.backend.prepare(meta)
             if h.lora_rows:
                 self.lora_step.set(*self.lora_groups(h, self.lora_slots))
+            images = self._image_embeds(h) if h.mm_rows else None
+            if h.mrope_runs:
+                positions = self._mrope_positions(positions, h.mrope_runs)
             try:
                 hidden = self.model(
-                    input_ids, positions, self.kv_caches, self.layout.per_layer(metas)
+                    input_ids,
+                    positions,
+                    self.kv_caches,
+                    self.layout.per_layer(metas),
+                    images=images,
                 )
             finally:
                 if self.lora_step is not None:
@@ -297,9 +367,56 @@ class ModelRunner:
         idx = torch.tensor(h.sample_idx, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, idx)), entries
 
+    def _image_embeds(self, h: HostBatch):
+        """(flat rows, their image embeddings, deepstack embeddings or None) of the step: each
+        image's features from the encoder cache, or from the tower, which encodes every image
+        of the step not in the cache in one call."""
+        cache, dev = self.encoder_cache, self.device
+        found: dict[bytes, object] = {}
+        missing: list[ImageItem] = []
+        for item, _, _ in h.mm_parts:
+            if item.hash in found:
+                continue
+            hit = cache.get(item.hash)
+            found[item.hash] = hit
+            if hit is None:
+                missing.append(item)
+        if missing:
+            datas = [{k: _to(v, dev) for k, v in it.data.items()} for it in missing]
+            for item, feats in zip(missing, self.vision_tower.encode(datas)):
+                if feats.num_rows != item.num_embeds:
+                    raise RuntimeError(
+                        f"the vision tower gave {feats.num_rows} rows for an image with "
+                        f"{item.num_embeds} placeholder tokens"
+                    )
+                found[item.hash] = feats
+                cache.put(item.hash, feats, keep=set(found))
+        pieces = [(found[item.hash], f0, n) for item, f0, n in h.mm_parts]
+        embeds = torch.cat([f.embeds[f0 : f0 + n] for f, f0, n in pieces])
+        deepstack = None
+        if pieces[0][0].deepstack is not None:
+            levels = len(pieces[0][0].deepstack)
+            deepstack = [
+                torch.cat([f.deepstack[i][f0 : f0 + n] for f, f0, n in pieces])
+                for i in range(levels)
+            ]
+        rows = torch.tensor(h.mm_rows, dtype=torch.int64).to(dev)
+        return rows, embeds, deepstack
+
+    def _mrope_positions(self, positions: torch.Tensor, runs) -> torch.Tensor:
+        """[3, T] positions: every token's single position in all three streams, but the
+        prompt runs with multimodal positions."""
+        pos = positions.unsqueeze(0).repeat(3, 1)
+        for first, run in runs:
+            pos[:, first : first + run.shape[1]] = run.to(pos.device)
+        return pos
+
     def _captured_bucket(self, h: HostBatch) -> int | None:
-        """The capture bucket of a decode-only step without prompt logprobs, else None."""
-        if self.captured is None or h.prompt_work.requests:
+        """The capture bucket of a decode-only step without prompt logprobs or images, else
+        None."""
+        if self.captured is None or h.prompt_work.requests or h.mm_rows or h.mrope_runs:
+            return None
+        if h.key_limits is not None:
             return None
         rows = len(h.query_lens)
         if h.num_decodes != rows:
@@ -317,6 +434,26 @@ class ModelRunner:
                     entry.top_logprobs = entry.top_logprobs[:mine]
                 req.out.prompt_logprobs.append(entry)
             start += count
+
+
+def _key_limits(req: Request, start: int, end: int) -> list[int] | None:
+    """Per token of [start, end), the last key it attends to when the chunk holds an image
+    span whose tokens attend both ways (its own position otherwise); None when it holds none."""
+    if req.mm is None:
+        return None
+    limits = None
+    for item in req.mm.items:
+        lo, hi = max(start, item.offset), min(end, item.end)
+        if lo >= hi:
+            continue
+        if limits is None:
+            limits = list(range(start, end))
+        limits[lo - start : hi - start] = [item.end - 1] * (hi - lo)
+    return limits
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _table_tensor(tables: list[list[int]]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from .sampling.params import SamplingParams
 if TYPE_CHECKING:
     from .beam_runner import BeamGroup
     from .lora_adapters import LoRAAdapter, LoRARequest
+    from .multimodal import MultiModalPrompt
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured.grammar import GrammarMatcher
@@ -58,6 +59,8 @@ class Request:
     lora: LoRARequest | None = None  # the adapter this request runs with
     lora_adapter: LoRAAdapter | None = None  # its weights, read when the request came in
     out: OutputState = field(default_factory=lambda: OutputState())  # what the caller sees
+    # Images: their spans, processed data and hashes, and multimodal rotary positions.
+    mm: MultiModalPrompt | None = None
 
     @property
     def lora_id(self) -> int:
@@ -67,6 +70,25 @@ class Request:
     def cache_salt(self) -> bytes:
         """What else keys this request's prefix-cache blocks (its adapter)."""
         return self.lora.cache_salt if self.lora is not None else b""
+
+    def prefix_salt(self, block_size: int):
+        """What keys prefix-cache block i besides its tokens: the adapter's salt, and for a
+        prompt with images a function of i adding the hashes of the images the block overlaps
+        (two prompts that differ only in an image share no block from that image on)."""
+        salt = self.cache_salt
+        if self.mm is None or not self.mm.items:
+            return salt
+        items = self.mm.items
+
+        def of_block(i: int) -> bytes:
+            lo, hi = i * block_size, (i + 1) * block_size
+            return salt + b"".join(it.hash for it in items if it.offset < hi and it.end > lo)
+
+        return of_block
+
+    @property
+    def mrope_delta(self) -> int:
+        return self.mm.mrope_delta if self.mm is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

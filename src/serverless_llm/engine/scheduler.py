@@ -90,6 +90,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = 0
+        # Gemma 3: an image's tokens attend to each other both ways, so a chunk never ends
+        # inside an image's span (set by the engine for such models).
+        self.whole_images = False
         # KV blocks (src, dst) to copy in every layer (the model runner's; set by the engine).
         self.copy_blocks: Callable[[list[tuple[int, int]]], None] = _no_copies
 
@@ -153,7 +156,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0:
                 continue
             while not self._grow(req, req.num_computed_tokens + num_new):
@@ -176,7 +179,11 @@ class Scheduler:
             if req.lora_id and not self._lora_fits(req.lora_id):
                 break  # first come, first served: it waits for an adapter slot to free
             self._take_cached_prefix(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new <= 0:  # its next image does not fit what is left of this step's budget
+                self._free_blocks(req)
+                req.num_computed_tokens = 0
+                break
             if not self._grow(req, req.num_computed_tokens + num_new):
                 self._free_blocks(req)
                 req.num_computed_tokens = 0
@@ -243,6 +250,18 @@ class Scheduler:
         if copies:
             self.copy_blocks(copies)
 
+    def _chunk(self, req: Request, num_new: int) -> int:
+        """`num_new`, shortened so the chunk does not end inside an image's span when images
+        attend both ways (0: the next image needs more budget than this step has left)."""
+        if not self.whole_images or req.mm is None:
+            return num_new
+        start = req.num_computed_tokens
+        end = start + num_new
+        for item in req.mm.items:
+            if item.offset < end < item.end:
+                end = max(start, item.offset)
+        return end - start
+
     def _lora_fits(self, lora_id: int) -> bool:
         active = {r.lora_id for r in self.running if r.lora_id}
         return lora_id in active or len(active) < self.max_loras
@@ -262,13 +281,15 @@ class Scheduler:
             return
         tokens = req.prompt_token_ids + req.output_token_ids
         req.num_computed_tokens = self.kv.take_cached_prefix(
-            req, tokens, max_blocks, req.cache_salt
+            req, tokens, max_blocks, req.prefix_salt(self.kv.block_size)
         )
 
     def cache_computed_blocks(self, req: Request) -> None:
         """After a step: keys each block of `req` that has just become full and computed, and
         lets go of what fell out of its sliding windows."""
-        self.kv.cache_full_blocks(req, req.num_computed_tokens, req.token_slice, req.cache_salt)
+        self.kv.cache_full_blocks(
+            req, req.num_computed_tokens, req.token_slice, req.prefix_salt(self.kv.block_size)
+        )
         self.kv.release_out_of_window(req, req.num_computed_tokens)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:

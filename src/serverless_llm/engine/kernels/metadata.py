@@ -40,6 +40,10 @@ class AttentionMetadata:
     # back): a layer that treats the two differently reads it (Nemotron-H's Mamba-2 limits the
     # time step of prompt tokens only, as transformers does). With recurrent layers only.
     prompt_rows: torch.Tensor | None = None  # [T] bool
+    # Bidirectional spans (Gemma 3's images): per request, None (causal) or per new token the
+    # position of the last key it attends to: its own position, or for a token in a span that
+    # attends both ways the span's last position (the whole span is in the step's chunk).
+    key_limits_host: list[list[int] | None] | None = None
 
     @property
     def num_requests(self) -> int:

@@ -541,15 +541,29 @@ def key_slots(block_table: torch.Tensor, num_keys: int, block_size: int) -> torc
 
 
 def attention_mask(
-    query_positions: torch.Tensor, num_keys: int, sliding_window: int | None
+    query_positions: torch.Tensor,
+    num_keys: int,
+    sliding_window: int | None,
+    key_limits: list[int] | None = None,
 ) -> torch.Tensor:
-    """[q, num_keys] bool: causal, and inside the sliding window when there is one."""
+    """[q, num_keys] bool: causal, and inside the sliding window when there is one; with
+    `key_limits` (a bidirectional span), query r also attends to keys after it up to
+    key_limits[r]."""
     keys = torch.arange(num_keys, device=query_positions.device)
     diff = query_positions[:, None] - keys[None, :]
     allowed = diff >= 0
     if sliding_window is not None:
         allowed &= diff < sliding_window
+    if key_limits is not None:
+        limits = torch.tensor(key_limits, device=query_positions.device)
+        allowed |= (diff < 0) & (keys[None, :] <= limits[:, None])
     return allowed
+
+
+def request_key_limits(meta: AttentionMetadata, i: int) -> list[int] | None:
+    """Request i's key limits (a bidirectional span in its chunk), or None: causal."""
+    limits = meta.key_limits_host
+    return None if limits is None else limits[i]
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, rows=None) -> torch.Tensor:
@@ -681,18 +695,19 @@ def prefill_torch(q, k, v, kv_cache, meta, spec, i):
         if fp8:
             kh = dequantize_kv(kh, spec.k_scale, q.dtype)
             vh = dequantize_kv(vh, spec.v_scale, q.dtype)
+    limits = request_key_limits(meta, i)
     if spec.logit_softcap is not None:
         # tanh between the scores and the softmax: no fused kernel has room for it.
-        return _attend_explicit(q, kh, vh, ctx, spec)
+        return _attend_explicit(q, kh, vh, ctx, spec, limits)
     qh = q.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
-    if ctx == 0 and spec.sliding_window is None and spec.alibi_slopes is None:
+    if ctx == 0 and spec.sliding_window is None and spec.alibi_slopes is None and not limits:
         o = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=spec.scale, enable_gqa=gqa
         )
     else:
         positions = torch.arange(ctx, seq_len, device=q.device)
-        mask = attention_mask(positions, seq_len, spec.sliding_window)
+        mask = attention_mask(positions, seq_len, spec.sliding_window, limits)
         if spec.alibi_slopes is not None:
             # ALiBi as an additive float32 mask [H, n, L]: SDPA adds it to the scaled scores.
             rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]
@@ -714,7 +729,7 @@ def _slopes(spec: AttentionSpec, device: torch.device, *shape: int) -> torch.Ten
     return spec.alibi_slopes.to(device, torch.float32).view(*shape)
 
 
-def _attend_explicit(q, k, v, ctx, spec):
+def _attend_explicit(q, k, v, ctx, spec, limits=None):
     """Attention with the scores materialised (for the soft-cap's tanh): q [n, H, D] at
     positions ctx.., over keys k, v [KVH, L, D]; float32 scores, a block of query rows at a
     time so a long prompt's scores stay within SCORE_BUDGET elements."""
@@ -739,6 +754,9 @@ def _attend_explicit(q, k, v, ctx, spec):
         allowed = rel <= 0
         if spec.sliding_window is not None:
             allowed &= rel > -spec.sliding_window
+        if limits:
+            lim = torch.tensor(limits[a:b], device=q.device)
+            allowed |= (rel > 0) & (keys[None, :] <= lim[:, None])
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh, m * g, L)
         o = torch.matmul(probs, vv).view(kvh, m, g, d)  # [KVH, m, G, D]
@@ -753,32 +771,36 @@ def paged_attention_reference(
     the ALiBi bias (when the spec has them), mask causally (and by the window), softmax in
     float32. Slow and obvious on purpose."""
     T = q.shape[0]
-    kvh, d = spec.num_kv_heads, spec.head_dim
-    group = spec.num_heads // kvh
-    out = torch.zeros(T, spec.num_heads * d, dtype=q.dtype, device=q.device)
+    out = torch.zeros(T, spec.num_heads * spec.head_dim, dtype=q.dtype, device=q.device)
     qsl = meta.query_start_loc.tolist()
     for i in range(meta.num_requests):
-        s, e = qsl[i], qsl[i + 1]
-        seq_len = meta.seq_lens_host[i]
-        ctx = seq_len - (e - s)
-        slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
-        at = (slots // meta.block_size, slots % meta.block_size)  # logical: any cache layout
-        k_scale, v_scale = (
-            s if is_fp8(kv_cache.dtype) else 1.0 for s in (spec.k_scale, spec.v_scale)
-        )
-        keys = (kv_cache[0][at].float() * k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
-        values = (kv_cache[1][at].float() * v_scale).repeat_interleave(group, dim=1)
-        qi = q[s:e].float()  # [n, H, D]
-        scores = torch.einsum("nhd,lhd->hnl", qi, keys) * spec.scale
-        if spec.logit_softcap is not None:
-            scores = spec.logit_softcap * torch.tanh(scores / spec.logit_softcap)
-        positions = torch.arange(ctx, seq_len, device=q.device)
-        if spec.alibi_slopes is not None:
-            rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]  # j - p
-            scores = scores + spec.alibi_slopes.float().to(q.device)[:, None, None] * rel[None]
-        mask = attention_mask(positions, seq_len, spec.sliding_window)
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("hnl,lhd->nhd", probs, values)
-        out[s:e] = o.reshape(e - s, -1).to(q.dtype)
+        out[qsl[i] : qsl[i + 1]] = reference_request(q, kv_cache, meta, spec, i, qsl)
     return out
+
+
+def reference_request(q, kv_cache, meta: AttentionMetadata, spec: AttentionSpec, i: int, qsl):
+    """Request i's rows of `paged_attention_reference` (the Triton backend also takes it for
+    a request whose chunk holds a bidirectional span, which its kernel does not mask)."""
+    kvh = spec.num_kv_heads
+    group = spec.num_heads // kvh
+    s, e = qsl[i], qsl[i + 1]
+    seq_len = meta.seq_lens_host[i]
+    ctx = seq_len - (e - s)
+    slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
+    at = (slots // meta.block_size, slots % meta.block_size)  # logical: any cache layout
+    k_scale, v_scale = (x if is_fp8(kv_cache.dtype) else 1.0 for x in (spec.k_scale, spec.v_scale))
+    keys = (kv_cache[0][at].float() * k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
+    values = (kv_cache[1][at].float() * v_scale).repeat_interleave(group, dim=1)
+    qi = q[s:e].float()  # [n, H, D]
+    scores = torch.einsum("nhd,lhd->hnl", qi, keys) * spec.scale
+    if spec.logit_softcap is not None:
+        scores = spec.logit_softcap * torch.tanh(scores / spec.logit_softcap)
+    positions = torch.arange(ctx, seq_len, device=q.device)
+    if spec.alibi_slopes is not None:
+        rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]  # j - p
+        scores = scores + spec.alibi_slopes.float().to(q.device)[:, None, None] * rel[None]
+    mask = attention_mask(positions, seq_len, spec.sliding_window, request_key_limits(meta, i))
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("hnl,lhd->nhd", probs, values)
+    return o.reshape(e - s, -1).to(q.dtype)

@@ -159,6 +159,30 @@ def rotary_step(
     return RotaryStep(positions, cache, False, cos, sin)
 
 
+def mrope_table(
+    cache: torch.Tensor, positions: torch.Tensor, section, interleaved: bool = False
+) -> torch.Tensor:
+    """Multimodal rotary (Qwen2-VL and after): each frequency of the table rotates by one of
+    three position streams (temporal, height, width). `positions` [3, T]; `section`: how many
+    of the rot_dim / 2 frequencies each stream takes, in order (contiguous runs), or, when
+    `interleaved` (Qwen3-VL), frequency j takes height when j % 3 == 1 and j < 3 * section[1],
+    width when j % 3 == 2 and j < 3 * section[2], else temporal. Returns the step's rows
+    [T, rot_dim] (cos half, sin half), which index by row like a table."""
+    half = cache.shape[1] // 2
+    stream = torch.zeros(half, dtype=torch.int64)
+    if interleaved:
+        j = torch.arange(half)
+        stream[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        stream[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    else:
+        bounds = [0, section[0], section[0] + section[1], half]
+        for k in (1, 2):
+            stream[bounds[k] : bounds[k + 1]] = k
+    rows = cache[positions.reshape(-1)].view(3, positions.shape[1], -1)  # [3, T, rot_dim]
+    pick = torch.cat([stream, stream]).to(cache.device)
+    return rows.gather(0, pick.view(1, 1, -1).expand(1, rows.shape[1], -1)).squeeze(0)
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, step: RotaryStep, is_neox: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

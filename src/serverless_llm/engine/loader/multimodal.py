@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 TEXT_PREFIXES = (
     ("model.language_model.", "model."),
     ("model.text_model.", "model."),  # Idefics3, SmolVLM
+    # Qwen2-VL, Qwen2.5-VL: a causal LM's own names beside `visual.` (transformers saves them so)
+    ("model.layers.", "model.layers."),
+    ("model.embed_tokens.", "model.embed_tokens."),
+    ("model.norm.", "model.norm."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
@@ -62,20 +66,25 @@ def text_part(config):
     text.text_part_of = arch
     towers = [k for k, v in vars(config).items() if k.endswith("_config") and hasattr(v, "to_dict")]
     towers = [k.removesuffix("_config") for k in towers if k != "text_config"]
-    logger.info(
-        "%s: serving its text decoder only; images and other non-text inputs are not served "
-        "yet (the weights of its %s are not loaded)",
-        arch,
-        " and ".join(f"{t} tower" for t in towers) or "other towers",
-    )
+    from ..multimodal import vision_family_of
+
+    if vision_family_of([arch]) is None:
+        logger.info(
+            "%s: serving its text decoder only; images and other non-text inputs are not "
+            "served yet (the weights of its %s are not loaded)",
+            arch,
+            " and ".join(f"{t} tower" for t in towers) or "other towers",
+        )
     return text
 
 
 def text_weights(
     weights: Iterable[tuple[str, object]],
+    other: Callable[[str, object], None] | None = None,
 ) -> Iterator[tuple[str, object]]:
     """The decoder's tensors of a composite checkpoint under a causal LM's names (`model.X`,
-    `lm_head.X`); the other towers' tensors are skipped."""
+    `lm_head.X`); the other towers' tensors go to `other` (name, tensor) when given (a lazy
+    tensor is valid only during the call), else are skipped."""
     skipped = 0
     for name, tensor in weights:
         for prefix, renamed in TEXT_PREFIXES:
@@ -84,4 +93,6 @@ def text_weights(
                 break
         else:
             skipped += 1
+            if other is not None:
+                other(name, tensor)
     logger.debug("skipped %d tensors outside the text decoder", skipped)

@@ -53,7 +53,14 @@ from ..layers.linear import PackedLinear, pack_linears_for_cpu, use_native_linea
 from ..layers.moe import ROUTINGS, BiasedRouter, Experts, route
 from ..layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from ..layers.recurrent import RecurrentMixerSpec
-from ..layers.rotary import RotaryStep, apply_rotary, rope_table, rotary_step, rotate_gathered
+from ..layers.rotary import (
+    RotaryStep,
+    apply_rotary,
+    mrope_table,
+    rope_table,
+    rotary_step,
+    rotate_gathered,
+)
 from ..parallel.group import SINGLE, TensorParallel
 from .lora_targets import DecoderLoRA
 from .weights import DecoderWeights
@@ -850,38 +857,70 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         positions: torch.Tensor,
         kv_caches: list,
         meta: AttentionMetadata | list[AttentionMetadata],
+        images: tuple | None = None,
     ) -> torch.Tensor:
         """Hidden states of every token, after the final norm: [T, hidden]. `kv_caches`: per
-        layer its KV tensor, its `RecurrentState` (a recurrent layer), or None (no mixer)."""
+        layer its KV tensor, its `RecurrentState` (a recurrent layer), or None (no mixer).
+        `positions`: [T], or [3, T] multimodal rotary positions (M-RoPE). `images`: (rows,
+        embeddings, deepstack or None) of a vision-language model's step: the embeddings
+        replace those rows' token embeddings (after the embedding scale, as transformers
+        scatters them), and deepstack level i is added to the rows after layer i."""
         s = self.spec
         x = self._embed(input_ids)
         if s.embed_scale is not None:
             x = x * torch.tensor(s.embed_scale, dtype=x.dtype)
+        deepstack = None
+        if images is not None:
+            rows, embeds, deepstack = images
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         if self.project_in is not None:
             x = self.project_in(x)
+        if positions.dim() == 2:
+            steps = [self._mrope_step(cache, r, positions, x.dtype) for cache, r in self._ropes()]
+            positions = positions[0]
+        else:
+            steps = [
+                rotary_step(
+                    cache,
+                    positions,
+                    x.dtype,
+                    self.use_kernels,
+                    gather=r.is_neox and r.rot_dim == s.head_dim and not self.native_rotary,
+                )
+                for cache, r in self._ropes()
+            ]
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + s.position_offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        steps = [
-            rotary_step(
-                cache,
-                positions,
-                x.dtype,
-                self.use_kernels,
-                gather=r.is_neox and r.rot_dim == s.head_dim and not self.native_rotary,
-            )
-            for cache, r in zip(self.rope_caches, self.rope_specs)
-        ]
         residual = None
         # One metadata for every layer, or (cache groups) a list: each layer's group's.
         metas = meta if isinstance(meta, list) else itertools.repeat(meta)
-        for layer, cache, r, m in zip(self.layers, kv_caches, self.rope_of_layer, metas):
+        layers = zip(self.layers, kv_caches, self.rope_of_layer, metas)
+        for i, (layer, cache, r, m) in enumerate(layers):
             x, residual = layer(x, residual, None if r is None else steps[r], cache, m)
+            if deepstack is not None and i < len(deepstack):
+                x = x.index_add(0, images[0], deepstack[i].to(x.dtype))
         x, _ = _add_norm(self.norm, x, residual)
         if self.project_out is not None:
             x = self.project_out(x)
         return x
+
+    def _ropes(self):
+        return zip(self.rope_caches, self.rope_specs)
+
+    def _mrope_step(self, cache, r: RopeSpec, positions: torch.Tensor, dtype) -> RotaryStep:
+        """A step's rotary for [3, T] positions: the rows of this step's table mix the three
+        streams per frequency (`mrope_table`), looked up by row index."""
+        params = r.params_dict()
+        section = params.get("mrope_section")
+        if section is None:  # a table without sections rotates by the first stream
+            table = cache.index_select(0, positions[0])
+        else:
+            table = mrope_table(cache, positions, section, bool(params.get("mrope_interleaved")))
+        index = torch.arange(positions.shape[1], device=positions.device)
+        gather = r.is_neox and r.rot_dim == self.spec.head_dim and not self.native_rotary
+        return rotary_step(table, index, dtype, self.use_kernels, gather=gather)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

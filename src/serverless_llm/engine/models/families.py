@@ -158,7 +158,9 @@ def _gemma_common(config) -> dict:
     return dict(
         embed_scale=config.hidden_size**0.5,
         norm_weight_offset=1.0,
-        tied=True,
+        # Gemma checkpoints tie the LM head to the embedding; transformers honours the config
+        # when one does not (a fine-tune saved untied).
+        tied=getattr(config, "tie_word_embeddings", True) is not False,
         act=_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh"),
     )
 

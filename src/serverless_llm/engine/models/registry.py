@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     families_mamba,
     families_moe,
     families_remote,
+    families_vl,
 )
 from .decoder import DecoderSpec
 from .families import FAMILIES
@@ -27,6 +28,13 @@ def describe_model(config) -> DecoderSpec:
     """The decoder description of the first architecture in `config.architectures` that a
     family serves; UnsupportedModelError naming every supported one otherwise."""
     archs = list(getattr(config, "architectures", None) or [])
+    text_arch = _text_decoder_arch(config)
+    if text_arch is not None and not any(a in MODEL_REGISTRY for a in archs):
+        # A composite (vision-language) checkpoint whose decoder is a plain causal LM of a
+        # served family (LLaVA's Llama, Gemma 3's Gemma 3 text): described as that family.
+        spec = describe_model(_with_architectures(config, [text_arch]))
+        spec.arch = archs[0]
+        return spec
     for arch in archs:
         if arch in MODEL_REGISTRY:
             try:
@@ -43,3 +51,22 @@ def describe_model(config) -> DecoderSpec:
         "repositories; a model whose code lives only in its repository (trust_remote_code) is "
         "served when its architecture is one of these."
     )
+
+
+def _text_decoder_arch(config) -> str | None:
+    """For the text part of a composite config (`loader/multimodal.text_part`), the causal LM
+    architecture transformers maps its text config's model type to, when a family serves it."""
+    if not getattr(config, "text_part_of", None):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    return arch if arch in MODEL_REGISTRY else None
+
+
+def _with_architectures(config, archs: list[str]):
+    import copy
+
+    config = copy.copy(config)
+    config.architectures = archs
+    return config

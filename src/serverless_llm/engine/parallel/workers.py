@@ -269,6 +269,14 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
             loaded.device,
             loaded.cache_layout(),
         )
+        if loaded.vision is not None:
+            from ..model_builder import encoder_cache_bytes
+
+            runner.attach_vision(
+                loaded.vision.tower,
+                encoder_cache_bytes(config, loaded),
+                loaded.vision.family.bidirectional_images,
+            )
         lora = None
         if config.enable_lora:  # the same slots as rank 0's, filled as its header says
             from ..config import lora_dtype

@@ -1,0 +1,1 @@
+"""Vision towers of the vision-language families (see engine/multimodal/base.py)."""
