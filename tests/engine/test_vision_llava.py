@@ -5,6 +5,7 @@ features against what transformers' model writes over the image tokens."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -14,17 +15,42 @@ from safetensors.torch import load_file
 
 from serverless_llm.engine.models.vision import llava as llava_module
 from serverless_llm.engine.multimodal import VISION_FAMILIES
-from tests.engine.vision_llava_models import sample_images, save_tiny_llava
+from tests.engine.vision_llava_models import sample_images, save_tiny_llava, save_tiny_llava_next
 
-LLAVA_VARIANTS = {
-    "default": dict(),
-    "layers_full_nobias": dict(
-        vision_feature_layer=[-2, -1],
-        vision_feature_select_strategy="full",
-        multimodal_projector_bias=False,
+NEXT = transformers.LlavaNextForConditionalGeneration
+# name -> (builder, its options, transformers class)
+VARIANTS = {
+    "llava": (save_tiny_llava, {}, transformers.LlavaForConditionalGeneration),
+    "llava_layers_full_nobias": (
+        save_tiny_llava,
+        dict(
+            vision_feature_layer=[-2, -1],
+            vision_feature_select_strategy="full",
+            multimodal_projector_bias=False,
+        ),
+        transformers.LlavaForConditionalGeneration,
     ),
-    "first_and_last": dict(vision_feature_layer=[0, 2], projector_hidden_act="silu", do_pad=True),
-    "siglip": dict(vision="siglip", vision_feature_select_strategy="full", vision_feature_layer=-1),
+    "llava_first_and_last": (
+        save_tiny_llava,
+        dict(vision_feature_layer=[0, 2], projector_hidden_act="silu", do_pad=True),
+        transformers.LlavaForConditionalGeneration,
+    ),
+    "llava_siglip": (
+        save_tiny_llava,
+        dict(vision="siglip", vision_feature_select_strategy="full", vision_feature_layer=-1),
+        transformers.LlavaForConditionalGeneration,
+    ),
+    "next": (save_tiny_llava_next, {}, NEXT),
+    "next_siglip_layers": (
+        save_tiny_llava_next,
+        dict(vision="siglip", vision_feature_layer=[-1, 0], multimodal_projector_bias=False),
+        NEXT,
+    ),
+    "next_wide_tiles": (
+        save_tiny_llava_next,
+        dict(tile=28, pinpoints=[[28, 112], [112, 28], [56, 56], [56, 84], [84, 56]]),
+        NEXT,
+    ),
 }
 
 
@@ -33,6 +59,7 @@ class Checkpoint:
 
     def __init__(self, path: str, model_class) -> None:
         self.path = path
+        self.model_class = model_class
         self.config = transformers.AutoConfig.from_pretrained(path)
         # the module registers its families on import (the other families' modules are not
         # needed here)
@@ -67,10 +94,15 @@ class Checkpoint:
         return inputs["input_ids"][0], seen["embeds"]
 
 
-@pytest.fixture(scope="module", params=sorted(LLAVA_VARIANTS))
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
 def llava(request, tmp_path_factory) -> Checkpoint:
-    path = save_tiny_llava(str(tmp_path_factory.mktemp("llava")), **LLAVA_VARIANTS[request.param])
-    return Checkpoint(path, transformers.LlavaForConditionalGeneration)
+    build, options, model_class = VARIANTS[request.param]
+    return Checkpoint(build(str(tmp_path_factory.mktemp(request.param)), **options), model_class)
+
+
+def image_inputs(inputs) -> dict:
+    """The processor outputs transformers' get_image_features takes."""
+    return {k: inputs[k] for k in ("pixel_values", "image_sizes") if k in inputs}
 
 
 PROMPTS = [
@@ -107,7 +139,7 @@ def check_prompt(ckpt: Checkpoint, text: str, images, add_special_tokens: bool) 
 
 def test_processor_builds_without_torchvision(llava):
     assert importlib.util.find_spec("torchvision") is None
-    assert type(llava.processor).__name__ == "LlavaProcessor"
+    assert type(llava.processor).__name__ == llava.family.processor_names[0]
     assert type(llava.processor.image_processor).__name__.endswith("Pil")
     built = llava.family.build_processor(llava.path, llava.config)
     images = sample_images()[:2]
@@ -148,7 +180,20 @@ def test_image_data_and_hash(llava):
     assert one.items[1].hash == two.items[0].hash
     assert one.items[0].hash != one.items[1].hash != three.items[0].hash
     assert torch.equal(one.items[1].data["pixel_values"], two.items[0].data["pixel_values"])
-    assert one.items[0].data["pixel_values"].shape[0] == 1
+    if llava.model_class is NEXT:
+        # its own tiles only (the processor pads a batch to its image with the most tiles),
+        # and its original size
+        alone = fam.process(proc, "<image>", [a])
+        assert one.items[0].hash == alone.items[0].hash
+        for item, image in zip(one.items, (a, b)):
+            assert item.data["image_sizes"].tolist() == [[image.height, image.width]]
+            pinpoints = llava.config.image_grid_pinpoints
+            tile = llava.config.vision_config.image_size
+            tiles = llava_module.num_tiles((image.height, image.width), pinpoints, tile)
+            assert item.data["pixel_values"].shape[0] == tiles
+    else:
+        assert set(one.items[0].data) == {"pixel_values"}
+        assert one.items[0].data["pixel_values"].shape[0] == 1
 
 
 def test_placeholder_mismatch(llava):
@@ -162,14 +207,14 @@ def test_placeholder_mismatch(llava):
 
 
 def test_encode_matches_transformers(llava):
-    images = sample_images()
-    text = "First <image> then <image> and <image><image>."
-    mm = llava.family.process(llava.processor, text, images[:4])
+    images = sample_images()[1:]  # six sizes
+    text = "First <image> then <image> and <image><image>.<image> <image>"
+    mm = llava.family.process(llava.processor, text, images)
     with torch.no_grad():
         ours = llava.tower.encode([item.data for item in mm.items])
-        inputs = llava.processor(text=[text], images=images[:4], return_tensors="pt")
-        ref = llava.model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
-    assert len(ours) == len(ref) == 4
+        inputs = llava.processor(text=[text], images=images, return_tensors="pt")
+        ref = llava.model.get_image_features(**image_inputs(inputs)).pooler_output
+    assert len(ours) == len(ref) == len(images)
     for feats, want, item in zip(ours, ref, mm.items):
         assert (
             feats.embeds.shape
@@ -178,7 +223,7 @@ def test_encode_matches_transformers(llava):
         )
         torch.testing.assert_close(feats.embeds, want, atol=1e-4, rtol=1e-4)
     # exactly the rows transformers writes over the image tokens
-    ids, embeds = llava.scattered(text, images[:4])
+    ids, embeds = llava.scattered(text, images)
     assert ids.tolist() == mm.token_ids
     for feats, item in zip(ours, mm.items):
         torch.testing.assert_close(
@@ -250,3 +295,35 @@ def test_pixtral_llava_delegates(tmp_path):
     for feats, item in zip(ours, mm.items, strict=True):
         rows = embeds[item.offset : item.end][item.embed_mask]
         torch.testing.assert_close(feats.embeds, rows, atol=1e-4, rtol=1e-4)
+
+
+def test_next_needs_square_tile_features(tmp_path):
+    """transformers lays each LLaVA-NeXT tile's features out as a square grid: CLIP's class row
+    kept ("full") does not fit, and the tower refuses the config."""
+    config = transformers.AutoConfig.from_pretrained(save_tiny_llava_next(str(tmp_path)))
+    config.vision_feature_select_strategy = "full"
+    with pytest.raises(ValueError, match="vision_feature_select_strategy"):
+        VISION_FAMILIES["LlavaNextForConditionalGeneration"].build_tower(config, torch.float32)
+
+
+def test_processor_without_expansion_options(tmp_path):
+    """A checkpoint whose processor config predates the placeholder expansion (no patch size):
+    the expansion follows the model's config."""
+    path = save_tiny_llava(str(tmp_path))
+    config = transformers.AutoConfig.from_pretrained(path)
+    family = VISION_FAMILIES["LlavaForConditionalGeneration"]
+    want = family.make_processor(path, config)
+    config_file = os.path.join(path, "processor_config.json")
+    with open(config_file) as f:
+        options = json.load(f)
+    for key in ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens"):
+        options.pop(key)
+    with open(config_file, "w") as f:
+        json.dump(options, f)
+    processor = family.make_processor(path, config)
+    images = sample_images()[:2]
+    text = "<image> and <image>"
+    assert (
+        family.process(processor, text, images).token_ids
+        == family.process(want, text, images).token_ids
+    )

@@ -135,8 +135,58 @@ def save_tiny_llava(
     return path
 
 
+def save_tiny_llava_next(
+    path: str,
+    *,
+    vision_feature_layer: int | list[int] = -2,
+    multimodal_projector_bias: bool = True,
+    vision: str = "clip",
+    tile: int = 42,
+    pinpoints: list[list[int]] | None = None,
+    seed: int = 0,
+) -> str:
+    """A LlavaNextForConditionalGeneration: the tiny CLIP tower on `tile`-px tiles (42 px, 14 px
+    patches: 3 x 3 features a tile; "default" strategy drops CLIP's class row, SigLIP keeps
+    all ("full")), any-resolution pinpoints of 1 x 2, 2 x 1, 2 x 2, 3 x 1 and 1 x 3 tiles, and
+    the tiny Llama decoder; returns `path`."""
+    tokenizer = llava_tokenizer()
+    text_config = make_config("llama", tokenizer)
+    strategy = "default" if vision == "clip" else "full"
+    if pinpoints is None:
+        pinpoints = [[tile * r, tile * c] for r, c in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]
+    config = transformers.LlavaNextConfig(
+        vision_config=vision_config(vision, tile),
+        text_config=text_config,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy=strategy,
+        multimodal_projector_bias=multimodal_projector_bias,
+        image_grid_pinpoints=pinpoints,
+        image_seq_length=(tile // 14) ** 2,
+    )
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    _randomize_and_save(model, path, seed)
+    image_processor = transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": tile},
+        crop_size={"height": tile, "width": tile},
+        image_grid_pinpoints=pinpoints,
+    )
+    processor = transformers.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=int(vision == "clip"),
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    return path
+
+
 def sample_images(seed: int = 0) -> list[Image.Image]:
-    """Random-noise RGB images: square, landscape, portrait, small, and wide (W x H)."""
+    """Random-noise RGB images (W x H): square, landscape, portrait, small, wide, and two whose
+    aspect ratios leave LLaVA-NeXT's tile grids padding rows (100 x 70) or columns (50 x 120)
+    to cut."""
     rng = np.random.default_rng(seed)
-    sizes = [(64, 64), (96, 48), (40, 80), (30, 30), (112, 36)]
+    sizes = [(64, 64), (96, 48), (40, 80), (30, 30), (112, 36), (100, 70), (50, 120)]
     return [Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for w, h in sizes]

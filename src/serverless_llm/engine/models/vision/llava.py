@@ -25,10 +25,13 @@ characters to tokens, so the count of tokens per image is always the processor's
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterable
 
 import torch
+import transformers
 from torch import nn
 
 from ...multimodal.base import (
@@ -286,8 +289,6 @@ class LlavaFamily(VisionFamily):
     processor_names = ("LlavaProcessor", "LlavaImageProcessorPil")
 
     def make_processor(self, model_dir: str, config):
-        import transformers
-
         if _is_pixtral(config):
             from .pixtral import pixtral_make_processor
 
@@ -310,8 +311,6 @@ class LlavaFamily(VisionFamily):
     def build_processor(self, model_dir: str, config):
         """The processor assembled from its PIL image processor and the tokenizer (what
         AutoProcessor builds, without its choice of image processor backend)."""
-        import transformers
-
         proc_name, image_name = self.processor_names
         return getattr(transformers, proc_name)(
             image_processor=getattr(transformers, image_name).from_pretrained(model_dir),
@@ -384,9 +383,6 @@ class LlavaNextFamily(LlavaFamily):
 
 def _chat_template(model_dir: str) -> str | None:
     """The checkpoint's chat template: chat_template.jinja, else the tokenizer's."""
-    import json
-    import os
-
     path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -403,9 +399,6 @@ def _chat_template(model_dir: str) -> str | None:
 
 def _processor_options(model_dir: str) -> dict:
     """The processor's own options from processor_config.json (patch size, strategy ...)."""
-    import json
-    import os
-
     path = os.path.join(model_dir, "processor_config.json")
     if not os.path.exists(path):
         return {}
