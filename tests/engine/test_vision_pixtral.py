@@ -187,8 +187,8 @@ def test_process_ids_spans_and_masks(checkpoints, name, n_images, add_special_to
         unit = processor.patch_size * processor.spatial_merge_size
         assert item.num_embeds == (height // unit) * (width // unit)
         covered[item.offset : item.end] |= item.embed_mask
-    if not add_special_tokens:
-        assert mm.token_ids == expected
+    bos = [tok.bos_token_id] if add_special_tokens else []
+    assert mm.token_ids == bos + expected
     # the embed masks mark exactly the positions where the model writes image features
     assert torch.equal(covered, ids == image_id)
     assert mm.mrope_positions is None
@@ -228,6 +228,31 @@ def test_encode_equals_transformers_features(checkpoints, hf_models, name):
             assert feats.embeds.dtype == torch.float32 and feats.deepstack is None
             torch.testing.assert_close(feats.embeds, ref, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(feats.embeds, ref_batched, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["mistral3", "llava_pixtral"])
+def test_bfloat16_tower_equals_transformers_in_bfloat16(checkpoints, name):
+    """Built in bfloat16, the tower's features are bfloat16 and agree with transformers' model
+    run in bfloat16 (to a couple of bfloat16 steps of the largest feature)."""
+    path = checkpoints(name)
+    config = _config(path)
+    if name.startswith("llava"):
+        tower = pixtral.pixtral_llava_tower(config, torch.bfloat16)
+    else:
+        tower = VISION_FAMILIES[config.architectures[0]].build_tower(config, torch.bfloat16)
+    weights = load_file(f"{path}/model.safetensors")
+    tower.load_weights((k, v) for k, v in weights.items() if k.startswith(pixtral.TOWER_PREFIXES))
+    assert {p.dtype for p in tower.parameters()} == {torch.bfloat16}
+    images = sample_images()[:3]
+    mm = pixtral.pixtral_process(_processor(path), _prompt(3), images)
+    got = tower.encode([item.data for item in mm.items])
+    model = VARIANTS[name][2].from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for item, feats in zip(mm.items, got):
+            ref = model.get_image_features(**item.data).pooler_output[0]
+            assert feats.embeds.dtype == torch.bfloat16
+            err = (feats.embeds.float() - ref.float()).abs().max()
+            assert err <= 0.02 * ref.float().abs().max(), err
 
 
 @pytest.mark.parametrize("name", ["mistral3", "llava_pixtral"])

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
+from tokenizers.processors import TemplateProcessing
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from serverless_llm.engine.models.vision.pixtral import pixtral_processor_class
@@ -35,8 +36,14 @@ PIXTRAL_CHAT_TEMPLATE = (
 
 
 def pixtral_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The test tokenizer with Mistral's tokens; like Mistral's, it starts a text with `<s>`
+    when asked to add special tokens."""
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_TOKENS})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
+    )
     tokenizer.chat_template = PIXTRAL_CHAT_TEMPLATE
     return tokenizer
 
