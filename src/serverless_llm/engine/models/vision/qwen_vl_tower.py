@@ -351,7 +351,7 @@ class Qwen3VisionTower(QwenVisionTower):
             for _ in range(vc.depth)
         )
         self.merger = Qwen3Merger(vc, after_merge=False)
-        self.deepstack_layers = list(vc.deepstack_visual_indexes or ())
+        self.deepstack_layers = list(getattr(vc, "deepstack_visual_indexes", None) or ())
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3Merger(vc, after_merge=True) for _ in self.deepstack_layers
         )
