@@ -9,6 +9,7 @@ the checks across fields are in `validation`.
 from __future__ import annotations
 
 import json
+import os
 import re
 from functools import partial
 from typing import Any
@@ -18,6 +19,12 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ...api.media import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MEDIA_FETCH_TIMEOUT,
+    MAX_IMAGE_PIXELS,
+    parse_limit_mm_per_prompt,
+)
 from ...engine.config import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
@@ -40,7 +47,8 @@ STREAMING = "Streaming Settings"
 OPENAI = "OpenAI Settings"
 SERVERLESS = "Serverless Settings"
 LIMITS = "Request Limits"
-CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS, LIMITS)
+MULTIMODAL = "Multimodal Settings"
+CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS, LIMITS, MULTIMODAL)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -81,6 +89,7 @@ _streaming = partial(_setting, STREAMING)
 _openai = partial(_setting, OPENAI)
 _serverless = partial(_setting, SERVERLESS)
 _limits = partial(_setting, LIMITS)
+_multimodal = partial(_setting, MULTIMODAL)
 
 
 class SettingsFields(BaseSettings):
@@ -700,6 +709,68 @@ class SettingsFields(BaseSettings):
         ge=0,
     )
 
+    # -- Multimodal Settings ----------------------------------------------------------------
+    limit_mm_per_prompt: str = _multimodal(
+        '{"image": 1}',
+        "LIMIT_MM_PER_PROMPT",
+        title="Limit Multimodal Items Per Prompt",
+        description=(
+            "Most images one prompt of a vision-language model may carry (all messages of a "
+            'chat together), as vLLM writes it: JSON such as `{"image": 4}` (or '
+            '`{"image": {"count": 4}}`), or `image=4`. A modality not named allows 1, vLLM\'s '
+            "default; 0 refuses that modality. A request over it is a 400 naming the limit, "
+            "before any image is fetched. Video and audio inputs are refused whatever it says."
+        ),
+        allowed='a JSON object of counts by modality (`{"image": 4}`) or `image=4`',
+    )
+    max_image_bytes: int = _multimodal(
+        DEFAULT_MAX_IMAGE_BYTES,
+        "MAX_IMAGE_BYTES",
+        title="Max Image Bytes",
+        description=(
+            "Largest image file one request part may send or point to (20 MiB by default), "
+            "checked before decoding: a data URL's size, a fetched body as it arrives, a local "
+            f"file's size. Images are also refused above {MAX_IMAGE_PIXELS:,} pixels "
+            "(8192 x 8192), read from the file's header before any pixel is decoded."
+        ),
+        ge=1,
+    )
+    media_fetch_timeout: float = _multimodal(
+        DEFAULT_MEDIA_FETCH_TIMEOUT,
+        "MEDIA_FETCH_TIMEOUT",
+        "VLLM_IMAGE_FETCH_TIMEOUT",
+        title="Media Fetch Timeout",
+        description=(
+            "Seconds one image URL may take to fetch, from the name lookup to the last byte, "
+            "redirects included (vLLM's VLLM_IMAGE_FETCH_TIMEOUT, also read). Past it the "
+            "request gets a 400."
+        ),
+        gt=0.0,
+        allow_inf_nan=False,
+    )
+    allow_private_image_urls: bool = _multimodal(
+        False,
+        "ALLOW_PRIVATE_IMAGE_URLS",
+        title="Allow Private Image URLs",
+        description=(
+            "Fetch image URLs whose host is a loopback, link-local, private, shared, reserved "
+            "or multicast address (the worker's own network, the cloud metadata service). Off: "
+            "such a URL, or a redirect to one, is a 400; every address a name resolves to is "
+            "checked, and the fetch goes to the checked address."
+        ),
+    )
+    allowed_local_media_path: str | None = _multimodal(
+        None,
+        "ALLOWED_LOCAL_MEDIA_PATH",
+        title="Allowed Local Media Path",
+        description=(
+            "A directory whose images requests may name as `file://` URLs (vLLM's "
+            "--allowed-local-media-path); files outside it, symlinks leading out included, are "
+            "refused. Unset: file URLs are refused."
+        ),
+        allowed="an absolute path of an existing directory",
+    )
+
     @field_validator("*", mode="after")
     @classmethod
     def _check_choices(cls, value: Any, info: Any) -> Any:
@@ -714,6 +785,19 @@ class SettingsFields(BaseSettings):
     def _check_lora_modules(cls, value: str | None) -> str | None:
         if value is not None:
             parse_lora_modules(value)
+        return value
+
+    @field_validator("limit_mm_per_prompt", mode="after")
+    @classmethod
+    def _check_limit_mm_per_prompt(cls, value: str) -> str:
+        parse_limit_mm_per_prompt(value)
+        return value
+
+    @field_validator("allowed_local_media_path", mode="after")
+    @classmethod
+    def _check_allowed_local_media_path(cls, value: str | None) -> str | None:
+        if value is not None and not (os.path.isabs(value) and os.path.isdir(value)):
+            raise ValueError("not an existing directory")
         return value
 
     @field_validator("device", mode="after")

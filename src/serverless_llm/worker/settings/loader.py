@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from ...api.batching import BatchSizes
 from ...api.limits import RequestLimits
+from ...api.media import MediaConfig, parse_limit_mm_per_prompt
 from ...engine import LoRARequest
 from ...engine.config import EngineConfig
 from . import engine_config as _engine_config
@@ -79,6 +80,17 @@ class Settings(SettingsFields):
             max_tools=self.max_tools,
             max_n=self.max_n,
             max_prompts=self.max_prompts,
+        )
+
+    @property
+    def media_config(self) -> MediaConfig:
+        """How request images are loaded and bounded (the Multimodal settings)."""
+        return MediaConfig(
+            max_image_bytes=self.max_image_bytes,
+            media_fetch_timeout=self.media_fetch_timeout,
+            allow_private_image_urls=self.allow_private_image_urls,
+            allowed_local_media_path=self.allowed_local_media_path,
+            limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
         )
 
     @property
