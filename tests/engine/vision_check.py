@@ -5,6 +5,8 @@ on the processor's inputs, one prompt at a time."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 
@@ -38,15 +40,21 @@ def hf_vision_greedy(path: str, prompts, new_tokens: int = NEW_TOKENS) -> list[l
     _, processor = family_processor(path)
     model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     model.eval()
+    # An EOS id no token has: the full length without masking EOS (ignore_eos's meaning; see
+    # reference.hf_greedy).
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = [1 << 30]
+    config.pad_token_id = 0
+    config.max_new_tokens = new_tokens
+    config.do_sample = False
     out = []
     for text, images in prompts:
         kw = {"images": images} if images else {}
         inputs = processor(text=[text], return_tensors="pt", **kw)
         n = inputs["input_ids"].shape[1]
-        gen = model.generate(
-            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-        )
+        gen = model.generate(**inputs, generation_config=config)
         out.append(gen[0, n:].tolist())
+        assert len(out[-1]) == new_tokens, "transformers stopped early"
     return out
 
 

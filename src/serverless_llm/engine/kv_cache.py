@@ -40,15 +40,12 @@ def block_hash(
     parent: bytes | None, tokens: list[int] | tuple[int, ...], extra: bytes = b""
 ) -> bytes:
     """The key of a full block: BLAKE2b-256 of the parent's key (or, for a first block, of the
-    root and `extra`: whatever else changes the KV of the whole chain, such as an adapter) and
+    root), `extra` (whatever else changes the block's KV: an adapter, the images it holds) and
     the token ids as fixed-width 64-bit integers, so no two token lists encode alike."""
     h = hashlib.blake2b(digest_size=32)
-    if parent is None:
-        h.update(_ROOT)
-        h.update(len(extra).to_bytes(8, "little"))
-        h.update(extra)
-    else:
-        h.update(parent)
+    h.update(parent if parent is not None else _ROOT)
+    h.update(len(extra).to_bytes(8, "little"))
+    h.update(extra)
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
