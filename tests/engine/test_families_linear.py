@@ -1,8 +1,9 @@
 """Gated DeltaNet hybrids (issue 35) against transformers: Qwen3-Next, Qwen3.5 (dense and MoE)
 and OLMo Hybrid as tiny random models with linear and full attention layers interleaved, 8
 prompts of different lengths batched together, 48 greedy tokens each; and a Qwen3.5 multimodal
-checkpoint (Qwen3_5ForConditionalGeneration, a tiny vision tower beside the decoder) served for
-text, against the same model's text-only `generate`."""
+checkpoint (Qwen3_5ForConditionalGeneration, a tiny vision tower beside the decoder) served with
+its tower, against the same model's text-only `generate` and its `generate` with an image (the
+vision families' own tests: test_vision_qwen_vl.py, test_vision_engine.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from serverless_llm import LLM, SamplingParams
 from tests.engine.family_check import (
     NEW_TOKENS,
     engine_greedy,
@@ -25,6 +27,9 @@ from tests.engine.family_check import (
     greedy_family_test,
     tiny_dims,
 )
+from tests.engine.vision_check import engine_greedy as vision_engine_greedy
+from tests.engine.vision_check import family_processor, hf_vision_greedy
+from tests.engine.vision_qwen_vl_models import sample_images, save_tiny_qwen3_5_vl
 from tests.tiny_models import build_tokenizer
 
 # Gated DeltaNet sizes: 2 q/k heads serving 4 value heads (GQA), heads of 16, 4 taps.
@@ -91,21 +96,9 @@ def _vl_config(tok) -> transformers.Qwen3_5Config:
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory) -> str:
-    """A tiny Qwen3_5ForConditionalGeneration checkpoint (random weights widened as
-    `save_family_model` does): a two-layer text decoder beside a one-block vision tower."""
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(_vl_config(tok)).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
-    path = str(tmp_path_factory.mktemp("qwen3_5_vl"))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    """A tiny Qwen3_5ForConditionalGeneration checkpoint with its processor's files
+    (vision_qwen_vl_models.py): a three-layer hybrid decoder beside a two-block vision tower."""
+    return save_tiny_qwen3_5_vl(str(tmp_path_factory.mktemp("qwen3_5_vl")))
 
 
 def _vl_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -143,20 +136,39 @@ def _rewritten(src: str, dst: str, rewrite) -> str:
     return dst
 
 
-def test_multimodal_checkpoint_serves_its_text_decoder(vl_model, caplog):
+def test_multimodal_checkpoint_serves_text_and_images(vl_model, caplog):
     """The composite config's text part drives the decoder (vocabulary, context, layers), the
-    language model's tensors load from under model.language_model., the vision tower's are
-    skipped, the start-up log says once that images are not served, and the greedy tokens are
-    the multimodal model's own text-only ones."""
-    assert any(f.startswith("model.visual.") for f in _tensor_names(vl_model))
+    language model's tensors load from under model.language_model., the vision tower's into
+    the engine's Qwen3.5 tower (so no note that images are not served); the text-only greedy
+    tokens are the multimodal model's own text-only ones, and a prompt with an image gives the
+    tokens of its `generate` with that image."""
+    tensors = load_file(os.path.join(vl_model, "model.safetensors"))
+    visual = {
+        k.removeprefix("model.visual."): v
+        for k, v in tensors.items()
+        if k.startswith("model.visual.")
+    }
+    assert visual
     vocab = transformers.AutoConfig.from_pretrained(vl_model).text_config.vocab_size
     prompts = family_prompts(vocab)
     with caplog.at_level(logging.INFO):
-        got = engine_greedy(vl_model, prompts)
+        llm = LLM(vl_model, block_size=8, num_kv_blocks=160, max_model_len=256, dtype="float32")
     notes = [r.getMessage() for r in caplog.records if "not served yet" in r.getMessage()]
-    assert len(notes) == 1 and "Qwen3_5ForConditionalGeneration" in notes[0], notes
-    assert "vision tower" in notes[0]
+    assert not notes, notes
+    tower = llm.engine.vision.tower
+    assert type(tower).__name__ == "Qwen3_5VisionTower"
+    params = dict(tower.named_parameters())
+    assert params.keys() == visual.keys()
+    for name, param in params.items():
+        assert torch.equal(param, visual[name]), name
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
     assert got == _vl_greedy(vl_model, prompts)
+    family, processor = family_processor(vl_model)
+    text = f"Look: {family.image_placeholder(processor)} What is it?"
+    with_image = [(text, sample_images()[:1])]
+    want = hf_vision_greedy(vl_model, with_image, 16)
+    assert vision_engine_greedy(llm, with_image, 16) == want
 
 
 def test_multi_token_prediction_tensors_are_skipped(family_models, tmp_path):

@@ -32,6 +32,9 @@ CASES = {
     "pixtral_llava": ("vision_pixtral_models", "save_tiny_pixtral_llava", {}),
     "qwen2_5_vl": ("vision_qwen_vl_models", "save_tiny_qwen2_5_vl", {}),
     "qwen3_vl": ("vision_qwen_vl_models", "save_tiny_qwen3_vl", {}),
+    # Gated DeltaNet hybrids: recurrent state beside the KV cache, no prefix caching
+    "qwen3_5": ("vision_qwen_vl_models", "save_tiny_qwen3_5_vl", {}),
+    "qwen3_5_moe": ("vision_qwen_vl_models", "save_tiny_qwen3_5_moe_vl", {}),
 }
 
 
@@ -73,9 +76,10 @@ def test_images_batched_greedy_equals_transformers(vision_model, case):
 
 
 def test_chunked_prefill_across_an_image_equals_one_shot(vision_model):
-    """Chunks of 8 tokens cut through the images' spans (Gemma 3: never inside one, which
-    attends both ways; Idefics3: anywhere); each image is encoded once all the same."""
-    for case in ("gemma3", "idefics3"):
+    """Steps of 24 tokens cut through the images' spans (Gemma 3: never inside one, which
+    attends both ways; Idefics3 and Qwen3.5, whose recurrent state crosses the chunks:
+    anywhere); each image is encoded once all the same."""
+    for case in ("gemma3", "idefics3", "qwen3_5"):
         path, images = vision_model(case)
         prompts = _prompts(path, images)
         whole = engine_greedy(make_llm(path), prompts)

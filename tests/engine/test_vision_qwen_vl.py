@@ -1,13 +1,16 @@
-"""The Qwen2.5-VL and Qwen3-VL vision families (engine/models/vision/qwen_vl.py) against
-transformers: processor ids, image spans and M-RoPE positions (`get_rope_index`), per-image data
-and hashes, the tower's features (and Qwen3-VL's DeepStack features) against what transformers'
-model writes over the image tokens and adds to its decoder layers, and the text decoders'
-descriptions (models/families_vl.py) through the engine on text-only prompts."""
+"""The Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE) vision families
+(engine/models/vision/qwen_vl.py) against transformers: processor ids, image spans and M-RoPE
+positions (`get_rope_index`), per-image data and hashes, the tower's features (and Qwen3-VL's
+DeepStack features; Qwen3.5 has none) against what transformers' model writes over the image
+tokens and adds to its decoder layers, the decoder's M-RoPE rotation (Qwen3.5: over the partial
+rotary part), and the text decoders' descriptions (models/families_vl.py, Qwen3.5's in
+models/families_linear.py) through the engine on text-only prompts."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ import transformers
 from safetensors.torch import load_file
 
 from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine.layers.rotary import apply_rotary
 from serverless_llm.engine.loader.multimodal import text_part
+from serverless_llm.engine.models.families import head_dim_of
 from serverless_llm.engine.models.registry import describe_model
 from serverless_llm.engine.models.vision import qwen_vl as qwen_vl_module
 from serverless_llm.engine.models.vision.qwen_vl import mrope_positions
@@ -26,6 +31,8 @@ from tests.engine.vision_qwen_vl_models import (
     QWEN_VL_CHAT_TEMPLATE,
     sample_images,
     save_tiny_qwen2_5_vl,
+    save_tiny_qwen3_5_moe_vl,
+    save_tiny_qwen3_5_vl,
     save_tiny_qwen3_vl,
 )
 
@@ -44,6 +51,19 @@ VARIANTS = {
         save_tiny_qwen3_vl,
         dict(deepstack_visual_indexes=(1, 2), num_position_embeddings=36, hidden_act="gelu"),
         transformers.Qwen3VLForConditionalGeneration,
+    ),
+    # a hybrid decoder; half of each head rotates, interleaved sections [3, 3, 2]
+    "qwen3_5": (save_tiny_qwen3_5_vl, {}, transformers.Qwen3_5ForConditionalGeneration),
+    # MoE; a quarter of each head (4 frequencies), no sections in the config: transformers'
+    # [11, 11, 10], cut at the 4 frequencies; attention layers first and last, tied embeddings
+    "qwen3_5_moe": (
+        save_tiny_qwen3_5_moe_vl,
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            layer_types=("full_attention", "linear_attention", "full_attention"),
+            tie_word_embeddings=True,
+        ),
+        transformers.Qwen3_5MoeForConditionalGeneration,
     ),
 }
 
@@ -285,7 +305,8 @@ def test_encode_matches_transformers(ckpt):
 
 def test_deepstack_is_added_after_decoder_layer_i(ckpt):
     """Qwen3-VL: the decoder's layer i + 1 (after the last layer, the final norm) takes layer
-    i's output plus DeepStack feature i at the image positions, unchanged elsewhere."""
+    i's output plus DeepStack feature i at the image positions, unchanged elsewhere. Qwen3.5:
+    no DeepStack, every layer takes the one before's output unchanged."""
     if not ckpt.name.startswith("qwen3"):
         pytest.skip("DeepStack is Qwen3-VL's")
     images = sample_images()[:2]
@@ -297,10 +318,12 @@ def test_deepstack_is_added_after_decoder_layer_i(ckpt):
     layers = ckpt.config.text_config.num_hidden_layers
     inputs, outputs = seen["layer_in"], seen["layer_out"]
     assert len(inputs) == layers + 1 and len(outputs) == layers
+    if ckpt.name.startswith("qwen3_5"):
+        assert all(feats.deepstack is None for feats in ours)
     for i in range(layers):
         added = inputs[i + 1] - outputs[i]
         want = torch.zeros_like(added)
-        if i < len(ours[0].deepstack):
+        if i < len(ours[0].deepstack or ()):
             for feats, item in zip(ours, mm.items):
                 want[item.offset : item.end] = feats.deepstack[i]
         torch.testing.assert_close(added, want, atol=1e-4, rtol=1e-4)
@@ -339,15 +362,62 @@ def test_tower_dtype(ckpt):
 
 
 def test_text_description_keeps_mrope(ckpt):
+    """Every rotating layer (Qwen3.5: its attention layers; its Gated DeltaNet layers have no
+    rope) keeps the sections (transformers' default where the config names none) and the
+    layout, over rot_dim = head_dim * partial_rotary_factor."""
     spec = describe_model(text_part(ckpt.config))
-    params = {rope.params_dict()["mrope_section"].__len__() for rope in spec.rope}
-    assert params == {3}
-    rope = spec.rope[0].params_dict()
-    text = ckpt.config.text_config.rope_parameters
-    assert rope["mrope_section"] == list(text["mrope_section"])
+    text_config = ckpt.config.text_config
+    ropes = {rope for rope in spec.rope if rope is not None}
+    attention = [t for t in getattr(text_config, "layer_types", None) or () if "attention" in t]
+    if attention:
+        assert len(ropes) == 1
+        kinds = [rope is not None for rope in spec.rope]
+        assert kinds == [t == "full_attention" for t in text_config.layer_types]
+    (spec_rope,) = ropes
+    rope = spec_rope.params_dict()
+    text = text_config.rope_parameters
+    assert rope["mrope_section"] == list(text.get("mrope_section") or [11, 11, 10])
     assert rope.get("mrope_interleaved", False) == ckpt.name.startswith("qwen3")
     assert rope["rope_type"] == "default" and "type" not in rope
-    assert spec.rope[0].rot_dim == 16
+    partial = text.get("partial_rotary_factor", 1.0)
+    assert spec_rope.rot_dim == int(head_dim_of(text_config) * partial)
+    assert spec_rope.rot_dim == {"qwen3_5": 16, "qwen3_5_moe": 8}.get(ckpt.name, 16)
+
+
+def test_mrope_rotation_equals_transformers(ckpt):
+    """The decoder's rotary for [3, T] positions (`_mrope_step` over layers/rotary.py's
+    `mrope_table`) turns queries and keys as transformers' text rotary and its
+    apply_rotary_pos_emb do at a prompt's multimodal positions: Qwen3-VL over whole heads,
+    Qwen3.5 over the partial rotary part of each head, the rest passed through."""
+    if ckpt.name.startswith("qwen2_5"):
+        pytest.skip("Qwen2.5-VL's contiguous sections are checked end to end")
+    images = sample_images()[:2]
+    mm = ckpt.family.process(ckpt.processor, ckpt.prompt("a <image> b <image> c"), images)
+    positions = mm.mrope_positions
+    llm = LLM(ckpt.path, block_size=8, num_kv_blocks=16, max_model_len=128, dtype="float32")
+    model = llm.engine.runner.model
+    ((cache, rope),) = list(model._ropes())
+    text_config = ckpt.config.text_config
+    heads, head_dim = text_config.num_attention_heads, head_dim_of(text_config)
+    torch.manual_seed(0)
+    q = torch.randn(positions.shape[1], heads, head_dim)
+    k = torch.randn(positions.shape[1], text_config.num_key_value_heads, head_dim)
+    step = model._mrope_step(cache, rope, positions, torch.float32)
+    got_q, got_k = apply_rotary(q.clone(), k.clone(), step)
+    hf = ckpt.model.model.language_model
+    cos, sin = hf.rotary_emb(q, positions[:, None, :])  # [1, T, rot_dim]
+    assert cos.shape[-1] == rope.rot_dim
+    apply = sys.modules[type(hf).__module__].apply_rotary_pos_emb
+    want_q, want_k = apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    # the three streams differ on the image tokens, and it matters there
+    plain_q, _ = apply(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        *hf.rotary_emb(q, positions[:1, None, :].expand(3, 1, -1)),
+    )
+    assert not torch.allclose(plain_q[0].transpose(0, 1), got_q, atol=1e-3)
 
 
 def hf_text_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""Tiny random Qwen2.5-VL and Qwen3-VL checkpoints for the vision tests, and sample images of
-several sizes and aspect ratios.
+"""Tiny random Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE) checkpoints for the vision
+tests, and sample images of several sizes and aspect ratios.
 
 Each builder saves a complete checkpoint directory: config, safetensors weights (std 0.2 so
 greedy picks are clear), the byte-level test tokenizer with Qwen's vision tokens, and the
@@ -15,7 +15,11 @@ import torch
 import transformers
 from PIL import Image
 
-from serverless_llm.engine.models.vision.qwen_vl import Qwen2_5VLFamily, Qwen3VLFamily
+from serverless_llm.engine.models.vision.qwen_vl import (
+    Qwen2_5VLFamily,
+    Qwen3_5VLFamily,
+    Qwen3VLFamily,
+)
 from tests.tiny_models import build_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -181,6 +185,96 @@ def save_tiny_qwen3_vl(
         image_std=[0.5, 0.5, 0.5],
     )
     return _save(model, Qwen3VLFamily(), image_processor, tokenizer, path, seed)
+
+
+def save_tiny_qwen3_5_vl(
+    path: str,
+    *,
+    moe: bool = False,
+    layer_types=("linear_attention", "full_attention", "linear_attention"),
+    rope_parameters: dict | None = None,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> str:
+    """A Qwen3_5ForConditionalGeneration (`moe`: Qwen3_5MoeForConditionalGeneration): Qwen3-VL's
+    2-layer tower without DeepStack (hidden 32, 2 heads, 16 px patches, merge 2, a 4 x 4 grid of
+    learned positions) and a 3-layer hybrid decoder (Gated DeltaNet, gated attention, Gated
+    DeltaNet; hidden 64, head_dim 32). Its rope by default: half of each head rotates (16 dims,
+    8 frequencies), interleaved mrope_section [3, 3, 2]; `rope_parameters` replaces it (e.g.
+    without sections: transformers' [11, 11, 10], past the 4 frequencies of a quarter head).
+    MoE: 4 experts, top 2, a gated shared expert on every layer. Images of 32 to 128 px a side.
+    Returns `path`."""
+    tokenizer = qwen_vl_tokenizer()
+    if rope_parameters is None:
+        rope_parameters = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        }
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        rope_parameters=dict(rope_parameters),
+        **_text_ids(tokenizer),
+    )
+    if moe:
+        text.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    config_class, model_class = (
+        (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
+        if moe
+        else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)
+    )
+    config = config_class(
+        vision_config=vision,
+        text_config=text,
+        tie_word_embeddings=tie_word_embeddings,
+        **_token_ids(tokenizer),
+    )
+    model = model_class(config).eval()
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=32 * 32,
+        max_pixels=128 * 128,
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    return _save(model, Qwen3_5VLFamily(), image_processor, tokenizer, path, seed)
+
+
+def save_tiny_qwen3_5_moe_vl(path: str, **options) -> str:
+    """`save_tiny_qwen3_5_vl` with moe=True: a Qwen3_5MoeForConditionalGeneration."""
+    return save_tiny_qwen3_5_vl(path, moe=True, **options)
 
 
 def sample_images(seed: int = 0) -> list[Image.Image]:

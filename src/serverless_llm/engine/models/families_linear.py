@@ -13,8 +13,10 @@ What differs from Llama:
   interleaved per key head. Its multi-token-prediction tensors (`mtp.*`) are not used yet.
 - Qwen3.5: Qwen3-Next's shape with the Gated DeltaNet projections apart (in_proj_qkv, in_proj_z,
   in_proj_b, in_proj_a); a dense MLP on every layer (Qwen3.5) or a MoE with a shared expert on
-  every layer (Qwen3.5-MoE, top-k always renormalised). Its multimodal rope (mrope) is plain rope
-  on text, whose three position axes are equal.
+  every layer (Qwen3.5-MoE, top-k always renormalised). Its multimodal rope (M-RoPE, Qwen3-VL's
+  interleaved layout over the partial rotary part, sections [11, 11, 10] by default) is kept in
+  the rope settings for images (models/vision/qwen_vl.py); on text its three position streams
+  are equal and it is the plain rotation.
 - OLMo Hybrid: OLMo 3's attention layers (norms after attention and after the MLP, q/k RMSNorm
   over all heads; rope, or none (NoPE) when rope_theta is None) beside Gated DeltaNet layers with
   Llama's norms before; separate q/k/v/g(ate)/b/a projections and convolutions, a gated norm of
@@ -94,14 +96,27 @@ def attention_rope(config, mixers, params: dict | None = None) -> tuple:
     return tuple(r if m == "attention" else None for r, m in zip(rope, mixers))
 
 
-def qwen_hybrid(config, moe: MoESpec | None, moe_layers, names=None, **overrides) -> DecoderSpec:
-    """Qwen3-Next's shape (Qwen3.5's too): see the module docstring."""
-    mixers = layer_mixers(config)
+# transformers' Qwen3.5 text rotary: these sections when the config names none, interleaved
+QWEN3_5_MROPE_SECTION = [11, 11, 10]
+
+
+def qwen3_5_rope(config) -> dict:
+    """Qwen3.5's rope settings with its M-RoPE kept for images: the sections (over the rot_dim / 2
+    frequencies of the partial rotary part) and the interleaved layout, which transformers uses
+    whatever the config says (as Qwen3-VL's). On text the three streams are equal and the
+    rotation is the plain one."""
     params = rope_parameters(config)
-    # mrope (Qwen3.5): its sections pick per frequency one of three position axes, all equal on
-    # text, so the rotation is the plain one
-    for key in ("mrope_section", "mrope_interleaved"):
-        params.pop(key, None)
+    params["mrope_section"] = list(params.get("mrope_section") or QWEN3_5_MROPE_SECTION)
+    params["mrope_interleaved"] = True
+    return params
+
+
+def qwen_hybrid(
+    config, moe: MoESpec | None, moe_layers, names=None, params=None, **overrides
+) -> DecoderSpec:
+    """Qwen3-Next's shape (Qwen3.5's too): see the module docstring. `params`: the rope
+    settings, else the config's."""
+    mixers = layer_mixers(config)
     names = names or llama_names(**QWEN_LINEAR)
     names.skip_prefixes = ("mtp.",)
     return llama_like(
@@ -144,7 +159,7 @@ def qwen3_next(config) -> DecoderSpec:
 
 @family("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 def qwen3_5(config) -> DecoderSpec:
-    return qwen_hybrid(config, None, None)
+    return qwen_hybrid(config, None, None, params=qwen3_5_rope(config))
 
 
 @family("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -163,7 +178,12 @@ def qwen3_5_moe(config) -> DecoderSpec:
     # every layer is sparse: the config has no dense MLP width (none is built)
     names = qwen_moe_names(e)
     return qwen_hybrid(
-        config, moe, (True,) * n, names, intermediate_size=config.moe_intermediate_size
+        config,
+        moe,
+        (True,) * n,
+        names,
+        params=qwen3_5_rope(config),
+        intermediate_size=config.moe_intermediate_size,
     )
 
 

@@ -1,4 +1,4 @@
-"""Vision families Qwen2.5-VL and Qwen3-VL (images; videos are refused).
+"""Vision families Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE) (images; videos are refused).
 
 Both take images at (nearly) their own resolution: the processor resizes an image to a multiple
 of patch_size * merge_size, cuts it into patches of `patch_size` squared, each repeated over
@@ -18,6 +18,11 @@ The tower (`qwen_vl_tower.py`):
   each of the `deepstack_visual_indexes` layers through their own mergers (LayerNorm after the
   merge), returned in `ImageFeatures.deepstack`, in order. transformers adds the i-th of them to
   the decoder's hidden states after decoder layer i (i = 0, 1, ...), at the image's positions.
+- Qwen3.5 (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration): Qwen3-VL's
+  tower without DeepStack (transformers' Qwen3.5 vision model has none, whatever its config
+  says), the same processor (Qwen3VLProcessor) and positions; its decoder is the Gated DeltaNet
+  hybrid of models/families_linear.py, whose attention layers rotate the partial rotary part of
+  each head by M-RoPE (Qwen3-VL's interleaved layout).
 
 Multimodal rope (M-RoPE): `mrope_positions` gives every prompt token its (temporal, height,
 width) positions as the model's `get_rope_index` does: text tokens count on from the previous
@@ -28,6 +33,7 @@ the text after it starts at start + max(rows, cols).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ...multimodal.base import (
     ImageItem,
@@ -193,3 +199,17 @@ class Qwen2_5VLFamily(_QwenVLFamily):
 class Qwen3VLFamily(_QwenVLFamily):
     processor_class_name = "Qwen3VLProcessor"
     tower_class = Qwen3VisionTower
+
+
+class Qwen3_5VisionTower(Qwen3VisionTower):
+    """Qwen3-VL's tower without DeepStack layers or their mergers."""
+
+    def build(self, vc) -> None:
+        super().build(vc)
+        self.deepstack_layers = []
+        self.deepstack_merger_list = nn.ModuleList()
+
+
+@vision_family("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+class Qwen3_5VLFamily(Qwen3VLFamily):
+    tower_class = Qwen3_5VisionTower
