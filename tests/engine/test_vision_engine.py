@@ -127,3 +127,27 @@ def test_preemption_recomputes_image_prompts(vision_model):
     assert engine_greedy(small, prompts) == want
     assert small.engine.scheduler.num_preemptions > 0
     assert not small.engine.kv.owners()  # every block given back
+
+
+def test_missing_processor_files_serve_text_only(vision_model, tmp_path, caplog):
+    """A vision checkpoint stripped of its processor files still serves text (with a warning);
+    an image prompt to it is a clear error, not a crash."""
+    import logging
+    import os
+    import shutil
+
+    from serverless_llm.engine.errors import InvalidRequestError
+
+    path, images = vision_model("qwen2_5_vl")
+    stripped = str(tmp_path / "stripped")
+    shutil.copytree(path, stripped)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if os.path.exists(os.path.join(stripped, name)):
+            os.remove(os.path.join(stripped, name))
+    with caplog.at_level(logging.WARNING):
+        llm = make_llm(stripped)
+    assert any("text only" in r.getMessage() for r in caplog.records)
+    text_only = _prompts(path, images)[2]
+    assert engine_greedy(llm, [text_only]) == engine_greedy(make_llm(path), [text_only])
+    with pytest.raises(InvalidRequestError, match="does not take images"):
+        engine_greedy(llm, [_prompts(path, images)[0]])

@@ -112,7 +112,7 @@ class AsyncEngine:
             block_size=core.block_size,
             num_kv_blocks=core.block_pool.num_blocks,
             tensor_parallel_size=core.tp.size,
-            image_input=core.vision is not None,
+            image_input=core.inputs.images is not None,
         )
 
     def load_lora(self, lora_request: LoRARequest) -> None:

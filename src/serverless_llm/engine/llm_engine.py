@@ -69,16 +69,21 @@ class LLMEngine:
             self.close()
             raise
 
-    def _image_inputs(self, config: EngineConfig) -> ImageInputs:
-        """The processor of a vision-language model, from its checkpoint's files."""
+    def _image_inputs(self, config: EngineConfig) -> ImageInputs | None:
+        """The processor of a vision-language model, from its checkpoint's files; None (the
+        model is served for text, with a warning) when they cannot make one."""
         family = self.vision.family
         try:
             processor = family.make_processor(self.resolved.model_dir, self.vision.config)
         except Exception as e:
-            raise ConfigError(
-                f"cannot build the image processor of {self.resolved.source}: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+            logger.warning(
+                "%s: cannot build its image processor (%s: %s): serving it for text only; "
+                "image prompts are refused",
+                self.resolved.source,
+                type(e).__name__,
+                e,
+            )
+            return None
         whole = family.bidirectional_images
         return ImageInputs(family, processor, self.max_num_batched_tokens if whole else None)
 
@@ -229,7 +234,7 @@ class LLMEngine:
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
             "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) cache=%s%s "
-            "decode_capture=%s tensor_parallel_size=%d",
+            "decode_capture=%s tensor_parallel_size=%d%s",
             time.perf_counter() - t0,
             self.resolved.source,
             str(self.dtype).replace("torch.", ""),
@@ -245,6 +250,19 @@ class LLMEngine:
             self._state_line(loaded),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
             self.tp.size,
+            self._images_line(config, loaded),
+        )
+
+    def _images_line(self, config: EngineConfig, loaded) -> str:
+        """The start-up line's image side: the vision family, its tower's size (on every rank)
+        and the encoder cache's ('' for a model that takes no images)."""
+        if self.vision is None:
+            return ""
+        family = type(self.vision.family).__name__.removesuffix("Family")
+        return (
+            f" images={family.removesuffix('Vision')} (tower "
+            f"{self.vision.tower_bytes() / 2**20:.1f} MiB, encoder cache "
+            f"{encoder_cache_bytes(config, loaded) / 2**20:.1f} MiB)"
         )
 
     def _state_line(self, loaded) -> str:
