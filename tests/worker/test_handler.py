@@ -10,6 +10,7 @@ import pytest
 
 from serverless_llm.api.batching import BatchSizes
 from serverless_llm.api.limits import RequestLimits
+from serverless_llm.api.media import MediaConfig
 from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.worker import handler as handler_module
 from serverless_llm.worker.handler import Worker, _iterates_generators
@@ -128,6 +129,7 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "reasoning_parser": "auto",  # REASONING_PARSER unset: read from the chat template
         "structured_in_reasoning": False,
         "lora_modules": [],
+        "media": MediaConfig(),  # the Multimodal settings' defaults
     }
     assert serving.calls[0] == (
         "/v1/chat/completions",

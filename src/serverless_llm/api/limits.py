@@ -30,15 +30,22 @@ class RequestLimitError(InvalidRequestError):
         self.code = code
 
 
+# Content parts that carry an image, not prompt text: a data URL's characters are bounded by
+# MAX_IMAGE_BYTES (api.media), not by MAX_PROMPT_CHARS.
+_IMAGE_PARTS = frozenset({"image_url", "input_image"})
+
+
 def string_chars(value: Any) -> int:
-    """The characters of every string value inside a JSON value (not its keys), counted without
-    recursion so a deeply nested value cannot overflow the stack."""
+    """The characters of every string value inside a JSON value (not its keys, not its image
+    parts), counted without recursion so a deeply nested value cannot overflow the stack."""
     total, stack = 0, [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item)
         elif isinstance(item, dict):
+            if item.get("type") in _IMAGE_PARTS:
+                continue
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)

@@ -96,11 +96,16 @@ _USER_AGENT = "serverless-llm-image-fetch"
 
 
 class MediaError(InvalidRequestError):
-    """An image reference that cannot be loaded; str() is `<param>: <reason>`."""
+    """An image reference that cannot be loaded: `message` says why, `param` names the request
+    part; str() is `<param>: <message>`."""
 
-    def __init__(self, param: str, reason: str) -> None:
-        super().__init__(f"{param}: {reason}", param)
-        self.reason = reason
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(f"{param}: {message}" if param else message, param)
+        self.reason = message
+
+
+def _failed(param: str, reason: str) -> MediaError:
+    return MediaError(reason, param)
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,7 @@ async def load_images(refs: Sequence[ImageRef], config: MediaConfig) -> list[Ima
 def load_image(url: str, param: str, config: MediaConfig) -> Image.Image:
     """One reference as an RGB image (blocking); MediaError naming `param` when it cannot be."""
     if not isinstance(url, str) or not url.strip():
-        raise MediaError(param, "the image URL must be a non-empty string")
+        raise _failed(param, "the image URL must be a non-empty string")
     url = url.strip()
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
@@ -219,7 +224,7 @@ def load_image(url: str, param: str, config: MediaConfig) -> Image.Image:
         data = _read_file_url(url, param, config)
     else:
         shown = f"'{scheme}' URLs" if scheme else "a URL without a scheme"
-        raise MediaError(
+        raise _failed(
             param,
             f"{shown} cannot be loaded: give an http(s) URL or a data URL "
             "(data:image/png;base64,...)",
@@ -231,31 +236,31 @@ def decode_image(data: bytes, param: str, config: MediaConfig) -> Image.Image:
     """Bytes to an RGB image: the size read from the header and checked before decoding;
     transparency composited on white (as vLLM does); the first frame of an animation."""
     if not data:
-        raise MediaError(param, "the image is empty (0 bytes)")
+        raise _failed(param, "the image is empty (0 bytes)")
     try:
         image = Image.open(BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError:
-        raise MediaError(param, _too_many_pixels(None, config)) from None
+        raise _failed(param, _too_many_pixels(None, config)) from None
     except UnidentifiedImageError:
-        raise MediaError(
+        raise _failed(
             param,
             "the data is not an image in a supported format "
             f"({', '.join(f for f in IMAGE_FORMATS if f != 'MPO')})",
         ) from None
     except Exception as e:  # noqa: BLE001 - a malformed header can raise anything
-        raise MediaError(param, f"the image cannot be read: {_describe(e)}") from None
+        raise _failed(param, f"the image cannot be read: {_describe(e)}") from None
     try:
         width, height = image.size
         if width <= 0 or height <= 0:
-            raise MediaError(param, f"the image has no pixels ({width}x{height})")
+            raise _failed(param, f"the image has no pixels ({width}x{height})")
         if width * height > config.max_image_pixels:
-            raise MediaError(param, _too_many_pixels((width, height), config))
+            raise _failed(param, _too_many_pixels((width, height), config))
         try:
             image.load()
         except Image.DecompressionBombError:
-            raise MediaError(param, _too_many_pixels(image.size, config)) from None
+            raise _failed(param, _too_many_pixels(image.size, config)) from None
         except Exception as e:  # noqa: BLE001 - truncated or corrupt data
-            raise MediaError(
+            raise _failed(
                 param, f"the image data is truncated or corrupt: {_describe(e)}"
             ) from None
         return _to_rgb(image)
@@ -300,37 +305,35 @@ _WHITESPACE = re.compile(r"\s+")
 def _data_url_bytes(url: str, param: str, config: MediaConfig) -> bytes:
     header, sep, payload = url[5:].partition(",")
     if not sep:
-        raise MediaError(
-            param, "a data URL needs a ',' before its data (data:image/png;base64,...)"
-        )
+        raise _failed(param, "a data URL needs a ',' before its data (data:image/png;base64,...)")
     fields = [f.strip().lower() for f in header.split(";")]
     media_type, is_base64 = fields[0], "base64" in fields[1:]
     if media_type and not (
         media_type.startswith("image/") or media_type == "application/octet-stream"
     ):
-        raise MediaError(param, f"the data URL's media type {media_type!r} is not an image type")
+        raise _failed(param, f"the data URL's media type {media_type!r} is not an image type")
     if not is_base64:
         data = unquote_to_bytes(payload)
         if len(data) > config.max_image_bytes:
-            raise MediaError(param, _over_size(len(data), config))
+            raise _failed(param, _over_size(len(data), config))
         return data
     # Checked before decoding: 4 characters of base64 hold 3 bytes (line breaks, as MIME
     # writes them, add 2 in 78, so twice the size is a safe first cut before stripping them).
     most = (config.max_image_bytes + 2) // 3 * 4
     if len(payload) > 2 * most + 1024:
-        raise MediaError(param, _over_size(f"about {len(payload) // 4 * 3}", config))
+        raise _failed(param, _over_size(f"about {len(payload) // 4 * 3}", config))
     text = _WHITESPACE.sub("", payload)
     if len(text) > most + 4:
-        raise MediaError(param, _over_size(f"about {len(text) // 4 * 3}", config))
+        raise _failed(param, _over_size(f"about {len(text) // 4 * 3}", config))
     if "-" in text or "_" in text:  # the URL-safe alphabet
         text = text.translate(str.maketrans("-_", "+/"))
     text += "=" * (-len(text) % 4)
     try:
         data = binascii.a2b_base64(text, strict_mode=True)
     except (binascii.Error, ValueError) as e:
-        raise MediaError(param, f"the data URL's base64 is invalid ({e})") from None
+        raise _failed(param, f"the data URL's base64 is invalid ({e})") from None
     if len(data) > config.max_image_bytes:
-        raise MediaError(param, _over_size(len(data), config))
+        raise _failed(param, _over_size(len(data), config))
     return data
 
 
@@ -340,21 +343,21 @@ def _data_url_bytes(url: str, param: str, config: MediaConfig) -> bytes:
 def _read_file_url(url: str, param: str, config: MediaConfig) -> bytes:
     root = config.allowed_local_media_path
     if not root:
-        raise MediaError(
+        raise _failed(
             param, "file URLs are off on this endpoint (ALLOWED_LOCAL_MEDIA_PATH is unset)"
         )
     if len(url) > MAX_URL_CHARS:
-        raise MediaError(param, f"the URL is longer than {MAX_URL_CHARS} characters")
+        raise _failed(param, f"the URL is longer than {MAX_URL_CHARS} characters")
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise MediaError(param, f"a file URL names no host, got {parts.netloc!r}")
+        raise _failed(param, f"a file URL names no host, got {parts.netloc!r}")
     path = unquote(parts.path)
     if not path.startswith("/") or "\x00" in path:
-        raise MediaError(param, "a file URL needs an absolute path (file:///dir/image.png)")
+        raise _failed(param, "a file URL needs an absolute path (file:///dir/image.png)")
     allowed = os.path.realpath(root)
     real = os.path.realpath(path)  # symlinks resolved, so none leads out of the directory
     if os.path.commonpath([real, allowed]) != allowed:
-        raise MediaError(
+        raise _failed(
             param,
             "the file is outside the directory local images may come from "
             "(ALLOWED_LOCAL_MEDIA_PATH)",
@@ -364,19 +367,19 @@ def _read_file_url(url: str, param: str, config: MediaConfig) -> bytes:
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         why = "no such file" if e.errno == errno.ENOENT else (e.strerror or str(e))
-        raise MediaError(param, f"the file cannot be opened: {why}") from None
+        raise _failed(param, f"the file cannot be opened: {why}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise MediaError(param, "the path is not a regular file")
+            raise _failed(param, "the path is not a regular file")
         if info.st_size > config.max_image_bytes:
-            raise MediaError(param, _over_size(info.st_size, config))
+            raise _failed(param, _over_size(info.st_size, config))
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(config.max_image_bytes + 1)
     finally:
         os.close(fd)
     if len(data) > config.max_image_bytes:
-        raise MediaError(param, _over_size(f"more than {config.max_image_bytes}", config))
+        raise _failed(param, _over_size(f"more than {config.max_image_bytes}", config))
     return data
 
 
@@ -467,15 +470,15 @@ def _fetch_http(url: str, param: str, config: MediaConfig) -> bytes:
             if body is not None:
                 return body
             if location is None:
-                raise MediaError(param, f"the server answered HTTP {status} with no Location")
+                raise _failed(param, f"the server answered HTTP {status} with no Location")
             url = urljoin(url, location)
-        raise MediaError(param, f"more than {config.max_redirects} redirects fetching the image")
+        raise _failed(param, f"more than {config.max_redirects} redirects fetching the image")
     finally:
         deadline.cancel()
 
 
 def _timed_out(param: str, deadline: _Deadline) -> MediaError:
-    return MediaError(
+    return _failed(
         param,
         f"fetching the image took longer than {deadline.seconds:g} s (MEDIA_FETCH_TIMEOUT)",
     )
@@ -486,20 +489,20 @@ def _fetch_once(
 ) -> tuple[int, str | None, bytes | None]:
     """One hop: (status, Location, None) for a redirect, else (200, None, body)."""
     if len(url) > MAX_URL_CHARS:
-        raise MediaError(param, f"the URL is longer than {MAX_URL_CHARS} characters")
+        raise _failed(param, f"the URL is longer than {MAX_URL_CHARS} characters")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
-        raise MediaError(param, f"the URL is not valid ({e})") from None
+        raise _failed(param, f"the URL is not valid ({e})") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        raise MediaError(param, f"a redirect led to a '{scheme}' URL; only http(s) is fetched")
+        raise _failed(param, f"a redirect led to a '{scheme}' URL; only http(s) is fetched")
     host = parts.hostname
     if not host:
-        raise MediaError(param, "the URL has no host")
+        raise _failed(param, "the URL has no host")
     if parts.username is not None or parts.password is not None:
-        raise MediaError(param, "credentials in an image URL are not supported")
+        raise _failed(param, "credentials in an image URL are not supported")
     port = port or (443 if scheme == "https" else 80)
     addresses = _resolve(host, port, param, config, deadline)
     target = parts.path or "/"
@@ -535,14 +538,14 @@ def _fetch_once(
                 if deadline.timed_out(e):
                     raise _timed_out(param, deadline) from None
                 if isinstance(e, ssl.SSLError) or "certificate" in str(e).lower():
-                    raise MediaError(param, f"TLS failed: {_describe(e)}") from None
+                    raise _failed(param, f"TLS failed: {_describe(e)}") from None
                 last_error = e
                 continue  # the next address, if any
             return _exchange(conn, target, headers, param, config, deadline)
         finally:
             deadline.watch(None)
             conn.close()
-    raise MediaError(
+    raise _failed(
         param, f"cannot connect to {host} port {port}: {_describe(last_error or OSError())}"
     )
 
@@ -562,11 +565,11 @@ def _exchange(
         if status in _REDIRECTS:
             return status, response.headers.get("location"), None
         if not 200 <= status < 300:
-            raise MediaError(param, f"fetching the image failed: HTTP {status} {response.reason}")
+            raise _failed(param, f"fetching the image failed: HTTP {status} {response.reason}")
         length = response.headers.get("content-length")
         if length is not None and length.strip().isdigit():
             if int(length) > config.max_image_bytes:
-                raise MediaError(param, _over_size(int(length), config))
+                raise _failed(param, _over_size(int(length), config))
         body = bytearray()
         while True:
             chunk = response.read1(_READ_CHUNK)
@@ -574,7 +577,7 @@ def _exchange(
                 break
             body += chunk
             if len(body) > config.max_image_bytes:
-                raise MediaError(param, _over_size(f"more than {config.max_image_bytes}", config))
+                raise _failed(param, _over_size(f"more than {config.max_image_bytes}", config))
         if deadline.expired:  # the watchdog's shutdown can look like the end of the body
             raise _timed_out(param, deadline)
         return status, None, bytes(body)
@@ -583,7 +586,7 @@ def _exchange(
     except Exception as e:  # noqa: BLE001 - socket, TLS and protocol errors alike
         if deadline.timed_out(e):
             raise _timed_out(param, deadline) from None
-        raise MediaError(param, f"fetching the image failed: {_describe(e)}") from None
+        raise _failed(param, f"fetching the image failed: {_describe(e)}") from None
 
 
 def _resolve(
@@ -603,20 +606,20 @@ def _resolve(
         except FutureTimeout:
             raise _timed_out(param, deadline) from None
         except (OSError, UnicodeError) as e:
-            raise MediaError(param, f"cannot resolve the host {host!r}: {_describe(e)}") from None
+            raise _failed(param, f"cannot resolve the host {host!r}: {_describe(e)}") from None
         infos = list(
             dict.fromkeys(
                 str(r[4][0]) for r in results if r[0] in (socket.AF_INET, socket.AF_INET6)
             )
         )
         if not infos:
-            raise MediaError(param, f"the host {host!r} has no address")
+            raise _failed(param, f"the host {host!r} has no address")
     if not config.allow_private_image_urls:
         for text in infos:
             why = _refused_address(ipaddress.ip_address(text.split("%", 1)[0]))
             if why:
                 shown = host if host == text else f"{host} ({text})"
-                raise MediaError(
+                raise _failed(
                     param,
                     f"{shown} is {why}; this endpoint does not fetch images from private "
                     "networks (ALLOW_PRIVATE_IMAGE_URLS)",

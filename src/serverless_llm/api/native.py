@@ -2,7 +2,11 @@
 
 Input: `prompt` or `messages` (rendered with the chat template; `apply_chat_template: true`
 wraps a prompt as one user message), `sampling_params` (vLLM's and Aphrodite's names, see
-`api.sampling`) and `stream`. Every yielded item is
+`api.sampling`) and `stream`. A vision-language model takes images as `image_url` content parts
+of `messages` (as on the OpenAI chat route), or, with `prompt`, as vLLM's offline API takes
+them: `multi_modal_data: {"image": <URL or data URL, or a list of them>}`, the prompt text
+carrying the model's image placeholder once per image (with `apply_chat_template`, the template
+places them: the images come before the prompt in the one user message). Every yielded item is
 
     {"choices": [{"tokens": ["Hel", "lo"]}, ...], "usage": {"input": 12, "output": 3}}
 
@@ -33,6 +37,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -41,16 +46,20 @@ from ..engine import (
     EngineClient,
     EngineOutput,
     LoRARequest,
+    MultiModalInput,
     PreparedPrompt,
     SamplingParams,
     SamplingParamsError,
     apply_chat_template,
+    chat_template_source,
     sequence_params,
 )
 from .batching import BatchSizes, batch_stream
 from .errors import REQUEST_ERRORS, NativeJobError, describe_validation_error, native_error
 from .limits import RequestLimits
 from .logprobs import TokenDecoder, native_logprobs
+from .media import ImageRef, MediaConfig, check_image_count, load_images
+from .multimodal import ContentForm, content_format, count_image_parts, message_content
 from .native_sampling import VLLMSamplingParams, parse_sampling_params
 from .offload import prepare
 from .results import SequenceResult, choice_outputs, gather_results
@@ -86,11 +95,18 @@ class NativeRequest(BaseModel):
     stream: bool = False
     # A served LoRA adapter's name (LORA_MODULES), or the model's own; unset: the model.
     model: str | None = None
+    # vLLM's offline form: {"image": URL | [URL, ...]} with `prompt` (vision-language models).
+    multi_modal_data: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _needs_input(self) -> NativeRequest:
         if self.prompt is None and self.messages is None:
             raise ValueError("the job needs 'prompt' or 'messages'")
+        if self.multi_modal_data is not None and self.prompt is None:
+            raise ValueError(
+                "multi_modal_data goes with 'prompt'; in 'messages', give images as image_url "
+                "content parts"
+            )
         return self
 
     @classmethod
@@ -127,10 +143,16 @@ class NativeServing:
         limits: RequestLimits | None = None,
         served_model_name: str | None = None,
         lora_modules: Sequence[LoRARequest] = (),
+        media: MediaConfig | None = None,
     ) -> None:
         """`lora_modules`: the adapters a job may name in `model` (besides
-        `served_model_name`, the model itself)."""
+        `served_model_name`, the model itself). `media`: how a vision-language model's images
+        are loaded (api.media)."""
         self.engine = engine
+        self.media = media or MediaConfig()
+        info = getattr(engine, "model_info", None)
+        self.image_input = bool(getattr(info, "image_input", False))
+        self.image_placeholder: str | None = getattr(info, "image_placeholder", None)
         self.served_model_name = served_model_name
         self.loras = {r.lora_name: r for r in lora_modules}
         self.limits = limits or RequestLimits()
@@ -157,11 +179,18 @@ class NativeServing:
 
     # -- the pieces -------------------------------------------------------------------------
 
-    def _prepare(self, request: NativeRequest) -> tuple[SamplingParams, PreparedPrompt]:
+    def _prepare(
+        self, request: NativeRequest
+    ) -> tuple[SamplingParams, PreparedPrompt] | _PendingImages:
         """Limits, template, tokenizer and parameters: run off the event loop (see
-        api.offload)."""
+        api.offload). A prompt with images comes back as what remains to be done once they are
+        loaded (its parameters already checked)."""
         self._check_limits(request)
-        return self._sampling(request, self._prompt(request))
+        self._parse_params(request)  # a bad parameter fails before any image is fetched
+        prompt = self._prompt(request)
+        if isinstance(prompt, _PendingImages):
+            return prompt
+        return self._sampling(request, prompt)
 
     def _check_limits(self, request: NativeRequest) -> None:
         """The request's size against the limits, before any tokenizing (see api.limits)."""
@@ -177,16 +206,38 @@ class NativeServing:
             logit_bias=raw.get("logit_bias"),
         )
 
-    def _prompt(self, request: NativeRequest) -> str | list[int]:
-        """The prompt for the engine to prepare: the text itself, or a chat's token ids."""
+    def _prompt(self, request: NativeRequest) -> str | list[int] | _PendingImages:
+        """The prompt for the engine to prepare: the text itself, or a chat's token ids; or,
+        with images, the text and the images to load."""
         tokenizer = self.engine.tokenizer
+        if request.multi_modal_data is not None:
+            pending = self._prompt_with_images(request)
+            if pending is not None:
+                return pending
         if request.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in request.messages]
+            if self.image_input:
+                refs: list[ImageRef] = []
+                check_image_count(count_image_parts(messages), self.media, "messages")
+                form = self._content_form()
+                for i, m in enumerate(messages):
+                    if m.get("content") is not None:
+                        m["content"] = message_content(
+                            m["content"], f"messages[{i}].content", form, refs
+                        )
+                if refs:
+                    text = self._render(messages)
+                    return _PendingImages(text, refs, add_special_tokens=False)
+            elif count_image_parts(messages):
+                # Refused by the same rule as the chat route's (a text model takes no images).
+                for i, m in enumerate(messages):
+                    if isinstance(m.get("content"), list):
+                        message_content(m["content"], f"messages[{i}].content", ContentForm(), [])
         elif request.apply_chat_template:
             messages = [{"role": "user", "content": request.prompt}]
         else:
             return request.prompt
-        text = apply_chat_template(tokenizer, messages, chat_template=self.chat_template)
+        text = self._render(messages)
         # The template writes its own special tokens (BOS included); adding them again would
         # double them.
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -194,12 +245,57 @@ class NativeServing:
             raise NativeJobError("the chat prompt is empty")
         return list(ids)
 
-    def _sampling(
-        self, request: NativeRequest, prompt: str | list[int]
-    ) -> tuple[SamplingParams, PreparedPrompt]:
-        """The job's sampling parameters and its prompt as the model will see it (truncated
-        as asked and checked against max_model_len before any engine request exists: the
-        engine validates it once, here)."""
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return apply_chat_template(
+            self.engine.tokenizer, messages, chat_template=self.chat_template
+        )
+
+    def _content_form(self) -> ContentForm:
+        source = chat_template_source(self.engine.tokenizer, self.chat_template)
+        return ContentForm(
+            images=True,
+            part_lists=content_format(source) == "openai",
+            placeholder=self.image_placeholder,
+        )
+
+    def _prompt_with_images(self, request: NativeRequest) -> _PendingImages | None:
+        """`prompt` with `multi_modal_data` (vLLM's offline form); None when it names no
+        image."""
+        data = request.multi_modal_data or {}
+        for key in data:
+            if key != "image":
+                raise NativeJobError(
+                    f"multi_modal_data.{key}: {key} inputs are not supported (images only)"
+                )
+        value = data.get("image")
+        if value is None or value == []:
+            return None
+        if not self.image_input:
+            raise NativeJobError(
+                "multi_modal_data.image: this model does not take images (serve a "
+                "vision-language model)"
+            )
+        if isinstance(value, str):
+            refs = [ImageRef(value, "multi_modal_data.image")]
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            refs = [ImageRef(v, f"multi_modal_data.image[{i}]") for i, v in enumerate(value)]
+        else:
+            raise NativeJobError(
+                "multi_modal_data.image must be an image URL (http(s) or data URL) or a list "
+                "of them"
+            )
+        check_image_count(len(refs), self.media, "multi_modal_data.image")
+        prompt = request.prompt or ""
+        if not request.apply_chat_template:
+            # The prompt carries the model's placeholders itself, as vLLM's offline API expects.
+            return _PendingImages(prompt, refs, add_special_tokens=True)
+        form = self._content_form()
+        parts: list[Any] = [{"type": "image_url", "image_url": r.url} for r in refs]
+        content = message_content([*parts, {"type": "text", "text": prompt}], "prompt", form, [])
+        text = self._render([{"role": "user", "content": content}])
+        return _PendingImages(text, refs, add_special_tokens=False)
+
+    def _parse_params(self, request: NativeRequest):
         parsed = parse_sampling_params(
             request.sampling_params, default_max_tokens=self.default_max_tokens
         )
@@ -210,6 +306,17 @@ class NativeServing:
                 "sequences are known only at the end; set stream to false or best_of to n",
                 "best_of",
             )
+        return parsed
+
+    def _sampling(
+        self, request: NativeRequest, prompt: str | list[int] | MultiModalInput
+    ) -> tuple[SamplingParams, PreparedPrompt]:
+        """The job's sampling parameters and its prompt as the model will see it (truncated
+        as asked and checked against max_model_len before any engine request exists: the
+        engine validates it once, here; a prompt with images is processed here, so its
+        images count towards the context)."""
+        parsed = self._parse_params(request)
+        params = parsed.params
         if parsed.max_tokens_given:
             return params, self.engine.prepare_prompt(prompt, params)
         # The default is a convenience, not a demand: it shrinks to what fits.
@@ -234,7 +341,12 @@ class NativeServing:
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
         lora = self._lora_of(request.model)
-        params, prepared = await prepare(self._prepare, request)
+        first = await prepare(self._prepare, request)
+        if isinstance(first, _PendingImages):
+            images = await load_images(first.refs, self.media)
+            mm = MultiModalInput(first.text, images, first.add_special_tokens)
+            first = await prepare(self._sampling, request, mm)
+        params, prepared = first
         prepared = await self.engine.prepare(prepared, params, lora)
         num_input = len(prepared.token_ids)
         if self.log_requests:
@@ -284,6 +396,16 @@ class NativeServing:
                 item = {"choices": choices, "usage": {"input": num_input, "output": num_output}}
                 view.add_prompt_logprobs(item, prompt_lp)
                 yield item
+
+
+@dataclass
+class _PendingImages:
+    """A prompt whose images are still to load: its text (one placeholder per image) and the
+    images' references, in order."""
+
+    text: str
+    refs: list[ImageRef]
+    add_special_tokens: bool
 
 
 class _ChoiceView:

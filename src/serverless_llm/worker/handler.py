@@ -198,6 +198,7 @@ class Worker:
                 limits=self.settings.request_limits,
                 served_model_name=self.settings.served_model_name,
                 lora_modules=self.loras,
+                media=self.settings.media_config,
             )
         return self._native
 
@@ -217,6 +218,7 @@ class Worker:
                 reasoning_parser=self.settings.reasoning_parser or "auto",
                 structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
                 lora_modules=self.loras,
+                media=self.settings.media_config,
             )
         return self._openai
 

@@ -1,15 +1,17 @@
 """/v1/chat/completions: messages -> prompt tokens, and engine outputs -> OpenAI's chat shapes.
 
 Messages are rendered with the chat template (the request's, else the server's
-CUSTOM_CHAT_TEMPLATE, else the model's). Content given as a list of parts is flattened to its
-text parts joined by newlines, which is what templates written for string content expect; other
-part types (images, audio, files) are refused, since the engine takes text only.
+CUSTOM_CHAT_TEMPLATE, else the model's). For a text model, content given as a list of parts is
+flattened to its text parts joined by newlines, which is what templates written for string
+content expect, and image parts are refused. For a vision-language model, content takes the form
+its template reads (a list of text and image parts, or a string) and `image_url` parts become
+the prompt's images (api.multimodal). Audio, video and file parts are refused by name.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from serverless_llm.engine import (
@@ -20,6 +22,14 @@ from serverless_llm.engine import (
 )
 
 from ..logprobs import TokenDecoder, chat_logprobs, prompt_logprobs_vllm
+from ..media import ImageRef
+from ..multimodal import (
+    ContentForm,
+    ContentPartError,
+    message_content,
+    rename_message,
+    rename_param,
+)
 from ..results import SequenceResult
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormatter
@@ -31,36 +41,17 @@ from .tool_parsers.default_prompt import with_tool_prompt
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
 
 
-def _flatten_content(index: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    texts: list[str] = []
-    for j, part in enumerate(content):
-        kind = part["type"]
-        param = f"messages[{index}].content[{j}]"
-        if kind != "text":
-            raise OpenAIServingError(
-                openai_error(
-                    f"content parts of type '{kind}' are not supported: this server takes text "
-                    "only (use parts of type 'text')",
-                    INVALID_REQUEST,
-                    param,
-                    "unsupported_parameter",
-                )
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise OpenAIServingError.bad_request(
-                f"Invalid value for '{param}.text': a text part needs a string 'text'.",
-                f"{param}.text",
-                "invalid_type",
-            )
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as plain dicts for the template, content flattened to a string."""
+def template_messages(
+    messages: list[ChatMessage],
+    form: ContentForm | None = None,
+    images: list[ImageRef] | None = None,
+    renames: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """The messages as plain dicts for the template, content in the `form` the template reads
+    (a text model's: flattened to a string); image parts' references appended to `images`.
+    `renames`: how the route names the messages' fields (the Responses route's input items)."""
+    form = form or ContentForm()
+    images = [] if images is None else images
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
@@ -75,11 +66,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             # Templates concatenate content; None would render as "None".
             item["content"] = ""
         else:
-            item["content"] = _flatten_content(i, message.content)
+            param = f"messages[{i}].content"
+            try:
+                item["content"] = message_content(message.content, param, form, images)
+            except ContentPartError as e:
+                raise _part_error(e, renames) from None
         if item.get("tool_calls"):
             item["tool_calls"] = [_template_tool_call(c) for c in item["tool_calls"]]
         out.append(item)
+    if renames:
+        images[:] = [ImageRef(r.url, rename_param(r.param, renames)) for r in images]
     return out
+
+
+def _part_error(e: ContentPartError, renames: Mapping[str, str] | None) -> OpenAIServingError:
+    message, param = str(e), e.param
+    if renames and param:
+        message, param = rename_message(message, param, renames)
+    return OpenAIServingError(openai_error(message, INVALID_REQUEST, param, e.code))
 
 
 def _template_tool_call(call: Any) -> Any:
@@ -104,16 +108,37 @@ def render_chat_prompt(
     default_template: str | None,
     tools: list[dict[str, Any]] | None = None,
     describe_tools: bool = False,
+    *,
+    renames: Mapping[str, str] | None = None,
 ) -> list[int]:
-    """Renders the conversation and tokenizes it; every template problem is a ChatTemplateError
-    (a 400, api.errors).
+    """Renders the conversation (a text model's) and tokenizes it; every template problem is
+    a ChatTemplateError (a 400, api.errors).
     `describe_tools`: the template ignores tools, so a system message of ours describes them
     (tool_parsers.default_prompt)."""
-    messages = template_messages(request.messages)
+    text = render_chat_text(
+        request, tokenizer, default_template, tools, describe_tools, renames=renames
+    )
+    return list(tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+
+
+def render_chat_text(
+    request: ChatCompletionRequest,
+    tokenizer: Any,
+    default_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    describe_tools: bool = False,
+    *,
+    form: ContentForm | None = None,
+    images: list[ImageRef] | None = None,
+    renames: Mapping[str, str] | None = None,
+) -> str:
+    """The rendered conversation, its content in `form` and its image references appended to
+    `images` in order of appearance (see `template_messages`)."""
+    messages = template_messages(request.messages, form, images, renames)
     template = request.chat_template or default_template
     if describe_tools and tools:
         messages, tools = with_tool_prompt(messages, tools), None
-    text = apply_chat_template(
+    return apply_chat_template(
         tokenizer,
         messages,
         chat_template=template,
@@ -123,7 +148,6 @@ def render_chat_prompt(
         documents=request.documents,
         chat_template_kwargs=_with_reasoning_effort(request, tokenizer, template),
     )
-    return list(tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
 
 
 def _with_reasoning_effort(
@@ -152,7 +176,14 @@ def echo_text(request: ChatCompletionRequest, role: str) -> str | None:
     last = request.messages[-1]
     if last.role != role or last.content is None:
         return None
-    return _flatten_content(len(request.messages) - 1, last.content)
+    if isinstance(last.content, str):
+        return last.content
+    # The text parts' (images echo as nothing).
+    return "\n".join(
+        p["text"]
+        for p in last.content
+        if p.get("type") == "text" and isinstance(p.get("text"), str)
+    )
 
 
 class ChatFormatter(ResponseFormatter):

@@ -138,11 +138,17 @@ def _unsupported(message: str, param: str) -> OpenAIServingError:
 # -- request -> chat body ------------------------------------------------------------------
 
 
-def to_chat_body(request: ResponsesRequest) -> dict[str, Any]:
+def to_chat_body(
+    request: ResponsesRequest, renames: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The chat-completions body that answers `request`; a request this server cannot honour
-    is a 400 naming the Responses parameter."""
+    is a 400 naming the Responses parameter. `renames` (filled in when given): the chat body's
+    message fields that carry parts, by the Responses names the chat route's errors use."""
     _refuse_stored_state(request)
-    body: dict[str, Any] = {"messages": _messages(request)}
+    names: dict[str, str] = {"messages": "input"}
+    body: dict[str, Any] = {"messages": _messages(request, names)}
+    if renames is not None:
+        renames.update(names)
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", "stream"):
         value = getattr(request, name)
         if value is not None:
@@ -234,10 +240,7 @@ def _text(content: Any, param: str) -> str:
         elif kind == "refusal":
             text = part.get("refusal")
         elif kind in _MEDIA_PARTS:
-            raise _unsupported(
-                f"content parts of type '{kind}' are not supported: this server takes text only.",
-                where,
-            )
+            raise _unsupported(_media_refusal(kind, part), where)
         else:
             raise _bad(
                 f"Invalid value for '{where}': a content part with a 'type' such as 'input_text'.",
@@ -249,7 +252,59 @@ def _text(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+def _media_refusal(kind: str, part: dict[str, Any]) -> str:
+    if kind == "input_image":
+        return "input_image parts are taken in user, system and developer messages only."
+    return f"content parts of type '{kind}' are not supported: this server takes text and images."
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    )
+
+
+def _parts(content: list[Any], param: str) -> list[dict[str, Any]]:
+    """Content with images as chat parts, one for each part in the same order (so the chat
+    route's errors name the same index): input_image -> image_url, text kinds -> text."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if part.get("file_id") is not None:
+                raise _unsupported(
+                    "input_image parts with a file_id are not supported: this server keeps no "
+                    "files; send the image as image_url (an http(s) URL or a data URL).",
+                    f"{where}.file_id",
+                )
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise _bad(
+                    f"Invalid value for '{where}.image_url': an http(s) URL or a data URL "
+                    "(data:image/png;base64,...).",
+                    f"{where}.image_url",
+                )
+            image = {"url": url}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        elif kind in _MEDIA_PARTS:
+            raise _unsupported(_media_refusal(kind, part), where)
+        elif kind in _TEXT_PARTS or kind == "refusal":
+            text = part.get("refusal" if kind == "refusal" else "text")
+            if not isinstance(text, str):
+                raise _bad(f"Invalid value for '{where}': its text must be a string.", where)
+            parts.append({"type": "text", "text": text})
+        else:
+            raise _bad(
+                f"Invalid value for '{where}': a content part with a 'type' such as 'input_text'.",
+                where,
+            )
+    return parts
+
+
+def _messages(request: ResponsesRequest, names: dict[str, str]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
@@ -278,7 +333,13 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                     f"Invalid value for '{param}.role': one of {', '.join(_ROLES)}.",
                     f"{param}.role",
                 )
-            text = _text(item.get("content"), f"{param}.content")
+            content = item.get("content")
+            if role != "assistant" and _has_images(content):
+                names[f"messages[{len(messages)}].content"] = f"{param}.content"
+                parts = _parts(content, f"{param}.content")
+                messages.append({"role": role, "content": parts})
+                continue
+            text = _text(content, f"{param}.content")
             if role == "assistant":
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
@@ -311,7 +372,12 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise _bad(f"Invalid value for '{param}.call_id': a string.", f"{param}.call_id")
-            output = _text(item.get("output"), f"{param}.output")
+            raw = item.get("output")
+            if _has_images(raw):
+                names[f"messages[{len(messages)}].content"] = f"{param}.output"
+                output: str | list[dict[str, Any]] = _parts(raw, f"{param}.output")
+            else:
+                output = _text(raw, f"{param}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []

@@ -43,6 +43,7 @@ from serverless_llm.engine import (
     EngineOutput,
     InvalidRequestError,
     LoRARequest,
+    MultiModalInput,
     PreparedPrompt,
     SamplingParams,
     chat_template_source,
@@ -53,10 +54,12 @@ from ..batching import BatchSizes, batch_stream
 from ..errors import REQUEST_ERRORS
 from ..limits import RequestLimitError, RequestLimits, string_chars
 from ..logprobs import TokenDecoder, merge_completion_logprobs
+from ..media import ImageRef, MediaConfig, check_image_count, load_images
+from ..multimodal import ContentForm, content_format, count_image_parts, rename_param
 from ..offload import prepare
 from ..results import choice_outputs, gather_results
 from ..streams import merge_streams
-from .chat import ChatFormatter, echo_text, render_chat_prompt
+from .chat import ChatFormatter, echo_text, render_chat_prompt, render_chat_text
 from .completions import CompletionFormatter, tokenize_prompts
 from .errors import (
     INVALID_REQUEST,
@@ -213,6 +216,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 @dataclass
+class _PendingImages:
+    """A chat whose messages carry images: the rendered text (one placeholder per image, as
+    the template wrote them) and the images' references, in order."""
+
+    text: str
+    refs: list[ImageRef]
+    add_special_tokens: bool
+
+
+@dataclass
 class _Plan:
     """A validated request: prompts x sequences engine requests and how to shape their outputs."""
 
@@ -225,6 +238,9 @@ class _Plan:
     continuous_usage: bool
     formatter: ChatFormatter | CompletionFormatter
     lora: LoRARequest | None = None  # the adapter the request's `model` names
+    # A prompt with images: its rendered text and image references, prepared (into `prompts`)
+    # once the images are loaded, off the preparation thread (`OpenAIServing._load_images`).
+    images: _PendingImages | None = None
 
     @property
     def n(self) -> int:
@@ -253,6 +269,7 @@ class OpenAIServing:
         reasoning_parser: str | None = None,
         structured_in_reasoning: bool = False,
         lora_modules: Sequence[LoRARequest] = (),
+        media: MediaConfig | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
@@ -263,9 +280,17 @@ class OpenAIServing:
         `structured_in_reasoning`: a request's structured output constrains the reasoning
         too (STRUCTURED_OUTPUTS_ENABLE_IN_REASONING); off, it starts after `</think>`.
         `lora_modules`: the adapters served (LORA_MODULES); a request whose `model` is an
-        adapter's name runs with it, and /v1/models lists them after the base model."""
+        adapter's name runs with it, and /v1/models lists them after the base model.
+        `media`: how a vision-language model's request images are loaded (LIMIT_MM_PER_PROMPT,
+        MAX_IMAGE_BYTES, ...; api.media)."""
         self.engine = engine
         self.limits = limits or RequestLimits()
+        self.media = media or MediaConfig()
+        info = getattr(engine, "model_info", None)
+        self.image_input = bool(getattr(info, "image_input", False))
+        # The text standing for one image, for a template that reads content as a string (the
+        # engine may name it; without it such a template cannot take images).
+        self.image_placeholder: str | None = getattr(info, "image_placeholder", None)
         self.chat_template = chat_template
         tokenizer = getattr(engine, "tokenizer", None)
         template = chat_template_source(tokenizer, chat_template)
@@ -360,6 +385,8 @@ class OpenAIServing:
                 plan = await prepare(self._chat_plan, body)
             else:
                 plan = await prepare(self._completion_plan, body)
+            if plan.images is not None:
+                await self._load_images(plan)
             await self._prepare(plan)
         except Exception as exc:
             yield self._error_from(exc)
@@ -376,6 +403,22 @@ class OpenAIServing:
         async with aclosing(run) as items:
             async for item in items:
                 yield item
+
+    async def _load_images(self, plan: _Plan) -> None:
+        """A chat with images: the images loaded (concurrently, in threads; a bad one is the
+        request's 400 naming its part), then the prompt processed by the engine (the model's
+        processor expands each image's placeholder) and fitted, on the preparation thread."""
+        pending = plan.images
+        assert pending is not None
+        images = await load_images(pending.refs, self.media)
+        mm = MultiModalInput(pending.text, images, pending.add_special_tokens)
+        prepared = await prepare(self._prepare_prompt, mm, plan.params, "messages")
+        plan.prompts = [prepared]
+        plan.images = None
+        after = self._structured_after(plan.params, prepared.token_ids)
+        if after:
+            plan.params = dataclasses.replace(plan.params, structured_after=after)
+            plan.sequences = sequence_params(plan.params)
 
     async def _prepare(self, plan: _Plan) -> None:
         """Completes the plan's prompts before anything streams: the grammar compiled (an
@@ -422,18 +465,23 @@ class OpenAIServing:
             for r in self.loras.values()
         ]
 
-    def _prepare_prompt(self, ids: list[int], params: SamplingParams, param: str) -> PreparedPrompt:
+    def _prepare_prompt(
+        self, prompt: list[int] | MultiModalInput, params: SamplingParams, param: str
+    ) -> PreparedPrompt:
         """The prompt validated once by the engine: truncate_prompt_tokens applied (keep the
         last k) and the context length checked, before any engine request exists, so a job
-        fails whole instead of partly queued."""
+        fails whole instead of partly queued. A prompt with images is processed here (its
+        placeholders expanded), so its images count towards the context."""
         try:
-            return self.engine.prepare_prompt(ids, params)
+            return self.engine.prepare_prompt(prompt, params)
         except ContextLengthError as e:
             message = _context_length_message(e, "messages" if param == "messages" else "prompt")
             raise OpenAIServingError.bad_request(
                 message, param, "context_length_exceeded"
             ) from None
-        except InvalidRequestError:
+        except InvalidRequestError as e:
+            if isinstance(prompt, MultiModalInput):
+                raise OpenAIServingError.bad_request(str(e), e.param or param) from None
             raise OpenAIServingError.bad_request(
                 f"Invalid value for '{param}': the prompt is empty (it encodes to no tokens).",
                 param,
@@ -463,7 +511,8 @@ class OpenAIServing:
             # Here, not in `handle`: a Responses request renames the field (_responses_plan).
             raise OpenAIServingError(request_error(e)) from None
 
-    def _chat_plan(self, body: Any) -> _Plan:
+    def _chat_plan(self, body: Any, renames: dict[str, str] | None = None) -> _Plan:
+        """`renames`: how a Responses request names the chat body's message fields."""
         self._check_limits(body, chat=True)
         request: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         model = self._check_model(request.model)
@@ -489,12 +538,40 @@ class OpenAIServing:
         # Only where the model must decide to call: named and required calls are forced by the
         # grammar, as in vLLM, and the description costs hundreds of tokens.
         describe = self.describe_tools and choice.mode == "auto"
-        ids = render_chat_prompt(request, self.tokenizer, self.chat_template, tools, describe)
-        prepared = self._prepare_prompt(ids, params, "messages")
-        ids = prepared.token_ids
-        after = self._structured_after(params, ids)
-        if after:
-            params = dataclasses.replace(params, structured_after=after)
+        pending: _PendingImages | None = None
+        prompts: list[PreparedPrompt] = []
+        if self.image_input:
+            # Counted on the messages as sent, before the template or any fetch.
+            check_image_count(
+                count_image_parts(request.messages),
+                self.media,
+                rename_param("messages", renames or {}),
+            )
+            refs: list[ImageRef] = []
+            text = render_chat_text(
+                request,
+                self.tokenizer,
+                self.chat_template,
+                tools,
+                describe,
+                form=self._content_form(request.chat_template),
+                images=refs,
+                renames=renames,
+            )
+            if refs:
+                pending = _PendingImages(text, refs, request.add_special_tokens)
+            else:
+                ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+                prompts = [self._prepare_prompt(list(ids), params, "messages")]
+        else:
+            ids = render_chat_prompt(
+                request, self.tokenizer, self.chat_template, tools, describe, renames=renames
+            )
+            prompts = [self._prepare_prompt(ids, params, "messages")]
+        if prompts:
+            after = self._structured_after(params, prompts[0].token_ids)
+            if after:
+                params = dataclasses.replace(params, structured_after=after)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         options = request.stream_options
         formatter = ChatFormatter(
@@ -513,7 +590,7 @@ class OpenAIServing:
         )
         return _Plan(
             response_id=response_id,
-            prompts=[prepared],
+            prompts=prompts,
             params=params,
             sequences=sequence_params(params),
             stream=bool(request.stream),
@@ -521,13 +598,24 @@ class OpenAIServing:
             continuous_usage=bool(options and options.continuous_usage_stats),
             formatter=formatter,
             lora=self.loras.get(model),
+            images=pending,
+        )
+
+    def _content_form(self, request_template: str | None) -> ContentForm:
+        """How a vision-language model's message content reaches the template in effect."""
+        source = chat_template_source(self.tokenizer, request_template or self.chat_template)
+        return ContentForm(
+            images=True,
+            part_lists=content_format(source) == "openai",
+            placeholder=self.image_placeholder,
         )
 
     def _responses_plan(self, body: Any) -> tuple[_Plan, ResponseFormatter]:
         """A Responses request is answered by the chat route (see responses.py)."""
         request: ResponsesRequest = self._parse(ResponsesRequest, body)
+        renames: dict[str, str] = {}
         try:
-            plan = self._chat_plan(to_chat_body(request))
+            plan = self._chat_plan(to_chat_body(request, renames), renames)
         except OpenAIServingError as e:
             info = e.error.get("error") or {}
             if info.get("param") == "messages":  # the context-length error: say it as asked

@@ -50,8 +50,13 @@ def with_tool_prompt(
     if messages and messages[0].get("role") == "system":
         first = messages[0]
         content = first.get("content") or ""
+        if isinstance(content, list):  # a template that reads parts (api.multimodal)
+            joined = [*content, {"type": "text", "text": f"\n\n{prompt}" if content else prompt}]
+            return [{**first, "content": joined}, *messages[1:]]
         return [
             {**first, "content": f"{content}\n\n{prompt}" if content else prompt},
             *messages[1:],
         ]
+    if messages and isinstance(messages[0].get("content"), list):
+        return [{"role": "system", "content": [{"type": "text", "text": prompt}]}, *messages]
     return [{"role": "system", "content": prompt}, *messages]
