@@ -240,7 +240,7 @@ def _text(content: Any, param: str) -> str:
         elif kind == "refusal":
             text = part.get("refusal")
         elif kind in _MEDIA_PARTS:
-            raise _unsupported(_media_refusal(kind, part), where)
+            raise _unsupported(_media_refusal(kind), where)
         else:
             raise _bad(
                 f"Invalid value for '{where}': a content part with a 'type' such as 'input_text'.",
@@ -252,7 +252,7 @@ def _text(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def _media_refusal(kind: str, part: dict[str, Any]) -> str:
+def _media_refusal(kind: str) -> str:
     if kind == "input_image":
         return "input_image parts are taken in user, system and developer messages only."
     return f"content parts of type '{kind}' are not supported: this server takes text and images."
@@ -290,7 +290,7 @@ def _parts(content: list[Any], param: str) -> list[dict[str, Any]]:
                 image["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image})
         elif kind in _MEDIA_PARTS:
-            raise _unsupported(_media_refusal(kind, part), where)
+            raise _unsupported(_media_refusal(kind), where)
         elif kind in _TEXT_PARTS or kind == "refusal":
             text = part.get("refusal" if kind == "refusal" else "text")
             if not isinstance(text, str):
