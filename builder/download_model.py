@@ -3,7 +3,9 @@
 It resolves the model with the worker's own loader (`serverless_llm.engine.loader.resolve_model`:
 the HF cache first, then only the files the engine reads, with timeouts and errors that never
 show the token) into `<BASE_PATH>/huggingface-cache/hub`, the directory the worker reads at run
-time, checks that the engine can load what it got (config, architecture, tokenizer), and writes
+time, checks that the engine can load what it got (config, architecture, tokenizer; for a
+vision-language model it builds the image processor from the baked files as the worker does at
+start, and warns when it cannot: the worker then serves the model for text only), and writes
 the baked-model file (`serverless_llm.worker.baked`) the worker reads at start to switch the hub
 off.
 
@@ -43,6 +45,35 @@ def read_token(token_file: str, environ: dict[str, str]) -> str | None:
 def fail(message: str, status: int) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return status
+
+
+def image_processor(model_dir: str, hf_config, trust_remote_code: bool) -> str:
+    """For a vision-language model, builds its processor from the baked files as the engine
+    does at start and returns ", images: <processor class>", or ", text only" after a warning
+    on stderr when it cannot (as the worker, which then refuses image prompts); "" for any
+    other model."""
+    from serverless_llm.engine.multimodal import vision_family_of
+
+    family = vision_family_of(getattr(hf_config, "architectures", None))
+    if family is None:
+        return ""
+    import transformers
+
+    try:
+        composite = transformers.AutoConfig.from_pretrained(
+            model_dir, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+        processor = family.make_processor(model_dir, composite)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"warning: cannot build the image processor from {model_dir} "
+            f"({type(e).__name__}: {first}): the worker will serve the model for text only",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ", text only"
+    return f", images: {type(processor).__name__}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_config = load_hf_config(resolved, trust_remote_code=cfg.trust_remote_code)
         describe_model(hf_config)
         load_tokenizer(resolved.tokenizer_dir, trust_remote_code=cfg.trust_remote_code)
+        images = image_processor(resolved.model_dir, hf_config, cfg.trust_remote_code)
         for lora in settings.lora_requests():  # LORA_MODULES: hub adapters into the same cache
             if not os.path.isdir(lora.lora_path):
                 adapter_snapshot(lora.lora_path, cache_dir=download_dir, token=token)
@@ -118,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         return fail(f"cannot write the baked-model file {output}: {e}", 1)
     print(
-        f"baked {resolved.source} ({resolved.load_format}) into {resolved.model_dir} "
+        f"baked {resolved.source} ({resolved.load_format}{images}) into {resolved.model_dir} "
         f"in {time.monotonic() - start:.1f} s; recorded in {output}",
         flush=True,
     )

@@ -152,6 +152,12 @@ class LLMEngine:
         self.vision = loaded.vision
         if self.vision is not None:
             self.inputs.images = self._image_inputs(config)
+            template = getattr(self.inputs.images, "processor", None)
+            template = getattr(template, "chat_template", None)
+            if isinstance(template, str) and not getattr(self.tokenizer, "chat_template", None):
+                # Vision checkpoints often keep their template with the processor
+                # (chat_template.json / .jinja), not in the tokenizer's config.
+                self.tokenizer.chat_template = template
         self.block_size = config.block_size
         capacity = cache_capacity(config, loaded, self.block_size, self.max_num_batched_tokens)
         num_blocks, num_slots = capacity.num_blocks, capacity.num_slots
@@ -258,6 +264,8 @@ class LLMEngine:
         and the encoder cache's ('' for a model that takes no images)."""
         if self.vision is None:
             return ""
+        if self.inputs.images is None:  # served for text (the warning above says why)
+            return " images=off (no image processor)"
         family = type(self.vision.family).__name__.removesuffix("Family")
         return (
             f" images={family.removesuffix('Vision')} (tower "

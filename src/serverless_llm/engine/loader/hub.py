@@ -2,8 +2,11 @@
 
 A worker that restarts must not depend on the hub being up when its model is already on disk,
 so the cache is read with no network call at all. On a miss the repo's file list is fetched
-(with a timeout) and only what the engine reads is downloaded: config, tokenizer, chat template
-and one weight format (safetensors preferred, .bin only when the repo has no safetensors).
+(with a timeout) and only what the engine reads is downloaded: config, tokenizer, chat template,
+a vision-language model's processor settings and one weight format (safetensors preferred, .bin
+only when the repo has no safetensors). A cached snapshot that lacks a wanted file its repo's
+cached listing names (processor files, in one cached before the engine read them) is not
+complete to huggingface_hub: it is completed from the hub.
 """
 
 from __future__ import annotations
@@ -52,10 +55,20 @@ TOKENIZER_PATTERNS = [
     "chat_template.json",
     "*.tiktoken",
 ]
+# A vision-language model's processor settings: the engine builds its processor from the
+# model's directory at start (transformers 5 writes them all in processor_config.json, earlier
+# versions the image processor's in preprocessor_config.json; the chat templates are above).
+# The video processor's are read only where AutoProcessor builds one, and are small.
+PROCESSOR_PATTERNS = [
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+]
 # With the quantizers' own settings files: older AutoGPTQ and AutoAWQ repos keep them there
 # rather than in config.json (loader/quantization.py reads them).
 MODEL_PATTERNS = [
     *TOKENIZER_PATTERNS,
+    *PROCESSOR_PATTERNS,
     "generation_config.json",
     "quantize_config.json",
     "quant_config.json",
