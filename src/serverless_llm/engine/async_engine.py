@@ -113,6 +113,7 @@ class AsyncEngine:
             num_kv_blocks=core.block_pool.num_blocks,
             tensor_parallel_size=core.tp.size,
             image_input=core.inputs.images is not None,
+            image_placeholder=core.inputs.image_placeholder(),
         )
 
     def load_lora(self, lora_request: LoRARequest) -> None:

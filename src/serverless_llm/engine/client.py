@@ -28,6 +28,7 @@ class ModelInfo:
     num_kv_blocks: int
     tensor_parallel_size: int = 1
     image_input: bool = False  # a vision-language model: prompts may carry images
+    image_placeholder: str | None = None  # the text one image stands for in a prompt
 
 
 class EngineClient(Protocol):

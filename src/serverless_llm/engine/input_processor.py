@@ -167,6 +167,11 @@ class InputProcessor:
             return PromptInput(list(prompt))
         raise InvalidRequestError("the prompt must be a string or a list of token ids")
 
+    def image_placeholder(self) -> str | None:
+        """The text one image stands for in a prompt (None: a text model)."""
+        vision = self.images
+        return None if vision is None else vision.family.image_placeholder(vision.processor)
+
     def process_images(self, prompt: MultiModalInput) -> PromptInput:
         """A prompt with images through the model's processor: the token ids with every image
         expanded, and the images' spans and data. InvalidRequestError when the model takes no
