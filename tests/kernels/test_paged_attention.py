@@ -13,6 +13,8 @@ attention does, and the output to fp16: a few fp16 ulps at |o| ~ 1).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -209,3 +211,41 @@ def test_backend_matches_torch_backend(window, head_major):
     n = int(batch.meta.query_start_loc[-1])
     assert torch.equal(batch.kv_cache, cache_t)
     torch.testing.assert_close(got[:n], expected[:n], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "window8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_bidirectional_spans_match_reference(dtype, window):
+    """Gemma 3's images: rows inside a span also see the span's later keys (the key limits of
+    AttentionMetadata); other requests of the step stay causal."""
+    batch = make_batch(
+        MIXED,
+        block_size=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=dtype,
+        sliding_window=window,
+        num_padding=2,
+        seed=7,
+    )
+    meta = batch.meta
+    limits: list[list[int] | None] = []
+    for n, seq in zip(meta.query_lens_host, meta.seq_lens_host):
+        ctx = seq - n
+        if n < 7:
+            limits.append(None)
+            continue
+        rows = list(range(ctx, seq))
+        a, b = 2, min(n, 2 + 20)  # a span [ctx+2, ctx+b) inside the chunk
+        rows[a:b] = [ctx + b - 1] * (b - a)
+        limits.append(rows)
+    meta.key_limits_host = limits
+    out = _run(batch, num_splits=1)
+    _check(batch, out, dtype)
+    # the spans matter: without them the output differs
+    causal = paged_attention_reference(
+        batch.q, batch.kv_cache, dataclasses.replace(meta, key_limits_host=None), batch.spec
+    )
+    n = int(meta.query_start_loc[-1])
+    assert not torch.allclose(out[:n], causal[:n], **TOL[dtype])

@@ -84,6 +84,7 @@ def _paged_attention_kernel(
     tile_req_ptr,
     tile_q0_ptr,
     alibi_ptr,
+    key_limit_ptr,
     tok_base,
     scale_log2e,
     softcap_log2e,
@@ -118,6 +119,7 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_E4M3_BYTES: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -151,6 +153,13 @@ def _paged_attention_kernel(
 
     # Keys this tile can see: up to its last query's position, from its first query's window.
     hi = tl.minimum(ctx + q0 + BLOCK_Q, seq_len)
+    reach = pos  # the last key each row attends to
+    if HAS_LIMITS:
+        # Bidirectional spans (Gemma 3's images): a row may see keys after its own position,
+        # up to its limit, all within the request's keys.
+        limit = tl.load(key_limit_ptr + tok, mask=row_valid, other=0)
+        reach = tl.maximum(pos, limit)
+        hi = seq_len
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx + q0 - window + 1, 0)
@@ -193,7 +202,7 @@ def _paged_attention_kernel(
             s = softcap_log2e * tanh(s / softcap_log2e)
         if HAS_ALIBI:
             s += slope[:, None] * (keys[None, :] - pos[:, None]).to(tl.float32)
-        allowed = (keys[None, :] <= pos[:, None]) & kmask[None, :]
+        allowed = (keys[None, :] <= reach[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             allowed = allowed & (pos[:, None] - keys[None, :] < window)
         s = tl.where(allowed, s, float("-inf"))
@@ -407,6 +416,7 @@ def paged_attention(
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     nd = meta.num_decodes
     n_req = meta.num_requests
+    _device_key_limits(meta, q.device)
     if nd:
         cfg = decode_config or decode_tiles(group, D, q.dtype)
         _launch(q, key_cache, value_cache, out3, meta, spec, 0, nd, 0, cfg, num_splits, sms, fp8)
@@ -417,6 +427,17 @@ def paged_attention(
             q, key_cache, value_cache, out3, meta, spec, nd, n_req, nd, cfg, num_splits, sms, fp8
         )
     return out
+
+
+def _device_key_limits(meta: AttentionMetadata, device: torch.device) -> None:
+    """The step's key limits as one int32 tensor over its tokens (every request's rows; a
+    causal request's limit is its own position), built once a step in backend_state."""
+    if meta.key_limits_host is None or "key_limits" in meta.backend_state:
+        return
+    flat: list[int] = []
+    for n, seq, limits in zip(meta.query_lens_host, meta.seq_lens_host, meta.key_limits_host):
+        flat.extend(limits if limits is not None else range(seq - n, seq))
+    meta.backend_state["key_limits"] = torch.tensor(flat, dtype=torch.int32, device=device)
 
 
 def _launch(
@@ -461,6 +482,7 @@ def _launch(
     if slopes is not None:
         slopes = slopes.to(q.device, torch.float32)  # a no-op when the model put them there
     key_cache_block = key_cache.shape[1]
+    limits = meta.backend_state.get("key_limits")
     _paged_attention_kernel[(n_tiles, kvh, num_splits)](
         q,
         key_cache,
@@ -474,6 +496,7 @@ def _launch(
         tile_req,
         tile_q0,
         slopes if slopes is not None else tile_req,  # unused without ALiBi
+        limits if limits is not None else tile_req,  # unused without bidirectional spans
         tok_base,
         spec.scale * LOG2E,
         (softcap or 1.0) * LOG2E,
@@ -508,6 +531,7 @@ def _launch(
         IEEE=q.dtype == torch.float32,
         KV_FP8=fp8,
         KV_E4M3_BYTES=key_cache.dtype == torch.uint8,
+        HAS_LIMITS=limits is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

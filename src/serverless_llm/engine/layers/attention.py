@@ -30,7 +30,6 @@ from ..kernels.paged_attention import (
     paged_attention_torch,
     plan_torch_decodes,
     prefill_torch,
-    reference_request,
 )
 from ..kernels.triton_lazy import require_triton
 
@@ -171,7 +170,7 @@ class TritonAttentionBackend(AttentionBackend):
         sms = self._sms.get(q.device)
         if sms is None:
             sms = self._sms[q.device] = num_sms(q.device)
-        out = paged_attention(
+        return paged_attention(
             q,
             kv_cache,
             meta,
@@ -181,16 +180,6 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_config=self.prefill_config,
             sms=sms,
         )
-        if meta.key_limits_host is not None:
-            # A chunk with a bidirectional span (Gemma 3's images): the kernel masks causally
-            # only, so those requests' rows come from the torch reference.
-            qsl = [0]
-            for n in meta.query_lens_host:
-                qsl.append(qsl[-1] + n)
-            for i, limits in enumerate(meta.key_limits_host):
-                if limits is not None:
-                    out[qsl[i] : qsl[i + 1]] = reference_request(q, kv_cache, meta, spec, i, qsl)
-        return out
 
 
 def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
