@@ -28,6 +28,7 @@ SUPPORTED_ROPE_TYPES = (
     "longrope",
     "su",
     "proportional",
+    "yarn",
 )
 
 
@@ -59,6 +60,9 @@ def rope_table(params: dict, rot_dim: int, max_position: int, max_position_embed
     long from there on (what transformers' own incremental decoding gives for a sequence that
     starts short and grows past it)."""
     rope_type = params["rope_type"]
+    if rope_type == "yarn":
+        inv_freq, attention_factor = yarn_frequencies(params, rot_dim, max_position_embeddings)
+        return cos_sin_cache(inv_freq, max_position) * attention_factor
     if rope_type not in ("longrope", "su"):
         return cos_sin_cache(inv_frequencies(params, rot_dim, max_position), max_position)
     base = float(params["rope_theta"])
@@ -78,6 +82,53 @@ def rope_table(params: dict, rot_dim: int, max_position: int, max_position_embed
     ]
     table = torch.cat([tables[0][:orig], tables[1][orig:]]) if max_position > orig else tables[0]
     return table * attention_factor
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 1 + 0.1 * mscale *
+    ln(factor) (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(
+    params: dict, rot_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al.), as transformers computes it: each frequency blends its interpolated
+    value (divided by `factor`) and its original one, by a linear ramp over the frequency pairs
+    between the dims that turn `beta_fast` and `beta_slow` times over the original context
+    (the ramp's ends rounded outwards unless `truncate` is False: gpt-oss). Returns the
+    frequencies and the attention factor that scales cos and sin: `attention_factor` when
+    given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set
+    (DeepSeek), else mscale(factor). A config without `factor` stretches
+    max_position_embeddings / original_max_position_embeddings."""
+    base = float(params["rope_theta"])
+    orig = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / orig
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def dim_turning(turns: float) -> float:  # the dim whose wavelength fits `turns` times
+        return rot_dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
 
 
 def inv_frequencies(params: dict, head_dim: int, max_position: int) -> torch.Tensor:
