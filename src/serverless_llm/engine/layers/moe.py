@@ -33,7 +33,7 @@ from .activation import check_activation
 from .linear import pack_weight, packed_linear
 from .quant_linear import WHOLE, QuantLinear, QuantLoadError, apply_keeping_dtype
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer", "sigmoid_grouped")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer", "sigmoid_grouped", "topk_sigmoid")
 
 
 def route(
@@ -54,6 +54,7 @@ def route(
       Qwen/OLMoE by `norm_topk_prob`), or by their p-norm when it is a number p (DBRX's
       `moe_normalize_expert_weights`; p = 1 is the sum).
     - "topk_softmax" (Granite-MoE): the top k logits, softmax over those k.
+    - "topk_sigmoid" (Llama 4): the top k logits, each through a sigmoid (no normalisation).
     - "sparsemixer" (PhiMoE), at inference, always two experts (top_k must be 2): the best
       expert, weighted by its share of a softmax over the experts whose logit is within a
       relative `2 * jitter_eps` of the best, (best - logit) / max(|logit|, best) <= 2 * eps;
@@ -79,6 +80,9 @@ def route(
     if routing == "topk_softmax":
         top, ids = torch.topk(logits.float(), top_k, dim=-1)
         return torch.softmax(top, dim=-1), ids
+    if routing == "topk_sigmoid":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.sigmoid(top.float()), ids
     if routing == "sigmoid_grouped":
         return _sigmoid_grouped(logits.float(), top_k, renormalize, score_bias, groups, scale)
     if routing == "sparsemixer":
@@ -112,6 +116,19 @@ def _sigmoid_grouped(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def experts_on_weighted_inputs(experts, x: torch.Tensor, weights, ids) -> torch.Tensor:
+    """Llama 4's way of weighting: each chosen expert reads the token already multiplied by its
+    router weight (rounded to the model dtype, as transformers does), and the experts' outputs
+    are summed as they are. With top_k > 1 each (token, choice) pair is a row of its own."""
+    T, k = ids.shape
+    w = weights.to(x.dtype)
+    ones = torch.ones(T * k, 1, dtype=weights.dtype, device=weights.device)
+    if k == 1:
+        return experts(x * w, ones, ids)
+    rows = (x.unsqueeze(1) * w.unsqueeze(-1)).reshape(T * k, x.shape[-1])
+    return experts(rows, ones, ids.reshape(T * k, 1)).view(T, k, -1).sum(dim=1)
 
 
 class BiasedRouter(nn.Module):

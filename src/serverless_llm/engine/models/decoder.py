@@ -50,7 +50,7 @@ from ..layers.attention import (
     alibi_slopes,
 )
 from ..layers.linear import PackedLinear, pack_linears_for_cpu, use_native_linears
-from ..layers.moe import ROUTINGS, BiasedRouter, Experts, route
+from ..layers.moe import ROUTINGS, BiasedRouter, Experts, experts_on_weighted_inputs, route
 from ..layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from ..layers.recurrent import RecurrentMixerSpec
 from ..layers.rotary import (
@@ -108,7 +108,9 @@ class MoESpec:
     The experts are gated MLPs when the model's MLP is (`DecoderSpec.gated`), else plain ones
     (Nemotron-H); `latent_size`: they run in a narrower width, between the block's projections
     `fc1_latent_proj` (hidden -> latent) and `fc2_latent_proj` (latent -> hidden) (Nemotron-H's
-    latent MoE; the router and the shared expert read the hidden width)."""
+    latent MoE; the router and the shared expert read the hidden width). `weighted_inputs`: the
+    router weight scales each expert's input instead of its output (Llama 4,
+    `experts_on_weighted_inputs`)."""
 
     num_experts: int
     top_k: int
@@ -121,6 +123,7 @@ class MoESpec:
     groups: tuple[int, int] = (1, 1)
     routed_scale: float = 1.0
     latent_size: int | None = None
+    weighted_inputs: bool = False
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -538,7 +541,9 @@ class SparseMoE(nn.Module):
             groups=m.groups,
             scale=m.routed_scale,
         )
-        if self.fc1_latent_proj is None:
+        if m.weighted_inputs:
+            out = experts_on_weighted_inputs(self.experts, x, weights, ids)
+        elif self.fc1_latent_proj is None:
             out = self.experts(x, weights, ids)
         else:
             out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
