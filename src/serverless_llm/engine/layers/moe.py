@@ -33,7 +33,15 @@ from .activation import check_activation
 from .linear import pack_weight, packed_linear
 from .quant_linear import WHOLE, QuantLinear, QuantLoadError, apply_keeping_dtype
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sparsemixer", "sigmoid_grouped", "topk_sigmoid")
+ROUTINGS = (
+    "softmax_topk",
+    "topk_softmax",
+    "sparsemixer",
+    "sigmoid_grouped",
+    "topk_sigmoid",
+    "softmax_grouped",
+    "softmax_biased",
+)
 
 
 def route(
@@ -46,6 +54,7 @@ def route(
     score_bias: torch.Tensor | None = None,
     groups: tuple[int, int] = (1, 1),
     scale: float = 1.0,
+    norm_floor: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] float32, expert ids [T, top_k] int64) from router logits [T, E].
 
@@ -66,7 +75,15 @@ def route(
       e_score_correction_bias) among the best `groups[1]` of `groups[0]` equal groups of experts
       (a group ranked by the sum of its two best biased scores); weighted by their unbiased
       scores, divided by their sum (+1e-20) when `renormalize`, times `scale` (the routed
-      scaling factor)."""
+      scaling factor). GLM-4.5, dots.llm1 and MiniMax-M2 (one group) route so too.
+    - "softmax_grouped" (DeepSeek-V2, topk_method "greedy" with one group or
+      "group_limited_greedy"): softmax probabilities in float32; the experts outside the best
+      `groups[1]` of `groups[0]` groups (a group ranked by its best probability) count as 0;
+      the top k weighted by their probability (divided by their sum (+1e-20) when
+      `renormalize`; DeepSeek-V2 in transformers never does), times `scale`.
+    - "softmax_biased" (ERNIE 4.5): softmax probabilities in float32; the experts chosen by
+      probability + `score_bias`; weighted by their probabilities divided by their sum, the sum
+      no less than `norm_floor` (moe_norm_min), when `renormalize`."""
     if routing == "softmax_topk":
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -83,8 +100,10 @@ def route(
     if routing == "topk_sigmoid":
         top, ids = torch.topk(logits, top_k, dim=-1)
         return torch.sigmoid(top.float()), ids
-    if routing == "sigmoid_grouped":
-        return _sigmoid_grouped(logits.float(), top_k, renormalize, score_bias, groups, scale)
+    if routing in ("sigmoid_grouped", "softmax_grouped", "softmax_biased"):
+        return _scored(
+            logits.float(), top_k, routing, renormalize, score_bias, groups, scale, norm_floor
+        )
     if routing == "sparsemixer":
         if top_k != 2:
             raise ValueError(f"sparsemixer routing picks 2 experts, not {top_k}")
@@ -92,29 +111,44 @@ def route(
     raise ValueError(f"unknown MoE routing {routing!r}; known: {', '.join(ROUTINGS)}")
 
 
-def _sigmoid_grouped(
+def _scored(
     logits: torch.Tensor,
     top_k: int,
+    routing: str,
     renormalize: bool | float,
     score_bias: torch.Tensor | None,
     groups: tuple[int, int],
     scale: float,
+    norm_floor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route`'s "sigmoid_grouped" on float32 logits [T, E]."""
-    scores = logits.sigmoid()
-    choice = scores if score_bias is None else scores + score_bias.float()
+    """`route`'s "sigmoid_grouped", "softmax_grouped" and "softmax_biased" on float32 logits
+    [T, E]: scores, a choice among the best groups by (biased) score, weights from the scores."""
+    sigmoid = routing == "sigmoid_grouped"
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    choice = scores if score_bias is None else scores + score_bias.float().reshape(-1)
     num_groups, best_groups = groups
     if best_groups < num_groups:  # keep only the experts of the best groups
         T, E = choice.shape
         by_group = choice.view(T, num_groups, E // num_groups)
-        ranks = by_group.topk(min(2, E // num_groups), dim=-1)[0].sum(-1)
+        if sigmoid:  # DeepSeek-V3: a group's two best scores
+            ranks = by_group.topk(min(2, E // num_groups), dim=-1)[0].sum(-1)
+        else:  # DeepSeek-V2: its best one
+            ranks = by_group.amax(dim=-1)
         keep = torch.zeros_like(ranks, dtype=torch.bool)
         keep.scatter_(1, ranks.topk(best_groups, dim=-1)[1], True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+        # DeepSeek-V2 zeroes the others' probabilities, which are then its weights too
+        dropped = ~keep.repeat_interleave(E // num_groups, dim=1)
+        choice = choice.masked_fill(dropped, float("-inf") if sigmoid else 0.0)
+        if not sigmoid:
+            scores = choice
     ids = choice.topk(top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights.sum(dim=-1, keepdim=True)
+        if routing == "softmax_biased":
+            weights = weights / total.clamp(min=norm_floor)
+        else:
+            weights = weights / (total + 1e-20)
     return weights * scale, ids
 
 
@@ -132,14 +166,16 @@ def experts_on_weighted_inputs(experts, x: torch.Tensor, weights, ids) -> torch.
 
 
 class BiasedRouter(nn.Module):
-    """The router of "sigmoid_grouped" routing: `weight` [E, H] and the score correction bias
-    [E] (`e_score_correction_bias`, as checkpoints name it); its logits are computed in float32
-    (as transformers' routers of that kind do), so quantizers and the CPU packing leave it be."""
+    """The router of "sigmoid_grouped", "softmax_grouped" and "softmax_biased" routing:
+    `weight` [E, H] and (`bias`) the score correction bias [E] (`e_score_correction_bias`, as
+    checkpoints name it); its logits are computed in float32 (as transformers' routers of those
+    kinds do), so quantizers and the CPU packing leave it be."""
 
-    def __init__(self, hidden: int, num_experts: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+        if bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())

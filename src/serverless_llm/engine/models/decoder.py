@@ -103,8 +103,10 @@ class MoESpec:
     `renormalize` (True, or the p of a p-norm) and `jitter_eps` (sparsemixer's threshold) mean),
     plus an optional shared expert of width `shared_size` that every token goes through, scaled
     by sigmoid(a one-output gate) when `shared_gate` (Qwen2-MoE). "sigmoid_grouped" routing
-    (Kimi Linear) has a router with a score correction bias (`BiasedRouter`), picks among the
-    best `groups[1]` of `groups[0]` expert groups and scales the weights by `routed_scale`.
+    (Kimi Linear, DeepSeek-V3, GLM-4.5) has a router with a score correction bias
+    (`BiasedRouter`), picks among the best `groups[1]` of `groups[0]` expert groups and scales
+    the weights by `routed_scale`; "softmax_grouped" (DeepSeek-V2) the same without the bias;
+    "softmax_biased" (ERNIE 4.5) divides by a sum no less than `norm_floor`.
     The experts are gated MLPs when the model's MLP is (`DecoderSpec.gated`), else plain ones
     (Nemotron-H); `latent_size`: they run in a narrower width, between the block's projections
     `fc1_latent_proj` (hidden -> latent) and `fc2_latent_proj` (latent -> hidden) (Nemotron-H's
@@ -124,6 +126,7 @@ class MoESpec:
     routed_scale: float = 1.0
     latent_size: int | None = None
     weighted_inputs: bool = False
+    norm_floor: float = 0.0  # "softmax_biased": the least sum the weights are divided by
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -512,8 +515,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         m = self.moe = s.moe
-        if m.routing == "sigmoid_grouped":
+        if m.routing in ("sigmoid_grouped", "softmax_biased"):
             self.gate = BiasedRouter(s.hidden_size, m.num_experts)
+        elif m.routing == "softmax_grouped":  # float32 logits, no correction bias
+            self.gate = BiasedRouter(s.hidden_size, m.num_experts, bias=False)
         else:
             self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
         if tp.enabled and (m.latent_size or not s.gated):
@@ -540,6 +545,7 @@ class SparseMoE(nn.Module):
             score_bias=getattr(self.gate, "e_score_correction_bias", None),
             groups=m.groups,
             scale=m.routed_scale,
+            norm_floor=m.norm_floor,
         )
         if m.weighted_inputs:
             out = experts_on_weighted_inputs(self.experts, x, weights, ids)
