@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issues 3's, 13's, 16's, 17's and 35's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
+# Issues 3's, 13's, 16's, 17's, 35's and 36's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
 # triton, transformers and pytest (nothing else is needed: the engine imports the rest lazily):
 #   bash bench/gpu_checks.sh
 # runs `pytest -m gpu tests/kernels tests/engine`, `bench/kernels.py`, `bench/capture.py`
 # (CUDA graphs against eager decode steps), `bench/w4a16.py` (the 4-bit GEMM against float16
 # matmul), `bench/moe_kernel.py` (the fused MoE kernels against a per-expert torch loop) and
-# `bench/recurrent_kernels.py` (the hybrid models' delta rule and SSD scan), then
+# `bench/recurrent_kernels.py` (the hybrid models' delta rule and SSD scan),
+# `bench/vision_attention.py` (the vision towers' attention against SDPA), then
 # the rest of tests/kernels compiled on the GPU (bounded by KERNEL_TESTS_TIMEOUT seconds), and
 # leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
@@ -38,6 +39,10 @@ moe=${PIPESTATUS[0]}
 # decode) against their references and the physical limit.
 "$PY" bench/recurrent_kernels.py --json "$OUT/recurrent_kernels.json" 2>&1 | tee "$OUT/recurrent_kernels.log"
 recurrent=${PIPESTATUS[0]}
+# Issue 36: the vision towers' attention over packed images and Qwen2.5-VL's windows against
+# torch's SDPA at the same shapes (its GPU tests are in the pytest -m gpu run above).
+"$PY" bench/vision_attention.py 2>&1 | tee "$OUT/vision_attention.log"
+vision=${PIPESTATUS[0]}
 # Last, every other kernel test compiled on this GPU (on CPU they run under the interpreter): the
 # references at small shapes, the e4m3 byte codec, the FP8 W8A16 GEMM, LoRA and MoE kernels.
 # Bounded, so the figures above always come back within a device call.
@@ -46,5 +51,6 @@ timeout "${KERNEL_TESTS_TIMEOUT:-420}" "$PY" -m pytest -q -m "not gpu" tests/ker
 kernel_tests=${PIPESTATUS[0]}
 echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py exit $capture;" \
     "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe;" \
-    "bench/recurrent_kernels.py exit $recurrent; compiled kernel tests exit $kernel_tests"
-exit $((tests || bench || capture || w4a16 || moe || recurrent || kernel_tests))
+    "bench/recurrent_kernels.py exit $recurrent; bench/vision_attention.py exit $vision;" \
+    "compiled kernel tests exit $kernel_tests"
+exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || kernel_tests))

@@ -33,6 +33,7 @@ from serverless_llm.engine.kernels import (
     selective_scan,
     ssd,
     triton_common,
+    vision_attention,
     w4a16,
 )
 from serverless_llm.engine.kernels import fp8 as fp8_weights
@@ -56,6 +57,8 @@ POINTER_TYPES = {
     "pos_ptr": "*i64",
     "cache_ptr": "*fp32",
     "alibi_ptr": "*fp32",
+    "cu_seqlens_ptr": "*i32",
+    "key_limit_ptr": "*i32",
 }
 FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps", "k_scale", "v_scale", "fp8_max", "q_scale"}
 FLOAT_ARGS |= {"dt_min", "dt_max"}  # kernels/ssd.py
@@ -125,6 +128,7 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         IEEE=dtype == "fp32",
         KV_FP8=flags.get("kv_fp8", False),
         KV_E4M3_BYTES=flags.get("e4m3_bytes", False),
+        HAS_LIMITS=flags.get("limits", False),
     )
 
 
@@ -197,8 +201,23 @@ def main(quick: bool = False) -> int:
                             cfg.num_stages,
                             no_spill,
                         )
+            # Bidirectional spans (Gemma 3's image tokens): per-token key limits in prefill.
+            cfg = pa.prefill_tiles(2, 256, 2048, tdt)
+            ce = attention_constexprs(2, cfg, 256, dtype, window=True, softcap=True, limits=True)
+            attempt(f"attention {dtype} prefill g2 d256 key limits", pa._paged_attention_kernel,
+                    dtype, ce, arch, cfg.num_warps, cfg.num_stages)  # fmt: skip
             ce = dict(HEAD_DIM=128, D_PAD=128, S_PAD=32, HEADS=1)
             attempt(f"reduce {dtype}", pa._reduce_splits_kernel, dtype, ce, arch, 4, 1)
+            # The vision towers' attention over packed images (kernels/vision_attention.py):
+            # CLIP/Pixtral's head_dim 64, Qwen2.5-VL's 80 (padded to 128) over whole images and
+            # over its 64-patch windows, and 256.
+            for d, longest in ((64, 1024), (80, 1024), (80, 64), (256, 1024)):
+                cfg = vision_attention.vision_tiles(d, longest, tdt)
+                ce = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n, IEEE=dtype == "fp32")  # fmt: skip
+                attempt(f"vision attention {dtype} d{d} longest={longest}",
+                        vision_attention._vision_attention_kernel, dtype, ce, arch,
+                        cfg.num_warps, cfg.num_stages, no_spill=arch == 90 and dtype == "bf16")  # fmt: skip
             ce = dict(
                 QUANT=False, E4M3_BYTES=False, CACHE_BLOCK=16, TOKENS=4, D_PAD=128, ROW_PAD=1024
             )

@@ -212,6 +212,7 @@ def load_model(
     vision = None
     if family is not None:
         vision = load_vision(family, resolved, config, dtype, device, tower_weights)
+        vision.tower.set_use_kernels(backend.use_kernels)
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if device.type == "cpu":

@@ -95,6 +95,14 @@ class VisionTower(nn.Module):
         the missing or unexpected ones otherwise)."""
         raise NotImplementedError
 
+    def set_use_kernels(self, use: bool) -> None:
+        """Whether the tower's attention runs the Triton kernel (kernels/vision_attention.py),
+        as the engine's attention backend does: sets `use_kernels` on each of its modules that
+        has one. Never called (a tower used alone), they run it on CUDA tensors only."""
+        for module in self.modules():
+            if hasattr(module, "use_kernels"):
+                module.use_kernels = use
+
 
 class VisionFamily:
     """What the engine needs of a vision-language family. One instance per family module,

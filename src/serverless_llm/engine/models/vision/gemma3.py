@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
 from ...multimodal.base import (
     ImageFeatures,
     ImageItem,
@@ -85,6 +86,8 @@ class _Embeddings(nn.Module):
 
 
 class _SelfAttention(nn.Module):
+    use_kernels: bool | None = None  # the Triton kernel: set by the engine, else on CUDA
+
     def __init__(self, vc):
         super().__init__()
         d = vc.hidden_size
@@ -96,6 +99,14 @@ class _SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
+        if kernel_wanted(self.use_kernels, x):  # the images packed, one launch for all
+            q, k, v = (
+                p(x).view(b * n, self.heads, d // self.heads)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+            cu = cu_seqlens_of([n] * b, x.device)
+            out = vision_attention(q, k, v, cu, use_kernel=True, max_seqlen=n)
+            return self.out_proj(out.view(b, n, d))
 
         def heads(t):
             return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.activation import ACTIVATIONS
+from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
 from ...multimodal.base import (
     ImageFeatures,
     ImageItem,
@@ -92,6 +93,8 @@ class _Embeddings(nn.Module):
 
 
 class _Attention(nn.Module):
+    use_kernels: bool | None = None  # the Triton kernel: set by the engine, else on CUDA
+
     def __init__(self, vc) -> None:
         super().__init__()
         d = vc.hidden_size
@@ -104,6 +107,16 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, n, _ = x.shape
+        # Frames with padded patches keep the masked SDPA: their padded rows are queries too
+        # (their outputs reach the connector) but not keys, which packing cannot express.
+        if mask is None and kernel_wanted(self.use_kernels, x):
+            q, k, v = (
+                p(x).view(b * n, self.heads, self.head_dim)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+            cu = cu_seqlens_of([n] * b, x.device)
+            out = vision_attention(q, k, v, cu, self.head_dim**-0.5, True, max_seqlen=n)
+            return self.out_proj(out.view(b, n, -1))
 
         def heads(t):
             return t.view(b, n, self.heads, self.head_dim).transpose(1, 2)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.activation import ACTIVATIONS
+from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
 
 # vision_config.model_type of the two towers
 CLIP_TYPES = ("clip_vision_model", "clip")
@@ -50,6 +51,8 @@ def hidden_state_indices(layers: int | list[int], num_layers: int) -> list[int]:
 
 
 class _Attention(nn.Module):
+    use_kernels: bool | None = None  # the Triton kernel: set by the engine, else on CUDA
+
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -60,6 +63,14 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
+        if kernel_wanted(self.use_kernels, x):  # the images packed, one launch for all
+            q, k, v = (
+                p(x).view(b * s, self.heads, d // self.heads)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+            cu = cu_seqlens_of([s] * b, x.device)
+            out = vision_attention(q, k, v, cu, use_kernel=True, max_seqlen=s)
+            return self.out_proj(out.view(b, s, d))
 
         def heads(t):
             return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.activation import ACTIVATIONS
+from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
 from ...multimodal.base import (
     ImageFeatures,
     ImageItem,
@@ -79,6 +80,8 @@ class RMSNorm(nn.Module):
 
 
 class PixtralAttention(nn.Module):
+    use_kernels: bool | None = None  # the Triton kernel: set by the engine, else on CUDA
+
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -97,6 +100,11 @@ class PixtralAttention(nn.Module):
         v = self.v_proj(x).view(n, self.heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if kernel_wanted(self.use_kernels, x):  # every image of every size in one launch
+            lengths = [length for count, length in groups for _ in range(count)]
+            cu = cu_seqlens_of(lengths, x.device)
+            out = vision_attention(q, k, v, cu, use_kernel=True, max_seqlen=max(lengths))
+            return self.o_proj(out.reshape(n, -1))
         # each run of images of one size: [images, patches, heads, head_dim], attending within
         # each image
         parts, start = [], 0

@@ -3,7 +3,9 @@ torch. Module and parameter names follow the checkpoints' (under `model.visual.`
 so loading is a lookup by name.
 
 Several images go through one pass: their patches are concatenated and attention runs within
-each image (each frame), or within each window, as padded batches of those segments.
+each image (each frame), or within each window, as padded batches of those segments (the Triton
+kernel of kernels/vision_attention.py instead, all segments in one launch, where the engine runs
+kernels or the tower is on CUDA).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
 from ...multimodal.base import ImageFeatures, VisionTower
 
 TOWER_PREFIXES = ("model.visual.", "visual.")
@@ -132,6 +135,8 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
+    use_kernels: bool | None = None  # the Triton kernel: set by the engine, else on CUDA
+
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -142,6 +147,10 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if kernel_wanted(self.use_kernels, x):  # every frame or window in one launch
+            cu = cu_seqlens_of(lengths, x.device)
+            out = vision_attention(q, k, v, cu, use_kernel=True, max_seqlen=max(lengths))
+            return self.proj(out.reshape(n, -1))
         return self.proj(segment_attention(q, k, v, lengths))
 
 
