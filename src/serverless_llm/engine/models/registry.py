@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     families_linear,
     families_mamba,
     families_moe,
+    families_moe2,
     families_remote,
     families_vl,
 )
