@@ -50,6 +50,8 @@ typedef struct {
     float qk_eps;
     const float *q_norm_bias; /* [head_dim] (4), else NULL */
     const float *k_norm_bias;
+    const float *sinks;    /* [num_heads] sink logits (gpt-oss): one more softmax term each,
+                              with no value; or NULL */
 } layer_t;
 
 static inline float sum_squares(const float *x, int64_t n) {
@@ -216,7 +218,8 @@ static inline void prefetch_block(const float *cache, int32_t block, int64_t KVH
 }
 
 /* One decode's attention for one KV head and its group of query heads: scores (scaled,
- * soft-capped, ALiBi, windowed), softmax, weighted values, a cache block at a time. `buf`
+ * soft-capped, ALiBi, windowed), softmax (with the head's sink), weighted values, a cache
+ * block at a time. `buf`
  * holds group * seq_len floats. */
 static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh, const float *q,
                        int64_t q_stride, float *out, int64_t out_stride, float *buf) {
@@ -241,7 +244,8 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
     for (int64_t g = 0; g < G; g++) {
         float *sc = buf + g * n;
         float slope = L->slopes ? L->slopes[kh * G + g] : 0.0f;
-        float mx = -INFINITY;
+        float sink = L->sinks ? L->sinks[kh * G + g] : -INFINITY;
+        float mx = sink;
         for (int64_t j = 0; j < n; j++) {
             float s = sc[j] * L->scale;
             if (L->softcap > 0) s = L->softcap * tanhf(s / L->softcap);
@@ -249,7 +253,7 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
             sc[j] = s;
             mx = s > mx ? s : mx;
         }
-        float sum = 0.0f;
+        float sum = L->sinks ? exp_nonpositive(sink - mx) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; j++) {
             sc[j] = exp_nonpositive(sc[j] - mx);

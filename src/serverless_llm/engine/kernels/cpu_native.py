@@ -6,7 +6,7 @@ one request those cost as much as a third of the step in dispatch alone. cpu_nat
 group in one call, float32, reading the paged cache in place:
 
 - `attention_step`: a layer's q/k clip, q/k RMSNorm, rotary (neox or GPT-J, full or partial),
-  KV write and the decode rows' attention (soft-cap, ALiBi, sliding window) over the head-major
+  KV write and the decode rows' attention (soft-cap, ALiBi, sliding window, sinks) over the head-major
   cache the torch backend uses (`allocate_kv_cache(head_major=True)`);
 - `add_norm`: the residual add and RMSNorm or LayerNorm;
 - `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
@@ -106,6 +106,7 @@ class Layer(ctypes.Structure):
         ("qk_eps", _F),
         ("q_norm_bias", _P),
         ("k_norm_bias", _P),
+        ("sinks", _P),
     ]
 
 
@@ -553,6 +554,9 @@ def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | No
     outlive it: the model holds them)."""
     prep = prep or LayerPrep()
     slopes = spec.alibi_slopes
+    sinks = spec.sinks
+    if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()):
+        raise ValueError("the native step reads float32 sinks only")
     return Layer(
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
@@ -573,6 +577,7 @@ def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | No
         qk_eps=prep.qk_eps,
         q_norm_bias=ptr_or_null(prep.q_norm_bias),
         k_norm_bias=ptr_or_null(prep.k_norm_bias),
+        sinks=ptr_or_null(sinks),
     )
 
 
@@ -626,7 +631,7 @@ def add_norm_reference(x, residual, weight, bias, eps: float, kind: int):
 
 def self_check(kernels: NativeKernels) -> str | None:
     """Each function against its torch reference on a small probe (GQA, partial GPT-J rotary,
-    q/k norm, soft-cap, ALiBi, a window, a prefill row; linears and norms; the recurrent
+    q/k norm, soft-cap, ALiBi, a window, sinks, a prefill row; linears and norms; the recurrent
     decodes): None, or what disagreed."""
     from .kv_write import reshape_and_cache_reference
     from .paged_attention import paged_attention_reference
@@ -649,6 +654,7 @@ def self_check(kernels: NativeKernels) -> str | None:
                 "logit_softcap": 3.0,
                 "alibi_slopes": torch.rand(H, generator=g),
                 "sliding_window": 5,
+                "sinks": torch.randn(H, generator=g) * 2,
             },
         ),
     ):

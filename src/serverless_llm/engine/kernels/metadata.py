@@ -56,7 +56,9 @@ class AttentionSpec:
     `logit_softcap` * tanh(score / `logit_softcap`) when set (Gemma 2), then
     + alibi_slopes[h] * (j - p) for the query at position p and key j when `alibi_slopes` is
     set (float32 [num_heads], already scaled as the model family needs; on the model's device,
-    or each layer copies it there), then the causal and window mask."""
+    or each layer copies it there), then the causal and window mask. With `sinks` ([num_heads],
+    any float dtype: gpt-oss's learned per-head logits) the softmax takes one more logit per
+    head, sinks[h], that has no value: it only adds exp(sinks[h]) to the denominator."""
 
     num_heads: int
     num_kv_heads: int
@@ -65,6 +67,7 @@ class AttentionSpec:
     sliding_window: int | None = None  # a query attends to the last `sliding_window` keys
     logit_softcap: float | None = None
     alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
     # An 8-bit float cache holds k / k_scale and v / v_scale (kv_write); readers multiply back.
     # Per layer; 1.0 unless the checkpoint gives them. Unused by a cache in the model dtype.
     k_scale: float = 1.0
@@ -74,6 +77,9 @@ class AttentionSpec:
         slopes = self.alibi_slopes
         if slopes is not None and tuple(slopes.shape) != (self.num_heads,):
             raise ValueError(f"alibi_slopes is {tuple(slopes.shape)}, expected ({self.num_heads},)")
+        sinks = self.sinks
+        if sinks is not None and tuple(sinks.shape) != (self.num_heads,):
+            raise ValueError(f"sinks is {tuple(sinks.shape)}, expected ({self.num_heads},)")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
 
@@ -96,10 +102,14 @@ class AttentionSpec:
             return NotImplemented
         if self._plain() != other._plain():
             return False
-        a, b = self.alibi_slopes, other.alibi_slopes
-        if a is None or b is None:
-            return a is b
-        return a is b or (a.device == b.device and torch.equal(a, b))
+        return _same(self.alibi_slopes, other.alibi_slopes) and _same(self.sinks, other.sinks)
 
     def __hash__(self) -> int:
-        return hash((*self._plain(), self.alibi_slopes is None))
+        return hash((*self._plain(), self.alibi_slopes is None, self.sinks is None))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal per-head tensors of two specs (by value), or both absent."""
+    if a is None or b is None:
+        return a is b
+    return a is b or (a.device == b.device and a.dtype == b.dtype and torch.equal(a, b))

@@ -9,7 +9,9 @@ block size: a tile may span several cache blocks or part of one). A query at abs
 p = context_len + i attends key j when j <= p and, with a sliding window W, p - j < W. Its score
 is q.k * scale, soft-capped (cap * tanh(score / cap)) when the spec has a `logit_softcap`, plus
 slope[h] * (j - p) when it has `alibi_slopes`; the kernel works in log2 units (scores times
-log2(e), for exp2), so the cap and the slopes are scaled by log2(e) too.
+log2(e), for exp2), so the cap and the slopes are scaled by log2(e) too. A head's sink logit
+(`sinks`, gpt-oss) joins the online softmax as one more score with no value: it starts the
+running max and sum of the first key split.
 
 Two launches of the same kernel per step: the decode tokens (which the model runner puts first)
 with a small row tile, then everything else with a large one; each launch may split the key
@@ -85,6 +87,7 @@ def _paged_attention_kernel(
     tile_q0_ptr,
     alibi_ptr,
     key_limit_ptr,
+    sink_ptr,
     tok_base,
     scale_log2e,
     softcap_log2e,
@@ -120,6 +123,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,
     KV_E4M3_BYTES: tl.constexpr,
     HAS_LIMITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -175,6 +179,13 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The head's sink is one more logit with no value: it starts the running max and sum
+        # (exp2(sink - sink) = 1) of the first split only, so the reduce counts it once.
+        sink = tl.load(sink_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+        first = split == 0
+        m_i = tl.where(first, sink * 1.4426950408889634, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -497,6 +508,7 @@ def _launch(
         tile_q0,
         slopes if slopes is not None else tile_req,  # unused without ALiBi
         limits if limits is not None else tile_req,  # unused without bidirectional spans
+        spec.sinks if spec.sinks is not None else tile_req,  # unused without sinks
         tok_base,
         spec.scale * LOG2E,
         (softcap or 1.0) * LOG2E,
@@ -532,6 +544,7 @@ def _launch(
         KV_FP8=fp8,
         KV_E4M3_BYTES=key_cache.dtype == torch.uint8,
         HAS_LIMITS=limits is not None,
+        HAS_SINKS=spec.sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -700,7 +713,7 @@ def _decode_torch(q, kv_cache, meta, spec):
         inside = st["decode_last"][:, None] - st["decode_pos"][None, :] < spec.sliding_window
         masked = ~(valid & inside)[:, None, None, :]
     scores = scores.masked_fill(masked, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = _softmax(scores.float(), spec, (1, kvh, g, 1)).to(q.dtype)
     o = torch.matmul(probs, values)  # [nd, KVH, G, D]
     return o.reshape(nd, kvh * g * d)
 
@@ -720,8 +733,9 @@ def prefill_torch(q, k, v, kv_cache, meta, spec, i):
             kh = dequantize_kv(kh, spec.k_scale, q.dtype)
             vh = dequantize_kv(vh, spec.v_scale, q.dtype)
     limits = request_key_limits(meta, i)
-    if spec.logit_softcap is not None:
-        # tanh between the scores and the softmax: no fused kernel has room for it.
+    if spec.logit_softcap is not None or spec.sinks is not None:
+        # tanh between the scores and the softmax, or a sink logit inside it: no fused kernel
+        # has room for them.
         return _attend_explicit(q, kh, vh, ctx, spec, limits)
     qh = q.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
@@ -748,13 +762,24 @@ def _softcap(scores: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
+def _softmax(scores: torch.Tensor, spec: AttentionSpec, shape: tuple) -> torch.Tensor:
+    """Softmax over the last dim of float32 scores whose heads are laid out as `shape` (with
+    1 for the other dims); with sinks, over the scores and one sink logit per head, dropped
+    after (it has no value)."""
+    if spec.sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = spec.sinks.to(scores.device, torch.float32).view(shape)
+    both = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(both, dim=-1)[..., :-1]
+
+
 def _slopes(spec: AttentionSpec, device: torch.device, *shape: int) -> torch.Tensor:
     """The ALiBi slopes in float32, viewed as `shape` to broadcast against a score layout."""
     return spec.alibi_slopes.to(device, torch.float32).view(*shape)
 
 
 def _attend_explicit(q, k, v, ctx, spec, limits=None):
-    """Attention with the scores materialised (for the soft-cap's tanh): q [n, H, D] at
+    """Attention with the scores materialised (the soft-cap's tanh, the sinks): q [n, H, D] at
     positions ctx.., over keys k, v [KVH, L, D]; float32 scores, a block of query rows at a
     time so a long prompt's scores stay within SCORE_BUDGET elements."""
     n, L = q.shape[0], k.shape[1]
@@ -782,7 +807,7 @@ def _attend_explicit(q, k, v, ctx, spec, limits=None):
             lim = torch.tensor(limits[a:b], device=q.device)
             allowed |= (rel > 0) & (keys[None, :] <= lim[:, None])
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh, m * g, L)
+        probs = _softmax(scores, spec, (kvh, 1, g, 1)).to(q.dtype).view(kvh, m * g, L)
         o = torch.matmul(probs, vv).view(kvh, m, g, d)  # [KVH, m, G, D]
         out[a:b] = o.transpose(0, 1).reshape(m, -1)
     return out
@@ -793,7 +818,8 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Request by request: gather the keys through the block table, scale, soft-cap and add
     the ALiBi bias (when the spec has them), mask causally (and by the window), softmax in
-    float32. Slow and obvious on purpose."""
+    float32 (with the sink logits as one more column when the spec has them, dropped after).
+    Slow and obvious on purpose."""
     T = q.shape[0]
     out = torch.zeros(T, spec.num_heads * spec.head_dim, dtype=q.dtype, device=q.device)
     qsl = meta.query_start_loc.tolist()
@@ -825,6 +851,9 @@ def reference_request(q, kv_cache, meta: AttentionMetadata, spec: AttentionSpec,
         scores = scores + spec.alibi_slopes.float().to(q.device)[:, None, None] * rel[None]
     mask = attention_mask(positions, seq_len, spec.sliding_window, request_key_limits(meta, i))
     scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if spec.sinks is not None:  # one more logit per head, with no value
+        sink = spec.sinks.float().to(q.device)[:, None, None].expand(-1, e - s, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :seq_len]
     o = torch.einsum("hnl,lhd->nhd", probs, values)
     return o.reshape(e - s, -1).to(q.dtype)
