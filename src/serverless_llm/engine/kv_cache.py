@@ -155,10 +155,17 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    parts: int = 2,
 ) -> int:
+    """Bytes of one block over `num_layers` layer tensors: `parts` rows (K and V: 2; a latent
+    attention layer's one row of latent and rotary key: 1) of KVH x D values per token."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    return parts * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
 def allocate_kv_cache(
@@ -170,8 +177,12 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     head_major: bool = False,
+    parts: int = 2,
 ) -> list[torch.Tensor]:
-    """One cache per layer, each of logical shape [2, num_blocks, block_size, KVH, D] (K, V).
+    """One cache per layer, each of logical shape [2, num_blocks, block_size, KVH, D] (K, V);
+    `parts` = 1 makes [1, num_blocks, block_size, 1, W], a latent attention layer's cache (one
+    row of W = latent + rotary key values a token; KVH = 1, D = W), which block copies
+    (`copy_blocks`) treat like any other.
 
     `head_major` lays the memory out as [2, num_blocks, KVH, block_size, D] under that same
     logical shape (a transposed view): each (block, head) pair is then one contiguous row, which
@@ -185,9 +196,9 @@ def allocate_kv_cache(
     reads whole blocks (its padding, and the unwritten tail of a last block, are masked out and
     their values zeroed after the gather) and the padding of block tables, block 0, which is
     zeroed here so it always holds finite values."""
-    physical = (2, num_blocks, num_kv_heads, block_size, head_dim)
+    physical = (parts, num_blocks, num_kv_heads, block_size, head_dim)
     if not head_major:
-        physical = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        physical = (parts, num_blocks, block_size, num_kv_heads, head_dim)
 
     # An 8-bit float cache is made as bytes and viewed as its type: filling and copying bytes
     # works on every device, while torch's float8 support for those ops varies by build.

@@ -6,8 +6,9 @@ table per request:
 - a sliding window of W tokens keeps only what its next query can still see: a block whose tokens
   all fell out of the window goes back to the pool while the request runs (its slot in the
   request's table becomes a hole, block 0, which no kernel reads: they start at the window);
-- a latent of another width would be another `CacheSpec` with its own rule for which blocks it
-  holds.
+- a latent (multi-head latent attention, DeepSeek's MLA) keeps every token like full attention,
+  but one compressed row per token instead of K and V per head: its own group, whose tensors
+  have the latent's width (`LatentAttentionSpec`).
 
 Recurrent layers (Gated DeltaNet, Mamba, short convolutions) keep no KV: each request has a
 fixed-size state instead (its convolution's last inputs and its recurrent matrix, in every such
@@ -79,19 +80,38 @@ class SlidingWindowSpec:
         return f"sliding window {self.window}"
 
 
+@dataclass(frozen=True)
+class LatentAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one row of `width` values per token (the compressed KV
+    latent and the shared rotary key), every token kept, as full attention keeps them (so it
+    is a FullAttentionSpec to every rule about which blocks a group holds); a kind of its own,
+    so its layers form their own groups, whose tensors are `width` wide."""
+
+    width: int
+
+    def describe(self) -> str:
+        return f"latent attention ({self.width} values a token)"
+
+
 CacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 
 def layer_cache_specs(
-    windows: Sequence[int | None], max_model_len: int, attention: Sequence[bool] | None = None
+    windows: Sequence[int | None],
+    max_model_len: int,
+    attention: Sequence[bool] | None = None,
+    latent: Sequence[int | None] | None = None,
 ) -> list[CacheSpec | None]:
     """Each layer's spec from its sliding window (None: full attention). A window that covers the
     longest sequence keeps everything, so it is full attention for the cache. `attention`: per
-    layer, whether it attends at all (None where it does not: it keeps no KV)."""
+    layer, whether it attends at all (None where it does not: it keeps no KV). `latent`: per
+    layer, the width of its latent row when it is a latent-attention layer (else None)."""
     specs: list[CacheSpec | None] = [
         FullAttentionSpec() if w is None or w >= max_model_len else SlidingWindowSpec(int(w))
         for w in windows
     ]
+    if latent is not None:
+        specs = [s if w is None else LatentAttentionSpec(int(w)) for s, w in zip(specs, latent)]
     if attention is not None:
         specs = [s if a else None for s, a in zip(specs, attention)]
     return specs

@@ -76,8 +76,26 @@ class LoadedModel:
         if not self.hybrid_cache:
             windows = (None,) * m.num_layers
         attention = getattr(m.spec, "attention_layers", None)
-        specs = layer_cache_specs(windows, self.max_model_len, attention)
+        latent = getattr(m.spec, "latent_widths", None)
+        specs = layer_cache_specs(windows, self.max_model_len, attention, latent)
         return plan_cache_groups(specs, state_layers=getattr(m.spec, "state_layers", ()))
+
+    def kv_entry_shape(self) -> tuple[int, int, int]:
+        """(parts, heads, width) of one token's entry in one layer's cache: K and V per KV head
+        (2, KVH, head_dim), or a latent attention layer's row (1, 1, latent + rope)."""
+        m = self.model
+        shape = getattr(m, "kv_cache_shape", None)
+        return shape() if shape is not None else (2, m.num_kv_heads, m.head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        """The KV cache bytes one token holds on this rank, over every cache group (a group's
+        padding slots included: they are memory a block spans whether used or not)."""
+        layout = self.cache_layout()
+        parts, heads, width = self.kv_entry_shape()
+        per_group = bytes_per_block(
+            layout.layers_per_page, 1, heads, width, self.cache_dtype, parts
+        )
+        return layout.num_groups * per_group
 
     def state_slot_bytes(self) -> int:
         """Bytes of one request's recurrent state, over every recurrent layer (0: none)."""
@@ -93,15 +111,17 @@ class LoadedModel:
         layout = self.cache_layout()
         tensors = []
         if layout.num_groups:
+            parts, heads, width = self.kv_entry_shape()
             tensors = allocate_kv_cache(
                 layout.layers_per_page,
                 num_blocks,
                 block_size,
-                m.num_kv_heads,
-                m.head_dim,
+                heads,
+                width,
                 self.cache_dtype,
                 self.device,
                 head_major=self.backend.head_major_cache,
+                parts=parts,
             )
         attention = getattr(m.spec, "attention_layers", None) or (True,) * m.num_layers
         caches: list = [
@@ -360,14 +380,10 @@ def cache_capacity(
     max_num_seqs requests (plus the scratch slot) their states, from at most half of that memory
     when it also attends (all of it when it does not), and the KV blocks the rest; with less
     room, fewer requests run at once (the others queue)."""
-    m = loaded.model
     layout = loaded.cache_layout()
+    parts, heads, width = loaded.kv_entry_shape()
     per_block = bytes_per_block(
-        layout.layers_per_page,
-        block_size,
-        m.num_kv_heads,
-        m.head_dim,
-        loaded.cache_dtype,
+        layout.layers_per_page, block_size, heads, width, loaded.cache_dtype, parts
     )
     slot_bytes = loaded.state_slot_bytes()
     if config.num_kv_blocks is not None and not slot_bytes:

@@ -63,6 +63,7 @@ from ..layers.rotary import (
 )
 from ..parallel.group import SINGLE, TensorParallel
 from .lora_targets import DecoderLoRA
+from .mla import LatentAttention, MLASpec
 from .weights import DecoderWeights
 
 # -- the description ---------------------------------------------------------------------------
@@ -267,6 +268,10 @@ class DecoderSpec:
     # LFM3's gate per head: the attention output of head h is multiplied by
     # sigmoid(g_proj(x))[h], g_proj a [heads, hidden] linear of the layer's input.
     attn_head_gate: bool = False
+    # Multi-head latent attention (DeepSeek V2/V3, Mistral 4; models/mla.py) on every attending
+    # layer: head_dim is then the query/key head width (nope + rope), and the cache holds one
+    # latent row a token instead of K and V.
+    mla: MLASpec | None = None
 
     def __post_init__(self):
         check_activation(self.act)
@@ -297,6 +302,14 @@ class DecoderSpec:
     def attention_layers(self) -> tuple[bool, ...]:
         """Per layer, whether it attends (keeps KV in the paged cache)."""
         return tuple(m in ("attention", "parallel") for m in self.mixers)
+
+    @property
+    def latent_widths(self) -> tuple[int | None, ...] | None:
+        """Per layer, the width of its latent cache row (MLA layers), else None; None for a
+        model without latent attention."""
+        if self.mla is None:
+            return None
+        return tuple(self.mla.width if a else None for a in self.attention_layers)
 
     @property
     def state_layers(self) -> tuple[int, ...]:
@@ -588,7 +601,8 @@ class DecoderLayer(nn.Module):
         # The token mixer: attention, a recurrent layer (`mixer`, keeping a state), both side by
         # side ("parallel"), or none.
         attends, recurs = mixer in ("attention", "parallel"), mixer in ("recurrent", "parallel")
-        self.self_attn = Attention(s, attn, backend, rope, tp) if attends else None
+        kind = LatentAttention if s.mla is not None else Attention
+        self.self_attn = kind(s, attn, backend, rope, tp) if attends else None
         self.mixer = s.recurrent.build(s, backend, tp) if recurs else None
         if has_mlp:
             self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
@@ -696,8 +710,12 @@ class NativeDecodeLayer:
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives `layer` the whole-layer path where its shape allows; True if it did."""
-        if layer.self_attn is None or layer.mlp is None or layer.mixer is not None:
-            # recurrent, MLP-only, mixer-only, attention beside a recurrent mixer
+        if (
+            not isinstance(layer.self_attn, Attention)
+            or layer.mlp is None
+            or layer.mixer is not None
+        ):
+            # recurrent, MLP-only, mixer-only, attention beside a recurrent mixer, latent
             layer.native_decode = None
             return False
         attn, mlp = layer.self_attn, layer.mlp
@@ -848,6 +866,13 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 if layer.self_attn is not None:
                     layer.self_attn.spec = self._attention_spec(i, slopes)
         return self
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(parts, heads, width) of a token's cache entry in one layer: K and V of this rank's
+        KV heads, or a latent attention layer's one row (`kv_cache.allocate_kv_cache`)."""
+        if self.spec.mla is not None:
+            return 1, 1, self.spec.mla.width
+        return 2, self.num_kv_heads, self.head_dim
 
     def state_shapes(self) -> dict[int, list]:
         """Per recurrent layer, one request's state tensors (shape, dtype) (`state_shapes`)."""

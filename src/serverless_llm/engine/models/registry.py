@@ -10,6 +10,7 @@ from . import (  # noqa: F401
     families_kimi,
     families_linear,
     families_mamba,
+    families_mla,
     families_moe,
     families_moe2,
     families_remote,
