@@ -168,6 +168,9 @@ class LLMEngine:
             except Exception as e:
                 raise self.ranks.failure(e) from e
         self.cache_layout = layout = loaded.cache_layout()
+        # Resident KV bytes a token costs (this rank's, every cache group): MLA's latents show
+        # here as a fraction of what per-head K and V would take.
+        self.kv_bytes_per_token = loaded.kv_bytes_per_token()
         self.num_state_slots = num_slots
         one_request = blocks_for_one_request(
             layout, self.block_size, self.max_model_len, self.max_num_batched_tokens
@@ -239,7 +242,8 @@ class LLMEngine:
         captured = self.runner.captured
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s quantization=%s device=%s backend=%s "
-            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s) cache=%s%s "
+            "max_model_len=%d kv_blocks=%d (block_size %d, %d tokens, %s, %d B a token) "
+            "cache=%s%s "
             "decode_capture=%s tensor_parallel_size=%d%s",
             time.perf_counter() - t0,
             self.resolved.source,
@@ -252,6 +256,7 @@ class LLMEngine:
             self.block_size,
             num_blocks * self.block_size,
             str(self.cache_dtype).replace("torch.", ""),
+            self.kv_bytes_per_token,
             layout.describe(),
             self._state_line(loaded),
             "off" if captured is None else f"{captured.mode} ({captured.capture_seconds:.1f}s)",
