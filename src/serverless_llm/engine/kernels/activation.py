@@ -11,6 +11,8 @@ imported at the kernel's first launch, never for the reference (see `triton_lazy
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -48,9 +50,28 @@ def activation_reference(x: torch.Tensor, act: str) -> torch.Tensor:
     return ACTIVATIONS[act](x)
 
 
-def act_and_mul_reference(x: torch.Tensor, act: str) -> torch.Tensor:
-    """x: [..., gate | up] -> act(gate) * up."""
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' gated activation, named by its two constants where a gated
+    activation's name goes (`act_and_mul`, the experts): the gate clamped from above at
+    `limit`, the up part to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
+
+
+def clamped_swiglu_reference(gate: torch.Tensor, up: torch.Tensor, a: ClampedSwiGLU):
+    """`ClampedSwiGLU` in gate's dtype, op by op as transformers' gpt-oss experts compute it."""
+    gate = gate.clamp(max=a.limit)
+    up = up.clamp(-a.limit, a.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * a.alpha))
+
+
+def act_and_mul_reference(x: torch.Tensor, act) -> torch.Tensor:
+    """x: [..., gate | up] -> act(gate) * up (`ClampedSwiGLU`: its own product)."""
     gate, up = x.chunk(2, dim=-1)
+    if isinstance(act, ClampedSwiGLU):
+        return clamped_swiglu_reference(gate, up, act)
     return ACTIVATIONS[act](gate) * up
 
 
@@ -65,6 +86,7 @@ ACT_CODES = {
     "relu": 3,
     "relu2": 4,
 }
+CLAMPED_SWIGLU_CODE = 5  # `ClampedSwiGLU`'s code in the gated kernel (it has no name)
 
 
 @jit
@@ -91,6 +113,8 @@ def _act_and_mul_kernel(
     stride_x,
     stride_out,
     n_cols,
+    alpha,
+    limit,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -99,8 +123,13 @@ def _act_and_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    a = _act(gate.to(tl.float32), ACT).to(gate.dtype).to(tl.float32)
-    y = a * up.to(tl.float32)
+    if ACT == 5:  # ClampedSwiGLU (gpt-oss), in float32 and rounded once
+        g = tl.minimum(gate.to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+        y = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        a = _act(gate.to(tl.float32), ACT).to(gate.dtype).to(tl.float32)
+        y = a * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -122,9 +151,11 @@ def _activation_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
-    """x: [..., 2 * I] = [..., gate | up] -> act(gate) * up, [..., I]."""
-    code = ACT_CODES[act]
+def act_and_mul(x: torch.Tensor, act) -> torch.Tensor:
+    """x: [..., 2 * I] = [..., gate | up] -> act(gate) * up, [..., I] (`act` a name of
+    ACT_CODES, or a `ClampedSwiGLU`)."""
+    swiglu = act if isinstance(act, ClampedSwiGLU) else ClampedSwiGLU(0.0, 0.0)
+    code = CLAMPED_SWIGLU_CODE if isinstance(act, ClampedSwiGLU) else ACT_CODES[act]
     two_i = x.shape[-1]
     if two_i % 2:
         raise ValueError(f"act_and_mul needs an even last dimension, got {two_i}")
@@ -136,7 +167,16 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
         block = min(ACT_BLOCK, next_power_of_2(n))
         grid = (rows, cdiv(n, block))
         _act_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), n, ACT=code, BLOCK=block, num_warps=4
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            n,
+            float(swiglu.alpha),
+            float(swiglu.limit),
+            ACT=code,
+            BLOCK=block,
+            num_warps=4,
         )
     return out.view(*x.shape[:-1], n)
 

@@ -8,7 +8,9 @@ compute, for every token t,
 
 with W13 [E, 2I, H] (each expert's gate rows, then its up rows) and W2 [E, H, I]. Non-gated
 experts (`gated=False`, Nemotron-H's relu^2 experts) have W13 [E, I, H], their up rows alone,
-and apply act(W13[e] @ x[t]) in place of act_and_mul.
+and apply act(W13[e] @ x[t]) in place of act_and_mul. Experts with biases (gpt-oss: `b13`
+[E, 2I], `b2` [E, H]) add b13[e] to the gate/up product and b2[e] to the down product, before
+the router weight.
 
 **Reference** (`fused_moe_reference`): the rows gathered in expert order, one pair of matmuls per
 expert that received any row (an expert with no row costs nothing), each output scaled by its
@@ -76,11 +78,13 @@ def fused_moe_reference(
     act: str = "silu",
     linear=F.linear,
     gated: bool = True,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
 ) -> Tensor:
     """The torch path (see the module docstring), in x's dtype. `w13` and `w2` are stacked
     tensors, or any per-expert sequences `linear(rows, w13[e])` accepts (the CPU path passes
     oneDNN-packed weights and their matmul). `gated`: w13 holds gate and up rows (else up
-    alone)."""
+    alone). `b13` [E, 2I], `b2` [E, H]: the experts' biases, or None."""
     act_fn = act_and_mul_reference if gated else activation_reference
     T, k = ids.shape
     order, counts = group_by_expert(ids, len(w13))
@@ -92,7 +96,11 @@ def fused_moe_reference(
         if n == 0:
             continue
         seg = rows[start : start + n]
-        out[start : start + n] = linear(act_fn(linear(seg, w13[e]), act), w2[e])
+        h = linear(seg, w13[e])
+        if b13 is not None:
+            h = h + b13[e]
+        h = linear(act_fn(h, act), w2[e])
+        out[start : start + n] = h if b2 is None else h + b2[e]
         start += n
     out = out * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, tokens, out)
@@ -141,6 +149,7 @@ def _moe_gemm_kernel(
     block_expert_ptr,
     weight_ptr,
     wscale_ptr,
+    bias_ptr,
     N,
     K,
     num_rows,
@@ -148,11 +157,13 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_be,
     stride_om,
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     W_E4M3: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -161,7 +172,8 @@ def _moe_gemm_kernel(
     expert e), times weight[r] when MUL_WEIGHT, plus out's own value when ACCUMULATE. Sentinel
     rows (>= num_rows) are neither read nor written; a block with expert -1 (past the end, or a
     group to skip) returns at once. W_E4M3: w holds e4m3 bytes, decoded in the K loop, and the
-    sums are scaled by wscale[e, n]."""
+    sums are scaled by wscale[e, n]. HAS_BIAS: bias[e, n] is added to the sums (before the
+    weight)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -183,6 +195,9 @@ def _moe_gemm_kernel(
     if W_E4M3:
         e_scale = wscale_ptr + expert.to(tl.int64) * stride_se
         acc = acc * tl.load(e_scale + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        e_bias = bias_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(e_bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     store_rows(
         out_ptr, acc, rows, mask_m, offs_n, mask_n, stride_om, weight_ptr, MUL_WEIGHT, ACCUMULATE
     )
@@ -239,12 +254,13 @@ def moe_tiles(num_rows: int, num_experts: int, dtype: torch.dtype) -> tuple[int,
 
 def grouped_gemm(
     a, w, rows, block_expert, weights, num_rows, a_div, tiles, out=None, accumulate=False,
-    w_scale=None,
+    w_scale=None, bias=None,
 ) -> Tensor:  # fmt: skip
     """One launch of `_moe_gemm_kernel` over the blocks `moe_align` made: out [num_rows, N]
     (new, or `out` itself, added to when `accumulate`) from rows of `a` and each block's
     matrix of `w` [groups, N, K] (any strides, K contiguous). `w_scale` [groups, N]: w holds
-    e4m3 bytes (uint8) with these channel scales."""
+    e4m3 bytes (uint8) with these channel scales. `bias` [groups, N] (last dim contiguous):
+    added to each row's sums."""
     block_m, block_n, block_k, warps = tiles
     n, k = w.shape[1], w.shape[2]
     if w.stride(2) != 1:
@@ -262,6 +278,7 @@ def grouped_gemm(
         block_expert,
         weights if weights is not None else a,
         w_scale if w_scale is not None else a,
+        bias if bias is not None else a,
         n,
         k,
         num_rows,
@@ -269,11 +286,13 @@ def grouped_gemm(
         w.stride(0),
         w.stride(1),
         w_scale.stride(0) if w_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         out.stride(0),
         A_DIV=a_div,
         MUL_WEIGHT=weights is not None,
         ACCUMULATE=accumulate,
         W_E4M3=w_scale is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -283,11 +302,12 @@ def grouped_gemm(
 
 
 def run_experts(
-    x, w13, w2, weights, ids, num_experts: int, gemm, act: str, gated: bool = True
+    x, w13, w2, weights, ids, num_experts: int, gemm, act, gated: bool = True, b13=None, b2=None
 ) -> Tensor:
     """The two grouped GEMMs of a MoE MLP with any weight form: the rows aligned by expert,
     `gemm` (grouped_gemm's signature) for gate/up (up alone when not `gated`), the activation,
-    `gemm` for down with the router weight applied, then each token's top-k outputs summed."""
+    `gemm` for down with the router weight applied, then each token's top-k outputs summed.
+    `b13`, `b2`: the experts' biases (grouped_gemm's `bias`), or None."""
     T, k = ids.shape
     num_rows = T * k
     if num_rows == 0:
@@ -295,10 +315,12 @@ def run_experts(
     x = x.contiguous()
     tiles = moe_tiles(num_rows, num_experts, x.dtype)
     rows, block_expert = moe_align(ids, num_experts, tiles[0])
-    h = gemm(x, w13, rows, block_expert, None, num_rows, k, tiles)
+    biased = {} if b13 is None else {"bias": b13}
+    h = gemm(x, w13, rows, block_expert, None, num_rows, k, tiles, **biased)
     h = act_and_mul(h, act) if gated else activation(h, act)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    out = gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles)
+    biased = {} if b2 is None else {"bias": b2}
+    out = gemm(h, w2, rows, block_expert, scale, num_rows, 1, tiles, **biased)
     return out.view(T, k, -1).sum(dim=1)
 
 
@@ -308,13 +330,15 @@ def fused_moe(
     w2: Tensor,
     weights: Tensor,
     ids: Tensor,
-    act: str = "silu",
+    act="silu",
     gated: bool = True,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
 ) -> Tensor:
     """The Triton path with `fused_moe_reference`'s contract; x [T, H] in float16, bfloat16 or
     float32 (float32 accumulation), the result in x's dtype. `grouped_gemm` refuses expert
     weights whose rows are not contiguous."""
-    return run_experts(x, w13, w2, weights, ids, w13.shape[0], grouped_gemm, act, gated)
+    return run_experts(x, w13, w2, weights, ids, w13.shape[0], grouped_gemm, act, gated, b13, b2)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from torch import nn
 from ..kernels.activation import (
     ACT_CODES,
     ACTIVATIONS,
+    ClampedSwiGLU,
     act_and_mul,
     act_and_mul_reference,
     activation,
@@ -34,7 +35,10 @@ def native_activation(module, x: torch.Tensor, gated: bool) -> torch.Tensor | No
     return native.activation(x, ACT_CODES[module.act], gated)
 
 
-def check_activation(act: str) -> str:
+def check_activation(act):
+    """`act` when it is an activation's name (or gpt-oss's `ClampedSwiGLU`, a gated one)."""
+    if isinstance(act, ClampedSwiGLU):
+        return act
     if act not in ACTIVATIONS:
         raise UnsupportedActivationError(
             f"activation {act!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}"

@@ -203,15 +203,26 @@ class StackedWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
 
+class StackedBias(nn.Module):
+    """Every expert's bias of one projection, [num_experts, out] (gpt-oss); a module whose
+    parameter is `weight`, as the loader fills a checkpoint's bare parameters."""
+
+    def __init__(self, num_experts: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features))
+
+
 def experts_forward(
-    x, w13, w2, weights, ids, act: str, use_kernels: bool, linear=F.linear, gated: bool = True
-) -> torch.Tensor:
+    x, w13, w2, weights, ids, act, use_kernels: bool, linear=F.linear, gated: bool = True,
+    b13=None, b2=None,
+) -> torch.Tensor:  # fmt: skip
     """The experts' weighted sum for each token: the Triton grouped GEMM when `use_kernels`,
     else its torch reference (kernels/fused_moe.py), whose matmuls are `linear` (per-expert
-    packed weights on CPU); `gated`: w13 holds gate and up rows, else up rows alone."""
+    packed weights on CPU); `gated`: w13 holds gate and up rows, else up rows alone; `b13`,
+    `b2`: the experts' biases or None."""
     if use_kernels:
-        return fused_moe(x, w13, w2, weights, ids, act, gated)
-    return fused_moe_reference(x, w13, w2, weights, ids, act, linear, gated)
+        return fused_moe(x, w13, w2, weights, ids, act, gated, b13, b2)
+    return fused_moe_reference(x, w13, w2, weights, ids, act, linear, gated, b13, b2)
 
 
 class Experts(nn.Module):
@@ -229,22 +240,27 @@ class Experts(nn.Module):
       its torch reference elsewhere).
 
     Non-gated experts (`gated=False`, Nemotron-H's): `w13` [E, I, H] holds the up rows alone and
-    the activation applies to them; float checkpoints only for now."""
+    the activation applies to them; float checkpoints only for now. `bias` (gpt-oss): each
+    expert has a bias per projection, `w13_bias` [E, 2I] and `w2_bias` [E, H]; `act` may be
+    a `ClampedSwiGLU` (kernels/activation.py)."""
 
     def __init__(
         self,
         num_experts: int,
         hidden: int,
         inter: int,
-        act: str,
+        act,
         use_kernels: bool,
         gated: bool = True,
+        bias: bool = False,
     ):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.gated = gated
         self.w13 = StackedWeight(num_experts, (2 if gated else 1) * inter, hidden)
         self.w2 = StackedWeight(num_experts, hidden, inter)
+        self.w13_bias = StackedBias(num_experts, (2 if gated else 1) * inter) if bias else None
+        self.w2_bias = StackedBias(num_experts, hidden) if bias else None
         self.act = check_activation(act)
         self.use_kernels = use_kernels
         self.packed: tuple[list, list] | None = None  # `pack_for_cpu`
@@ -266,6 +282,8 @@ class Experts(nn.Module):
         tensor-parallel rank of an act-order checkpoint keeps every group)."""
         if not self.gated:
             raise ValueError("quantized checkpoints of non-gated experts are not supported yet")
+        if self.w13_bias is not None:
+            raise ValueError("quantized checkpoints of experts with biases are not supported yet")
         self.scheme = scheme
         self.w2_groups = w2_groups
         self.mode = "packed" if mode == "packed" else "dequantize"
@@ -396,6 +414,12 @@ class Experts(nn.Module):
         keep = tuple(n for n in self._buffers if n.endswith(("_scales", "_zeros", "_scale")))
         return apply_keeping_dtype(self, fn, recurse, keep)
 
+    def biases(self) -> tuple:
+        """(b13, b2): the experts' bias tensors, or (None, None)."""
+        if self.w13_bias is None:
+            return None, None
+        return self.w13_bias.weight, self.w2_bias.weight
+
     def forward(self, x, weights, ids):
         if self.quantized:
             w13, w2 = self.packed_experts("w13"), self.packed_experts("w2")
@@ -407,12 +431,14 @@ class Experts(nn.Module):
         if self.packed is not None:
             w13, w2 = self.packed
             return experts_forward(
-                x, w13, w2, weights, ids, self.act, False, packed_linear, self.gated
-            )
+                x, w13, w2, weights, ids, self.act, False, packed_linear, self.gated,
+                *self.biases(),
+            )  # fmt: skip
         w13, w2 = self.w13.weight, self.w2.weight
         return experts_forward(
-            x, w13, w2, weights, ids, self.act, self.use_kernels, gated=self.gated
-        )
+            x, w13, w2, weights, ids, self.act, self.use_kernels, F.linear, self.gated,
+            *self.biases(),
+        )  # fmt: skip
 
     def pack_for_cpu(self) -> None:
         """Each expert's matrices packed for oneDNN in place of the stacked float32 weights (the

@@ -19,6 +19,7 @@ kernel; `residual is None` means the stream is x itself.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.activation import ACT_CODES
+from ..kernels.activation import ACT_CODES, ClampedSwiGLU
 from ..kernels.cpu_native import (
     NATIVE_ACT_CODES,
     DecoderLayerWeights,
@@ -126,6 +127,11 @@ class MoESpec:
     groups: tuple[int, int] = (1, 1)
     routed_scale: float = 1.0
     latent_size: int | None = None
+    # gpt-oss: a router with a bias, experts with a bias per projection, and the experts'
+    # activation `ClampedSwiGLU(alpha, limit)` given as (alpha, limit) instead of the model's.
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu: tuple[float, float] | None = None
     weighted_inputs: bool = False
     norm_floor: float = 0.0  # "softmax_biased": the least sum the weights are divided by
 
@@ -268,6 +274,9 @@ class DecoderSpec:
     # LFM3's gate per head: the attention output of head h is multiplied by
     # sigmoid(g_proj(x))[h], g_proj a [heads, hidden] linear of the layer's input.
     attn_head_gate: bool = False
+    # gpt-oss: a learned sink logit per head inside the softmax (`AttentionSpec.sinks`), the
+    # checkpoint's `self_attn.sinks`.
+    attn_sinks: bool = False
     # Multi-head latent attention (DeepSeek V2/V3, Mistral 4; models/mla.py) on every attending
     # layer: head_dim is then the query/key head width (nope + rope), and the cache holds one
     # latent row a token instead of K and V.
@@ -356,6 +365,8 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         self.g_proj = nn.Linear(s.hidden_size, h, bias=False) if s.attn_head_gate else None
+        # The sinks' parameter; the spec points at it once materialized (`DecoderModel`).
+        self.sinks = nn.Parameter(torch.empty(h)) if s.attn_sinks else None
         self.clip_qkv = s.clip_qkv
         self.clip_after_norm = s.clip_after_norm and s.clip_qkv is not None
         self.qk_norm = s.qk_norm
@@ -533,12 +544,18 @@ class SparseMoE(nn.Module):
         elif m.routing == "softmax_grouped":  # float32 logits, no correction bias
             self.gate = BiasedRouter(s.hidden_size, m.num_experts, bias=False)
         else:
-            self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=False)
+            self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=m.router_bias)
         if tp.enabled and (m.latent_size or not s.gated):
             raise ValueError("tensor parallelism of latent or non-gated experts is not supported")
         width = m.latent_size or s.hidden_size
         self.experts = Experts(
-            m.num_experts, width, m.intermediate_size, s.act, use_kernels, gated=s.gated
+            m.num_experts,
+            width,
+            m.intermediate_size,
+            ClampedSwiGLU(*m.swiglu) if m.swiglu else s.act,
+            use_kernels,
+            gated=s.gated,
+            bias=m.expert_bias,
         )
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if m.latent_size:
@@ -865,6 +882,11 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             for i, layer in enumerate(self.layers):
                 if layer.self_attn is not None:
                     layer.self_attn.spec = self._attention_spec(i, slopes)
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn is not None and getattr(attn, "sinks", None) is not None:
+                # The parameter itself: loading and dtype changes keep the object.
+                attn.spec = dataclasses.replace(attn.spec, sinks=attn.sinks)
         return self
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
