@@ -117,6 +117,34 @@ def layer_cache_specs(
     return specs
 
 
+@dataclass(frozen=True)
+class ChunkedLocalSpec:
+    """Chunked local attention (Llama 4): the sequence is cut into chunks of `chunk` tokens and
+    the query at position p sees only the keys of its own chunk, p - p % chunk <= j <= p. A new
+    chunk sees nothing before it, so every block before the current chunk can go back to the
+    pool, as a sliding window's blocks do; at most `chunk` - 1 earlier tokens are ever needed."""
+
+    chunk: int
+
+    def first_needed_block(self, num_computed: int, block_size: int) -> int:
+        """The first block the next query (at position `num_computed`) can see: its chunk's."""
+        return (num_computed - num_computed % self.chunk) // block_size
+
+    def describe(self) -> str:
+        return f"chunked local {self.chunk}"
+
+
+def with_chunks(specs: Sequence, chunks: Sequence[int | None] | None, max_model_len: int) -> list:
+    """`specs` with the layers of a local attention chunk (`chunks[i]`, None: none) keeping a
+    `ChunkedLocalSpec`; a chunk that covers the longest sequence keeps everything."""
+    if chunks is None:
+        return list(specs)
+    return [
+        ChunkedLocalSpec(int(c)) if s is not None and c is not None and c < max_model_len else s
+        for s, c in zip(specs, chunks)
+    ]
+
+
 # -- groups -------------------------------------------------------------------------------------
 
 
@@ -592,14 +620,16 @@ def blocks_for_one_request(
     layout: CacheLayout, block_size: int, max_model_len: int, max_step_tokens: int
 ) -> int:
     """The most blocks one request of `max_model_len` tokens holds at once: every block in a
-    full-attention group; in a sliding-window group its window, plus the step that writes the
-    most new tokens (they are all written before the window passes them)."""
+    full-attention group; in a sliding-window group its window (a chunked group: its chunk),
+    plus the step that writes the most new tokens (they are all written before the window
+    passes them)."""
     whole = math.ceil(max_model_len / block_size)
     total = 0
     for group in layout.groups:
         spec = group.spec
-        if isinstance(spec, SlidingWindowSpec):
-            span = spec.window - 1 + min(max_step_tokens, max_model_len)
+        local = getattr(spec, "window", None) or getattr(spec, "chunk", None)
+        if isinstance(spec, (SlidingWindowSpec, ChunkedLocalSpec)):
+            span = local - 1 + min(max_step_tokens, max_model_len)
             total += min(whole, math.ceil(span / block_size) + 1)
         else:
             total += whole

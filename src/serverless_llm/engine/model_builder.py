@@ -20,7 +20,7 @@ from .kv_cache import (
     bytes_per_block,
     state_bytes,
 )
-from .kv_cache_manager import CacheLayout, layer_cache_specs, plan_cache_groups
+from .kv_cache_manager import CacheLayout, layer_cache_specs, plan_cache_groups, with_chunks
 from .layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -78,6 +78,8 @@ class LoadedModel:
         attention = getattr(m.spec, "attention_layers", None)
         latent = getattr(m.spec, "latent_widths", None)
         specs = layer_cache_specs(windows, self.max_model_len, attention, latent)
+        if self.hybrid_cache:  # Llama 4's chunked local layers hold their chunk only
+            specs = with_chunks(specs, getattr(m.spec, "chunks", None), self.max_model_len)
         return plan_cache_groups(specs, state_layers=getattr(m.spec, "state_layers", ()))
 
     def kv_entry_shape(self) -> tuple[int, int, int]:

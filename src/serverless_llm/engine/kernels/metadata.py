@@ -65,6 +65,9 @@ class AttentionSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None  # a query attends to the last `sliding_window` keys
+    # Chunked local attention (Llama 4): the query at position p attends only to the keys of its
+    # own chunk of `chunk_size` positions, p - p % chunk_size <= j <= p.
+    chunk_size: int | None = None
     logit_softcap: float | None = None
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
@@ -92,6 +95,7 @@ class AttentionSpec:
             self.head_dim,
             self.scale,
             self.sliding_window,
+            self.chunk_size,
             self.logit_softcap,
             self.k_scale,
             self.v_scale,

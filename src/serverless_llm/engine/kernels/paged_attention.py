@@ -6,7 +6,8 @@ are (token, head-in-group) pairs, BLOCK_M = BLOCK_Q * G_PAD of them, so a decode
 heads per KV head still feeds `tl.dot` a 16-row operand and reads each K/V tile once for the
 whole group. Keys are read through the block table in tiles of BLOCK_N (independent of the cache
 block size: a tile may span several cache blocks or part of one). A query at absolute position
-p = context_len + i attends key j when j <= p and, with a sliding window W, p - j < W. Its score
+p = context_len + i attends key j when j <= p and, with a sliding window W, p - j < W (with a
+local chunk C, Llama 4's chunked layers: j >= p - p % C, the start of p's chunk). Its score
 is q.k * scale, soft-capped (cap * tanh(score / cap)) when the spec has a `logit_softcap`, plus
 slope[h] * (j - p) when it has `alibi_slopes`; the kernel works in log2 units (scores times
 log2(e), for exp2), so the cap and the slopes are scaled by log2(e) too. A head's sink logit
@@ -92,6 +93,7 @@ def _paged_attention_kernel(
     scale_log2e,
     softcap_log2e,
     window,
+    chunk,
     num_splits,
     stride_qt,
     stride_qh,
@@ -116,6 +118,7 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -167,6 +170,8 @@ def _paged_attention_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx + q0 - window + 1, 0)
+    if HAS_CHUNK:  # nothing before the first query's chunk (later queries' start later)
+        lo = tl.maximum(lo, ctx + q0 - (ctx + q0) % chunk)
     t_lo = lo // BLOCK_N
     t_hi = tl.cdiv(hi, BLOCK_N)
     if SPLIT:
@@ -216,6 +221,8 @@ def _paged_attention_kernel(
         allowed = (keys[None, :] <= reach[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             allowed = allowed & (pos[:, None] - keys[None, :] < window)
+        if HAS_CHUNK:
+            allowed = allowed & (keys[None, :] >= (pos - pos % chunk)[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -513,6 +520,7 @@ def _launch(
         spec.scale * LOG2E,
         (softcap or 1.0) * LOG2E,
         window,
+        spec.chunk_size or 1,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -537,6 +545,7 @@ def _launch(
         D_PAD=d_pad,
         CACHE_BLOCK=key_cache_block,
         HAS_WINDOW=spec.sliding_window is not None,
+        HAS_CHUNK=spec.chunk_size is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_ALIBI=slopes is not None,
         SPLIT=split,
@@ -582,15 +591,18 @@ def attention_mask(
     num_keys: int,
     sliding_window: int | None,
     key_limits: list[int] | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """[q, num_keys] bool: causal, and inside the sliding window when there is one; with
-    `key_limits` (a bidirectional span), query r also attends to keys after it up to
-    key_limits[r]."""
+    """[q, num_keys] bool: causal, and inside the sliding window when there is one (inside the
+    query's chunk with `chunk_size`); with `key_limits` (a bidirectional span), query r also
+    attends to keys after it up to key_limits[r]."""
     keys = torch.arange(num_keys, device=query_positions.device)
     diff = query_positions[:, None] - keys[None, :]
     allowed = diff >= 0
     if sliding_window is not None:
         allowed &= diff < sliding_window
+    if chunk_size is not None:
+        allowed &= keys[None, :] >= (query_positions - query_positions % chunk_size)[:, None]
     if key_limits is not None:
         limits = torch.tensor(key_limits, device=query_positions.device)
         allowed |= (diff < 0) & (keys[None, :] <= limits[:, None])
@@ -712,6 +724,10 @@ def _decode_torch(q, kv_cache, meta, spec):
     if spec.sliding_window is not None:
         inside = st["decode_last"][:, None] - st["decode_pos"][None, :] < spec.sliding_window
         masked = ~(valid & inside)[:, None, None, :]
+    if spec.chunk_size is not None:  # keys before the decode's chunk
+        last = st["decode_last"]
+        before = st["decode_pos"][None, :] < (last - last % spec.chunk_size)[:, None]
+        masked = masked | before[:, None, None, :]
     scores = scores.masked_fill(masked, float("-inf"))
     probs = _softmax(scores.float(), spec, (1, kvh, g, 1)).to(q.dtype)
     o = torch.matmul(probs, values)  # [nd, KVH, G, D]
@@ -739,13 +755,14 @@ def prefill_torch(q, k, v, kv_cache, meta, spec, i):
         return _attend_explicit(q, kh, vh, ctx, spec, limits)
     qh = q.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
-    if ctx == 0 and spec.sliding_window is None and spec.alibi_slopes is None and not limits:
+    local = spec.sliding_window is not None or spec.chunk_size is not None
+    if ctx == 0 and not local and spec.alibi_slopes is None and not limits:
         o = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=spec.scale, enable_gqa=gqa
         )
     else:
         positions = torch.arange(ctx, seq_len, device=q.device)
-        mask = attention_mask(positions, seq_len, spec.sliding_window, limits)
+        mask = attention_mask(positions, seq_len, spec.sliding_window, limits, spec.chunk_size)
         if spec.alibi_slopes is not None:
             # ALiBi as an additive float32 mask [H, n, L]: SDPA adds it to the scaled scores.
             rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]
@@ -803,6 +820,9 @@ def _attend_explicit(q, k, v, ctx, spec, limits=None):
         allowed = rel <= 0
         if spec.sliding_window is not None:
             allowed &= rel > -spec.sliding_window
+        if spec.chunk_size is not None:
+            qpos = torch.arange(ctx + a, ctx + b, device=q.device)
+            allowed &= keys[None, :] >= (qpos - qpos % spec.chunk_size)[:, None]
         if limits:
             lim = torch.tensor(limits[a:b], device=q.device)
             allowed |= (rel > 0) & (keys[None, :] <= lim[:, None])
@@ -817,7 +837,7 @@ def paged_attention_reference(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
 ) -> torch.Tensor:
     """Request by request: gather the keys through the block table, scale, soft-cap and add
-    the ALiBi bias (when the spec has them), mask causally (and by the window), softmax in
+    the ALiBi bias (when the spec has them), mask causally (and by the window or chunk), softmax in
     float32 (with the sink logits as one more column when the spec has them, dropped after).
     Slow and obvious on purpose."""
     T = q.shape[0]
@@ -849,7 +869,8 @@ def reference_request(q, kv_cache, meta: AttentionMetadata, spec: AttentionSpec,
     if spec.alibi_slopes is not None:
         rel = torch.arange(seq_len, device=q.device)[None, :] - positions[:, None]  # j - p
         scores = scores + spec.alibi_slopes.float().to(q.device)[:, None, None] * rel[None]
-    mask = attention_mask(positions, seq_len, spec.sliding_window, request_key_limits(meta, i))
+    limits = request_key_limits(meta, i)
+    mask = attention_mask(positions, seq_len, spec.sliding_window, limits, spec.chunk_size)
     scores = scores.masked_fill(~mask[None], float("-inf"))
     if spec.sinks is not None:  # one more logit per head, with no value
         sink = spec.sinks.float().to(q.device)[:, None, None].expand(-1, e - s, 1)

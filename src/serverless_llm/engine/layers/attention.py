@@ -99,7 +99,8 @@ class NativeCpuBackend(TorchAttentionBackend):
         meta.backend_state["native"] = None  # built by the first layer that needs it
 
     def forward(self, q, k, v, kv_cache, meta, spec):
-        if not (q.dtype == torch.float32 and native_cache_ok(kv_cache)):
+        native = q.dtype == torch.float32 and native_cache_ok(kv_cache)
+        if not native or spec.chunk_size is not None:  # (the native step has no chunk rule)
             if "kv_write" not in meta.backend_state:  # the torch backend's plan, once a step
                 super().prepare(meta)
             return super().forward(q, k, v, kv_cache, meta, spec)

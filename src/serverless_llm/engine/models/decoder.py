@@ -231,12 +231,20 @@ class DecoderSpec:
     o_bias: bool = False
     # "rms_head" (RMSNorm over head_dim, shared by the heads) | "rms_full" (over all heads) |
     # "layer_head" (LayerNorm, a weight per head) | "layer_head_shared" (LayerNorm with weight
-    # and bias over head_dim, shared by the heads: Phi)
+    # and bias over head_dim, shared by the heads: Phi) | "l2_head" (RMS over head_dim with no
+    # weight, after the rotary: Llama 4's L2 norm)
     qk_norm: str | None = None
+    qk_norm_layers: tuple[bool, ...] | None = None  # per layer, whether it has it (default all)
     qk_norm_eps: float | None = None  # default: norm.eps
     scale: float | None = None  # default: head_dim ** -0.5
     attn_softcap: float | None = None
     windows: tuple[int | None, ...] | None = None  # per layer; None: no sliding window
+    # per layer, its local attention chunk (Llama 4: a query sees only its own chunk's keys)
+    chunks: tuple[int | None, ...] | None = None
+    # Attention temperature tuning on the layers without rotary (Llama 4's NoPE layers): the
+    # query at position p is multiplied by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)),
+    # given as (floor_scale, attn_scale).
+    attn_temperature: tuple[float, float] | None = None
     clip_qkv: float | None = None
     clip_after_norm: bool = False  # OLMoE clips q and k after their norms, not before
     alibi_scale: float | None = None  # ALiBi, slopes times this (Falcon scales them by `scale`)
@@ -287,6 +295,12 @@ class DecoderSpec:
         n = self.num_layers
         if self.windows is None:
             self.windows = (None,) * n
+        if self.chunks is None:
+            self.chunks = (None,) * n
+        if self.qk_norm_layers is None:
+            self.qk_norm_layers = (True,) * n
+        if len(self.chunks) != n or len(self.qk_norm_layers) != n:
+            raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
         if self.rope is None:
             self.rope = (None,) * n
         if self.moe_layers is None:
@@ -383,37 +397,48 @@ class Attention(nn.Module):
         elif s.qk_norm == "layer_head_shared":
             self.q_norm = LayerNorm(d, eps, use_kernels=backend.use_kernels)
             self.k_norm = LayerNorm(d, eps, use_kernels=backend.use_kernels)
+        elif s.qk_norm == "l2_head":
+            self.qk_eps = eps
         elif s.qk_norm is not None:
             raise ValueError(f"unknown q/k norm {s.qk_norm!r}")
         # Whether the native CPU step can prepare q and k itself (its clip comes before the
         # norms; a norm over every head only without tensor parallelism, where its statistics
         # would span the ranks).
+        # Temperature tuning (`DecoderSpec.attn_temperature`) on a layer without rotary.
+        self.temperature = s.attn_temperature if rope is None else None
         self.native_prep = isinstance(backend, NativeCpuBackend) and (
             not self.clip_after_norm
             and not (s.qk_norm == "rms_full" and tp.enabled)
             and not self.gate_size
+            and s.qk_norm != "l2_head"
+            and self.temperature is None
+            and attn.chunk_size is None  # the native kernels have no chunk rule
         )
         self._native_layer: tuple | None = None  # (key, struct, prep), rebuilt on a new key
 
-    def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata, q_scale=None):
+        """`q_scale`: [T, 1, 1] float32 factors for the queries (temperature tuning), or None."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.g_proj is not None:
-            attn = self._attend(qkv, T, rope, kv_cache, meta).reshape(T, self.num_heads, -1)
+            attn = self._attend(qkv, T, rope, kv_cache, meta, q_scale)
             gate = torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
-            return self._out((attn * gate).reshape(T, -1))
+            return self._out((attn.reshape(T, self.num_heads, -1) * gate).reshape(T, -1))
         if not self.gate_size:
-            return self._out(self._attend(qkv, T, rope, kv_cache, meta))
+            return self._out(self._attend(qkv, T, rope, kv_cache, meta, q_scale))
         qkv, gate = qkv.split([qkv.shape[-1] - self.gate_size, self.gate_size], dim=-1)
-        attn = self._attend(qkv, T, rope, kv_cache, meta)
+        attn = self._attend(qkv, T, rope, kv_cache, meta, q_scale)
         return self._out(attn * torch.sigmoid(gate))
 
-    def _attend(self, qkv, T: int, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata):
+    def _attend(
+        self, qkv, T: int, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata, q_scale=None
+    ):
         if self.native_prep and qkv.dtype == torch.float32:
             return self._forward_native(qkv, rope, kv_cache, meta)
         if self.clip_qkv is not None and not self.clip_after_norm:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        if rope is not None and rope.cos is not None and self.qk_norm is None:
+        plain = self.qk_norm is None and q_scale is None
+        if rope is not None and rope.cos is not None and plain:
             # The torch path of a full-width neox rotation: q and k are neighbours in the fused
             # projection, so one rotation covers both heads' sets (half the ops of two).
             qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
@@ -441,6 +466,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, k, rope, self.rope.is_neox)
+        if self.qk_norm == "l2_head":
+            q, k = _rms_plain(q, self.qk_eps), _rms_plain(k, self.qk_eps)
+        if q_scale is not None:
+            q = (q.float() * q_scale).to(q.dtype)
         return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
 
     def _forward_native(self, qkv, rope, kv_cache, meta):
@@ -499,6 +528,18 @@ class Attention(nn.Module):
         sq = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(sq / (x.shape[-1] * self.tp.size) + norm.eps)
         return norm.weight * h.to(x.dtype)
+
+
+def _rms_plain(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation over the last dim with no weight, in float32 (Llama 4's L2 norm)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float):
+    """Llama 4's temperature tuning: [T, 1, 1] float32 factors for the queries at `positions`."""
+    p = positions.float()
+    return (torch.log1p(torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0).view(-1, 1, 1)
 
 
 class MLP(nn.Module):
@@ -634,23 +675,24 @@ class DecoderLayer(nn.Module):
         self.residual_scale = s.residual_scale
         self.native_decode: NativeDecodeLayer | None = None  # `NativeDecodeLayer.attach`
 
-    def _mix(self, h, rope, cache, meta):
+    def _mix(self, h, rope, cache, meta, q_scale=None):
         """The token mixer's output for the normed stream `h` (None for a layer without one)."""
         if self.self_attn is not None and self.mixer is not None:  # its cache: a RecurrentState
-            return self.mixer(h, cache, meta) + self.self_attn(h, rope, cache.kv, meta)
+            return self.mixer(h, cache, meta) + self.self_attn(h, rope, cache.kv, meta, q_scale)
         if self.self_attn is not None:
-            return self.self_attn(h, rope, cache, meta)
+            return self.self_attn(h, rope, cache, meta, q_scale)
         if self.mixer is not None:
             return self.mixer(h, cache, meta)
         return None
 
-    def forward(self, x, residual, rope, kv_cache, meta):
+    def forward(self, x, residual, rope, kv_cache, meta, q_scale=None):
+        """`q_scale`: the queries' temperature factors (`attention_temperature`), or None."""
         nd = self.native_decode
         if nd is not None and nd.takes(self, x, residual, meta):
             return nd(self, x, residual, rope, kv_cache, meta)
         if self.post_ln:  # OPT-350m: stream = norm(stream + sublayer(stream))
             stream = x if residual is None else x + residual
-            h = self.self_attn(stream, rope, kv_cache, meta)
+            h = self.self_attn(stream, rope, kv_cache, meta, q_scale)
             stream, _ = self.in_norm(h, stream)
             stream, _ = self.mlp_norm(self.mlp(stream), stream)
             return stream, None
@@ -658,10 +700,10 @@ class DecoderLayer(nn.Module):
         if self.parallel:
             # GPT-J, Phi, Cohere: one norm feeds both; GPT-NeoX, Falcon's new decoder: two.
             m = self.mlp(self.mlp_norm(residual) if self.mlp_norm is not None else h)
-            return self._mix(h, rope, kv_cache, meta) + m, residual
+            return self._mix(h, rope, kv_cache, meta, q_scale) + m, residual
         if self.self_attn is None and self.mixer is None:  # an MLP block alone (its one norm: in)
             return self._scaled(self._mlp_out(h)), residual
-        h = self._mix(h, rope, kv_cache, meta)
+        h = self._mix(h, rope, kv_cache, meta, q_scale)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         h = self._scaled(h)
@@ -825,7 +867,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         self.rope_caches: list[torch.Tensor] = []
         self.layers = nn.ModuleList(
             DecoderLayer(
-                s,
+                s if s.qk_norm_layers[i] else dataclasses.replace(s, qk_norm=None),
                 self._attention_spec(i),
                 backend,
                 s.rope[i],
@@ -860,6 +902,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             head_dim=s.head_dim,
             scale=s.scale if s.scale is not None else s.head_dim**-0.5,
             sliding_window=s.windows[i],
+            chunk_size=s.chunks[i],
             logit_softcap=s.attn_softcap,
             alibi_slopes=slopes,
         )
@@ -952,11 +995,17 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         residual = None
+        temps = None
+        if s.attn_temperature is not None:  # for the layers without rotary
+            temps = attention_temperature(positions, *s.attn_temperature)
         # One metadata for every layer, or (cache groups) a list: each layer's group's.
         metas = meta if isinstance(meta, list) else itertools.repeat(meta)
         layers = zip(self.layers, kv_caches, self.rope_of_layer, metas)
         for i, (layer, cache, r, m) in enumerate(layers):
-            x, residual = layer(x, residual, None if r is None else steps[r], cache, m)
+            if r is None:
+                x, residual = layer(x, residual, None, cache, m, q_scale=temps)
+            else:
+                x, residual = layer(x, residual, steps[r], cache, m)
             if deepstack is not None and i < len(deepstack):
                 x = x.index_add(0, images[0], deepstack[i].to(x.dtype))
         x, _ = _add_norm(self.norm, x, residual)

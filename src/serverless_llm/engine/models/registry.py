@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     families_jamba,
     families_kimi,
     families_linear,
+    families_llama4,
     families_mamba,
     families_mla,
     families_moe,

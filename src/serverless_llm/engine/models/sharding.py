@@ -156,6 +156,14 @@ class Sharder:
         w2's columns), in whichever form the checkpoint stores them."""
         if bias:
             raise ConfigError(f"tensor parallelism over experts with a bias ({leaf})")
+        if how == "experts:t" and len(tensor.shape) == 3:
+            # Llama 4: stacked and transposed, gate_up [E, H, 2I] ([gate | up] along the last
+            # dim), down [E, I, H]: 1/N of each expert's width from each half / from the rows.
+            if leaf == "w13":
+                half = tensor.shape[2] // 2
+                lo, ln = self._even(half)
+                return _read(tensor, 2, [(lo, ln), (half + lo, ln)])
+            return _read(tensor, 1, [self._even(tensor.shape[1])])
         if how in ("experts:gate", "experts:up", "experts:t"):  # DBRX: [E * I, H]
             return _read(tensor, 0, self._per_expert(tensor.shape[0]))
         if leaf == "w2":  # [H, I] per expert, or Granite-MoE's stacked [E, H, I]
