@@ -28,6 +28,7 @@ from serverless_llm.engine.kernels import (
     gated_delta,
     kv_write,
     layer_norm,
+    mla_attention,
     rms_norm,
     rotary,
     selective_scan,
@@ -456,6 +457,29 @@ def main(quick: bool = False) -> int:
             attempt(f"gated_delta chunk_state {dtype}", gated_delta._chunk_state_kernel, dtype,
                     gated_delta._state_config(128, 128), arch, gated_delta._STATE_WARPS, 1,
                     pointers=delta_ptrs)  # fmt: skip
+            # Latent attention (MLA, kernels/mla_attention.py): the absorbed decode at
+            # DeepSeek-V3's latent (512 + 64) and a 256-wide one, split and not, an 8-bit cache;
+            # the expanded prefill at DeepSeek's nope 128 and Mistral 4's 64 (rope 64, v 128).
+            for rank, split, fp8 in ((512, False, False), (512, True, False), (256, False, False),
+                                     (512, False, True)):  # fmt: skip
+                if fp8 and (dtype == "fp32" or arch < 89):
+                    continue
+                cfg = mla_attention.latent_decode_tiles(128, rank, tdt, fp8)
+                ce = dict(RANK=rank, ROPE=64, L_PAD=rank, R_PAD=64, BLOCK_H=cfg.block_h,
+                          BLOCK_N=cfg.block_n, CACHE_BLOCK=16, SPLIT=split,
+                          IEEE=dtype == "fp32", KV_FP8=fp8)  # fmt: skip
+                cache = {"cache_ptr": "*fp8e4nv" if fp8 else f"*{dtype}"}
+                attempt(f"latent decode {dtype} L{rank} split={split} fp8={fp8}",
+                        mla_attention._latent_decode_kernel, dtype, ce, arch, cfg.num_warps,
+                        cfg.num_stages, no_spill=dtype == "bf16", pointers=cache)  # fmt: skip
+            for nope in (128, 64):
+                bm, bn, warps = mla_attention.expanded_prefill_tiles(tdt, 2048)
+                ce = dict(NOPE=nope, ROPE=64, VDIM=128, N_PAD=nope, R_PAD=64, V_PAD=128,
+                          BLOCK_M=bm, BLOCK_N=bn, IEEE=dtype == "fp32")  # fmt: skip
+                attempt(f"expanded prefill {dtype} nope{nope}",
+                        mla_attention._expanded_prefill_kernel, dtype, ce, arch, warps, 2,
+                        no_spill=dtype == "bf16",
+                        pointers={"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"})  # fmt: skip
     if quick:
         # The quick pass is sm90; the e4m3 byte codec exists for sm80, so compile its users there.
         caches = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}

@@ -275,12 +275,16 @@ class LatentTiles:
     num_stages: int
 
 
-def latent_decode_tiles(num_heads: int, rank: int, dtype: torch.dtype) -> LatentTiles:
+def latent_decode_tiles(
+    num_heads: int, rank: int, dtype: torch.dtype, fp8: bool = False
+) -> LatentTiles:
     """16 heads a program (the smallest tl.dot row tile; DeepSeek-V3's 128 heads are 8 programs
     a decode, reading the same rows from L2), 32 keys a step at a 512-wide latent (a 32 x 512
-    tile of bf16 is 32 KiB), more keys for narrower latents; float32 (IEEE dots) halves them."""
+    tile of bf16 is 32 KiB; 55 KiB of shared memory in all on sm90), more keys for narrower
+    latents; float32 (IEEE dots) halves them, and so does an 8-bit cache at 512 (its tiles
+    are converted in shared memory: 32 keys took 104 KiB, past the 99 KiB of sm86/sm89)."""
     block_n = 32 if rank >= 256 else 64
-    if dtype == torch.float32:
+    if dtype == torch.float32 or (fp8 and rank >= 512):
         block_n //= 2
     return LatentTiles(block_h=16, block_n=block_n, num_warps=4 if rank <= 256 else 8, num_stages=2)
 
@@ -311,7 +315,7 @@ def latent_decode(
     out = torch.empty(nd, H, rank, dtype=q.dtype, device=q.device)
     if nd == 0:
         return out
-    cfg = tiles or latent_decode_tiles(H, rank, q.dtype)
+    cfg = tiles or latent_decode_tiles(H, rank, q.dtype, is_fp8(rows.dtype))
     head_blocks = cdiv(H, cfg.block_h)
     if num_splits is None:
         sms = sms if sms is not None else num_sms(q.device)
@@ -557,12 +561,12 @@ def _expanded_prefill_kernel(
 
 
 def expanded_prefill_tiles(dtype: torch.dtype, max_q_len: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 64 x 64 on 4 warps in half precision (nope 128 + rope 64
-    + value 128 wide: ~100 KiB of tiles, like the paged kernel's 128-wide prefill tiles), fewer
-    rows for short queries; 16 x 32 in float32 (IEEE dots spill with more)."""
+    """(BLOCK_M, BLOCK_N, num_warps): 64 query rows x 32 keys on 4 warps in half precision (64
+    KiB of shared memory at nope 128 + rope 64 + value 128 on sm90; 64 keys took 104 KiB, past
+    the 99 KiB of sm86/sm89), fewer rows for short queries; 16 x 32 in float32 (IEEE dots)."""
     if dtype == torch.float32:
         return 16, 32, 4
-    return max(16, min(64, next_power_of_2(max(1, max_q_len)))), 64, 4
+    return max(16, min(64, next_power_of_2(max(1, max_q_len)))), 32, 4
 
 
 def expanded_prefill(b: ExpandedBatch, scale: float) -> torch.Tensor:
