@@ -130,6 +130,7 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         KV_FP8=flags.get("kv_fp8", False),
         KV_E4M3_BYTES=flags.get("e4m3_bytes", False),
         HAS_LIMITS=flags.get("limits", False),
+        HAS_CHUNK=flags.get("chunk", False),
     )
 
 
@@ -207,6 +208,14 @@ def main(quick: bool = False) -> int:
             ce = attention_constexprs(2, cfg, 256, dtype, window=True, softcap=True, limits=True)
             attempt(f"attention {dtype} prefill g2 d256 key limits", pa._paged_attention_kernel,
                     dtype, ce, arch, cfg.num_warps, cfg.num_stages)  # fmt: skip
+            # Chunked local attention (Llama 4's layers), decode and prefill, split and not.
+            for kind, split in (("decode", True), ("prefill", False)):
+                cfg = pa.decode_tiles(5, 128, tdt) if kind == "decode" else pa.prefill_tiles(
+                    5, 128, 2048, tdt)  # fmt: skip
+                ce = attention_constexprs(5, cfg, 128, dtype, split=split, chunk=True)
+                attempt(f"attention {dtype} {kind} g5 d128 chunked split={split}",
+                        pa._paged_attention_kernel, dtype, ce, arch, cfg.num_warps,
+                        cfg.num_stages)  # fmt: skip
             ce = dict(HEAD_DIM=128, D_PAD=128, S_PAD=32, HEADS=1)
             attempt(f"reduce {dtype}", pa._reduce_splits_kernel, dtype, ce, arch, 4, 1)
             # The vision towers' attention over packed images (kernels/vision_attention.py):
