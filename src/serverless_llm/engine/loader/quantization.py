@@ -11,7 +11,7 @@ nothing about quantization.
 Served today: GPTQ (v1 checkpoint format, 4 and 8 bits, any group size, act-order), AWQ (GEMM
 layout, 4 bits, with zero points) and FP8 weights (e4m3, a scale per tensor or per output
 channel), the last both as `quant_method: fp8` and as compressed-tensors' float-quantized
-format.
+format; MXFP4 experts (gpt-oss: `quant_method: mxfp4`), dequantized at load.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..config import ConfigError
 # vLLM's kernel-specific names for the checkpoint formats they read.
 _SAME_FORMAT = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}
 # The checkpoint formats the engine serves.
-SERVED = ("gptq", "awq", "fp8", "compressed-tensors")
+SERVED = ("gptq", "awq", "fp8", "compressed-tensors", "mxfp4")
 # Every `quantization` name that loads a served format, vLLM's kernel-specific ones included.
 SERVED_METHODS = (*SERVED, *_SAME_FORMAT)
 # The names `quantization` (QUANTIZATION) takes: vLLM's. Those outside SERVED_METHODS name real
@@ -50,7 +50,8 @@ class QuantScheme:
     point per output column. A linear the quantizer left alone (AWQ's
     `modules_to_not_convert`) is recognised by its plain `weight` tensor at load."""
 
-    method: str  # "gptq" | "awq" | "fp8" | "packed_int" (compressed-tensors pack-quantized)
+    # "gptq" | "awq" | "fp8" | "packed_int" (compressed-tensors pack-quantized) | "mxfp4"
+    method: str
     bits: int
     group_size: int
     desc_act: bool = False
@@ -222,4 +223,6 @@ def check_quantization(requested: str | None, hf_config, source: str) -> QuantSc
         return _fp8_scheme(qc, source)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc, source)
+    if method == "mxfp4":  # E2M1 values with an E8M0 scale per 32 (kernels/mxfp4.py)
+        return QuantScheme("mxfp4", 4, 32)
     return _scheme(method, qc, source)

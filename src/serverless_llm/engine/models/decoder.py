@@ -379,8 +379,9 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         self.g_proj = nn.Linear(s.hidden_size, h, bias=False) if s.attn_head_gate else None
-        # The sinks' parameter; the spec points at it once materialized (`DecoderModel`).
-        self.sinks = nn.Parameter(torch.empty(h)) if s.attn_sinks else None
+        # The sinks (their `weight`, as the loader fills a checkpoint's bare parameter); the
+        # spec points at it once materialized (`DecoderModel.materialize`).
+        self.sinks = HeadSinks(h) if s.attn_sinks else None
         self.clip_qkv = s.clip_qkv
         self.clip_after_norm = s.clip_after_norm and s.clip_qkv is not None
         self.qk_norm = s.qk_norm
@@ -540,6 +541,14 @@ def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scal
     """Llama 4's temperature tuning: [T, 1, 1] float32 factors for the queries at `positions`."""
     p = positions.float()
     return (torch.log1p(torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0).view(-1, 1, 1)
+
+
+class HeadSinks(nn.Module):
+    """gpt-oss's sink logits, one per attention head of this rank: `weight` [heads]."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads))
 
 
 class MLP(nn.Module):
@@ -929,7 +938,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             attn = layer.self_attn
             if attn is not None and getattr(attn, "sinks", None) is not None:
                 # The parameter itself: loading and dtype changes keep the object.
-                attn.spec = dataclasses.replace(attn.spec, sinks=attn.sinks)
+                attn.spec = dataclasses.replace(attn.spec, sinks=attn.sinks.weight)
         return self
 
     def kv_cache_shape(self) -> tuple[int, int, int]:

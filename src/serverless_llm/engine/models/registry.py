@@ -6,6 +6,7 @@ from . import (  # noqa: F401
     families_alibi,
     families_conv,
     families_gpt,
+    families_gpt_oss,
     families_jamba,
     families_kimi,
     families_linear,

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..kernels.mxfp4 import mxfp4_dequantize
 from ..layers.moe import Experts
 from ..layers.quant_linear import WHOLE, QuantLinear, QuantLoadError
 
@@ -21,6 +22,13 @@ class DecoderWeights:
         `materialize`): a fused qkv_proj or gate_up_proj knows its parts' sizes, so the
         checkpoint's separate q/k/v or gate/up tensors each fill theirs."""
         s = self.spec
+        if scheme.method == "mxfp4":  # experts only, decoded as they load (`_place`)
+            if not any("mxfp4_" in str(t) for t in s.names.layer.values()):
+                raise QuantLoadError(
+                    f"MXFP4 checkpoints of {s.arch} are not supported (gpt-oss's are)"
+                )
+            self.quantization = "mxfp4 experts, dequantized at load (no 4-bit kernel yet)"
+            return
         if self.sharder is not None:  # tensor parallel: the packed tensors are sliced too
             self.sharder.scheme = scheme
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
@@ -265,6 +273,13 @@ class DecoderWeights:
             data[int(how[5:])].copy_(tensor)
             loaded.add(f"{pname}#{how}")
             return
+        elif how is not None and how.startswith("mxfp4_"):
+            self._take_mxfp4(data, pname, how, tensor, loaded)
+            return
+        elif how in ("experts:interleaved", "experts:interleaved_t", "experts:stacked_t"):
+            self._place_experts(data, how, tensor)
+            loaded.add(pname)
+            return
         elif how in ("experts:gate", "experts:up", "experts:t"):
             e, rows, cols = data.shape  # w13: [E, 2I, H]; w2: [E, H, I]
             if how == "experts:t":
@@ -321,6 +336,56 @@ class DecoderWeights:
         if s.norm_weight_offset and pname.endswith("norm.weight") and ".mixer." not in pname:
             tensor = tensor.float() + s.norm_weight_offset
         data.copy_(tensor.reshape(data.shape))
+        loaded.add(pname)
+
+    @staticmethod
+    def _place_experts(data: torch.Tensor, how: str, tensor, experts=None) -> None:
+        """Stacked expert tensors stored [E, ...] another way than ours (gpt-oss):
+        "experts:interleaved": [E, 2I, ...] with gate and up rows alternating, into our
+        [gate | up] rows; "experts:interleaved_t": [E, H, 2I] with gate and up columns
+        alternating; "experts:stacked_t": [E, in, out] into our [E, out, in]. `experts`: the
+        range of experts `tensor` holds (all of them by default)."""
+        dest = data if experts is None else data[experts]
+        if how in ("experts:stacked_t", "experts:interleaved_t"):
+            tensor = tensor.transpose(1, 2)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise KeyError(
+                f"checkpoint tensor ({how}) is {tuple(tensor.shape)} read as the experts' "
+                f"{tuple(dest.shape)}"
+            )
+        if how == "experts:stacked_t":
+            dest.copy_(tensor)
+            return
+        half = dest.shape[1] // 2
+        dest.narrow(1, 0, half).copy_(tensor[:, 0::2])
+        dest.narrow(1, half, half).copy_(tensor[:, 1::2])
+
+    def _take_mxfp4(self, data, pname: str, how: str, tensor, loaded: set[str]) -> None:
+        """One half of an MXFP4 projection ("mxfp4_blocks[:<how>]" or "mxfp4_scales[:<how>]",
+        kernels/mxfp4.py): held until its other half arrives, then decoded expert by expert
+        (one expert's float copy in flight) into the stacked weight, placed by <how>."""
+        kind, _, place = how.partition(":")
+        pending = self.__dict__.setdefault("_mxfp4_pending", {})
+        halves = pending.setdefault(pname, {})
+        halves[kind] = tensor if isinstance(tensor, torch.Tensor) else tensor.full()
+        if len(halves) < 2:
+            return
+        del pending[pname]
+        blocks, scales = halves["mxfp4_blocks"], halves["mxfp4_scales"]
+        if blocks.shape[0] != data.shape[0]:
+            raise KeyError(
+                f"{pname}: MXFP4 blocks of {blocks.shape[0]} experts for {data.shape[0]}"
+            )
+        for e in range(data.shape[0]):
+            w = mxfp4_dequantize(blocks[e], scales[e], torch.float32)
+            if place:
+                self._place_experts(data, place, w[None], slice(e, e + 1))
+            elif tuple(w.shape) != tuple(data.shape[1:]):
+                raise KeyError(
+                    f"{pname}: MXFP4 expert {tuple(w.shape)}, expected {tuple(data.shape[1:])}"
+                )
+            else:
+                data[e].copy_(w)
         loaded.add(pname)
 
     def _reorder_rows(self, how: str, tensor: torch.Tensor) -> torch.Tensor:
