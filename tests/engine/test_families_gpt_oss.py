@@ -18,6 +18,7 @@ from tests.engine.family_check import (
     assert_matches_transformers,
     family_models_fixture,
     greedy_family_test,
+    save_family_model,
     tiny_dims,
 )
 from tests.engine.mxfp4_pack import mxfp4_pack, mxfp4_unpack, write_mxfp4_checkpoint
@@ -50,6 +51,14 @@ test_family_greedy_equals_transformers = greedy_family_test(CONFIGS)
 
 def test_torch_backend_equals_transformers(family_models):
     assert_matches_transformers(family_models("gpt_oss"), attention_backend="torch")
+
+
+def test_released_window_shorter_than_the_prompt(tmp_path):
+    """The released models' 128-token window on prompts of 150 and 200 tokens (with the 48 new
+    tokens, past the window by far), prefilled in chunks of 64 tokens: chunks attend to the
+    cache with sinks, and the window group gives back the blocks it moved past."""
+    path = save_family_model(str(tmp_path / "w128"), gpt_oss_config(None, sliding_window=128))
+    assert_matches_transformers(path, lengths=(150, 200), max_num_batched_tokens=64)
 
 
 def test_description_and_cache_groups(family_models):
