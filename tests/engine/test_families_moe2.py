@@ -445,3 +445,19 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(tmp_path, family_models):
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     prompts = family_prompts(len(build_tokenizer()), lengths=(5,))
     assert engine_greedy(str(tmp_path), prompts, 4) == engine_greedy(src, prompts, 4)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_ranks_equal_transformers(family_models, name):
+    """Tensor parallelism over 2 ranks (threads of one process, gloo): each rank holds half of
+    every expert's width, of the shared experts' and of the heads, the routers whole; the
+    prompt's logits equal transformers'."""
+    from tests.engine.reference import hf_model
+    from tests.engine.tp_harness import sharded_logits
+
+    path = family_models(name)
+    ids = family_prompts(len(build_tokenizer()), lengths=(20,))[0]
+    logits = sharded_logits(path, ids, size=2)["logits"]
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
