@@ -161,6 +161,17 @@ def family_configs(tokenizer, tiny: bool) -> dict[str, Any]:
             first_k_dense_replace=1,
             topk_method="greedy",
         ),
+        # gpt-oss-20b's shape (issue 37): sink logits, sliding and full layers alternating,
+        # every MLP sparse with 32 experts, 4 a token (a router and experts with biases, the
+        # clamped SwiGLU), YaRN; the experts made narrow (64) so a layer holds about a dense
+        # shape's MLP parameters (gpt-oss-20b's are as wide as the model)
+        "gpt_oss": lambda: t.GptOssConfig(
+            **{**llama, "intermediate_size": 32 if tiny else 64},
+            head_dim=h // heads,
+            sliding_window=window,
+            num_local_experts=4 if tiny else 32,
+            num_experts_per_tok=2 if tiny else 4,
+        ),
     }
     for name, make in optional.items():
         cfgs[name] = make()
@@ -188,6 +199,8 @@ BAR_HYBRID = 3.0
 # are (their own cache size, its `generate` on the padded batch, the 3x bar of issue 37):
 # MLA (its paged cache holds one head width for keys and values; MLA's keys are wider).
 PADDED_PEER = HYBRIDS + ("deepseek_v2_lite",)
+# Issue 37's shapes that transformers' generate_batch serves: their bar is 3x it.
+BAR_3X = ("gpt_oss",)
 
 
 def hybrid_configs(llama: dict, tiny: bool) -> dict[str, Any]:
@@ -599,6 +612,11 @@ def main(argv=None) -> int:
             f"hybrids and MLA: lowest ratio {low} {hybrid[low]:.2f}x (bar >= {BAR_HYBRID}x): "
             + ("meets" if hybrid[low] >= BAR_HYBRID else "misses")
         )
+    for name in BAR_3X:
+        ratio = results.get(name, {}).get("ratio")
+        if ratio is not None:
+            verdict = "meets" if ratio >= BAR_HYBRID else "misses"
+            print(f"{name}: ratio {ratio:.2f}x (bar >= {BAR_HYBRID}x): {verdict}")
     ratios = {
         n: r["ratio"] for n, r in results.items() if r["ratio"] is not None and n not in PADDED_PEER
     }

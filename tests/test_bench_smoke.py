@@ -115,3 +115,14 @@ def test_kv_capacity_tiny(capsys):
     assert summary.startswith("SUMMARY") and "gemma3-1b" in summary and "mistral-7b" in summary
     # Gemma 3's local layers hold a quarter of 2k tokens: far more requests fit.
     assert float(summary.split("gemma3-1b ")[1].split("x")[0]) > 2
+
+
+def test_mla_kv_tiny(tiny_llama, capsys):
+    """bench/mla_kv.py at 4 layers: the engine's KV bytes a token of the DeepSeek-V3-shaped
+    dummy (4 x 576 x 2) against the same heads' K and V, under the 1/8 bar."""
+    from bench import mla_kv
+
+    assert mla_kv.main(["--layers", "4", "--tokenizer", tiny_llama]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("SUMMARY mla_kv_bytes_per_token=4608 gqa_equivalent=327680")
+    assert "PASS" in summary
