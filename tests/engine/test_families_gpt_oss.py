@@ -12,16 +12,19 @@ import pytest
 import torch
 import transformers
 
-from serverless_llm import LLM
+from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.kernels.mxfp4 import e2m1_values, mxfp4_dequantize
 from tests.engine.family_check import (
+    NEW_TOKENS,
     assert_matches_transformers,
     family_models_fixture,
+    family_prompts,
     greedy_family_test,
     save_family_model,
     tiny_dims,
 )
 from tests.engine.mxfp4_pack import mxfp4_pack, mxfp4_unpack, write_mxfp4_checkpoint
+from tests.engine.reference import hf_greedy
 from tests.tiny_models import build_tokenizer
 
 WINDOW = 16
@@ -59,6 +62,29 @@ def test_released_window_shorter_than_the_prompt(tmp_path):
     cache with sinks, and the window group gives back the blocks it moved past."""
     path = save_family_model(str(tmp_path / "w128"), gpt_oss_config(None, sliding_window=128))
     assert_matches_transformers(path, lengths=(150, 200), max_num_batched_tokens=64)
+
+
+def test_preemption_chunked_prefill_and_prefix_cache(family_models):
+    """A pool too small for the batch (requests preempted and recomputed), prompts prefilled 16
+    tokens a step, then the same prompts again from the prefix cache: transformers' tokens each
+    time."""
+    path = family_models("gpt_oss")
+    prompts = family_prompts(len(build_tokenizer()))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+    llm = LLM(
+        path, block_size=8, num_kv_blocks=40, max_model_len=128, max_num_batched_tokens=16,
+        dtype="float32", enable_prefix_caching=False,
+    )  # fmt: skip
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    llm = LLM(path, block_size=8, num_kv_blocks=200, max_model_len=128, dtype="float32")
+    first = llm.generate(prompts, params)
+    again = llm.generate([p + w[:20] for p, w in zip(prompts, want)], params)
+    assert [o.outputs[0].token_ids for o in first] == want
+    for prompt, w, out in zip(prompts, want, again):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt + w[:20], NEW_TOKENS)
 
 
 def test_description_and_cache_groups(family_models):
@@ -158,3 +184,14 @@ def packed_rows(x: torch.Tensor, w: torch.Tensor, packed: bool) -> torch.Tensor:
 
 def test_tiny_config_builds_without_tokenizer_argument():
     assert gpt_oss_config(None).sliding_window == WINDOW
+
+
+def test_tensor_parallelism_is_refused_by_name():
+    from serverless_llm.engine.config import ConfigError
+    from serverless_llm.engine.models import describe_model
+    from serverless_llm.engine.models.sharding import check_shardable
+
+    config = gpt_oss_config(None)
+    config.architectures = ["GptOssForCausalLM"]
+    with pytest.raises(ConfigError, match="sinks and expert biases"):
+        check_shardable(describe_model(config), 2)

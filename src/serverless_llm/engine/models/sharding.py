@@ -66,6 +66,11 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
     mlps = list(zip(spec.mlp_layers, spec.moe_layers))
     if any(has and not sparse for has, sparse in mlps):
         need(spec.intermediate_size, "MLP intermediate size")
+    if spec.attn_sinks or (spec.moe is not None and spec.moe.expert_bias):
+        raise ConfigError(
+            f"tensor_parallel_size={size}: tensor parallelism of attention sinks and expert "
+            "biases (gpt-oss) is not supported yet; use tensor_parallel_size=1"
+        )
     if spec.moe is not None and any(has and sparse for has, sparse in mlps):
         if spec.moe.latent_size or not spec.gated:  # as SparseMoE refuses them
             raise ConfigError(
