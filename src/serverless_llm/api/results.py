@@ -24,6 +24,7 @@ class SequenceResult:
     """One sequence's whole output, gathered for a non-streamed answer."""
 
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens: int = 0
@@ -38,6 +39,7 @@ class SequenceResult:
     def add(self, out: EngineOutput) -> None:
         if out.new_text:
             self.texts.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         if out.cumulative_logprob is not None:

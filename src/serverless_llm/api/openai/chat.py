@@ -32,6 +32,7 @@ from ..multimodal import (
 )
 from ..results import SequenceResult
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
+from .harmony import HarmonyParser
 from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormatter
 from .reasoning import ReasoningParser
 from .tool_parsers import ToolParser, merge_deltas
@@ -211,11 +212,16 @@ class ChatFormatter(ResponseFormatter):
         tool_mode: str = "none",
         parallel_tool_calls: bool = True,
         reasoning_parser: Callable[[], ReasoningParser] | None = None,
+        harmony: Callable[[], HarmonyParser] | None = None,
     ) -> None:
         """`top_logprobs`: None when the request did not ask for logprobs, else how many top
         tokens each position lists. `tool_parser`: makes a fresh parser for each choice (tools
-        with a tool_choice other than "none"); `tool_mode` is the choice's mode."""
+        with a tool_choice other than "none"); `tool_mode` is the choice's mode. `harmony`: a
+        gpt-oss model's output parser (one per choice), which reads the output tokens and
+        replaces the tool and reasoning parsers."""
         super().__init__(response_id, created, model)
+        self.harmony = harmony
+        self._harmony: dict[int, HarmonyParser] = {}
         self.tool_parser = tool_parser
         self.tool_mode = tool_mode
         self.parallel_tool_calls = parallel_tool_calls
@@ -267,6 +273,15 @@ class ChatFormatter(ResponseFormatter):
     ) -> dict[str, Any] | None:
         text, finish_reason = out.new_text, out.finish_reason
         logprobs = self._logprobs(out.logprobs) if out.logprobs else None
+        if self.harmony is not None:
+            reader = self._harmony.get(index)
+            if reader is None:
+                reader = self._harmony[index] = self.harmony()
+            delta = self._keep_calls(reader.feed(out.new_token_ids)) or {}
+            finish_reason = self._finish_reason(finish_reason, reader.tools_called)
+            return self._delta_chunk(
+                index, "delta", delta, logprobs, finish_reason, out.stop_reason, usage
+            )
         reasoning = ""
         if self.reasoning_parser is not None:
             reasoner = self._reasoners.get(index)
@@ -288,6 +303,29 @@ class ChatFormatter(ResponseFormatter):
             index, "delta", delta, logprobs, finish_reason, out.stop_reason, usage
         )
 
+    def _harmony_choice(self, k: int, r: SequenceResult, prefix: str) -> dict[str, Any]:
+        assert self.harmony is not None
+        parsed = self.harmony().parse(r.token_ids)
+        calls = parsed.tool_calls if self.parallel_tool_calls else parsed.tool_calls[:1]
+        content = parsed.content
+        if prefix:
+            content = prefix + (content or "")
+        message: dict[str, Any] = {
+            "role": self.role,
+            "content": content,
+            "refusal": None,
+            "tool_calls": calls,
+        }
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        return {
+            "index": k,
+            "message": message,
+            "logprobs": self._logprobs(r.logprobs),
+            "finish_reason": self._finish_reason(r.finish_reason, bool(calls)),
+            "stop_reason": r.stop_reason,
+        }
+
     def response(
         self,
         results: list[SequenceResult],
@@ -298,6 +336,9 @@ class ChatFormatter(ResponseFormatter):
         choices = []
         for k, r in enumerate(results):
             answer, reasoning = r.text, None
+            if self.harmony is not None:
+                choices.append(self._harmony_choice(k, r, prefix))
+                continue
             if self.reasoning_parser is not None:
                 reasoning, answer = self.reasoning_parser().extract(r.text)
             content: str | None = prefix + answer

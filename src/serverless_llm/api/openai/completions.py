@@ -6,6 +6,7 @@ choices, and choice `i` of prompt `p` has index `p * n + i`, as OpenAI numbers t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from serverless_llm.engine import EngineOutput, PromptInput, TokenLogprob
@@ -19,6 +20,7 @@ from ..logprobs import (
 )
 from ..results import SequenceResult
 from .errors import OpenAIServingError
+from .harmony import HarmonyParser
 from .protocol import CompletionRequest, ResponseFormatter
 
 
@@ -134,8 +136,15 @@ class CompletionFormatter(ResponseFormatter):
         prompt_logprobs: int | None = None,
         prompt_ids: list[list[int]] | None = None,
         decoder: TokenDecoder | None = None,
+        harmony: list[Callable[[], HarmonyParser] | None] | None = None,
     ) -> None:
+        """`harmony`: per prompt, a gpt-oss model's output parser factory for a prompt that
+        ends inside an assistant message (None: the output is plain text). Such a choice's
+        `text` is the answer (final channel) and its reasoning (analysis channel) comes as
+        `reasoning_content`; tool calls are left out; logprobs list every output token."""
         super().__init__(response_id, created, model)
+        self.harmony = harmony
+        self._readers: dict[int, HarmonyParser | None] = {}
         self.echo = echo  # per prompt, when echo is on
         self.n = n
         self.logprobs = logprobs
@@ -178,6 +187,11 @@ class CompletionFormatter(ResponseFormatter):
         self, index: int, out: EngineOutput, usage: dict[str, int] | None
     ) -> dict[str, Any] | None:
         text, finish_reason = out.new_text, out.finish_reason
+        reasoning = None
+        reader = self._reader(index)
+        if reader is not None:
+            delta = reader.feed(out.new_token_ids) or {}
+            text, reasoning = delta.get("content", ""), delta.get("reasoning_content")
         logprobs = None
         if self.logprobs is not None:
             parts = []
@@ -196,9 +210,25 @@ class CompletionFormatter(ResponseFormatter):
             self._offsets[index] = offset
             if parts:
                 logprobs = merge_completion_logprobs(parts)
-        return self._delta_chunk(
+        chunk = self._delta_chunk(
             index, "text", text, logprobs, finish_reason, out.stop_reason, usage
         )
+        if reasoning:
+            if chunk is None:
+                chunk = self._chunk(
+                    [{"index": index, "text": "", "logprobs": None, "finish_reason": None}]
+                )
+            chunk["choices"][0]["reasoning_content"] = reasoning
+        return chunk
+
+    def _reader(self, index: int) -> HarmonyParser | None:
+        """Choice `index`'s harmony parser, made on its first output (None: plain text)."""
+        if self.harmony is None:
+            return None
+        if index not in self._readers:
+            make = self.harmony[index // self.n]
+            self._readers[index] = make() if make is not None else None
+        return self._readers[index]
 
     def response(
         self,
@@ -210,6 +240,11 @@ class CompletionFormatter(ResponseFormatter):
         for k, r in enumerate(results):
             text = r.text
             p = k // self.n
+            reasoning = None
+            make = self.harmony[p] if self.harmony is not None else None
+            if make is not None:
+                parsed = make().parse(r.token_ids)
+                text, reasoning = parsed.content or "", parsed.reasoning
             logprobs = None
             if self.echo is not None:
                 text = self.echo[p] + text
@@ -230,6 +265,8 @@ class CompletionFormatter(ResponseFormatter):
                 "finish_reason": r.finish_reason,
                 "stop_reason": r.stop_reason,
             }
+            if reasoning is not None:
+                choice["reasoning_content"] = reasoning
             if self.prompt_logprobs is not None and prompt_logprobs[p] is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_vllm(
                     prompt_logprobs[p], self.prompt_logprobs, self.decoder

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,7 @@ from serverless_llm.engine import (
     MultiModalInput,
     PreparedPrompt,
     SamplingParams,
+    StructuredOutputSpec,
     chat_template_source,
     sequence_params,
 )
@@ -59,7 +60,13 @@ from ..multimodal import ContentForm, content_format, count_image_parts, rename_
 from ..offload import prepare
 from ..results import choice_outputs, gather_results
 from ..streams import merge_streams
-from .chat import ChatFormatter, echo_text, render_chat_prompt, render_chat_text
+from .chat import (
+    ChatFormatter,
+    echo_text,
+    render_chat_prompt,
+    render_chat_text,
+    template_messages,
+)
 from .completions import CompletionFormatter, tokenize_prompts
 from .errors import (
     INVALID_REQUEST,
@@ -72,6 +79,17 @@ from .errors import (
     request_error,
     validation_error,
 )
+from .harmony import (
+    HarmonyParser,
+    HarmonyPromptError,
+    final_header_ids,
+    load_encoding,
+    message_start_id,
+    prompt_header,
+    render_prompt,
+    speaks_harmony,
+    stop_ids,
+)
 from .models import list_models, retrieve_model
 from .params import chat_sampling_params, completion_sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -80,6 +98,7 @@ from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_pars
 from .responses import ResponseFormatter, ResponsesRequest, to_chat_body
 from .sse import SSE_DONE, sse_events
 from .tool_parsers import (
+    ToolChoice,
     ToolParser,
     detect_tool_parser,
     get_tool_parser,
@@ -132,8 +151,10 @@ def coalesce_chunks(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     A stream yield carries a batch of tokens (1, 3, 9, 27, 50, ...); sending that batch as one
     chunk per choice instead of one per token gives the client one event to parse where it had
     fifty, with the same text, logprobs (lists concatenated), finish reason and usage (the
-    latest) in the end. Chunks that carry a role or tool calls, and chunks without exactly one
-    choice (the usage chunk), are left as they are; nothing merges past a finish reason.
+    latest) in the end. Chat deltas of content merge, and so do deltas of reasoning_content,
+    never one kind into the other. Chunks that carry a role or tool calls, completions chunks
+    with reasoning, and chunks without exactly one choice (the usage chunk), are left as they
+    are; nothing merges past a finish reason.
     """
     out: list[dict[str, Any]] = []
     last: dict[int, dict[str, Any]] = {}  # choice index -> its mergeable chunk in `out`
@@ -163,9 +184,11 @@ def _text_key(choice: dict[str, Any] | None) -> str | None:
     if choice is None:
         return None
     if "text" in choice:
-        return "text"
+        return None if "reasoning_content" in choice else "text"
     delta = choice.get("delta")
-    if isinstance(delta, dict) and set(delta) <= {"content"}:
+    if isinstance(delta, dict) and (
+        set(delta) <= {"content"} or set(delta) == {"reasoning_content"}
+    ):
         return "delta"
     return None
 
@@ -179,8 +202,11 @@ def _merge_into(prev: dict[str, Any], chunk: dict[str, Any], key: str) -> bool:
         if c["logprobs"] is not None:
             p["logprobs"] = merge_completion_logprobs([p["logprobs"], c["logprobs"]])
     else:
-        if "content" in c["delta"]:
-            p["delta"]["content"] = p["delta"].get("content", "") + c["delta"]["content"]
+        if p["delta"] and c["delta"] and set(p["delta"]) != set(c["delta"]):
+            return False  # reasoning and content stay in their order
+        for name in ("reasoning_content", "content"):
+            if name in c["delta"]:
+                p["delta"][name] = p["delta"].get(name, "") + c["delta"][name]
         if c["logprobs"] is not None:
             p["logprobs"] = {"content": p["logprobs"]["content"] + c["logprobs"]["content"]}
     p["finish_reason"] = c["finish_reason"]
@@ -270,6 +296,7 @@ class OpenAIServing:
         structured_in_reasoning: bool = False,
         lora_modules: Sequence[LoRARequest] = (),
         media: MediaConfig | None = None,
+        harmony: bool | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
@@ -282,7 +309,9 @@ class OpenAIServing:
         `lora_modules`: the adapters served (LORA_MODULES); a request whose `model` is an
         adapter's name runs with it, and /v1/models lists them after the base model.
         `media`: how a vision-language model's request images are loaded (LIMIT_MM_PER_PROMPT,
-        MAX_IMAGE_BYTES, ...; api.media)."""
+        MAX_IMAGE_BYTES, ...; api.media).
+        `harmony`: whether the model speaks gpt-oss's harmony format (None: a gpt-oss config,
+        as vLLM decides; see harmony.py)."""
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.media = media or MediaConfig()
@@ -294,6 +323,11 @@ class OpenAIServing:
         self.chat_template = chat_template
         tokenizer = getattr(engine, "tokenizer", None)
         template = chat_template_source(tokenizer, chat_template)
+        # A gpt-oss model speaks harmony (api/openai/harmony.py): its prompts, tool calls and
+        # reasoning are the library's, whatever the template, parsers and TOOL_CALL_PARSER say.
+        if harmony is None:
+            harmony = speaks_harmony(getattr(engine, "model_config", None))
+        self.harmony: Any = load_encoding() if harmony else None
         self.auto_tool_parser: type[ToolParser] | None = None
         self.auto_tool_unavailable: str | None = None  # why `"auto"` is refused, when it is
         self.describe_tools = False  # the template ignores tools: ours describes them
@@ -301,11 +335,19 @@ class OpenAIServing:
             self.auto_tool_unavailable = (
                 '"auto" tool choice is off on this worker (ENABLE_AUTO_TOOL_CHOICE=false)'
             )
-        elif tool_call_parser is None:
+        elif tool_call_parser is None and self.harmony is None:
             tool_call_parser = self._auto_tool_parser_name(tokenizer, template)
-        if tool_call_parser:
+        if tool_call_parser and self.harmony is None:
             self.auto_tool_parser = get_tool_parser(tool_call_parser)
-        self.enable_auto_tool_choice = self.auto_tool_parser is not None and enable_auto_tool_choice
+        self.enable_auto_tool_choice = enable_auto_tool_choice and (
+            self.auto_tool_parser is not None or self.harmony is not None
+        )
+        if self.harmony is not None:
+            reasoning_parser = None
+            logger.info(
+                "chat format: harmony (gpt-oss): prompts rendered by openai-harmony, outputs "
+                "parsed into reasoning_content, tool_calls and content"
+            )
         if reasoning_parser == "auto":
             reasoning_parser = detect_reasoning_parser(template)
             if reasoning_parser is not None:
@@ -524,9 +566,17 @@ class OpenAIServing:
             why_not=self.auto_tool_unavailable,
         )
         parallel = request.parallel_tool_calls is not False
-        params = chat_sampling_params(request, tool_choice_spec(tools, choice, parallel))
         make_parser = None
-        if choice.mode != "none" and not (choice.mode == "auto" and self.auto_tool_parser is None):
+        make_harmony: Callable[[], HarmonyParser] | None = None
+        pending: _PendingImages | None = None
+        prompts: list[PreparedPrompt] = []
+        if self.harmony is not None:
+            params, ids, make_harmony = self._harmony_chat(request, tools, choice, renames)
+        else:
+            params = chat_sampling_params(request, tool_choice_spec(tools, choice, parallel))
+        if self.harmony is None and (
+            choice.mode != "none" and not (choice.mode == "auto" and self.auto_tool_parser is None)
+        ):
             auto = self.auto_tool_parser
 
             def make_parser() -> ToolParser | None:
@@ -538,9 +588,9 @@ class OpenAIServing:
         # Only where the model must decide to call: named and required calls are forced by the
         # grammar, as in vLLM, and the description costs hundreds of tokens.
         describe = self.describe_tools and choice.mode == "auto"
-        pending: _PendingImages | None = None
-        prompts: list[PreparedPrompt] = []
-        if self.image_input:
+        if self.harmony is not None:
+            prompts = [self._prepare_prompt(ids, params, "messages")]
+        elif self.image_input:
             # Counted on the messages as sent, before the template or any fetch.
             check_image_count(
                 count_image_parts(request.messages),
@@ -587,6 +637,7 @@ class OpenAIServing:
             tool_mode=choice.mode,
             parallel_tool_calls=parallel,
             reasoning_parser=self.reasoning_parser,
+            harmony=make_harmony,
         )
         return _Plan(
             response_id=response_id,
@@ -600,6 +651,71 @@ class OpenAIServing:
             lora=self.loras.get(model),
             images=pending,
         )
+
+    def _harmony_chat(
+        self,
+        request: ChatCompletionRequest,
+        tools: list[dict[str, Any]],
+        choice: ToolChoice,
+        renames: dict[str, str] | None,
+    ) -> tuple[SamplingParams, list[int], Callable[[], HarmonyParser]]:
+        """A gpt-oss chat: its sampling parameters, its harmony prompt and the factory of its
+        output parsers. The turn ends at `<|return|>` or `<|call|>`. A named tool choice ends
+        the prompt inside that function's call header, so the model writes only the arguments,
+        constrained to the function's parameters; "required" ends it at `to=functions.` (the
+        model writes a name, then arguments constrained to any tool's parameters, after
+        `<|message|>`). Other structured output (response_format, guided_*) constrains the
+        final answer, from `<|channel|>final<|message|>` on."""
+        enc = self.harmony
+        call: str | None = None
+        spec: StructuredOutputSpec | None = None
+        after: tuple[int, ...] = ()
+        if choice.mode == "named" or (choice.mode == "required" and len(tools) == 1):
+            named = (
+                choice
+                if choice.mode == "named"
+                else ToolChoice("named", tools[0]["function"]["name"])
+            )
+            call = named.name
+            spec = tool_choice_spec(tools, named)
+        elif choice.mode == "required":
+            call = ""
+            schemas = [
+                t["function"].get("parameters") or {"type": "object", "properties": {}}
+                for t in tools
+            ]
+            spec = StructuredOutputSpec(json={"anyOf": schemas}, param="tool_choice")
+            after = (message_start_id(enc),)
+        params = chat_sampling_params(request, spec)
+        if params.structured is not None and spec is None:
+            after = final_header_ids(enc)
+        stops = [t for t in stop_ids(enc) if t not in params.stop_token_ids]
+        params = dataclasses.replace(
+            params, stop_token_ids=[*params.stop_token_ids, *stops], structured_after=after
+        )
+        messages = template_messages(request.messages, ContentForm(), [], renames)
+        for item, message in zip(messages, request.messages):
+            if message.tool_calls:  # arguments as sent (the template gets them as objects)
+                item["tool_calls"] = message.tool_calls
+        try:
+            prompt = render_prompt(
+                messages,
+                tools=tools if choice.mode != "none" else None,
+                reasoning_effort=request.reasoning_effort,
+                options=request.chat_template_kwargs,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                call=call,
+            )
+        except HarmonyPromptError as e:
+            param = rename_param(e.param, renames or {}) if e.param else None
+            raise OpenAIServingError.bad_request(str(e), param, "invalid_value") from None
+        calls = choice.mode != "none"
+
+        def make_harmony() -> HarmonyParser:
+            return HarmonyParser(enc, header=prompt.header, calls=calls)
+
+        return params, prompt.token_ids, make_harmony
 
     def _content_form(self, request_template: str | None) -> ContentForm:
         """How a vision-language model's message content reaches the template in effect."""
@@ -671,6 +787,10 @@ class OpenAIServing:
                     echo.append(prompt.text)
                 else:  # token ids, or a truncated prompt: echo what the model saw
                     echo.append(self.tokenizer.decode(ids, skip_special_tokens=False))
+        harmony = self._harmony_completions(prompts)
+        if harmony is not None:
+            stops = [t for t in stop_ids(self.harmony) if t not in params.stop_token_ids]
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *stops])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         options = request.stream_options
         formatter = CompletionFormatter(
@@ -683,6 +803,7 @@ class OpenAIServing:
             prompt_logprobs=request.prompt_logprobs,
             prompt_ids=[p.token_ids for p in prompts],
             decoder=TokenDecoder(self.tokenizer),
+            harmony=harmony,
         )
         return _Plan(
             response_id=response_id,
@@ -698,6 +819,28 @@ class OpenAIServing:
             formatter=formatter,
             lora=self.loras.get(model),
         )
+
+    def _harmony_completions(
+        self, prompts: list[PreparedPrompt]
+    ) -> list[Callable[[], HarmonyParser] | None] | None:
+        """A gpt-oss model's completions: for each prompt that ends inside an assistant
+        message (a harmony prompt, `...<|start|>assistant`), the factory of its output parsers;
+        None when no prompt does (plain text in, plain text out)."""
+        if self.harmony is None:
+            return None
+        enc = self.harmony
+        out: list[Callable[[], HarmonyParser] | None] = []
+        for p in prompts:
+            header = prompt_header(enc, p.token_ids)
+            if header is None:
+                out.append(None)
+                continue
+
+            def make(header: list[int] = header) -> HarmonyParser:
+                return HarmonyParser(enc, header=header, calls=False)
+
+            out.append(make)
+        return out if any(f is not None for f in out) else None
 
     # -- plan -> outputs --------------------------------------------------------------------
 
