@@ -301,6 +301,22 @@ def test_a_conversation_with_tools_renders_as_the_library_does():
     for effort in ("minimal", "none"):
         low = hm.render_prompt(conversation_messages()[1:2], reasoning_effort=effort)
         assert "Reasoning: low" in ENC.decode(low.token_ids)
+    user = [{"role": "user", "content": "Hi"}]
+    cont = hm.render_prompt([*user, {"role": "assistant", "content": "Hello, wor"}])
+    assert ENC.decode(cont.token_ids).endswith("<|end|><|start|>assistant")  # a closed turn
+    cont = hm.render_prompt(
+        [*user, {"role": "assistant", "content": "Hello, wor"}], continue_final_message=True
+    )
+    assert ENC.decode(cont.token_ids).endswith(
+        "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello, wor"
+    )
+    assert summary(hm.HarmonyParser(ENC, header=cont.header).parse(ENC.encode("ld!"))) == (
+        None,
+        "ld!",
+        [],
+    )
+    closed = hm.render_prompt(user, add_generation_prompt=False)
+    assert ENC.decode(closed.token_ids).endswith("<|start|>user<|message|>Hi<|end|>")
     with pytest.raises(hm.HarmonyPromptError) as e:
         hm.render_prompt([{"role": "tool", "tool_call_id": "x", "content": "1"}])
     assert e.value.param == "messages[0].tool_call_id"
