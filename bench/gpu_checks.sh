@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issues 3's, 13's, 16's, 17's, 35's and 36's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
+# Issues 3's, 13's, 16's, 17's, 35's, 36's and 37's GPU checks in one command, for a lent GPU machine whose python3 already holds torch,
 # triton, transformers and pytest (nothing else is needed: the engine imports the rest lazily):
 #   bash bench/gpu_checks.sh
 # runs `pytest -m gpu tests/kernels tests/engine`, `bench/kernels.py`, `bench/capture.py`
 # (CUDA graphs against eager decode steps), `bench/w4a16.py` (the 4-bit GEMM against float16
 # matmul), `bench/moe_kernel.py` (the fused MoE kernels against a per-expert torch loop) and
 # `bench/recurrent_kernels.py` (the hybrid models' delta rule and SSD scan),
-# `bench/vision_attention.py` (the vision towers' attention against SDPA), then
+# `bench/vision_attention.py` (the vision towers' attention against SDPA), `bench/mla_decode.py`
+# (MLA's decode kernel against the bandwidth its latents need), then
 # the rest of tests/kernels compiled on the GPU (bounded by KERNEL_TESTS_TIMEOUT seconds), and
 # leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
@@ -43,6 +44,9 @@ recurrent=${PIPESTATUS[0]}
 # torch's SDPA at the same shapes (its GPU tests are in the pytest -m gpu run above).
 "$PY" bench/vision_attention.py 2>&1 | tee "$OUT/vision_attention.log"
 vision=${PIPESTATUS[0]}
+# Issue 37: MLA's absorbed decode kernel against the bandwidth its latents need (bar 0.70).
+"$PY" bench/mla_decode.py --json "$OUT/mla_decode.json" 2>&1 | tee "$OUT/mla_decode.log"
+mla=${PIPESTATUS[0]}
 # Last, every other kernel test compiled on this GPU (on CPU they run under the interpreter): the
 # references at small shapes, the e4m3 byte codec, the FP8 W8A16 GEMM, LoRA and MoE kernels.
 # Bounded, so the figures above always come back within a device call.
@@ -52,5 +56,5 @@ kernel_tests=${PIPESTATUS[0]}
 echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py exit $capture;" \
     "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe;" \
     "bench/recurrent_kernels.py exit $recurrent; bench/vision_attention.py exit $vision;" \
-    "compiled kernel tests exit $kernel_tests"
-exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || kernel_tests))
+    "bench/mla_decode.py exit $mla; compiled kernel tests exit $kernel_tests"
+exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || kernel_tests))

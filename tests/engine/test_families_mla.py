@@ -164,6 +164,25 @@ def test_cache_holds_latents_only(family_models, caplog):
     assert f"{2 * width * 4} B a token" in line and "latent attention (40 values a token)" in line
 
 
+def test_fp8_latent_cache(family_models):
+    """KV_CACHE_DTYPE fp8: the latent rows stored as e4m3 bytes (one byte a value: a token
+    costs layers x 40 bytes) and read back times their scale; the engine serves from it (its
+    tokens are not transformers': the cache rounds the latents) and frees every block."""
+    llm = _engine(family_models("deepseek_v3"), kv_cache_dtype="fp8")
+    engine = llm.engine
+    assert all(c.dtype == torch.float8_e4m3fn for c in engine.kv_caches)
+    assert engine.kv_bytes_per_token == 2 * 40
+    prompts = family_prompts(len(build_tokenizer()), lengths=(3, 20))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    # the first token comes from the prompt's own (unrounded) rows: transformers' first token
+    assert (
+        outs[1].outputs[0].token_ids[0] == hf_greedy(family_models("deepseek_v3"), prompts[1], 1)[0]
+    )
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
 def test_chunked_prefill_prefix_caching_and_preemption(family_models):
     """Prompts prefilled 16 tokens a step (chunks with context read their latents back),
     a shared prefix taken from the cache, and a pool too small for the batch (preemption and

@@ -145,3 +145,33 @@ def test_write_latents_kernel_equals_reference(dtype):
     write_latents(rows, got, meta.slot_mapping)
     assert not is_fp8(got.dtype)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"]
+)
+def test_latent_decode_fp8_cache(cache_dtype):
+    """An 8-bit float cache holds row / scale: the kernel and the torch twin read it back as the
+    reference does (times the scale), split-KV included."""
+    q, cache, meta = latent_batch([3, 40, 70], rank=32, rope=16, heads=4, dtype=torch.float16)
+    cache8 = (cache.float() / 2.0).to(cache_dtype)
+    want = latent_decode_reference(q, cache8, meta, 0.3, 32, kv_scale=2.0)
+    got = latent_decode(q, cache8, meta, 0.3, 32, kv_scale=2.0, num_splits=2)
+    torch.testing.assert_close(got, want, **TOL[torch.float16])
+    meta.backend_state.clear()
+    got = latent_decode_torch(q, cache8, meta, 0.3, 32, kv_scale=2.0)
+    torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
+def test_write_latents_fp8_reference_bytes():
+    """The kernel's write to an e5m2 cache (row / scale, clamped) lands on the reference's
+    values up to one rounding step of the format."""
+    _, cache, meta = latent_batch([3], rank=32, rope=16, heads=1, dtype=torch.float16)
+    cache8 = cache.to(torch.float8_e5m2)
+    rows = (torch.randn(meta.slot_mapping.shape[0], 48) * 3).to(torch.float16).to(DEVICE)
+    want, got = cache8.clone(), cache8.clone()
+    write_latents_reference(rows, want, meta, scale=0.5)
+    write_latents(rows, got, meta.slot_mapping, scale=0.5)
+    # one step of e5m2 (two mantissa bits) is up to half of a value: the interpreter rounds some
+    # ties its own way (tests/kernels/test_kv_fp8.py)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.3, rtol=0.5)

@@ -50,6 +50,18 @@ from .triton_lazy import cdiv, jit, next_power_of_2
 tl = None  # triton.language, bound at the first launch (see triton_lazy)
 
 
+def _rows_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's one part, [num_blocks, block_size, 1, W]; an 8-bit float cache seen as bytes
+    (gathers of float8 tensors are not implemented on every device; bytes are bytes)."""
+    rows = cache[0]
+    return rows.view(torch.uint8) if is_fp8(rows.dtype) else rows
+
+
+def _as_stored(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Gathered rows back in the cache's dtype (undoing `_rows_view`)."""
+    return rows.view(cache.dtype) if is_fp8(cache.dtype) else rows
+
+
 # -- writing the cache ---------------------------------------------------------------------------
 
 
@@ -66,8 +78,8 @@ def write_latents_reference(
     if keep is not None:
         rows = rows[keep]
     if is_fp8(cache.dtype):
-        rows = quantize_kv(rows, scale, cache.dtype)
-    cache[0].index_put_((*at, torch.zeros_like(at[0])), rows)
+        rows = quantize_kv(rows, scale, cache.dtype).view(torch.uint8)
+    _rows_view(cache).index_put_((*at, torch.zeros_like(at[0])), rows)
 
 
 def write_latents(
@@ -98,7 +110,7 @@ def _decode_rows(
     rows_index = st.get(("decode_rows", 1))
     if rows_index is None:
         rows_index = st[("decode_rows", 1)] = head_rows(blocks, 1)
-    rows = gather_blocks(cache[0], blocks, rows_index)[:, 0]  # [nd, keys, W]
+    rows = _as_stored(gather_blocks(_rows_view(cache), blocks, rows_index)[:, 0], cache)
     if is_fp8(rows.dtype):
         rows = dequantize_kv(rows, kv_scale, dtype)
     elif rows.dtype != dtype:
@@ -143,7 +155,8 @@ def latent_decode_reference(
     for i in range(nd):
         seq_len = meta.seq_lens_host[i]
         slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
-        rows = cache[0][slots // meta.block_size, slots % meta.block_size, 0].float() * factor
+        at = (slots // meta.block_size, slots % meta.block_size, 0)
+        rows = _as_stored(_rows_view(cache)[at], cache).float() * factor
         scores = q[i].float() @ rows.T * scale  # [H, keys]
         out[i] = (torch.softmax(scores, dim=-1) @ rows[:, :rank]).to(q.dtype)
     return out
@@ -637,7 +650,9 @@ def cached_rows(
     already written), through its block table; in `dtype` (an 8-bit cache times its scale)."""
     seq_len = meta.seq_lens_host[i]
     slots = key_slots(meta.block_tables[i], seq_len, meta.block_size)
-    rows = cache[0][slots // meta.block_size, slots % meta.block_size, 0]
+    rows = _as_stored(
+        _rows_view(cache)[slots // meta.block_size, slots % meta.block_size, 0], cache
+    )
     if is_fp8(cache.dtype):
         return dequantize_kv(rows, kv_scale, dtype)
     return rows.to(dtype)
