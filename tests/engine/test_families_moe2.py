@@ -461,3 +461,24 @@ def test_two_ranks_equal_transformers(family_models, name):
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_router_keeps_float32_in_a_bfloat16_model(family_models):
+    """As transformers keeps them: the correction bias stays float32 in a bfloat16 model (its
+    checkpoint values exactly), and ERNIE's router weight too; GLM's weight follows the model."""
+    from serverless_llm import LLM
+
+    def router(name, layer):
+        path = family_models(name)
+        llm = LLM(path, block_size=8, num_kv_blocks=64, max_model_len=128, dtype="bfloat16")
+        state = load_file(os.path.join(path, "model.safetensors"))
+        return llm.engine.model.layers[layer].mlp.gate, state
+
+    gate, state = router("glm4_moe", 1)
+    assert gate.weight.dtype == torch.bfloat16
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    want = state["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(gate.e_score_correction_bias.data, want)
+    gate, state = router("ernie4_5_moe", 1)
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.weight.data, state["model.layers.1.mlp.gate.weight"])

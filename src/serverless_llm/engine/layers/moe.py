@@ -169,13 +169,34 @@ class BiasedRouter(nn.Module):
     """The router of "sigmoid_grouped", "softmax_grouped" and "softmax_biased" routing:
     `weight` [E, H] and (`bias`) the score correction bias [E] (`e_score_correction_bias`, as
     checkpoints name it); its logits are computed in float32 (as transformers' routers of those
-    kinds do), so quantizers and the CPU packing leave it be."""
+    kinds do), so quantizers and the CPU packing leave it be. The bias stays float32 whatever
+    the model's dtype (transformers keeps it so: rounded to bfloat16 it would change choices),
+    and so does the weight when `float32_weight` (ERNIE 4.5's)."""
 
-    def __init__(self, hidden: int, num_experts: int, bias: bool = True) -> None:
+    def __init__(
+        self, hidden: int, num_experts: int, bias: bool = True, float32_weight: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         if bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+        self.float32 = ("e_score_correction_bias",) + (("weight",) if float32_weight else ())
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) moves these, never rounds them: each keeps its float32 values (or,
+        # from the meta device, float32 storage) on the device the others went to
+        kept = {n: self._parameters[n].data for n in self.float32 if n in self._parameters}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            p = self._parameters[name]
+            if p.dtype == torch.float32:
+                continue
+            if old.is_meta and not p.is_meta:
+                t = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            else:
+                t = old.to(device=p.device, dtype=torch.float32)
+            self._parameters[name] = nn.Parameter(t, p.requires_grad)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())

@@ -134,6 +134,7 @@ class MoESpec:
     swiglu: tuple[float, float] | None = None
     weighted_inputs: bool = False
     norm_floor: float = 0.0  # "softmax_biased": the least sum the weights are divided by
+    float32_router: bool = False  # the router's weight kept in float32 (ERNIE 4.5)
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -589,10 +590,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         m = self.moe = s.moe
-        if m.routing in ("sigmoid_grouped", "softmax_biased"):
-            self.gate = BiasedRouter(s.hidden_size, m.num_experts)
-        elif m.routing == "softmax_grouped":  # float32 logits, no correction bias
-            self.gate = BiasedRouter(s.hidden_size, m.num_experts, bias=False)
+        if m.routing in ("sigmoid_grouped", "softmax_biased", "softmax_grouped"):
+            # float32 logits; DeepSeek-V2's router has no correction bias
+            bias = m.routing != "softmax_grouped"
+            self.gate = BiasedRouter(s.hidden_size, m.num_experts, bias, m.float32_router)
         else:
             self.gate = nn.Linear(s.hidden_size, m.num_experts, bias=m.router_bias)
         if tp.enabled and (m.latent_size or not s.gated):

@@ -203,6 +203,7 @@ def ernie4_5_moe(config) -> DecoderSpec:
         renormalize=True,
         norm_floor=float(config.moe_norm_min or 0.0),
         shared_size=shared,
+        float32_router=True,  # transformers keeps gate.weight in float32
     )
     names = llama_names(
         **deepseek_moe_names(e),
