@@ -63,6 +63,7 @@ POINTER_TYPES = {
 }
 FLOAT_ARGS = {"scale_log2e", "softcap_log2e", "eps", "k_scale", "v_scale", "fp8_max", "q_scale"}
 FLOAT_ARGS |= {"dt_min", "dt_max"}  # kernels/ssd.py
+FLOAT_ARGS |= {"alpha", "limit"}  # the clamped SwiGLU (kernels/activation.py)
 # Integer arguments that are multiples of 16 at real shapes (Triton specialises on that).
 # (split, window, soft-cap and ALiBi) of the attention kernel: plain, split with a window, and
 # with a window, soft-cap and ALiBi (Gemma 2, BLOOM).
@@ -131,6 +132,7 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         KV_E4M3_BYTES=flags.get("e4m3_bytes", False),
         HAS_LIMITS=flags.get("limits", False),
         HAS_CHUNK=flags.get("chunk", False),
+        HAS_SINKS=flags.get("sinks", False),
     )
 
 
@@ -214,6 +216,14 @@ def main(quick: bool = False) -> int:
                     5, 128, 2048, tdt)  # fmt: skip
                 ce = attention_constexprs(5, cfg, 128, dtype, split=split, chunk=True)
                 attempt(f"attention {dtype} {kind} g5 d128 chunked split={split}",
+                        pa._paged_attention_kernel, dtype, ce, arch, cfg.num_warps,
+                        cfg.num_stages)  # fmt: skip
+            # Sinks (gpt-oss: 8 query heads a KV head of 64) with its window, split and not.
+            for kind, split in (("decode", True), ("prefill", False)):
+                cfg = pa.decode_tiles(8, 64, tdt) if kind == "decode" else pa.prefill_tiles(
+                    8, 64, 2048, tdt)  # fmt: skip
+                ce = attention_constexprs(8, cfg, 64, dtype, split=split, window=True, sinks=True)
+                attempt(f"attention {dtype} {kind} g8 d64 sinks split={split}",
                         pa._paged_attention_kernel, dtype, ce, arch, cfg.num_warps,
                         cfg.num_stages)  # fmt: skip
             ce = dict(HEAD_DIM=128, D_PAD=128, S_PAD=32, HEADS=1)
@@ -312,12 +322,15 @@ def main(quick: bool = False) -> int:
                 bm, bn, bk, warps = fused_moe.moe_tiles(rows, 8, tdt)
                 # gate/up; down with the router weight; LoRA's expand (adds into the output);
                 # FP8 experts (e4m3 bytes), gate/up and down
-                for a_div, weighted, acc, fp8 in (
-                    (2, False, False, False),
-                    (1, True, False, False),
-                    (1, False, True, False),
-                    (2, False, False, True),
-                    (1, True, False, True),
+                # expert biases (gpt-oss), gate/up and down
+                for a_div, weighted, acc, fp8, bias in (
+                    (2, False, False, False, False),
+                    (1, True, False, False, False),
+                    (1, False, True, False, False),
+                    (2, False, False, True, False),
+                    (1, True, False, True, False),
+                    (2, False, False, False, True),
+                    (1, True, False, False, True),
                 ):
                     if fp8 and dtype == "fp32":
                         continue
@@ -326,6 +339,7 @@ def main(quick: bool = False) -> int:
                         MUL_WEIGHT=weighted,
                         ACCUMULATE=acc,
                         W_E4M3=fp8,
+                        HAS_BIAS=bias,
                         BLOCK_M=bm,
                         BLOCK_N=bn,
                         BLOCK_K=bk,
@@ -333,7 +347,7 @@ def main(quick: bool = False) -> int:
                     ptrs = {**moe_ptrs, "w_ptr": "*u8"} if fp8 else moe_ptrs
                     attempt(
                         f"grouped gemm {dtype} rows={rows} weighted={weighted} accumulate={acc}"
-                        f" fp8={fp8}",
+                        f" fp8={fp8} bias={bias}",
                         fused_moe._moe_gemm_kernel,
                         dtype,
                         ce,
@@ -412,6 +426,9 @@ def main(quick: bool = False) -> int:
                 attempt(f"act_and_mul {act} {dtype}", kernel, dtype, ce, arch, 4, 1)
                 kernel = activation._activation_kernel
                 attempt(f"activation {act} {dtype}", kernel, dtype, ce, arch, 4, 1)
+            ce = dict(ACT=activation.CLAMPED_SWIGLU_CODE, BLOCK=activation.ACT_BLOCK)
+            attempt(f"act_and_mul clamped swiglu {dtype}", activation._act_and_mul_kernel, dtype,
+                    ce, arch, 4, 1)  # fmt: skip
             # Mamba-1's selective scan (Jamba, Mamba, FalconMamba): D and z and the dt bias with
             # softplus, and none of them.
             scan_ptrs = {
