@@ -205,6 +205,29 @@ def test_chunked_prefill_prefix_caching_and_preemption(family_models):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3_moe"])
+def test_two_ranks_greedy_equal_transformers(family_models, name):
+    """Tensor parallel size 2: each rank holds half the heads (their rows of q_proj/q_b_proj and
+    kv_b_proj, their columns of o_proj) and the whole latent path, so both cache the same
+    latents; experts split by width. Prompts in 16-token chunks beside the others' decodes."""
+    path = family_models(name)
+    prompts = family_prompts(len(build_tokenizer()), lengths=(3, 20, 45))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(
+        path,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=128,
+        dtype="float32",
+    ) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 16), len(prompt)
+
+
 def _meta(requests, block_size, num_blocks, decode: bool) -> AttentionMetadata:
     """(context, new) requests over consecutive blocks; `decode`: count them as decodes."""
     tables, slots, seq_lens = [], [], []

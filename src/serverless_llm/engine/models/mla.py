@@ -75,7 +75,11 @@ class MLASpec:
 
 
 class LatentAttention(nn.Module):
-    """The MLA layer; its parameters carry the checkpoint's names."""
+    """The MLA layer; its parameters carry the checkpoint's names. With tensor parallelism it
+    holds this rank's heads (`s.num_heads` of its shard: their rows of q_proj or q_b_proj and
+    kv_b_proj, their columns of o_proj, whose partial sums are all-reduced) and the whole
+    latent path (q_a_proj, kv_a_proj_with_mqa, the norms), so every rank caches the same
+    latents."""
 
     native_prep = False  # the native CPU step does not prepare MLA's queries
     g_proj = None
@@ -90,8 +94,6 @@ class LatentAttention(nn.Module):
     ):
         super().__init__()
         m: MLASpec = s.mla
-        if tp.enabled:
-            raise ValueError("tensor parallelism of multi-head latent attention")
         self.mla = m
         self.tp = tp
         self.spec = attn  # its scale is the softmax's; its k_scale an 8-bit cache's

@@ -206,6 +206,9 @@ class Sharder:
                 return None  # a quantized piece of a fused weight: refused by the loader
             return self._mixer_split(internal.partition(".")[2])
         s = self._mlp_width(internal)
+        mla = self.spec.mla
+        if mla is not None and leaf in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            return self._mla_split(leaf, how)
         if leaf == "qkv_proj":
             qn, kvn = (
                 self.spec.num_heads * self.spec.head_dim,
@@ -245,6 +248,23 @@ class Sharder:
                           "w2"):  # fmt: skip
             return None
         raise ConfigError(f"tensor parallelism over {internal} stored as {how!r} is not supported")
+
+    def _mla_split(self, leaf: str, how) -> tuple[str, Ranges]:
+        """Latent attention's per-head linears (models/mla.py): the queries' and kv_b_proj's
+        output rows of this rank's heads, o_proj's input columns of their values. The rest of
+        the layer (q_a_proj, kv_a_proj_with_mqa, their norms) is replicated: every rank makes
+        the same latents and caches them whole."""
+        if how is not None:
+            raise ConfigError(f"tensor parallelism over {leaf} stored as {how!r} is not supported")
+        m = self.spec.mla
+        first, count = self.q_heads
+        width = {
+            "q_proj": m.qk_head_dim,
+            "q_b_proj": m.qk_head_dim,
+            "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim,
+            "o_proj": m.v_head_dim,
+        }[leaf]
+        return ("in" if leaf == "o_proj" else "out"), [(first * width, count * width)]
 
     def _mixer_split(self, name: str):
         """How this rank cuts the recurrent layer's parameter `name` (`tp_split`)."""
