@@ -52,6 +52,19 @@ def _byte_chars() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(keep, chars)}
 
 
+def _last_pair(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best, at = rank, -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1], rank)
+            if r < best:
+                best, at = r, i
+        assert at >= 0, token
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return parts[0], parts[1]
+
+
 @functools.lru_cache(maxsize=1)
 def harmony_tokenizer():
     """The tokenizer (built once per process, a few seconds)."""
@@ -72,14 +85,14 @@ def harmony_tokenizer():
         return "".join(to_char[x] for x in b)
 
     vocab = {word(b): r for b, r in ranks.items()}
+    # One merge per token: the two pieces byte-pair encoding leaves just before it makes the
+    # token (its bytes merged pair by pair, lowest rank first, with the tokens ranked below it).
     merges = []
-    for b, r in ranks.items():
-        for i in range(1, len(b)):
-            left, right = b[:i], b[i:]
-            if left in ranks and right in ranks:
-                merges.append((r, ranks[left], ranks[right], word(left), word(right)))
-    merges.sort()
-    model = models.BPE(vocab, [(m[3], m[4]) for m in merges], fuse_unk=False, ignore_merges=True)
+    for b, r in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(b) > 1:
+            left, right = _last_pair(b, r, ranks)
+            merges.append((word(left), word(right)))
+    model = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True)
     tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
