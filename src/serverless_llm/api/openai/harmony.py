@@ -450,6 +450,10 @@ class HarmonyParser:
         self._enc = encoding
         self._parser = StreamableParser(encoding, Role.ASSISTANT, strict=False)
         self._calls_on = calls
+        # Where the parser is, followed by token (its own `state` serializes the whole message
+        # so far, which per token would make a long output quadratic).
+        self._message_id = _special(encoding, "<|message|>")
+        self._end_ids = _end_ids(encoding)
         self._in_message = False  # reading a message's text
         self._target: tuple[str, int] | None = None  # where that text goes
         self._reasoning: list[str] = []
@@ -457,11 +461,11 @@ class HarmonyParser:
         self._calls: list[dict[str, Any]] = []
         self._broken: list[int] | None = None  # ids after a parse failure
         self._broken_sent = ""
+        # A header that opens a message (a named call's): its call goes out with the first delta.
+        self._pending: dict[int, dict[str, Any]] = {}
         for t in header:
             self._parser.process(t)
-        # A header that opened a message (a named call's): its call goes out with the first delta.
-        self._pending: dict[int, dict[str, Any]] = {}
-        self._step([], [], self._pending)
+            self._step(t, [], [], self._pending)
 
     @property
     def tools_called(self) -> bool:
@@ -488,7 +492,7 @@ class HarmonyParser:
                 content.append(new)
                 self._content.append(new)
                 continue
-            self._step(reasoning, content, pieces)
+            self._step(t, reasoning, content, pieces)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = "".join(reasoning)
@@ -499,25 +503,30 @@ class HarmonyParser:
         return delta or None
 
     def _step(
-        self, reasoning: list[str], content: list[str], pieces: dict[int, dict[str, Any]]
+        self,
+        token: int,
+        reasoning: list[str],
+        content: list[str],
+        pieces: dict[int, dict[str, Any]],
     ) -> None:
-        from openai_harmony import StreamState
-
+        """Routes the text the parser took from `token` (already processed)."""
         p = self._parser
-        if p.state != StreamState.CONTENT:
+        if not self._in_message:
+            if token == self._message_id:  # a message's text begins after this token
+                self._in_message = True
+                self._target = self._route(p.current_channel, p.current_recipient)
+                if self._target is not None and self._target[0] == "call":
+                    call = self._calls[self._target[1]]
+                    pieces[self._target[1]] = {
+                        "index": self._target[1],
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["function"]["name"], "arguments": ""},
+                    }
+            return
+        if token in self._end_ids:
             self._in_message, self._target = False, None
             return
-        if not self._in_message:  # a message begins
-            self._in_message = True
-            self._target = self._route(p.current_channel, p.current_recipient)
-            if self._target is not None and self._target[0] == "call":
-                call = self._calls[self._target[1]]
-                pieces[self._target[1]] = {
-                    "index": self._target[1],
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""},
-                }
         text = p.last_content_delta
         if not text or self._target is None:
             return
