@@ -206,9 +206,9 @@ def test_a_named_call_header_in_the_prompt_and_output_that_leaves_the_format():
     parser.feed(ENC.encode(': "Oslo"}') + special("<|call|>"))
     assert summary(parser.result()) == (None, None, [("get_weather", '{"location": "Oslo"}')])
     # Text after <|end|> with no <|start|>: the library refuses it; it becomes content.
-    ids = special("<|channel|>final<|message|>Hi<|end|>") + ENC.encode(" and more")
-    assert summary(hm.HarmonyParser(ENC).parse(ids)) == (None, "Hi and more", [])
-    assert streamed(ids, [1] * len(ids)) == (None, "Hi and more", [])
+    ids = special("<|channel|>final<|message|>Hi<|end|>") + ENC.encode(" and 𝄞 more")
+    assert summary(hm.HarmonyParser(ENC).parse(ids)) == (None, "Hi and 𝄞 more", [])
+    assert streamed(ids, [1] * len(ids)) == (None, "Hi and 𝄞 more", [])
 
 
 # -- the vocabulary and the prompt -----------------------------------------------------------

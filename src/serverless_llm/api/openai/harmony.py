@@ -29,6 +29,7 @@ variable pointed at it, so no network is needed. The library checks the file's S
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import gzip
 import hashlib
@@ -459,8 +460,7 @@ class HarmonyParser:
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._calls: list[dict[str, Any]] = []
-        self._broken: list[int] | None = None  # ids after a parse failure
-        self._broken_sent = ""
+        self._broken: Any = None  # after a parse failure: the decoder of the rest
         # A header that opens a message (a named call's): its call goes out with the first delta.
         self._pending: dict[int, dict[str, Any]] = {}
         for t in header:
@@ -481,16 +481,15 @@ class HarmonyParser:
                     self._parser.process(t)
                 except Exception as e:  # HarmonyError
                     logger.debug("harmony: output left the format (%s); the rest is text", e)
-                    self._broken = []
+                    self._broken = codecs.getincrementaldecoder("utf-8")("replace")
             if self._broken is not None:
-                self._broken.append(t)
-                text = self._enc.decode(self._broken)
-                if text.endswith("\ufffd"):  # may be half a character
-                    continue
-                new = text[len(self._broken_sent) :]
-                self._broken_sent = text
-                content.append(new)
-                self._content.append(new)
+                # The token's bytes (surrogateescape keeps a split character's bytes as they
+                # are) through an incremental decoder, which holds back half a character.
+                raw = self._enc.decode([t], errors="surrogateescape")
+                new = self._broken.decode(raw.encode("utf-8", "surrogateescape"))
+                if new:
+                    content.append(new)
+                    self._content.append(new)
                 continue
             self._step(t, reasoning, content, pieces)
         delta: dict[str, Any] = {}
