@@ -50,9 +50,16 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "HarmonyOutput",
     "HarmonyParser",
+    "HarmonyPrompt",
+    "HarmonyPromptError",
     "HarmonyUnavailableError",
+    "final_header_ids",
     "load_encoding",
+    "message_start_id",
+    "prompt_header",
+    "render_prompt",
     "speaks_harmony",
+    "stop_ids",
     "vocab_dir",
 ]
 
@@ -63,9 +70,9 @@ VOCAB_FILE = "o200k_base.tiktoken"
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 ENCODINGS_BASE_ENV = "TIKTOKEN_ENCODINGS_BASE"
 
-# The header the prompt ends with when the request names the function to call (or "required"
-# leaves the name to the model): the model writes the arguments (or the name, then them).
+# Function tools' namespace: a call goes `to=functions.NAME`, a result comes from it.
 FUNCTIONS = "functions."
+# The final answer's header: structured output (response_format) starts after it.
 FINAL_HEADER = "<|channel|>final<|message|>"
 
 
