@@ -205,14 +205,25 @@ def test_chunked_prefill_prefix_caching_and_preemption(family_models):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3_moe"])
-def test_two_ranks_greedy_equal_transformers(family_models, name):
+@pytest.mark.parametrize("name,adapter", [("deepseek_v3_moe", None), ("deepseek_v2", "lora")])
+def test_two_ranks_greedy_equal_transformers(family_models, tmp_path, name, adapter):
     """Tensor parallel size 2: each rank holds half the heads (their rows of q_proj/q_b_proj and
     kv_b_proj, their columns of o_proj) and the whole latent path, so both cache the same
-    latents; experts split by width. Prompts in 16-token chunks beside the others' decodes."""
+    latents; experts split by width; an adapter's B rows (A columns for o_proj) split the same
+    way. Prompts in 16-token chunks beside the others' decodes."""
     path = family_models(name)
     prompts = family_prompts(len(build_tokenizer()), lengths=(3, 20, 45))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw, reference = {}, path
+    if adapter:
+        pytest.importorskip("peft")
+        from serverless_llm import LoRARequest
+        from tests.lora_adapters import make_adapter
+
+        targets = ["q_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj"]
+        made = make_adapter(path, str(tmp_path / "adapter"), 8, 16, targets, seed=5)
+        reference = made + "-merged"
+        kw = dict(lora_request=LoRARequest("a", 1, made))
     with LLM(
         path,
         tensor_parallel_size=2,
@@ -221,11 +232,44 @@ def test_two_ranks_greedy_equal_transformers(family_models, name):
         num_kv_blocks=64,
         max_model_len=128,
         dtype="float32",
+        enable_lora=bool(adapter),
+        max_lora_rank=8,
     ) as llm:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, **kw)
         assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 16), len(prompt)
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 16), len(prompt)
+
+
+@pytest.mark.parametrize(
+    "name,targets",
+    [
+        ("deepseek_v2", ["q_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj"]),
+        ("deepseek_v3", ["q_a_proj", "q_b_proj", "o_proj", "gate_proj", "up_proj"]),
+    ],
+)
+def test_lora_on_latent_attention_and_mlp(family_models, tmp_path, name, targets):
+    """A peft adapter on the query and latent projections, o_proj and the dense MLP: greedy
+    tokens equal transformers on the merged model; one on kv_b_proj (folded into the queries by
+    the absorbed decode) is refused."""
+    pytest.importorskip("peft")
+    from serverless_llm import LoRARequest
+    from serverless_llm.engine import LoRAError
+    from tests.lora_adapters import make_adapter
+
+    path = family_models(name)
+    adapter = make_adapter(path, str(tmp_path / "adapter"), 8, 16, targets, seed=3)
+    llm = _engine(path, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = family_prompts(len(build_tokenizer()), lengths=(3, 20, 45))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, adapter))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(adapter + "-merged", prompt, 16)
+    assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(path, p, 16) for p in prompts]
+    bad = make_adapter(path, str(tmp_path / "bad"), 8, 16, ["kv_b_proj"], seed=4)
+    with pytest.raises(LoRAError, match="kv_b_proj is folded into the queries"):
+        llm.generate(prompts[:1], params, lora_request=LoRARequest("b", 2, bad))
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
 
 def _meta(requests, block_size, num_blocks, decode: bool) -> AttentionMetadata:

@@ -11,8 +11,11 @@ from ..layers.lora_linear import LoRALinear, LoRAStep
 
 
 class DecoderLoRA:
+    # Latent attention (models/mla.py) takes adapters on its query and latent projections and
+    # o_proj; not on kv_b_proj, whose weight the absorbed decode folds into the queries.
     LORA_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.up_proj",
-                    "mlp.down_proj")  # fmt: skip
+                    "mlp.down_proj", "self_attn.q_proj", "self_attn.q_a_proj",
+                    "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa")  # fmt: skip
 
     def enable_lora(
         self, max_loras: int, max_rank: int, dtype: torch.dtype
@@ -68,6 +71,11 @@ class DecoderLoRA:
             )
         internal, how = (target, None) if isinstance(target, str) else target
         layer = getattr(self, "lora_layers", {}).get(f"layers.{idx}.{internal}")
+        if layer is None and internal.endswith("kv_b_proj"):
+            raise KeyError(
+                "latent attention's kv_b_proj is folded into the queries when decoding (the "
+                "absorbed form), so adapters cannot target it"
+            )
         if layer is None:
             raise KeyError(
                 "not a layer adapters can target here (attention and dense MLP projections)"
