@@ -272,6 +272,28 @@ def test_lora_on_latent_attention_and_mlp(family_models, tmp_path, name, targets
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
 
+def test_beam_search_and_replayed_decodes(family_models):
+    """Beam search (forks copy a partial latent block) equals transformers' beam search, and
+    decode steps through the capture buffers (decode_capture="replay", the CPU twin of CUDA
+    graphs: padded rows writing nothing) give transformers' greedy tokens."""
+    from tests.engine.test_beam_search import beam_params, hf_beam_search
+
+    path = family_models("deepseek_v3")
+    prompt = family_prompts(len(build_tokenizer()), lengths=(13,))[0]
+    llm = _engine(path)
+    params = beam_params(best_of=3, n=3, max_tokens=10, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
+    vocab = len(build_tokenizer())
+    assert got == hf_beam_search(path, prompt, width=3, n=3, eos=[vocab + 1], max_new_tokens=10)
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+    replay = _engine(path, decode_capture="replay", max_num_seqs=4)
+    assert replay.engine.runner.captured is not None
+    prompts = family_prompts(vocab, lengths=(3, 20, 45))
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for prompt, out in zip(prompts, replay.generate(prompts, greedy)):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 16)
+
+
 def _meta(requests, block_size, num_blocks, decode: bool) -> AttentionMetadata:
     """(context, new) requests over consecutive blocks; `decode`: count them as decodes."""
     tables, slots, seq_lens = [], [], []

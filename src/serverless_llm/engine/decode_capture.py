@@ -338,7 +338,9 @@ class CapturedDecode:
         g = torch.Generator(device="cpu").manual_seed(0)
         for layer_cache in kv:
             junk = torch.randn(
-                (2, probe_blocks, *layer_cache.shape[2:]), generator=g, dtype=torch.float32
+                (layer_cache.shape[0], probe_blocks, *layer_cache.shape[2:]),
+                generator=g,
+                dtype=torch.float32,
             )
             layer_cache[:, :probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
         # Recurrent states: finite values in every slot; rows past the slots there are start
