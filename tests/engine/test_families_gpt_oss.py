@@ -144,6 +144,20 @@ def test_mxfp4_checkpoint_equals_transformers(mxfp4_model):
     assert_matches_transformers(mxfp4_model)
 
 
+def test_mxfp4_experts_kept_4bit_equal_transformers(mxfp4_model):
+    """QUANTIZED_WEIGHTS=packed (CUDA's default) off CUDA: the experts stay MXFP4 bytes (no
+    float copy), run by the MXFP4 MoE kernel's torch reference; the same tokens."""
+    assert_matches_transformers(mxfp4_model, quantized_weights="packed", lengths=(3, 20, 45))
+    llm = LLM(
+        mxfp4_model, block_size=8, num_kv_blocks=64, max_model_len=128, dtype="float32",
+        quantized_weights="packed",
+    )  # fmt: skip
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert experts.quantized == {"w13", "w2"} and not hasattr(experts, "w13")
+    assert experts.w13_blocks.dtype == torch.uint8
+    assert "kept 4-bit" in llm.engine.model.quantization
+
+
 def test_mxfp4_experts_are_the_checkpoints_values(mxfp4_model):
     """Whatever the greedy tokens say: the loaded experts equal the packer's own decoding of
     the blocks, in our [gate | up] row order, and the start-up line names the format."""

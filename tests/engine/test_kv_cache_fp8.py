@@ -23,7 +23,7 @@ def test_fp8_cache_holds_four_times_the_blocks_of_float32(tiny_model_dirs, caplo
         fp8 = LLM(path, kv_cache_space_gib=0.01, max_model_len=256, kv_cache_dtype="fp8_e5m2")
     assert fp8.engine.kv_caches[0].dtype == torch.float8_e5m2
     assert fp8.engine.block_pool.num_blocks // 4 == plain.engine.block_pool.num_blocks  # floors
-    assert "tokens, float8_e5m2)" in caplog.text
+    assert "tokens, float8_e5m2, 128 B a token)" in caplog.text  # 2 layers x K, V x 2 x 16
 
 
 def test_kv_scales_come_from_the_checkpoint(tiny_model_dirs, tmp_path):

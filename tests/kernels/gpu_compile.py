@@ -24,6 +24,7 @@ from serverless_llm.engine.kernels import (
     activation,
     causal_conv1d,
     fused_moe,
+    fused_moe_mxfp4,
     fused_moe_w4a16,
     gated_delta,
     kv_write,
@@ -380,6 +381,14 @@ def main(quick: bool = False) -> int:
                         1,
                         pointers=ptrs,
                     )
+            # The MXFP4 MoE GEMM (gpt-oss's experts kept 4-bit), gate/up with biases and down.
+            ptrs = {**moe_ptrs, "b_ptr": "*u8", "s_ptr": "*u8"}
+            for rows, weighted in ((2, False), (4096, True)):
+                bm, bn, bk, warps = fused_moe.moe_tiles(rows, 32, tdt)
+                ce = dict(A_DIV=1 if weighted else 4, MUL_WEIGHT=weighted, HAS_BIAS=True,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)  # fmt: skip
+                attempt(f"moe mxfp4 {dtype} rows={rows}", fused_moe_mxfp4._moe_mxfp4_kernel,
+                        dtype, ce, arch, warps, 1, pointers=ptrs)  # fmt: skip
             for res in (False, True):
                 block, warps = triton_common.row_launch_shape(4096)
                 ce = dict(HAS_RESIDUAL=res, BLOCK=block)

@@ -23,6 +23,7 @@ from ..kernels.fused_moe import (
     fused_moe_fp8_reference,
     fused_moe_reference,
 )
+from ..kernels.fused_moe_mxfp4 import Mxfp4Experts, fused_moe_mxfp4, fused_moe_mxfp4_reference
 from ..kernels.fused_moe_w4a16 import (
     PackedExperts,
     fused_moe_w4a16,
@@ -258,7 +259,9 @@ class Experts(nn.Module):
       `PackedExperts` (kernels/fused_moe_w4a16.py) and stay at their bit width, run by the
       packed MoE kernel; FP8 experts stay as their e4m3 bytes and channel scales
       (`Fp8Experts`, kernels/fused_moe.py), run by the grouped GEMM decoding them (each with
-      its torch reference elsewhere).
+      its torch reference elsewhere). MXFP4 experts (gpt-oss) stay as their E2M1 bytes and
+      E8M0 block scales (`Mxfp4Experts`, kernels/fused_moe_mxfp4.py; `keep_mxfp4`,
+      `take_mxfp4`), run by the MXFP4 MoE kernel.
 
     Non-gated experts (`gated=False`, Nemotron-H's): `w13` [E, I, H] holds the up rows alone and
     the activation applies to them; float checkpoints only for now. `bias` (gpt-oss): each
@@ -310,6 +313,28 @@ class Experts(nn.Module):
         self.mode = "packed" if mode == "packed" else "dequantize"
         if self.mode == "packed":  # no float storage for the experts at all
             del self.w13, self.w2
+
+    def keep_mxfp4(self, scheme) -> None:
+        """Before materializing: the checkpoint's experts are MXFP4 (gpt-oss) and stay so,
+        `Mxfp4Experts` run by the MXFP4 MoE kernel (`take_mxfp4`); no float storage for them."""
+        self.scheme, self.mode = scheme, "packed"
+        del self.w13, self.w2
+
+    def take_mxfp4(self, which: str, blocks, scales, place: str, device) -> None:
+        """One projection's checkpoint `*_blocks` [E, N, K / 32, 16] and `*_scales` [E, N, K / 32]
+        onto `device`; `place` "experts:interleaved": gate and up rows alternate in the
+        checkpoint, ours are [gate | up] (rows are output channels: whole rows move)."""
+        if place == "experts:interleaved":
+            blocks = torch.cat([blocks[:, 0::2], blocks[:, 1::2]], dim=1)
+            scales = torch.cat([scales[:, 0::2], scales[:, 1::2]], dim=1)
+        elif place:
+            raise QuantLoadError(f"MXFP4 experts stored as {place!r} are not supported")
+        packed = Mxfp4Experts.from_checkpoint(blocks, scales)
+        shape = (self.num_experts, *self._shape(which))
+        have = (packed.num_experts, packed.out_features, packed.in_features)
+        if have != shape:
+            raise QuantLoadError(f"MXFP4 experts ({which}) are {have}, expected {shape}")
+        self._hold(which, Mxfp4Experts(packed.blocks.to(device), packed.scales.to(device)))
 
     def take_quantized(self, which: str, how: str, kind: str, name: str, tensor) -> list[str]:
         """A quantized checkpoint tensor of an expert (`how`: "expert:<e>[:gate|up]");
@@ -387,6 +412,15 @@ class Experts(nn.Module):
         """Random packed experts (LOAD_FORMAT=dummy) in the scheme's shape."""
         if self.mode != "packed":
             return
+        if self.scheme.method == "mxfp4":  # any codes, block scales of 2^-6
+            for which in ("w13", "w2"):
+                out, k = self._shape(which)
+                shape = (self.num_experts, out, k // 32, 16)
+                blocks = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+                scales = torch.full(shape[:-1], 127 - 6, dtype=torch.uint8)
+                device = self.w13_bias.weight.device if self.w13_bias is not None else None
+                self.take_mxfp4(which, blocks, scales, "", device)
+            return
         if self.scheme.method == "fp8":  # codes of magnitude up to ~1 (no NaN), small scales
             for which in ("w13", "w2"):
                 out, k = self._shape(which)
@@ -411,19 +445,24 @@ class Experts(nn.Module):
 
     _PACKED_FIELDS = ("qweight", "scales", "zeros", "g_idx", "perm")
     _FP8_FIELDS = ("weight", "scale")
+    _MXFP4_FIELDS = ("blocks", "scales")
 
     def _fields(self) -> tuple[str, ...]:
+        if self.scheme.method == "mxfp4":
+            return self._MXFP4_FIELDS
         return self._FP8_FIELDS if self.scheme.method == "fp8" else self._PACKED_FIELDS
 
-    def _hold(self, which: str, packed: PackedExperts | Fp8Experts) -> None:
+    def _hold(self, which: str, packed: PackedExperts | Fp8Experts | Mxfp4Experts) -> None:
         """Keeps a projection's packed experts as buffers (model.to moves them; the memory
         counts see them)."""
         for field in self._fields():
             self.register_buffer(f"{which}_{field}", getattr(packed, field))
         self.quantized.add(which)
 
-    def packed_experts(self, which: str) -> PackedExperts | Fp8Experts:
+    def packed_experts(self, which: str) -> PackedExperts | Fp8Experts | Mxfp4Experts:
         fields = [getattr(self, f"{which}_{f}") for f in self._fields()]
+        if self.scheme.method == "mxfp4":
+            return Mxfp4Experts(*fields)
         if self.scheme.method == "fp8":
             return Fp8Experts(*fields)
         return PackedExperts(*fields, self.scheme.bits)
@@ -444,6 +483,9 @@ class Experts(nn.Module):
     def forward(self, x, weights, ids):
         if self.quantized:
             w13, w2 = self.packed_experts("w13"), self.packed_experts("w2")
+            if self.scheme.method == "mxfp4":
+                fn = fused_moe_mxfp4 if self.use_kernels else fused_moe_mxfp4_reference
+                return fn(x, w13, w2, weights, ids, self.act, *self.biases())
             if self.scheme.method == "fp8":
                 fn = fused_moe_fp8 if self.use_kernels else fused_moe_fp8_reference
             else:

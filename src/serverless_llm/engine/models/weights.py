@@ -27,7 +27,13 @@ class DecoderWeights:
                 raise QuantLoadError(
                     f"MXFP4 checkpoints of {s.arch} are not supported (gpt-oss's are)"
                 )
-            self.quantization = "mxfp4 experts, dequantized at load (no 4-bit kernel yet)"
+            if mode == "packed":  # kept 4-bit, run by the MXFP4 MoE kernel
+                for m in self.modules():
+                    if isinstance(m, Experts):
+                        m.keep_mxfp4(scheme)
+                self.quantization = "mxfp4 experts kept 4-bit (MXFP4 MoE kernel)"
+            else:
+                self.quantization = "mxfp4 experts, dequantized at load"
             return
         if self.sharder is not None:  # tensor parallel: the packed tensors are sliced too
             self.sharder.scheme = scheme
@@ -124,6 +130,10 @@ class DecoderWeights:
                     continue
                 tensor, how = taken
             pname = f"{prefix}{internal}.{kind}"
+            if how is not None and how.startswith("mxfp4_"):  # a half of an MXFP4 projection
+                data = params[pname].data if pname in params else None  # None: kept 4-bit
+                self._take_mxfp4(data, f"{prefix}{internal}", how, tensor, loaded)
+                continue
             experts = quant_experts.get(f"{prefix}{internal}")
             if experts is not None and (kind != "weight" or tensor.dtype == torch.float8_e4m3fn):
                 if kind == "bias":  # GPTQ's zero bias for every quantized linear
@@ -224,6 +234,8 @@ class DecoderWeights:
                     child.to(device)
                     if child.weight is not None:
                         setattr(parent, name, child.to_linear())
+                elif isinstance(child, Experts) and child.quantized:
+                    child.to(device)  # packed experts settle on the CPU too
 
     @staticmethod
     def _complete(pname: str, param: torch.Tensor, loaded: set[str]) -> bool:
@@ -272,9 +284,6 @@ class DecoderWeights:
         elif how is not None and how.startswith("head:"):
             data[int(how[5:])].copy_(tensor)
             loaded.add(f"{pname}#{how}")
-            return
-        elif how is not None and how.startswith("mxfp4_"):
-            self._take_mxfp4(data, pname, how, tensor, loaded)
             return
         elif how in ("experts:interleaved", "experts:interleaved_t", "experts:stacked_t"):
             self._place_experts(data, how, tensor)
@@ -360,11 +369,14 @@ class DecoderWeights:
         dest.narrow(1, 0, half).copy_(tensor[:, 0::2])
         dest.narrow(1, half, half).copy_(tensor[:, 1::2])
 
-    def _take_mxfp4(self, data, pname: str, how: str, tensor, loaded: set[str]) -> None:
+    def _take_mxfp4(self, data, internal: str, how: str, tensor, loaded: set[str]) -> None:
         """One half of an MXFP4 projection ("mxfp4_blocks[:<how>]" or "mxfp4_scales[:<how>]",
-        kernels/mxfp4.py): held until its other half arrives, then decoded expert by expert
-        (one expert's float copy in flight) into the stacked weight, placed by <how>."""
+        kernels/mxfp4.py) of the stacked expert weight `internal`: held until its other half
+        arrives, then handed to the experts kept 4-bit (`data` None: "packed") or decoded
+        expert by expert (one expert's float copy in flight) into the stacked weight `data`,
+        placed by <how>."""
         kind, _, place = how.partition(":")
+        pname = f"{internal}.weight"
         pending = self.__dict__.setdefault("_mxfp4_pending", {})
         halves = pending.setdefault(pname, {})
         halves[kind] = tensor if isinstance(tensor, torch.Tensor) else tensor.full()
@@ -372,6 +384,15 @@ class DecoderWeights:
             return
         del pending[pname]
         blocks, scales = halves["mxfp4_blocks"], halves["mxfp4_scales"]
+        if data is None:
+            path, _, which = internal.rpartition(".")
+            experts = self.get_submodule(path)
+            if not isinstance(experts, Experts) or experts.scheme is None:
+                raise KeyError(
+                    f"MXFP4 tensors for {internal}, which is not a stacked expert weight"
+                )
+            experts.take_mxfp4(which, blocks, scales, place, self.embed_tokens.weight.device)
+            return
         if blocks.shape[0] != data.shape[0]:
             raise KeyError(
                 f"{pname}: MXFP4 blocks of {blocks.shape[0]} experts for {data.shape[0]}"
