@@ -130,6 +130,9 @@ class LoadedModel:
             tensors[slot] if attends else None
             for slot, attends in zip(layout.slot_of_layer, attention)
         ]
+        views = getattr(m, "layer_cache_views", None)
+        if views is not None:  # layers of another head shape (Gemma 4): views of the tensors
+            caches = views(caches)
         for i, shapes in getattr(m, "state_shapes", dict)().items():
             caches[i] = RecurrentState(allocate_state(shapes, num_slots, self.device), caches[i])
         return caches

@@ -36,6 +36,7 @@ from ..kernels.cpu_native import (
     prepare_reference,
     ptr_or_null,
 )
+from ..kv_cache import layer_view
 from ..layers.activation import (
     ActAndMul,
     Activation,
@@ -246,6 +247,21 @@ class DecoderSpec:
     # query at position p is multiplied by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)),
     # given as (floor_scale, attn_scale).
     attn_temperature: tuple[float, float] | None = None
+    # Gemma 4's pieces. Per layer, (num_kv_heads, head_dim) where the layer's differ from the
+    # model's (its global layers' wider heads); None: the model's.
+    layer_heads: tuple[tuple[int, int] | None, ...] | None = None
+    # Per layer, whether its values are its keys' projection (`attention_k_eq_v`: no v rows;
+    # v is the raw k projection, taken before the k norm).
+    k_eq_v: tuple[bool, ...] | None = None
+    v_norm: bool = False  # values RMS-normalised over head_dim, without a weight
+    # Per layer, the earlier layer whose keys and values it attends to (KV shared across
+    # layers: such a layer has no K/V projection and keeps no cache of its own), or None.
+    kv_source: tuple[int | None, ...] | None = None
+    mlp_sizes: tuple[int | None, ...] | None = None  # per layer, its dense MLP width if not ours
+    # Per-layer input embeddings (vocab, width): an embedding of every layer's own, mixed with
+    # a projection of the token embedding, fed into each layer after its MLP.
+    per_layer_input: tuple[int, int] | None = None
+    layer_scalar: bool = False  # each layer's output stream times its `layer_scalar`
     clip_qkv: float | None = None
     clip_after_norm: bool = False  # OLMoE clips q and k after their norms, not before
     alibi_scale: float | None = None  # ALiBi, slopes times this (Falcon scales them by `scale`)
@@ -302,6 +318,16 @@ class DecoderSpec:
             self.qk_norm_layers = (True,) * n
         if len(self.chunks) != n or len(self.qk_norm_layers) != n:
             raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
+        self.layer_heads = self.layer_heads or (None,) * n
+        self.k_eq_v = self.k_eq_v or (False,) * n
+        self.kv_source = self.kv_source or (None,) * n
+        self.mlp_sizes = self.mlp_sizes or (None,) * n
+        per_layer = (self.layer_heads, self.k_eq_v, self.kv_source, self.mlp_sizes)
+        if any(len(t) != n for t in per_layer):
+            raise ValueError(f"{self.arch}: per-layer settings for {n} layers expected")
+        for i, src in enumerate(self.kv_source):
+            if src is not None and not (0 <= src < i and self.kv_source[src] is None):
+                raise ValueError(f"{self.arch}: layer {i} reads the KV of layer {src}")
         if self.rope is None:
             self.rope = (None,) * n
         if self.moe_layers is None:
@@ -324,8 +350,12 @@ class DecoderSpec:
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether it attends (keeps KV in the paged cache)."""
-        return tuple(m in ("attention", "parallel") for m in self.mixers)
+        """Per layer, whether it attends and keeps KV in the paged cache (a layer reading
+        another layer's KV keeps none)."""
+        return tuple(
+            m in ("attention", "parallel") and src is None
+            for m, src in zip(self.mixers, self.kv_source)
+        )
 
     @property
     def latent_widths(self) -> tuple[int | None, ...] | None:
@@ -364,6 +394,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         rope,
         tp: TensorParallel = SINGLE,
+        index: int = 0,
     ):
         super().__init__()
         self.tp = tp
@@ -373,10 +404,20 @@ class Attention(nn.Module):
         h, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.q_size, self.kv_size = h * d, kvh * d
+        # The fused projection's parts: q, k, v; q and k when the values are the keys'
+        # projection; q alone when the layer reads another layer's K/V (`link_kv_source`).
+        self.reads_kv_of = s.kv_source[index]
+        self.qkv_parts = 1 if self.reads_kv_of is not None else 2 if s.k_eq_v[index] else 3
+        self.v_norm = s.v_norm
+        self._kv_source: list = []  # [the Attention whose K/V this layer reads]
+        self.kv_out = None  # this step's (k, v), kept when a later layer reads them
+        self.keep_kv_out = False
         # With an output gate the fused projection is [q | k | v | gate].
         self.gate_size = self.q_size if s.attn_output_gate else 0
         self.qkv_proj = nn.Linear(
-            s.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=s.qkv_bias
+            s.hidden_size,
+            self.q_size + (self.qkv_parts - 1) * self.kv_size + self.gate_size,
+            bias=s.qkv_bias,
         )
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         self.g_proj = nn.Linear(s.hidden_size, h, bias=False) if s.attn_head_gate else None
@@ -403,13 +444,18 @@ class Attention(nn.Module):
             self.qk_eps = eps
         elif s.qk_norm is not None:
             raise ValueError(f"unknown q/k norm {s.qk_norm!r}")
+        if self.qkv_parts == 1 and s.qk_norm is not None:
+            self.k_norm = None  # a layer reading another's K/V has no k norm
+        self.v_eps = eps
+        # Temperature tuning (`DecoderSpec.attn_temperature`) on a layer without rotary.
+        self.temperature = s.attn_temperature if rope is None else None
         # Whether the native CPU step can prepare q and k itself (its clip comes before the
         # norms; a norm over every head only without tensor parallelism, where its statistics
         # would span the ranks).
-        # Temperature tuning (`DecoderSpec.attn_temperature`) on a layer without rotary.
-        self.temperature = s.attn_temperature if rope is None else None
         self.native_prep = isinstance(backend, NativeCpuBackend) and (
-            not self.clip_after_norm
+            self.qkv_parts == 3
+            and not self.v_norm
+            and not self.clip_after_norm
             and not (s.qk_norm == "rms_full" and tp.enabled)
             and not self.gate_size
             and s.qk_norm != "l2_head"
@@ -432,9 +478,17 @@ class Attention(nn.Module):
         attn = self._attend(qkv, T, rope, kv_cache, meta, q_scale)
         return self._out(attn * torch.sigmoid(gate))
 
+    def link_kv_source(self, source: Attention) -> None:
+        """This layer attends to `source`'s keys and values (written by it earlier in the
+        step): `source` keeps them for this layer (a plain list: not a submodule)."""
+        self._kv_source = [source]
+        source.keep_kv_out = True
+
     def _attend(
         self, qkv, T: int, rope: RotaryStep | None, kv_cache, meta: AttentionMetadata, q_scale=None
     ):
+        if self.qkv_parts != 3 or self.v_norm:
+            return self._attend_own_kv(qkv, T, rope, kv_cache, meta)
         if self.native_prep and qkv.dtype == torch.float32:
             return self._forward_native(qkv, rope, kv_cache, meta)
         if self.clip_qkv is not None and not self.clip_after_norm:
@@ -472,6 +526,34 @@ class Attention(nn.Module):
             q, k = _rms_plain(q, self.qk_eps), _rms_plain(k, self.qk_eps)
         if q_scale is not None:
             q = (q.float() * q_scale).to(q.dtype)
+        return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
+
+    def _attend_own_kv(self, qkv, T: int, rope: RotaryStep | None, kv_cache, meta):
+        """Gemma 4's attention: per-head q/k norms, values RMS-normed without a weight (`v_norm`),
+        values that are the keys' projection (`k_eq_v`), or no K/V at all: the source layer's
+        of this step, written into its cache already (`kv_cache` and `meta` are the source's;
+        the write is repeated, the same values into the same slots, so every backend path
+        serves it unchanged)."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, : self.q_size].reshape(T, h, d)
+        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+        if q_norm is not None:
+            q = q_norm(q.reshape(-1, d)).view(T, h, d)
+        if self.qkv_parts == 1:  # the source's keys and values
+            if rope is not None:  # rotate q alone (a copy of one head stands in for k)
+                q, _ = apply_rotary(q, q[:, :1].clone(), rope, self.rope.is_neox)
+            k, v = self._kv_source[0].kv_out
+            return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(T, kvh, d)
+        v = k if self.qkv_parts == 2 else qkv[:, self.q_size + self.kv_size :].reshape(T, kvh, d)
+        if k_norm is not None:
+            k = k_norm(k.reshape(-1, d)).view(T, kvh, d)
+        if self.v_norm:
+            v = _rms_plain(v, self.v_eps)
+        if rope is not None:
+            q, k = apply_rotary(q, k, rope, self.rope.is_neox)
+        if self.keep_kv_out:
+            self.kv_out = (k, v)
         return self.backend.forward(q, k, v, kv_cache, meta, self.spec)
 
     def _forward_native(self, qkv, rope, kv_cache, meta):
@@ -652,6 +734,14 @@ def _add_norm(norm, x, residual):
     return stream, stream
 
 
+class LayerScalar(nn.Module):
+    """A layer's output multiplier (Gemma 4's `layer_scalar`): `weight` [1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -663,14 +753,19 @@ class DecoderLayer(nn.Module):
         tp: TensorParallel = SINGLE,
         mixer: str = "attention",
         has_mlp: bool = True,
+        index: int = 0,
     ):
         super().__init__()
         uk = backend.use_kernels
         # The token mixer: attention, a recurrent layer (`mixer`, keeping a state), both side by
         # side ("parallel"), or none.
         attends, recurs = mixer in ("attention", "parallel"), mixer in ("recurrent", "parallel")
-        kind = LatentAttention if s.mla is not None else Attention
-        self.self_attn = kind(s, attn, backend, rope, tp) if attends else None
+        if not attends:
+            self.self_attn = None
+        elif s.mla is not None:
+            self.self_attn = LatentAttention(s, attn, backend, rope, tp)
+        else:
+            self.self_attn = Attention(s, attn, backend, rope, tp, index)
         self.mixer = s.recurrent.build(s, backend, tp) if recurs else None
         if has_mlp:
             self.mlp = SparseMoE(s, uk, tp) if sparse else MLP(s, uk, tp=tp)
@@ -683,6 +778,15 @@ class DecoderLayer(nn.Module):
         self.parallel = s.parallel
         self.post_ln = s.post_ln
         self.residual_scale = s.residual_scale
+        # Gemma 4: the per-layer input's gate, projection and norm after the MLP; the scalar.
+        self.ple_gate = self.ple_proj = self.ple_norm = None
+        if s.per_layer_input is not None:
+            width = s.per_layer_input[1]
+            self.ple_gate = nn.Linear(s.hidden_size, width, bias=False)
+            self.ple_act = Activation(s.act, uk)
+            self.ple_proj = nn.Linear(width, s.hidden_size, bias=False)
+            self.ple_norm = make_norm(s.norm, s.hidden_size, uk)
+        self.layer_scalar = LayerScalar() if s.layer_scalar else None
         self.native_decode: NativeDecodeLayer | None = None  # `NativeDecodeLayer.attach`
 
     def _mix(self, h, rope, cache, meta, q_scale=None):
@@ -695,8 +799,21 @@ class DecoderLayer(nn.Module):
             return self.mixer(h, cache, meta)
         return None
 
-    def forward(self, x, residual, rope, kv_cache, meta, q_scale=None):
-        """`q_scale`: the queries' temperature factors (`attention_temperature`), or None."""
+    def forward(self, x, residual, rope, kv_cache, meta, q_scale=None, per_layer_input=None):
+        """`q_scale`: the queries' temperature factors (`attention_temperature`), or None;
+        `per_layer_input`: this layer's [T, width] per-layer input (Gemma 4), or None."""
+        if self.ple_gate is not None or self.layer_scalar is not None:
+            x, residual = self._forward(x, residual, rope, kv_cache, meta, q_scale)
+            stream = x if residual is None else x + residual
+            if self.ple_gate is not None:
+                g = self.ple_act(self.ple_gate(stream)) * per_layer_input
+                stream = stream + self.ple_norm(self.ple_proj(g))
+            if self.layer_scalar is not None:
+                stream = stream * self.layer_scalar.weight
+            return stream, None
+        return self._forward(x, residual, rope, kv_cache, meta, q_scale)
+
+    def _forward(self, x, residual, rope, kv_cache, meta, q_scale=None):
         nd = self.native_decode
         if nd is not None and nd.takes(self, x, residual, meta):
             return nd(self, x, residual, rope, kv_cache, meta)
@@ -877,7 +994,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         self.rope_caches: list[torch.Tensor] = []
         self.layers = nn.ModuleList(
             DecoderLayer(
-                s if s.qk_norm_layers[i] else dataclasses.replace(s, qk_norm=None),
+                self._layer_spec(i),
                 self._attention_spec(i),
                 backend,
                 s.rope[i],
@@ -885,9 +1002,22 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 tp,
                 mixer=s.mixers[i],
                 has_mlp=s.mlp_layers[i],
+                index=i,
             )
             for i in range(s.num_layers)
         )
+        for i, src in enumerate(s.kv_source):
+            if src is not None:
+                self.layers[i].self_attn.link_kv_source(self.layers[src].self_attn)
+        # Gemma 4's per-layer inputs: an embedding of every layer's [width] at once, and the
+        # projection of the token embedding mixed into it (`_per_layer_inputs`).
+        if s.per_layer_input is not None:
+            vocab, width = s.per_layer_input
+            self.embed_tokens_per_layer = nn.Embedding(vocab, s.num_layers * width)
+            self.per_layer_model_projection = nn.Linear(
+                s.hidden_size, s.num_layers * width, bias=False
+            )
+            self.per_layer_projection_norm = make_norm(s.norm, width, uk)
         self.norm = make_norm(s.norm, s.hidden_size, uk) if s.final_norm else None
         # The native CPU kernels (handed to the norms by `optimize_for_cpu`), and whether every
         # layer's rotary runs inside them (then the step gathers no cos/sin for the torch path).
@@ -904,13 +1034,29 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         self.packed_lm_head = None
         self.quantization = "none"  # for the start-up line; `quantize` says which
 
+    def _layer_spec(self, i: int) -> DecoderSpec:
+        """The description as layer i reads it: its q/k norm, head shape and MLP width."""
+        s, changes = self.spec, {}
+        if not s.qk_norm_layers[i]:
+            changes["qk_norm"] = None
+        if s.layer_heads[i] is not None:
+            changes["num_kv_heads"], changes["head_dim"] = s.layer_heads[i]
+        if s.mlp_sizes[i] is not None:
+            changes["intermediate_size"] = s.mlp_sizes[i]
+        return dataclasses.replace(s, **changes) if changes else s
+
+    def _heads_of(self, i: int) -> tuple[int, int]:
+        """Layer i's (num_kv_heads, head_dim)."""
+        return self.spec.layer_heads[i] or (self.spec.num_kv_heads, self.spec.head_dim)
+
     def _attention_spec(self, i: int, slopes: torch.Tensor | None = None) -> AttentionSpec:
         s = self.spec
+        kvh, d = self._heads_of(i)
         return AttentionSpec(
             num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            head_dim=s.head_dim,
-            scale=s.scale if s.scale is not None else s.head_dim**-0.5,
+            num_kv_heads=kvh,
+            head_dim=d,
+            scale=s.scale if s.scale is not None else d**-0.5,
             sliding_window=s.windows[i],
             chunk_size=s.chunks[i],
             logit_softcap=s.attn_softcap,
@@ -947,7 +1093,22 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         KV heads, or a latent attention layer's one row (`kv_cache.allocate_kv_cache`)."""
         if self.spec.mla is not None:
             return 1, 1, self.spec.mla.width
-        return 2, self.num_kv_heads, self.head_dim
+        # Layers of other head shapes (Gemma 4's global layers): the widest entry, the others
+        # views into it (`layer_cache_views`).
+        shapes = [self._heads_of(i) for i, a in enumerate(self.spec.attention_layers) if a]
+        kvh, d = max(shapes, key=lambda hd: hd[0] * hd[1], default=(self.num_kv_heads, 0))
+        return 2, kvh, d or self.head_dim
+
+    def layer_cache_views(self, caches: list) -> list:
+        """Each layer's cache in the tensors `kv_cache_shape` sized: a layer whose entries are
+        narrower sees its own (heads, dim) view of them (`kv_cache.layer_view`); a layer that
+        reads another layer's K/V gets None (the forward hands it the source's)."""
+        _, kvh, d = self.kv_cache_shape()
+        out = list(caches)
+        for i, cache in enumerate(caches):
+            if isinstance(cache, torch.Tensor) and self._heads_of(i) != (kvh, d):
+                out[i] = layer_view(cache, *self._heads_of(i))
+        return out
 
     def state_shapes(self) -> dict[int, list]:
         """Per recurrent layer, one request's state tensors (shape, dtype) (`state_shapes`)."""
@@ -1004,6 +1165,9 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             x = x + self.embed_positions(positions + s.position_offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        per_layer = None
+        if s.per_layer_input is not None:
+            per_layer = self._per_layer_inputs(input_ids, x)
         residual = None
         temps = None
         if s.attn_temperature is not None:  # for the layers without rotary
@@ -1012,10 +1176,16 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         metas = meta if isinstance(meta, list) else itertools.repeat(meta)
         layers = zip(self.layers, kv_caches, self.rope_of_layer, metas)
         for i, (layer, cache, r, m) in enumerate(layers):
+            src = s.kv_source[i]
+            if src is not None:  # the source layer's cache and its group's metadata
+                cache, m = kv_caches[src], meta[src] if isinstance(meta, list) else meta
+            extra = {}
+            if per_layer is not None:
+                extra["per_layer_input"] = per_layer[:, i]
             if r is None:
-                x, residual = layer(x, residual, None, cache, m, q_scale=temps)
+                x, residual = layer(x, residual, None, cache, m, q_scale=temps, **extra)
             else:
-                x, residual = layer(x, residual, steps[r], cache, m)
+                x, residual = layer(x, residual, steps[r], cache, m, **extra)
             if deepstack is not None and i < len(deepstack):
                 x = x.index_add(0, images[0], deepstack[i].to(x.dtype))
         x, _ = _add_norm(self.norm, x, residual)
@@ -1025,6 +1195,19 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
 
     def _ropes(self):
         return zip(self.rope_caches, self.rope_specs)
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs [T, layers, width]: the per-layer embedding (times
+        sqrt(width), rounded to the dtype) and the RMS-normed projection of the token embedding
+        `x` (times hidden ** -0.5), averaged by 2 ** -0.5, as transformers mixes them."""
+        s = self.spec
+        width = s.per_layer_input[1]
+        shape = (x.shape[0], s.num_layers, width)
+        own = self.embed_tokens_per_layer(input_ids)
+        own = (own * torch.tensor(width**0.5, dtype=own.dtype)).view(shape)
+        mixed = self.per_layer_model_projection(x) * s.hidden_size**-0.5
+        mixed = self.per_layer_projection_norm(mixed.view(shape))
+        return (mixed + own) * 2.0**-0.5
 
     def _mrope_step(self, cache, r: RopeSpec, positions: torch.Tensor, dtype) -> RotaryStep:
         """A step's rotary for [3, T] positions: the rows of this step's table mix the three

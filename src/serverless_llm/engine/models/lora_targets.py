@@ -39,7 +39,8 @@ class DecoderLoRA:
                     continue
                 out = child.out_features
                 if name == "qkv_proj":
-                    parts = [(0, q), (q, kv), (q + kv, kv)]
+                    lq, lkv = getattr(parent, "q_size", q), getattr(parent, "kv_size", kv)
+                    parts = [(0, lq), (lq, lkv), (lq + lkv, lkv)][: getattr(parent, "qkv_parts", 3)]
                 elif name == "gate_up_proj":
                     parts = [(0, out // 2), (out // 2, out // 2)]
                 else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import (  # noqa: F401
     families_alibi,
     families_conv,
+    families_gemma4,
     families_gpt,
     families_gpt_oss,
     families_jamba,

@@ -50,6 +50,20 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
                 f"choose a size that divides it"
             )
 
+    gemma4 = [
+        what
+        for what, on in (
+            ("per-layer head shapes", any(h is not None for h in spec.layer_heads)),
+            ("KV shared across layers", any(src is not None for src in spec.kv_source)),
+            ("per-layer input embeddings", spec.per_layer_input is not None),
+        )
+        if on
+    ]
+    if gemma4:
+        raise ConfigError(
+            f"tensor_parallel_size={size}: tensor parallelism of {' and '.join(gemma4)} "
+            "(Gemma 4) is not supported yet; use tensor_parallel_size=1"
+        )
     if any(spec.attention_layers):
         need(spec.num_heads, "number of attention heads")
         kvh = spec.num_kv_heads

@@ -57,6 +57,9 @@ class DecoderWeights:
                     if name in getattr(parent, "FLOAT_CHILDREN", ()):
                         continue  # MoE routers: quantizers leave them in float
                     parts = parts_of.get(name, (child.out_features,))
+                    if name == "qkv_proj" and hasattr(parent, "qkv_parts"):  # its own sizes
+                        sizes = (parent.q_size, parent.kv_size, parent.kv_size)
+                        parts = sizes[: parent.qkv_parts]
                     if parts is None:
                         parts = (child.out_features // 2,) * 2
                     groups = None
@@ -237,10 +240,10 @@ class DecoderWeights:
                 elif isinstance(child, Experts) and child.quantized:
                     child.to(device)  # packed experts settle on the CPU too
 
-    @staticmethod
-    def _complete(pname: str, param: torch.Tensor, loaded: set[str]) -> bool:
+    def _complete(self, pname: str, param: torch.Tensor, loaded: set[str]) -> bool:
         """Whether the checkpoint filled `pname`: whole, or every one of its parts (the three
-        of a qkv_proj, the two of a gate_up_proj, each head of a per-head norm)."""
+        of a qkv_proj (fewer in a layer without its own values or K/V), the two of a
+        gate_up_proj, each head of a per-head norm)."""
         if pname in loaded:
             return True
         rows = [name for name in loaded if name.startswith(pname + "#rows:")]
@@ -251,7 +254,10 @@ class DecoderWeights:
         # per-head norms: a part per row; stacked experts: one per expert (two with gate | up,
         # one for non-gated experts' up rows)
         halves = any(n.endswith((":gate", ":up")) for n in loaded if n.startswith(pname + "#"))
-        need = {"qkv_proj": 3, "gate_up_proj": 2, "w13": (2 if halves else 1) * param.shape[0]}
+        qkv = 3
+        if target == "qkv_proj":
+            qkv = getattr(self.get_submodule(pname.rsplit(".", 2)[0]), "qkv_parts", 3)
+        need = {"qkv_proj": qkv, "gate_up_proj": 2, "w13": (2 if halves else 1) * param.shape[0]}
         need = need.get(target, param.shape[0])
         return parts > 0 and parts == need
 
@@ -272,6 +278,11 @@ class DecoderWeights:
             i = self._SHARDS[how]
             if how in ("q", "k", "v"):
                 sizes = [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2
+                attn = self.get_submodule(pname.rsplit(".", 2)[0])
+                if hasattr(attn, "qkv_parts"):  # a layer's own head shape (Gemma 4)
+                    sizes = [attn.q_size, attn.kv_size, attn.kv_size][: attn.qkv_parts]
+                    if i >= len(sizes):
+                        raise KeyError(f"{pname}: this layer has no {how} projection")
             else:
                 sizes = [data.shape[0] // 2] * 2
             data.narrow(0, sum(sizes[:i]), sizes[i]).copy_(tensor)
