@@ -87,6 +87,32 @@ def test_preemption_chunked_prefill_and_prefix_cache(family_models):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt + w[:20], NEW_TOKENS)
 
 
+def test_beam_search_and_replayed_decodes(family_models):
+    """Beam search (forks copy the partial blocks of both cache groups) equals transformers'
+    beam search, and decode steps through the capture buffers (decode_capture="replay", the CPU
+    twin of CUDA graphs: the sinks read from the spec's parameter in every replay) give
+    transformers' greedy tokens."""
+    from tests.engine.test_beam_search import beam_params, hf_beam_search
+
+    path = family_models("gpt_oss")
+    vocab = len(build_tokenizer())
+    prompt = family_prompts(vocab, lengths=(13,))[0]
+    llm = LLM(path, block_size=8, num_kv_blocks=160, max_model_len=256, dtype="float32")
+    params = beam_params(best_of=3, n=3, max_tokens=10, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
+    assert got == hf_beam_search(path, prompt, width=3, n=3, eos=[vocab + 1], max_new_tokens=10)
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+    replay = LLM(
+        path, block_size=8, num_kv_blocks=160, max_model_len=256, dtype="float32",
+        decode_capture="replay", max_num_seqs=4,
+    )  # fmt: skip
+    assert replay.engine.runner.captured is not None
+    prompts = family_prompts(vocab, lengths=(3, 20, 45))
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt, out in zip(prompts, replay.generate(prompts, greedy)):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 24)
+
+
 def test_description_and_cache_groups(family_models):
     """Sinks on every layer (the spec points at the loaded parameter), the window on the
     sliding ones: two cache groups, a window group among them."""
