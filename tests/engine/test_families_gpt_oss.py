@@ -113,6 +113,28 @@ def test_beam_search_and_replayed_decodes(family_models):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 24)
 
 
+def test_lora_on_attention(family_models, tmp_path):
+    """A peft adapter on q/k/v/o (the layers' only dense linears; the experts are stacked):
+    greedy tokens equal transformers on the merged model, and differ from the base model's."""
+    pytest.importorskip("peft")
+    from serverless_llm import LoRARequest
+    from tests.lora_adapters import make_adapter
+
+    path = family_models("gpt_oss")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = make_adapter(path, str(tmp_path / "adapter"), 8, 16, targets, seed=3)
+    llm = LLM(
+        path, block_size=8, num_kv_blocks=160, max_model_len=256, dtype="float32",
+        enable_lora=True, max_loras=1, max_lora_rank=8,
+    )  # fmt: skip
+    prompts = family_prompts(len(build_tokenizer()), lengths=(3, 20, 45))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, adapter))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(adapter + "-merged", prompt, 16)
+    assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(path, p, 16) for p in prompts]
+
+
 def test_description_and_cache_groups(family_models):
     """Sinks on every layer (the spec points at the loaded parameter), the window on the
     sliding ones: two cache groups, a window group among them."""
