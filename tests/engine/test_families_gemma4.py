@@ -4,7 +4,8 @@ KV heads, `attention_k_eq_v`, KV shared by the last layers, double-wide MLPs the
 input embeddings, the proportional rope, a final soft-cap), 8 prompts batched, 48 greedy tokens
 equal to `generate`; the cache: shared layers keep none, global layers' narrower or wider
 entries are views; chunked prefill, prefix caching and preemption change nothing; the text part
-of Gemma4ForConditionalGeneration; the MoE block is refused by name."""
+of Gemma4ForConditionalGeneration; the MoE block beside the MLP (26B-A4B's); bidirectional text
+attention is refused by name."""
 
 from __future__ import annotations
 
@@ -77,6 +78,17 @@ CONFIGS = {
         attention_k_eq_v=False,
         use_double_wide_mlp=False,
         global_head_dim=48,  # entries 2 x 48: the sliding layers' 2 x 16 are views into them
+    ),
+    # the 26B-A4B shape: the MoE block beside every dense MLP (top-2 of 4), no sharing or PLE
+    "gemma4_moe": lambda tok: _gemma4(
+        tok,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        use_double_wide_mlp=False,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
     ),
 }
 
@@ -184,13 +196,8 @@ def test_prefix_cache_chunked_prefill_and_preemption_change_nothing(
     assert_pool_whole(small)
 
 
-def test_moe_block_and_bidirectional_text_are_refused_by_name():
-    tok = build_tokenizer()
-    moe = _gemma4(tok, enable_moe_block=True, num_experts=4, top_k_experts=2,
-                  moe_intermediate_size=32)  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="enable_moe_block"):
-        describe_model(moe)
-    both = _gemma4(tok, use_bidirectional_attention="all")
+def test_bidirectional_text_is_refused_by_name():
+    both = _gemma4(build_tokenizer(), use_bidirectional_attention="all")
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
         describe_model(both)
 

@@ -262,6 +262,9 @@ class DecoderSpec:
     # a projection of the token embedding, fed into each layer after its MLP.
     per_layer_input: tuple[int, int] | None = None
     layer_scalar: bool = False  # each layer's output stream times its `layer_scalar`
+    # Gemma 4's MoE block: routed experts beside the dense MLP in every layer (`ExpertsBeside`;
+    # `routing` and `renormalize` as for `moe`).
+    moe_beside: MoESpec | None = None
     clip_qkv: float | None = None
     clip_after_norm: bool = False  # OLMoE clips q and k after their norms, not before
     alibi_scale: float | None = None  # ALiBi, slopes times this (Falcon scales them by `scale`)
@@ -663,6 +666,47 @@ class MLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+class ScaledRouter(nn.Module):
+    """Gemma 4's router: the stream RMS-normed without a weight, times `scale` [hidden] and
+    hidden ** -0.5, projected to the experts' logits (`proj`); the routed weights (softmax top-k,
+    renormalised) times `per_expert_scale` [experts] of the chosen experts."""
+
+    FLOAT_CHILDREN = ("proj",)  # quantizers leave it in float
+
+    def __init__(self, hidden: int, num_experts: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.proj = nn.Linear(hidden, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+
+    def forward(self, x: torch.Tensor, m: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+        h = _rms_plain(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        weights, ids = route(self.proj(h), m.top_k, m.routing, m.renormalize)
+        return weights * self.per_expert_scale[ids].float(), ids
+
+
+class ExpertsBeside(nn.Module):
+    """Gemma 4's MoE block beside the dense MLP: the experts read the stream before the MLP
+    norm, routed by `ScaledRouter` and normed on the way in (`in_norm`); the dense MLP's output
+    and the experts' are each normed (`dense_norm`, `out_norm`), then summed."""
+
+    def __init__(self, s: DecoderSpec, use_kernels: bool) -> None:
+        super().__init__()
+        m = self.moe = s.moe_beside
+        h = s.hidden_size
+        self.router = ScaledRouter(h, m.num_experts, s.norm.eps)
+        self.experts = Experts(m.num_experts, h, m.intermediate_size, s.act, use_kernels)
+        self.dense_norm = make_norm(s.norm, h, use_kernels)
+        self.in_norm = make_norm(s.norm, h, use_kernels)
+        self.out_norm = make_norm(s.norm, h, use_kernels)
+
+    def forward(self, dense: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(stream, self.moe)
+        routed = self.experts(self.in_norm(stream), weights, ids)
+        return self.dense_norm(dense) + self.out_norm(routed)
+
+
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP: router, experts, and the shared expert when the family has one."""
 
@@ -787,6 +831,7 @@ class DecoderLayer(nn.Module):
             self.ple_proj = nn.Linear(width, s.hidden_size, bias=False)
             self.ple_norm = make_norm(s.norm, s.hidden_size, uk)
         self.layer_scalar = LayerScalar() if s.layer_scalar else None
+        self.experts_beside = ExpertsBeside(s, uk) if s.moe_beside is not None else None
         self.native_decode: NativeDecodeLayer | None = None  # `NativeDecodeLayer.attach`
 
     def _mix(self, h, rope, cache, meta, q_scale=None):
@@ -837,10 +882,12 @@ class DecoderLayer(nn.Module):
         if self.mlp is None:  # a mixer block alone (Nemotron-H's Mamba and attention blocks)
             return h, residual
         h, residual = _add_norm(self.mlp_norm, h, residual)
-        return self._scaled(self._mlp_out(h)), residual
+        return self._scaled(self._mlp_out(h, residual)), residual
 
-    def _mlp_out(self, h):
+    def _mlp_out(self, h, stream=None):
         h = self.mlp(h)
+        if self.experts_beside is not None:  # Gemma 4: experts beside, from the stream
+            h = self.experts_beside(h, stream)
         return self.post_mlp_norm(h) if self.post_mlp_norm is not None else h
 
     def _scaled(self, h):

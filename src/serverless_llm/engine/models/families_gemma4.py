@@ -18,15 +18,20 @@ rope, the embedding times sqrt(hidden), a final soft-cap) with:
 - **per-layer input embeddings** (`hidden_size_per_layer_input`): an embedding of every
   layer's own (times sqrt(width)), mixed with the normed projection of the token embedding,
   fed into each layer after its MLP through a gate, a projection and a norm;
-- each layer's output times its `layer_scalar`.
+- each layer's output times its `layer_scalar`;
+- the **MoE block** (`enable_moe_block`, the 26B-A4B model): routed experts beside the dense MLP
+  in every layer (`DecoderSpec.moe_beside`, decoder.ExpertsBeside): routed from the stream before
+  the MLP norm (RMS-normed without a weight, times a learned scale and hidden^-0.5; softmax
+  top-k renormalised, times the chosen experts' `per_expert_scale`), their input and output and
+  the dense MLP's output each normed, the two summed before the post-MLP norm.
 
-Refused at start, by name: the MoE block (`enable_moe_block`) and bidirectional attention over
-text (`use_bidirectional_attention: "all"`).
+Refused at start, by name: bidirectional attention over text
+(`use_bidirectional_attention: "all"`).
 """
 
 from __future__ import annotations
 
-from .decoder import DecoderSpec, NormSpec, RopeSpec
+from .decoder import DecoderSpec, MoESpec, NormSpec, RopeSpec
 from .families import GEMMA2_NORMS, _get, base_shape, family, llama_names
 
 GEMMA4_LAYER = {
@@ -37,6 +42,17 @@ GEMMA4_LAYER = {
     "per_layer_projection": "ple_proj",
     "post_per_layer_input_norm": "ple_norm",
     ".layer_scalar": "layer_scalar",  # a bare tensor of the layer itself
+}
+# The MoE block beside the dense MLP (`enable_moe_block`): the router's bare `scale` and
+# `per_expert_scale`, the experts stored stacked ([E, 2I, H] gate | up, [E, H, I] down).
+GEMMA4_MOE = {
+    "router": "experts_beside.router",
+    "router.proj": "experts_beside.router.proj",
+    "experts.gate_up_proj": "experts_beside.experts.w13",
+    "experts.down_proj": "experts_beside.experts.w2",
+    "post_feedforward_layernorm_1": "experts_beside.dense_norm",
+    "pre_feedforward_layernorm_2": "experts_beside.in_norm",
+    "post_feedforward_layernorm_2": "experts_beside.out_norm",
 }
 GEMMA4_TOP = {
     "model.embed_tokens_per_layer": "embed_tokens_per_layer",
@@ -66,10 +82,14 @@ def kv_sources(config) -> tuple[int | None, ...]:
 
 @family("Gemma4ForCausalLM")
 def gemma4(config) -> DecoderSpec:
+    moe = None
     if getattr(config, "enable_moe_block", False):
-        raise ValueError(
-            "Gemma 4's MoE block (enable_moe_block: a dense MLP and routed experts side by side "
-            "in each layer, with its own router norm and per-expert scale) is not built yet"
+        moe = MoESpec(
+            num_experts=config.num_experts,
+            top_k=config.top_k_experts,
+            intermediate_size=config.moe_intermediate_size,
+            routing="softmax_topk",
+            renormalize=True,
         )
     if getattr(config, "use_bidirectional_attention", None) == "all":
         raise ValueError("use_bidirectional_attention='all' (every token attending both ways)")
@@ -104,7 +124,7 @@ def gemma4(config) -> DecoderSpec:
     if width:
         per_layer_input = (config.vocab_size_per_layer_input, width)
     window = config.sliding_window
-    names = llama_names(**GEMMA4_LAYER)
+    names = llama_names(**GEMMA4_LAYER, **(GEMMA4_MOE if moe is not None else {}))
     names.top.update(GEMMA4_TOP)
     bias = bool(getattr(config, "attention_bias", False))
     return DecoderSpec(
@@ -133,4 +153,5 @@ def gemma4(config) -> DecoderSpec:
         mlp_sizes=mlp_sizes,
         per_layer_input=per_layer_input,
         layer_scalar=True,
+        moe_beside=moe,
     )

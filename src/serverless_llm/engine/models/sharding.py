@@ -56,6 +56,7 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
             ("per-layer head shapes", any(h is not None for h in spec.layer_heads)),
             ("KV shared across layers", any(src is not None for src in spec.kv_source)),
             ("per-layer input embeddings", spec.per_layer_input is not None),
+            ("the MoE block beside the MLP", spec.moe_beside is not None),
         )
         if on
     ]
