@@ -1,7 +1,8 @@
 """Kimi Linear (Kimi Delta Attention beside multi-head latent attention, issue 35) against
-transformers: a tiny random model whose layers are all KDA (the engine has no MLA yet), with a
-dense first layer and MoE layers of grouped sigmoid routing, 8 prompts of different lengths
-batched together, 48 greedy tokens each; a config with MLA layers is refused at start.
+transformers: tiny random models whose layers are all KDA, and KDA with multi-head latent
+attention on every second layer (NoPE, query LoRA), with a dense first layer and MoE layers of
+grouped sigmoid routing, 8 prompts of different lengths batched together, 48 greedy tokens
+each.
 
 transformers builds an all-KDA model but its `generate` cannot run it with a cache (its
 DynamicCache asks an attention layer for the sequence length, and there is none), so the
@@ -22,7 +23,6 @@ from tests.engine.family_check import (
     engine_greedy,
     family_models_fixture,
     family_prompts,
-    save_family_model,
     tiny_dims,
 )
 from tests.engine.reference import hf_model
@@ -80,7 +80,24 @@ def kimi_config(tok, **overrides) -> transformers.KimiLinearConfig:
     return transformers.KimiLinearConfig(**kw)
 
 
-CONFIGS = {"kimi_linear": kimi_config}
+def kimi_mla_config(tok) -> transformers.KimiLinearConfig:
+    """KDA layers with MLA on every second layer (the released models' every fourth), its
+    query LoRA on, NoPE: the rope part of each key cached and attended to unrotated."""
+    return kimi_config(
+        tok,
+        num_hidden_layers=4,
+        num_key_value_heads=4,  # MLA's expanded keys: one per query head
+        layer_types=["linear_attention", "full_attention"] * 2,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+CONFIGS = {"kimi_linear": kimi_config, "kimi_linear_mla": kimi_mla_config}
 
 family_models = family_models_fixture(CONFIGS)
 
@@ -95,28 +112,21 @@ def test_family_greedy_equals_transformers(family_models, name):
         assert tokens == kimi_greedy(path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
 
 
-def test_mla_layers_are_refused_at_start(tmp_path):
-    """A checkpoint with MLA layers (the real models' every fourth) fails to load with a message
-    naming the mechanism, from its config alone and through the engine."""
-    tok = build_tokenizer()
-    config = kimi_config(
-        tok,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense"] * 4,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
+def test_mla_layers_keep_latents(family_models):
+    """The MLA layers of a Kimi Linear checkpoint form a latent cache group (one row of
+    kv_lora_rank + qk_rope_head_dim values a token) beside the KDA layers' state group."""
+    llm = LLM(
+        family_models("kimi_linear_mla"),
+        block_size=8,
+        num_kv_blocks=16,
+        max_model_len=64,
+        dtype="float32",
     )
-    with pytest.raises(UnsupportedModelError, match=r"multi-head latent attention \(MLA\) layers"):
-        describe_model(config)
-    path = save_family_model(str(tmp_path), config)
-    with pytest.raises(
-        UnsupportedModelError,
-        match=r"multi-head latent attention \(MLA\) layers \(layers \[1, 3\]\)",
-    ):
-        LLM(path, block_size=8, num_kv_blocks=16, max_model_len=64, dtype="float32")
+    engine = llm.engine
+    assert engine.cache_layout.describe() == (
+        "2 layers latent attention (24 values a token), 2 layers recurrent state"
+    )
+    assert engine.kv_bytes_per_token == 2 * 24 * 4
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,10 @@
 multi-head latent attention.
 
 What differs from Llama (transformers' `KimiLinearForCausalLM`): per-layer kinds from
-`layer_types` ("linear_attention": KDA, layers/kimi_delta.py; "full_attention": MLA, which the
-engine does not have yet, so a model with any MLA layer is refused); no positions at all (its
-MLA is NoPE); per-layer MLPs from `mlp_layer_types` ("dense": a SwiGLU of intermediate_size;
+`layer_types` ("linear_attention": KDA, layers/kimi_delta.py; "full_attention": multi-head latent
+attention, models/mla.py, under the checkpoint's DeepSeek names, its latents in their own cache
+group); no positions at all (its MLA is NoPE: the rope part of each key is cached and attended
+to unrotated); per-layer MLPs from `mlp_layer_types` ("dense": a SwiGLU of intermediate_size;
 "sparse": a MoE of moe_intermediate_size with sigmoid-scored grouped top-k routing, a score
 correction bias, routed scaling and `n_shared_experts` shared experts, layers/moe.py's
 "sigmoid_grouped"). Checkpoints name the MoE `block_sparse_moe` (transformers saves its dense
@@ -19,6 +20,8 @@ from itertools import accumulate
 from ..layers.kimi_delta import KimiDeltaSpec
 from .decoder import DecoderSpec, MoESpec, expert_names
 from .families import family, llama_like, llama_names
+from .families_mla import MLA_LAYER
+from .mla import MLASpec
 
 # The keys of a checkpoint's `linear_attn_config` that transformers reads (the layer lists, the
 # KDA sizes); any other (a gate lower bound, a full-rank gate: later Kimi variants) is refused.
@@ -34,13 +37,7 @@ KNOWN_LINEAR_KEYS = {
 def _refuse_unsupported(config) -> None:
     """ValueError for what this engine (or transformers' reference) does not compute."""
     kinds = list(config.layer_types)
-    mla = [i for i, k in enumerate(kinds) if k == "full_attention"]
-    if mla:
-        raise ValueError(
-            f"multi-head latent attention (MLA) layers (layers {mla}) are not supported yet; "
-            "only models whose layers are all Kimi Delta Attention can be served"
-        )
-    unknown = sorted({k for k in kinds if k != "linear_attention"})
+    unknown = sorted({k for k in kinds if k not in ("linear_attention", "full_attention")})
     if unknown:
         raise ValueError(f"unknown layer types {unknown}")
     mlps = sorted({k for k in config.mlp_layer_types if k not in ("dense", "sparse")})
@@ -120,12 +117,33 @@ def kimi_linear(config) -> DecoderSpec:
         groups=(config.n_group, config.topk_group or config.n_group),
         routed_scale=float(config.routed_scaling_factor),
     )
+    mixers = tuple(
+        "attention" if k == "full_attention" else "recurrent" for k in config.layer_types
+    )
+    names = kimi_names(kda, e)
+    mla = None
+    extra = {}
+    if "attention" in mixers:
+        # MLA under DeepSeek's names (`self_attn.q_proj` ... in those layers, not KDA's rows)
+        names.mixer_layer = {"attention": dict(MLA_LAYER)}
+        mla = MLASpec(
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=getattr(config, "q_lora_rank", None) or None,
+            bias=bool(getattr(config, "attention_bias", False)),
+        )
+        qk = mla.qk_head_dim
+        extra = dict(head_dim=qk, num_kv_heads=config.num_attention_heads, scale=qk**-0.5)
     return llama_like(
         config,
-        names=kimi_names(kda, e),
+        names=names,
         rope=(None,) * n,
-        mixers=("recurrent",) * n,
+        mixers=mixers,
         recurrent=kda,
         moe=moe,
         moe_layers=tuple(k == "sparse" for k in config.mlp_layer_types),
+        mla=mla,
+        **extra,
     )
