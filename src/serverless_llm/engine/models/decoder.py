@@ -1150,6 +1150,8 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         """Each layer's cache in the tensors `kv_cache_shape` sized: a layer whose entries are
         narrower sees its own (heads, dim) view of them (`kv_cache.layer_view`); a layer that
         reads another layer's K/V gets None (the forward hands it the source's)."""
+        if self.spec.mla is not None:  # latent attention: one row a token, no per-head views
+            return list(caches)
         _, kvh, d = self.kv_cache_shape()
         out = list(caches)
         for i, cache in enumerate(caches):
