@@ -160,6 +160,10 @@ class LatentAttention(nn.Module):
         m, H = self.mla, self.num_heads
         T = x.shape[0]
         L, R, N, V = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+        if type(self.kv_b_proj) is not nn.Linear:
+            # Read back at the first step whatever it is (the start-up profile's prefill on
+            # CUDA), never first inside a captured decode step, which must not allocate it.
+            self.kv_b_weight()
         q = self._queries(x).view(T, H, N + R)
         ckv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(ckv[:, :L].contiguous())
