@@ -284,3 +284,28 @@ def test_layer_view_holds_its_own_entries(head_major):
     assert int((wide[:, 1] != 0).sum()) == 2 * 3 * 8
     with pytest.raises(ValueError):
         layer_view(wide, 4, 16)  # 64 values a token do not fit in 48
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_layer_view_keeps_each_token_inside_its_wider_entry(head_major):
+    """Heads that fit (no more, none wider) map head to head: a token's narrow entry lies in the
+    same token's wide entry, so a wide write elsewhere never reaches it."""
+    wide = allocate_kv_cache(1, 3, 4, 2, 24, torch.float32, torch.device("cpu"), head_major)[0]
+    wide.zero_()
+    view = layer_view(wide, 2, 8)
+    view[0, 1, 2].fill_(1.0)  # block 1, token 2
+    hit = (wide[0] != 0).nonzero().tolist()
+    assert {(b, t) for b, t, _, _ in hit} == {(1, 2)}
+
+
+def test_captured_decodes_equal_transformers(family_models, prompts):
+    """The captured-decode twin (replayed on CPU): its self-check passes with the sliding
+    layers' views of the wider global entries, and its steps give transformers' tokens."""
+    path = family_models("gemma4_plain")
+    llm = engine(path, decode_capture="replay", max_num_seqs=4, attention_backend="torch")
+    captured = llm.engine.runner.captured
+    assert captured is not None and captured.enabled
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outs == [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+    assert captured.replays > 0
+    assert_pool_whole(llm)

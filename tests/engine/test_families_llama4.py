@@ -230,3 +230,20 @@ def test_text_part_of_the_composite_equals_transformers(tmp_path):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         assert tokens == out[0, len(prompt) :].tolist()
     assert_pool_whole(llm)
+
+
+def test_torch_backend_and_captured_decodes(family_models, prompts, reference):
+    """The torch backend, with the captured-decode twin (replayed on CPU): the temperature
+    factors and the chunk rule inside the captured step."""
+    llm = engine(
+        family_models("llama4"),
+        attention_backend="torch",
+        decode_capture="replay",
+        max_num_seqs=4,
+    )
+    captured = llm.engine.runner.captured
+    assert captured is not None and captured.enabled
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outs == reference
+    assert captured.replays > 0
+    assert_pool_whole(llm)

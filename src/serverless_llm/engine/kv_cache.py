@@ -220,17 +220,22 @@ def layer_view(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.T
     """A layer's cache of narrower entries (`num_kv_heads` x `head_dim`, fewer values a token
     than `cache`'s: Gemma 4's layers of another head width) inside a layer tensor of
     `allocate_kv_cache`, on either layout: token-major, each token's entry starts the wider
-    one's; head-major, each block's [heads, block_size, dim] starts the wider block's. Logical
-    shape [2, num_blocks, block_size, num_kv_heads, head_dim] as usual, strided: the kernels take
-    the strides, the torch paths index by (block, offset), the native CPU step leaves it to
-    them (not contiguous)."""
+    one's; head-major, head h of a token starts the wider entry's head h when the heads fit
+    (no more heads, none wider), else each block's [heads, block_size, dim] starts the wider
+    block's. Either way a block's entries stay in that block (a block is one group's at a time,
+    so layers of other shapes never see them); the first two keep each token's entry inside the
+    wider entry of the same token. Logical shape [2, num_blocks, block_size, num_kv_heads,
+    head_dim] as usual, strided: the kernels take the strides, the torch paths index by
+    (block, offset), the native CPU step reads only views that are contiguous."""
     parts, num_blocks, block_size, heads, dim = cache.shape
     if num_kv_heads * head_dim > heads * dim:
         raise ValueError(f"{num_kv_heads} x {head_dim} entries do not fit in {heads} x {dim}")
     s0, s1, s2, s3, _ = cache.stride()
     if s3 == dim and s2 == heads * dim:  # token-major
-        strides = (s0, s1, num_kv_heads * head_dim, head_dim, 1)
-    elif s2 == dim and s3 == block_size * dim:  # head-major
+        strides = (s0, s1, s2, head_dim, 1)
+    elif s2 == dim and s3 == block_size * dim and num_kv_heads <= heads and head_dim <= dim:
+        strides = (s0, s1, dim, block_size * dim, 1)  # head-major, head inside head
+    elif s2 == dim and s3 == block_size * dim:  # head-major, packed at the block's start
         strides = (s0, s1, head_dim, block_size * head_dim, 1)
     else:
         raise ValueError(f"a cache of strides {cache.stride()} has no layer views")
