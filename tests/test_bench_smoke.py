@@ -54,6 +54,21 @@ def test_moe_tiny(tiny_llama, tmp_path):
     assert run.report["params"]["moe"] > run.report["params"]["dense"]
 
 
+def test_vision_tiny(tiny_llama, tmp_path):
+    """The vision benchmark: a tiny Qwen2.5-VL, 4 one-image requests through the engine and
+    transformers' padded generate (each in its own process), then one request's first token."""
+    run = run_bench("vision.py", tiny_llama, tmp_path, timeout=300)
+    assert run.summary.startswith("SUMMARY throughput_ratio="), run.stdout[-4000:]
+    report = run.report
+    assert report["num_requests"] == 4 and report["max_tokens"] == 8
+    for system in ("engine", "transformers"):
+        r = report["results"][system]
+        assert r["throughput"]["tokens"] == 4 * 8 and r["throughput"]["tok_s"] > 0
+        assert r["throughput"]["phases"]["tower_s"] > 0 and r["ttft"]["phases"]["tower_s"] > 0
+        assert r["ttft"]["seconds"] > 0
+    assert report["ratios"]["throughput"] > 0 and report["ratios"]["ttft"] > 0
+
+
 def test_lora_tiny(tiny_llama, tmp_path):
     """The LoRA benchmark: four random adapters on every projection against no adapter."""
     run = run_bench("lora.py", tiny_llama, tmp_path)
