@@ -247,3 +247,34 @@ def test_torch_backend_and_captured_decodes(family_models, prompts, reference):
     assert outs == reference
     assert captured.replays > 0
     assert_pool_whole(llm)
+
+
+def test_experts_stored_one_tensor_each(family_models, prompts, reference, tmp_path):
+    """The same experts stored one tensor per expert and projection (experts.<e>.gate_proj,
+    [I, H] as a Linear's weight): the same tokens."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = family_models("llama4"), str(tmp_path / "per_expert")
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(src, name), dst)
+    tensors = {}
+    for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if kind == "gate_up_proj":  # [E, H, 2I]: gate | up along the last dim
+            gate, up = t.chunk(2, dim=-1)
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}.experts.{e}.gate_proj.weight"] = gate[e].t().contiguous()
+                tensors[f"{prefix}.experts.{e}.up_proj.weight"] = up[e].t().contiguous()
+        elif kind == "down_proj":  # [E, I, H]
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}.experts.{e}.down_proj.weight"] = t[e].t().contiguous()
+        else:
+            tensors[name] = t
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    outs = [o.outputs[0].token_ids for o in engine(dst).generate(prompts, GREEDY)]
+    assert outs == reference

@@ -1237,6 +1237,8 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 x, residual = layer(x, residual, steps[r], cache, m, **extra)
             if deepstack is not None and i < len(deepstack):
                 x = x.index_add(0, images[0], deepstack[i].to(x.dtype))
+        for src in {src for src in s.kv_source if src is not None}:
+            self.layers[src].self_attn.kv_out = None  # this step's only: let them go
         x, _ = _add_norm(self.norm, x, residual)
         if self.project_out is not None:
             x = self.project_out(x)

@@ -13,12 +13,13 @@ transformers' modeling_llama4.py computes it: Llama's layers with
   logits through a sigmoid, each chosen expert reading the token scaled by its weight
   (MoESpec.weighted_inputs), plus a shared expert of the experts' width; the dense layers' MLP
   is `intermediate_size_mlp` wide. The experts are stored stacked and transposed
-  (gate_up_proj [E, H, 2I], down_proj [E, I, H]).
+  (gate_up_proj [E, H, 2I], down_proj [E, I, H]) by transformers, or one tensor per expert and
+  projection (`experts.<e>.gate_proj` ...), as some quantized checkpoints store them.
 """
 
 from __future__ import annotations
 
-from .decoder import DecoderSpec, MoESpec
+from .decoder import DecoderSpec, MoESpec, expert_names
 from .families import family, head_dim_of, llama_like, llama_names, rope_of
 
 LLAMA4_FFN = {
@@ -62,9 +63,13 @@ def llama4(config) -> DecoderSpec:
     temperature = None
     if getattr(config, "attn_temperature_tuning", False):
         temperature = (float(config.floor_scale), float(config.attn_scale))
+    per_expert = {}
+    if moe is not None:
+        e = config.num_local_experts
+        per_expert = expert_names("feed_forward.experts", e, "gate_proj", "up_proj", "down_proj")
     return llama_like(
         config,
-        names=llama_names(**LLAMA4_FFN),
+        names=llama_names(**LLAMA4_FFN, **per_expert),
         intermediate_size=config.intermediate_size_mlp,
         rope=rope,
         windows=(None,) * n,
