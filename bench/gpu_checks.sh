@@ -7,7 +7,8 @@
 # matmul), `bench/moe_kernel.py` (the fused MoE kernels against a per-expert torch loop) and
 # `bench/recurrent_kernels.py` (the hybrid models' delta rule and SSD scan),
 # `bench/vision_attention.py` (the vision towers' attention against SDPA), `bench/mla_decode.py`
-# (MLA's decode kernel against the bandwidth its latents need), then
+# (MLA's decode kernel against the bandwidth its latents need), `bench/mxfp4_gemm.py` (the MXFP4
+# expert GEMM against bf16 matmul), then
 # the rest of tests/kernels compiled on the GPU (bounded by KERNEL_TESTS_TIMEOUT seconds), and
 # leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
@@ -47,6 +48,9 @@ vision=${PIPESTATUS[0]}
 # Issue 37: MLA's absorbed decode kernel against the bandwidth its latents need (bar 0.70).
 "$PY" bench/mla_decode.py --json "$OUT/mla_decode.json" 2>&1 | tee "$OUT/mla_decode.log"
 mla=${PIPESTATUS[0]}
+# Issue 37: the MXFP4 expert GEMM (gpt-oss's experts kept 4-bit) against bf16 matmul, M = 1/16/256.
+"$PY" bench/mxfp4_gemm.py 2>&1 | tee "$OUT/mxfp4_gemm.log"
+mxfp4=${PIPESTATUS[0]}
 # Last, every other kernel test compiled on this GPU (on CPU they run under the interpreter): the
 # references at small shapes, the e4m3 byte codec, the FP8 W8A16 GEMM, LoRA and MoE kernels.
 # Bounded, so the figures above always come back within a device call.
@@ -56,5 +60,6 @@ kernel_tests=${PIPESTATUS[0]}
 echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py exit $capture;" \
     "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe;" \
     "bench/recurrent_kernels.py exit $recurrent; bench/vision_attention.py exit $vision;" \
-    "bench/mla_decode.py exit $mla; compiled kernel tests exit $kernel_tests"
-exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || kernel_tests))
+    "bench/mla_decode.py exit $mla; bench/mxfp4_gemm.py exit $mxfp4;" \
+    "compiled kernel tests exit $kernel_tests"
+exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || mxfp4 || kernel_tests))
