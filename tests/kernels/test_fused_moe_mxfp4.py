@@ -88,3 +88,13 @@ def test_checkpoint_shapes_are_checked():
         Mxfp4Experts.from_checkpoint(
             torch.zeros(2, 4, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8)
         )
+
+
+def test_bench_runs_tiny(capsys):
+    """bench/mxfp4_gemm.py's CPU smoke size (the GPU figures come from bench/gpu_checks.sh)."""
+    if torch.cuda.is_available():
+        pytest.skip("the tiny run is the CPU's")
+    from bench.mxfp4_gemm import main
+
+    assert main(["--tiny"]) == 0
+    assert "SUMMARY mxfp4_vs_matmul_min_small_m=" in capsys.readouterr().out
