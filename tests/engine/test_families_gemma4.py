@@ -309,3 +309,15 @@ def test_captured_decodes_equal_transformers(family_models, prompts):
     assert outs == [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
     assert captured.replays > 0
     assert_pool_whole(llm)
+
+
+def test_lora_targets_follow_each_layers_projection(family_models):
+    """Adapters' parts follow each layer's own q/k/v sizes; a layer without v rows (values =
+    keys) or without K/V (shared) refuses an adapter for them by name."""
+    llm = engine(family_models("gemma4"), enable_lora=True, max_lora_rank=4)
+    model = llm.engine.model
+    assert model.lora_target("model.layers.2.self_attn.k_proj")[1:] == (1, 64, 32)
+    assert model.lora_target("model.layers.0.self_attn.v_proj")[1:] == (2, 64, 32)
+    for module in ("model.layers.2.self_attn.v_proj", "model.layers.4.self_attn.k_proj"):
+        with pytest.raises(KeyError, match="no (v|k) projection of its own"):
+            model.lora_target(module)

@@ -83,6 +83,8 @@ class DecoderLoRA:
             )
         if how in self._SHARDS:
             part = self._SHARDS[how]
+            if part >= len(layer.parts):  # Gemma 4: no v rows (k_eq_v), or no K/V (shared KV)
+                raise KeyError(f"this layer has no {how} projection of its own")
             out_rows = layer.parts[part][1]
         elif how is None:
             part, out_rows = None, layer.lora_b.shape[0]
