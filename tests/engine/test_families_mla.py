@@ -363,3 +363,10 @@ def test_deepseek_v32_refused_by_name():
     config.architectures = ["DeepseekV32ForCausalLM"]
     with pytest.raises(UnsupportedModelError, match="sparse attention.*indexer"):
         describe_model(config)
+
+
+def test_deepseek_v4_refused_by_name():
+    config = transformers.DeepseekV4Config(**tiny_dims(build_tokenizer()))
+    config.architectures = ["DeepseekV4ForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="hyper-connections"):
+        describe_model(config)

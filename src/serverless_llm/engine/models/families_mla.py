@@ -1,6 +1,6 @@
 """The families built on multi-head latent attention (models/mla.py): DeepSeek V2 (and
 V2-Lite), DeepSeek V3 (and the checkpoints that reuse its architecture: Kimi K2, Moonlight),
-Mistral 4; DeepSeek V3.2 refused by name.
+Mistral 4; DeepSeek V3.2 and V4 refused by name.
 
 Each is Llama's layer around an MLA block: RMSNorm before attention and MLP, a gated SiLU MLP
 on the first `first_k_dense_replace` layers and DeepSeek's MoE block after them (routing,
@@ -166,4 +166,13 @@ def deepseek_v32(config) -> DecoderSpec:
         "DeepSeek V3.2's sparse attention (its lightning indexer choosing the top "
         f"{getattr(config, 'index_topk', '?')} keys of each query) is not supported; "
         "DeepSeek V3/R1 checkpoints (DeepseekV3ForCausalLM) are"
+    )
+
+
+@family("DeepseekV4ForCausalLM")
+def deepseek_v4(config) -> DecoderSpec:
+    raise ValueError(
+        f"DeepSeek V4's hyper-connections ({getattr(config, 'hc_mult', '?')} residual streams "
+        "mixed around each sublayer) and its compressed sparse attention (a lightning indexer "
+        "over compressed keys) are not supported"
     )
