@@ -79,7 +79,15 @@ class Phases:
 
 
 def lazy_kv_cache(
-    num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, head_major=False
+    num_layers,
+    num_blocks,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    device,
+    head_major=False,
+    parts=2,
 ):
     """The proposed fix, tried without editing the engine (which has since adopted it, so this
     row now measures the same allocation as the default one): torch.empty instead of
@@ -88,9 +96,9 @@ def lazy_kv_cache(
     import torch
 
     if head_major:
-        shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (parts, num_blocks, num_kv_heads, block_size, head_dim)
     else:
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (parts, num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
     if head_major:
         caches = [c.transpose(2, 3) for c in caches]
