@@ -26,6 +26,8 @@ CASES = {
     "gemma3": ("vision_gemma3_models", "save_tiny_gemma3", {"tie_word_embeddings": False}),
     "idefics3": ("vision_idefics3_models", "save_tiny_idefics3", {}),
     "smolvlm": ("vision_idefics3_models", "save_tiny_smolvlm", {}),
+    # Llama 4: tiles + a global tile, separators inside an image's span, chunked attention
+    "llama4": ("vision_llama4_models", "save_tiny_llama4", {}),
     "llava": ("vision_llava_models", "save_tiny_llava", {}),
     "llava_next": ("vision_llava_models", "save_tiny_llava_next", {}),
     "mistral3": ("vision_pixtral_models", "save_tiny_mistral3", {}),

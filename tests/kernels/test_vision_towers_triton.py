@@ -30,6 +30,7 @@ from tests.kernels.batch import DEVICE  # noqa: E402
 TOWERS = {
     "gemma3": ("vision_gemma3_models", "save_tiny_gemma3"),
     "idefics3": ("vision_idefics3_models", "save_tiny_idefics3"),
+    "llama4": ("vision_llama4_models", "save_tiny_llama4"),
     "llava": ("vision_llava_models", "save_tiny_llava"),
     "llava_next": ("vision_llava_models", "save_tiny_llava_next"),
     "mistral3": ("vision_pixtral_models", "save_tiny_mistral3"),
