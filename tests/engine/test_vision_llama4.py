@@ -3,7 +3,8 @@ needs torchvision) against the tiling rules worked out by hand and against trans
 Llama4ImageProcessor code run with a stand-in for the three torchvision functions it calls;
 the processor's ids, the prompt expansion and the image spans; the tower's features
 (`get_image_features` + the projector, what transformers scatters over `<|patch|>`); weight
-loading; hashes; placeholder mismatches; a checkpoint whose tower cannot run is served as text."""
+loading; hashes; placeholder mismatches; a checkpoint whose tower cannot run is served as text;
+the engine's prefill chunks and prefix cache through tiled images."""
 
 from __future__ import annotations
 
@@ -581,3 +582,23 @@ def test_a_tower_that_cannot_run_serves_text_only(tmp_path):
         json.dump(raw, f)
     with pytest.raises(ValueError, match="cannot run"):
         family.make_processor(path, transformers.AutoConfig.from_pretrained(path))
+
+
+def test_engine_chunks_and_prefix_cache_through_tiled_images(models):
+    """Prefill steps of 24 tokens cut through the images' spans (separators inside them) and
+    through the 24-token attention chunks: the same tokens as one-shot prefill, each image
+    encoded once; prefix caching reuses the blocks of a repeated prompt with the same tokens."""
+    from tests.engine.vision_check import engine_greedy, make_llm, vision_prompts
+
+    path = models("base")
+    prompts = vision_prompts(IMAGE, sample_images())
+    whole = engine_greedy(make_llm(path), prompts)
+    llm = make_llm(path, max_num_batched_tokens=24, enable_prefix_caching=False)
+    assert engine_greedy(llm, prompts) == whole
+    distinct = {id(img) for _, imgs in prompts for img in imgs}
+    assert llm.engine.runner.encoder_cache.encoded == len(distinct)
+    llm = make_llm(path, enable_prefix_caching=True, block_size=8)
+    assert engine_greedy(llm, prompts) == whole
+    hits = llm.engine.block_pool.hits
+    assert engine_greedy(llm, prompts) == whole
+    assert llm.engine.block_pool.hits > hits
