@@ -331,3 +331,109 @@ def write_pack_quantized(
         "ignore": ["lm_head"],
     }
     return _save(src, float_dir, quant_dir, twin, packed, qc)
+
+
+def quantize_fp8_blocks(
+    w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] in FP8 (e4m3) blocks of block[0] rows by block[1] columns, the last ones partial:
+    each block's scale is its max |w| / 448 (1 for an all-zero block), stored in `scale_dtype`;
+    the values are w / scale rounded to e4m3. Returns (e4m3 weight [N, K], scales
+    [ceil(N / bn), ceil(K / bk)] in scale_dtype, the float32 weight they stand for)."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    w = w.float()
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(rows, cols, dtype=scale_dtype)
+    deq = torch.empty(n, k)
+    for i in range(rows):
+        for j in range(cols):
+            at = (slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk))
+            amax = float(w[at].abs().max())
+            s = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0).to(scale_dtype)
+            scales[i, j] = s
+            s = s.float()
+            q[at] = (w[at] / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            deq[at] = q[at].float() * s
+    return q, scales, deq
+
+
+def write_fp8_block(
+    src: str,
+    float_dir: str,
+    quant_dir: str,
+    style: str,
+    block: tuple[int, int] = (128, 128),
+    linear: re.Pattern = LINEAR,
+    padded: bool = False,
+) -> tuple[str, str]:
+    """src's decoder linears as FP8 weights with a scale per block (`quantize_fp8_blocks`),
+    written in `style`:
+
+    - "fp8": DeepSeek-V3's layout, as transformers' FineGrainedFP8 reads it: `weight`
+      float8_e4m3fn [N, K] and `weight_scale_inv` float32 [ceil(N / bn), ceil(K / bk)] (the
+      name says inverse; the value multiplies), `quant_method: fp8` with `weight_block_size`
+      [bn, bk] and dynamic activations;
+    - "compressed-tensors": llm-compressor's FP8_BLOCK preset (format float-quantized, weights
+      `strategy: block` with `block_structure` [bn, bk], activations dynamic per group of 128):
+      `weight` and `weight_scale` (in bfloat16, the dtype llm-compressor gives the scales of a
+      bfloat16 model). `padded`: as compressed-tensors versions that padded a weight to whole
+      blocks wrote it: `weight` [ceil(N / bn) * bn, ceil(K / bk) * bk], zeros past the edges,
+      with `weight_shape_original` [N, K].
+
+    The float twin holds the e4m3 values times their block's scale (float32)."""
+    state = load_file(os.path.join(src, "model.safetensors"))
+    twin, packed = {}, {}
+    scale_dtype = torch.float32 if style == "fp8" else torch.bfloat16
+    for name, w in state.items():
+        if not linear.match(name):
+            twin[name] = packed[name] = w
+            continue
+        q, scales, twin[name] = quantize_fp8_blocks(w, block, scale_dtype)
+        base = name[: -len(".weight")]
+        if padded:
+            n, k = q.shape
+            full = torch.zeros(scales.shape[0] * block[0], scales.shape[1] * block[1])
+            full = full.to(torch.float8_e4m3fn)
+            full[:n, :k] = q
+            packed[base + ".weight_shape_original"] = torch.tensor([n, k], dtype=torch.int64)
+            q = full
+        packed[name] = q
+        packed[base + (".weight_scale_inv" if style == "fp8" else ".weight_scale")] = scales
+    if style == "fp8":
+        qc = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(block),
+        }
+    else:
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": "block",
+                        "block_structure": list(block),
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": "group",
+                        "group_size": 128,
+                        "symmetric": True,
+                        "dynamic": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head"],
+            "quantization_status": "compressed",
+        }
+    return _save(src, float_dir, quant_dir, twin, packed, qc)

@@ -86,8 +86,13 @@ def _ct(weights: dict) -> dict:
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, "AWQ with bits=8"),
         ({"quant_method": "compressed-tensors"}, "with 0 config groups"),
         (_ct({"type": "int", "num_bits": 4, "strategy": "group"}), "4-bit int weights"),
-        (_ct({"type": "float", "num_bits": 8, "strategy": "block"}), "strategy='block'"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        (
+            _ct({"type": "float", "num_bits": 8, "strategy": "block"}),
+            r"weights\.block_structure=None is not two positive integers",
+        ),
+        (_ct({"type": "float", "num_bits": 8, "strategy": "group"}), "strategy='group'"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\] is not"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "two positive integers"),
         (
             dict(_ct(dict(PACKED, symmetric=False)), format="pack-quantized"),
             "asymmetric weights",
@@ -113,6 +118,17 @@ def test_fp8_in_both_styles_reads_as_fp8():
     assert check_quantization(None, _Cfg({"quant_method": "fp8"}), "m") == fp8
     ct = _ct({"type": "float", "num_bits": 8, "strategy": "channel"})
     assert check_quantization("compressed-tensors", _Cfg(ct), "m") == fp8
+
+
+def test_block_fp8_in_both_styles_reads_as_fp8_with_its_block():
+    """DeepSeek's `weight_block_size` and llm-compressor's FP8_BLOCK preset (`strategy: block`
+    with its `block_structure`, format float-quantized)."""
+    block = QuantScheme("fp8", 8, -1, block=(128, 128))
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert check_quantization(None, _Cfg(qc), "m") == block
+    weights = {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 64]}
+    ct = dict(_ct(weights), format="float-quantized")
+    assert check_quantization(None, _Cfg(ct), "m") == QuantScheme("fp8", 8, -1, block=(128, 64))
 
 
 def test_awq_defaults_as_autoawq_writes_them():

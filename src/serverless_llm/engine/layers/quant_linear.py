@@ -5,11 +5,13 @@ A `QuantLinear` takes the place of an nn.Linear in a decoder layer before the we
 loader hands it the checkpoint's tensors (`take`) as they stream past, per part (the q, k and v
 of a fused qkv_proj, the gate and up of a gate_up_proj, or the whole module): `qweight`,
 `qzeros`, `scales` and GPTQ's `g_idx`; `weight_packed`, `weight_scale`, `weight_shape`; or an
-FP8 `weight` with its `weight_scale`; or a plain float `weight` for a module the quantizer left
-alone. As soon as a part's tensors are all there, they are checked against the scheme and the
-module's shape (an error names the tensor) and unpacked into one common form, whatever the
+FP8 `weight` with its `weight_scale` (per tensor, channel or block; DeepSeek names the block
+scales `weight_scale_inv`); or a plain float `weight` for a module the quantizer left alone. As
+soon as a part's tensors are all there, they are checked against the scheme and the module's
+shape (an error names the tensor) and unpacked into one common form, whatever the
 producer's packing: for integers, values q [out, in], zero points and scales [out, groups] and
-the group of each input column; for FP8, the weight and a float32 scale per output row. When
+the group of each input column; for FP8, the weight and a float32 scale per output row, or with
+block scales the weight, its float32 block grid and the grid row of each output row. When
 every part is in, the module settles into its working form:
 
 - "dequantize": the float weight, computed once in float32, handed back as a plain nn.Linear
@@ -19,7 +21,8 @@ every part is in, the module settles into its working form:
   by group (act-order checkpoints hold them permuted; the input is permuted to match at each
   call), packed 32 // bits to an int32 along the input, with scales and zero points
   [groups, out] (`PackedWeight`; the Triton GEMM where the backend uses kernels, else its torch
-  reference). FP8 weights: their bytes and scales (`Fp8Weight`).
+  reference). FP8 weights: their bytes and scales (`Fp8Weight`), or with block scales their
+  bytes and block grid (`Fp8BlockWeight`, kernels/fp8_block.py's block-scaled GEMM).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8 import FP8, fp8_linear, fp8_linear_ref
+from ..kernels.fp8_block import block_rows, fp8_block_dequantize, fp8_block_forward
 from ..kernels.w4a16 import (
     AWQ_ORDER,
     dequantize_grouped,
@@ -52,8 +56,10 @@ _QUANT_KINDS = {
 # until the last tensor.
 _OPTIONAL = {"g_idx", "weight_g_idx"}
 # Tensors a checkpoint may carry that the engine does not need: a static FP8 activation scale
-# (activations are quantized per token at each call instead; docs/quantization.md).
-_UNUSED_KINDS = {"fp8": ("input_scale",)}
+# (activations are quantized per token at each call instead; docs/quantization.md; transformers
+# names it `activation_scale`), and the [out, in] shape older compressed-tensors versions wrote
+# beside a block-FP8 weight they had padded to whole blocks (the padding is cut off at load).
+_UNUSED_KINDS = {"fp8": ("input_scale", "activation_scale", "weight_shape_original")}
 MODES = ("dequantize", "packed", "forms")  # "forms": the unpacked parts kept (`forms`), MoE experts
 
 
@@ -123,6 +129,8 @@ class QuantLinear(nn.Module):
         kinds = _QUANT_KINDS[self.scheme.method]
         if kind in _UNUSED_KINDS.get(self.scheme.method, ()):
             return
+        if kind == "weight_scale_inv" and self.scheme.method == "fp8":
+            kind = "weight_scale"  # DeepSeek's name; the scale multiplies all the same
         if kind not in (*kinds, "weight"):
             raise QuantLoadError(
                 f"checkpoint tensor {name!r}: a {self.scheme.method} module has no {kind!r} "
@@ -166,7 +174,8 @@ class QuantLinear(nn.Module):
     def _unpack(self, part: int, staged: dict) -> tuple:
         """The part in one common form: ("int", q [out, in] uint8, zeros and scales
         [out, groups], g_idx [in]) for GPTQ and AWQ, ("fp8", weight [out, in], float32 scale
-        [out]) for FP8."""
+        [out]) for FP8, ("fp8_block", weight [out, in], float32 block scales [ceil(out / bn),
+        ceil(in / bk)], the scale row of each output row [out], bk) for block FP8."""
         s = self.scheme
         n, k, groups = self._part_size(part), self.in_features, self.num_groups
         per = 32 // s.bits
@@ -188,6 +197,8 @@ class QuantLinear(nn.Module):
         ints = (torch.int32,)
         floats = (torch.float16, torch.bfloat16, torch.float32)
         packed_n = -(-n // per)
+        if s.method == "fp8" and s.block is not None:
+            return self._unpack_fp8_block(n, k, staged)
         if s.method == "fp8":
             w = tensor("weight", (n, k), (FP8,))
             name, scale = staged["weight_scale"]
@@ -239,6 +250,29 @@ class QuantLinear(nn.Module):
         scales = tensor("scales", (groups, n), floats)
         return ("int", q.to(torch.uint8).contiguous(), zeros.t().contiguous(), scales.t(), g_idx)
 
+    def _unpack_fp8_block(self, n: int, k: int, staged: dict) -> tuple:
+        """A block-FP8 part: the e4m3 weight [n, k] (older compressed-tensors versions padded
+        it to whole blocks: the padding is cut off) and its block scales, float32."""
+        bn, bk = self.scheme.block
+        rows, cols = -(-n // bn), -(-k // bk)
+        name, w = staged["weight"]
+        fits = w.dim() == 2 and w.shape[0] in (n, rows * bn) and w.shape[1] in (k, cols * bk)
+        if w.dtype != FP8 or not fits:
+            raise QuantLoadError(
+                f"checkpoint tensor {name!r} is {w.dtype} {tuple(w.shape)}, expected "
+                f"float8_e4m3fn ({n}, {k}) ({k} inputs, {n} outputs)"
+            )
+        name, scale = staged["weight_scale"]
+        scale_types = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e8m0fnu)
+        if scale.dtype not in scale_types or tuple(scale.shape) != (rows, cols):
+            raise QuantLoadError(
+                f"checkpoint tensor {name!r} is {scale.dtype} {tuple(scale.shape)}; expected a "
+                f"float scale per {bn}x{bk} block, ({rows}, {cols}) for {k} inputs and {n} "
+                "outputs"
+            )
+        w = w[:n, :k].contiguous()
+        return ("fp8_block", w, scale.float().contiguous(), block_rows(n, bn), bk)
+
     def missing(self) -> list[str]:
         """What the checkpoint left out, after the last tensor (also unpacks GPTQ parts that
         came without g_idx)."""
@@ -268,6 +302,17 @@ class QuantLinear(nn.Module):
         if self.mode == "dequantize" or any(f[0] == "float" for f in forms):
             w = torch.cat([_dequantize(f) for f in forms])
             self.weight = w if self.rows is None else self.rows(w).reshape(w.shape)
+            self.settled = True
+            return
+        if forms[0][0] == "fp8_block":
+            # Each part keeps its own grid of block scales (a part's rows need not fill whole
+            # blocks): the grids are stacked and each row points at its part's.
+            offsets = torch.tensor([0] + [f[2].shape[0] for f in forms[:-1]]).cumsum(0)
+            w, scale = (torch.cat([f[i] for f in forms]) for i in (1, 2))
+            rows = torch.cat([f[3] + int(o) for f, o in zip(forms, offsets)])
+            if self.rows is not None:
+                w, rows = (self.rows(t).reshape(t.shape) for t in (w, rows))
+            self.packed = nn.ModuleList([Fp8BlockWeight(w, scale, rows, forms[0][4])])
             self.settled = True
             return
         if forms[0][0] == "fp8":
@@ -302,6 +347,10 @@ class QuantLinear(nn.Module):
         if self.scheme.method == "fp8":
             w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8)
             self._ready = {WHOLE: ("fp8", w, torch.full((n,), 2e-4))}
+            if self.scheme.block is not None:
+                bn, bk = self.scheme.block
+                scale = torch.full((-(-n // bn), -(-k // bk)), 2e-4)
+                self._ready = {WHOLE: ("fp8_block", w, scale, block_rows(n, bn), bk)}
             self._settle()
             return
         top = 1 << bits
@@ -379,6 +428,8 @@ def _dequantize(form: tuple) -> torch.Tensor:
         return form[1]
     if form[0] == "fp8":
         return form[1].float() * form[2][:, None]
+    if form[0] == "fp8_block":
+        return fp8_block_dequantize(*form[1:])
     return dequantize_grouped(*form[1:])
 
 
@@ -400,6 +451,28 @@ class Fp8Weight(nn.Module):
         weight = self.weight_bits.view(FP8)
         fn = fp8_linear if use_kernels else fp8_linear_ref
         return fn(x, weight, self.scale)
+
+
+class Fp8BlockWeight(nn.Module):
+    """An FP8 (e4m3) weight [out, in] with a float32 scale per block (kernels/fp8_block.py):
+    the weight's bytes (uint8, which model.to(dtype) leaves alone), the stacked block grids of
+    its parts `scale` [grid rows, ceil(in / block_k)] (float32 whatever the model dtype), and
+    `row_block` int32 [out], the grid row of each output row. Run by the block-scaled Triton
+    GEMM where the backend uses kernels, else by its reference (dequantize, then matmul)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, row_block, block_k: int):
+        super().__init__()
+        self.block_k = block_k
+        self.register_buffer("weight_bits", weight.contiguous().view(torch.uint8))
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("row_block", row_block.to(torch.int32).contiguous())
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_dtype(self, fn, recurse, ("scale",))
+
+    def forward(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+        weight = self.weight_bits.view(FP8)
+        return fp8_block_forward(x, weight, self.scale, self.row_block, self.block_k, use_kernels)
 
 
 def apply_keeping_dtype(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]):

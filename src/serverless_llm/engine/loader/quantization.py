@@ -11,7 +11,8 @@ nothing about quantization.
 Served today: GPTQ (v1 checkpoint format, 4 and 8 bits, any group size, act-order), AWQ (GEMM
 layout, 4 bits, with zero points) and FP8 weights (e4m3, a scale per tensor or per output
 channel), the last both as `quant_method: fp8` and as compressed-tensors' float-quantized
-format; MXFP4 experts (gpt-oss: `quant_method: mxfp4`), dequantized at load.
+format; FP8 weights with a scale per block of the weight (DeepSeek's `weight_block_size`,
+compressed-tensors' `block` strategy); MXFP4 experts (gpt-oss: `quant_method: mxfp4`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class QuantScheme:
     bits: int
     group_size: int
     desc_act: bool = False
+    # FP8 with a scale per block of (output rows, input columns), e.g. (128, 128); None: a scale
+    # per tensor or per output channel.
+    block: tuple[int, int] | None = None
 
 
 def _get(qc, key, default=None):
@@ -141,12 +145,26 @@ def _scheme(method: str, qc, source: str) -> QuantScheme:
     return QuantScheme("awq", bits, group)
 
 
-def _fp8_scheme(qc, source: str) -> QuantScheme:
-    if _get(qc, "weight_block_size"):
+def _block(value, key: str, source: str) -> tuple[int, int]:
+    """A block shape [rows, columns] of positive integers."""
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
         raise ConfigError(
-            f"{source}: block-wise FP8 (weight_block_size={_get(qc, 'weight_block_size')}) is not "
-            "supported; FP8 checkpoints with a scale per tensor or per channel are"
+            f"{source}: quantization_config {key}={value!r} is not two positive integers"
         )
+    return int(value[0]), int(value[1])
+
+
+def _fp8_scheme(qc, source: str) -> QuantScheme:
+    """vLLM's / transformers' `quant_method: fp8`: a scale per tensor or channel, or with
+    `weight_block_size` [rows, columns] a scale per block (DeepSeek-V3's fine-grained FP8, its
+    scales named `weight_scale_inv`)."""
+    block = _get(qc, "weight_block_size")
+    if block:
+        return QuantScheme("fp8", 8, -1, block=_block(block, "weight_block_size", source))
     return QuantScheme("fp8", 8, -1)
 
 
@@ -160,10 +178,13 @@ def _compressed_tensors_scheme(qc, source: str) -> QuantScheme:
     weights = next(iter(groups.values())).get("weights") or {}
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     if kind == "float" and bits == 8:
+        if strategy == "block":  # llm-compressor's FP8_BLOCK: weight_scale per block
+            block = _block(weights.get("block_structure"), "weights.block_structure", source)
+            return QuantScheme("fp8", 8, -1, block=block)
         if strategy not in ("tensor", "channel"):
             raise ConfigError(
                 f"{source}: compressed-tensors FP8 weights with strategy={strategy!r} are not "
-                "supported ('tensor' or 'channel')"
+                "supported ('tensor', 'channel' or 'block')"
             )
         return QuantScheme("fp8", 8, -1)
     fmt = _get(qc, "format")

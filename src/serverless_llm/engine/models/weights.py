@@ -38,8 +38,17 @@ class DecoderWeights:
         if self.sharder is not None:  # tensor parallel: the packed tensors are sliced too
             self.sharder.scheme = scheme
         group = "" if scheme.group_size == -1 else f" group {scheme.group_size}"
+        form = mode
+        if scheme.block is not None:  # block FP8: which form serves it, in words
+            group = f" block {scheme.block[0]}x{scheme.block[1]}"
+            if mode != "packed":
+                form += " (dequantized once at load)"
+            elif self.use_kernels:
+                form += " (kept 8-bit: block-scaled Triton GEMM)"
+            else:
+                form += " (kept 8-bit: dequantized at each call, the torch reference)"
         act = " act-order" if scheme.desc_act else ""
-        self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {mode}"
+        self.quantization = f"{scheme.method} {scheme.bits}-bit{group}{act}, {form}"
         if s.moe is not None and mode != "packed":
             self.quantization += " (experts dequantized)"
         kv = s.num_kv_heads * s.head_dim
