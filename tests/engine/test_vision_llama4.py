@@ -602,3 +602,47 @@ def test_engine_chunks_and_prefix_cache_through_tiled_images(models):
     hits = llm.engine.block_pool.hits
     assert engine_greedy(llm, prompts) == whole
     assert llm.engine.block_pool.hits > hits
+
+
+def test_scout_vision_widths_equal_transformers():
+    """Llama 4 Scout's vision widths (336 px tiles of 14 px patches: a 24 x 24 grid; hidden
+    1408 in 16 heads of 88, so 22 rotary pairs an axis; adapter 5632 -> 4096) with one encoder
+    layer, random weights: one tile's features equal transformers'."""
+    vision = dict(
+        hidden_size=1408,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        intermediate_size=5632,
+        image_size=336,
+        patch_size=14,
+        projector_input_dim=4096,
+        projector_output_dim=4096,
+        vision_output_dim=4096,
+        pixel_shuffle_ratio=0.5,
+    )
+    text = dict(
+        hidden_size=64,
+        intermediate_size=32,
+        intermediate_size_mlp=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=64,
+    )
+    config = transformers.Llama4Config(vision_config=vision, text_config=text)
+    assert l4.vision_config_problem(config) is None
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    family = l4.Llama4Family()
+    tower = family.build_tower(config, torch.float32)
+    tower.load_weights(
+        (k, v) for k, v in model.state_dict().items() if k.startswith(family.tower_prefixes)
+    )
+    pixels = torch.randn(2, 3, 336, 336)
+    with torch.no_grad():
+        hidden = model.get_image_features(pixels).last_hidden_state
+        want = model.multi_modal_projector(hidden).reshape(-1, 64)
+        got = tower.encode([{"pixel_values": pixels}])[0].embeds
+    assert got.shape == (2 * 144, 64)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
