@@ -191,7 +191,7 @@ class Llama4ImageProcessorPil(PilBackend):
         if size.height != size.width:
             raise ValueError(f"Llama 4 tiles are square; size is {size.height}x{size.width}")
         side = size.height
-        mode = _MODES.get(PILImageResampling(resample) if resample is not None else None)
+        mode = _MODES.get(PILImageResampling(resample if resample is not None else 2))
         if mode is None:
             raise ValueError(f"Llama 4 image processor: unsupported resample {resample!r}")
         canvases = [(r * side, c * side) for r, c in canvas_grids(max_patches)]
