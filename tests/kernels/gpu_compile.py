@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from serverless_llm.engine.kernels import (
     activation,
     causal_conv1d,
+    fp8_block,
     fused_moe,
     fused_moe_mxfp4,
     fused_moe_w4a16,
@@ -312,26 +313,43 @@ def main(quick: bool = False) -> int:
                         1,
                         pointers=f8,
                     )
+            # Block-scaled FP8 weights (DeepSeek's 128 x 128 blocks): the W8A16 GEMM reading the
+            # weight with Triton's e4m3 type (sm89+) or as bytes (sm80), at decode and prefill.
+            if dtype != "fp32" or arch >= 89:
+                for m in (1, 16, 256):
+                    bm, bn, bk, _ = w4a16._gemm_blocks(m, 7168, 2048)
+                    as_bytes = arch < 89
+                    ptrs = {"w_ptr": "*u8" if as_bytes else "*fp8e4nv", "s_ptr": "*fp32",
+                            "srow_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+                    ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_K=128,
+                              E4M3_BYTES=as_bytes)  # fmt: skip
+                    attempt(f"fp8 block {dtype} m={m}{' as bytes' if as_bytes else ''}",
+                            fp8_block._fp8_block_kernel, dtype, ce, arch, 4, 1,
+                            pointers=ptrs)  # fmt: skip
             # The fused MoE grouped GEMM: decode and prefill tiles, gate/up and down (weighted).
             moe_ptrs = {
                 "rows_ptr": "*i32",
                 "block_expert_ptr": "*i32",
                 "weight_ptr": "*fp32",
                 "wscale_ptr": "*fp32",
+                "srow_ptr": "*i32",
             }
             for rows in (2, 4096):
                 bm, bn, bk, warps = fused_moe.moe_tiles(rows, 8, tdt)
                 # gate/up; down with the router weight; LoRA's expand (adds into the output);
-                # FP8 experts (e4m3 bytes), gate/up and down
+                # FP8 experts (e4m3 bytes), gate/up and down; block-FP8 experts (DeepSeek's,
+                # scale_k 128), gate/up and down
                 # expert biases (gpt-oss), gate/up and down
-                for a_div, weighted, acc, fp8, bias in (
-                    (2, False, False, False, False),
-                    (1, True, False, False, False),
-                    (1, False, True, False, False),
-                    (2, False, False, True, False),
-                    (1, True, False, True, False),
-                    (2, False, False, False, True),
-                    (1, True, False, False, True),
+                for a_div, weighted, acc, fp8, bias, scale_k in (
+                    (2, False, False, False, False, 0),
+                    (1, True, False, False, False, 0),
+                    (1, False, True, False, False, 0),
+                    (2, False, False, True, False, 0),
+                    (1, True, False, True, False, 0),
+                    (2, False, False, True, False, 128),
+                    (1, True, False, True, False, 128),
+                    (2, False, False, False, True, 0),
+                    (1, True, False, False, True, 0),
                 ):
                     if fp8 and dtype == "fp32":
                         continue
@@ -340,6 +358,7 @@ def main(quick: bool = False) -> int:
                         MUL_WEIGHT=weighted,
                         ACCUMULATE=acc,
                         W_E4M3=fp8,
+                        SCALE_K=scale_k,
                         HAS_BIAS=bias,
                         BLOCK_M=bm,
                         BLOCK_N=bn,
@@ -348,7 +367,7 @@ def main(quick: bool = False) -> int:
                     ptrs = {**moe_ptrs, "w_ptr": "*u8"} if fp8 else moe_ptrs
                     attempt(
                         f"grouped gemm {dtype} rows={rows} weighted={weighted} accumulate={acc}"
-                        f" fp8={fp8} bias={bias}",
+                        f" fp8={fp8} bias={bias} scale_k={scale_k}",
                         fused_moe._moe_gemm_kernel,
                         dtype,
                         ce,
@@ -531,6 +550,10 @@ def main(quick: bool = False) -> int:
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         kernel = fp8_weights._fp8_w8a16_kernel
         attempt("fp8 w8a16 bf16 m=1", kernel, "bf16", ce, 80, 4, 1, pointers=f8)
+        f8 = {**f8, "srow_ptr": "*i32"}
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_K=128, E4M3_BYTES=True)
+        kernel = fp8_block._fp8_block_kernel
+        attempt("fp8 block bf16 m=1 as bytes", kernel, "bf16", ce, 80, 4, 1, pointers=f8)
     print(f"FAILED {failed}")
     return 1 if failed else 0
 

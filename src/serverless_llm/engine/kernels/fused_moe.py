@@ -38,7 +38,9 @@ bytes [E, N, K] with a float32 scale per expert and output channel [E, N]. The s
 decodes each weight tile to float32 (kernels/e4m3.py), multiplies the activations as they are
 (weight-only, W8A16: the FP8 path of kernels/fp8.py on GPUs without FP8 arithmetic) and scales
 each output channel's sums. Its reference dequantizes every expert (w x scale, float32, then
-x's dtype) and runs `fused_moe_reference`.
+x's dtype) and runs `fused_moe_reference`. Block-FP8 experts (`Fp8BlockExperts`, DeepSeek-V3's:
+a scale per 128 x 128 block) go through the same kernel, each K tile's partial sums scaled by
+its block's scale (`fused_moe_fp8_block`; kernels/fp8_block.py describes the layout).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch import Tensor
 
 from .activation import act_and_mul, act_and_mul_reference, activation, activation_reference
 from .e4m3 import e4m3_decode
+from .fp8_block import fp8_block_dequantize
 from .triton_common import dot_acc, w_tile, x_tile
 from .triton_lazy import cdiv, jit
 
@@ -149,6 +152,7 @@ def _moe_gemm_kernel(
     block_expert_ptr,
     weight_ptr,
     wscale_ptr,
+    srow_ptr,
     bias_ptr,
     N,
     K,
@@ -157,12 +161,14 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_sr,
     stride_be,
     stride_om,
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     W_E4M3: tl.constexpr,
+    SCALE_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -172,8 +178,10 @@ def _moe_gemm_kernel(
     expert e), times weight[r] when MUL_WEIGHT, plus out's own value when ACCUMULATE. Sentinel
     rows (>= num_rows) are neither read nor written; a block with expert -1 (past the end, or a
     group to skip) returns at once. W_E4M3: w holds e4m3 bytes, decoded in the K loop, and the
-    sums are scaled by wscale[e, n]. HAS_BIAS: bias[e, n] is added to the sums (before the
-    weight)."""
+    sums are scaled by wscale[e, n]; with SCALE_K > 0 (block FP8, kernels/fp8_block.py) wscale
+    holds block scales [E, grid rows, K / SCALE_K] instead and each K tile's partial sums are
+    scaled by wscale[e, srow[n], k // SCALE_K] (BLOCK_K divides SCALE_K). HAS_BIAS: bias[e, n]
+    is added to the sums (before the weight)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -183,6 +191,9 @@ def _moe_gemm_kernel(
         rows_ptr, pid_m, pid_n, N, num_rows, A_DIV, BLOCK_M, BLOCK_N
     )
     w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if SCALE_K > 0:  # each column's row of block scales in this expert's grid
+        srow = tl.load(srow_ptr + offs_n, mask=mask_n, other=0)
+        s_rows = wscale_ptr + expert.to(tl.int64) * stride_se + srow.to(tl.int64) * stride_sr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -191,8 +202,12 @@ def _moe_gemm_kernel(
         w = w_tile(w_base, stride_wn, offs_k, mask_k, offs_n, mask_n)
         if W_E4M3:
             w = e4m3_decode(w.to(tl.int32))
-        acc = dot_acc(acc, a, w)
-    if W_E4M3:
+        if SCALE_K > 0:
+            part = dot_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, w)
+            acc += part * tl.load(s_rows + k0 // SCALE_K, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = dot_acc(acc, a, w)
+    if W_E4M3 and SCALE_K == 0:
         e_scale = wscale_ptr + expert.to(tl.int64) * stride_se
         acc = acc * tl.load(e_scale + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
@@ -254,14 +269,18 @@ def moe_tiles(num_rows: int, num_experts: int, dtype: torch.dtype) -> tuple[int,
 
 def grouped_gemm(
     a, w, rows, block_expert, weights, num_rows, a_div, tiles, out=None, accumulate=False,
-    w_scale=None, bias=None,
+    w_scale=None, bias=None, w_rows=None, scale_k: int = 0,
 ) -> Tensor:  # fmt: skip
     """One launch of `_moe_gemm_kernel` over the blocks `moe_align` made: out [num_rows, N]
     (new, or `out` itself, added to when `accumulate`) from rows of `a` and each block's
     matrix of `w` [groups, N, K] (any strides, K contiguous). `w_scale` [groups, N]: w holds
-    e4m3 bytes (uint8) with these channel scales. `bias` [groups, N] (last dim contiguous):
-    added to each row's sums."""
+    e4m3 bytes (uint8) with these channel scales; with `scale_k` (block FP8) `w_scale` is
+    [groups, grid rows, ceil(K / scale_k)] (last dim contiguous) and `w_rows` int32 [N] each
+    output row's grid row. `bias` [groups, N] (last dim contiguous): added to each row's
+    sums."""
     block_m, block_n, block_k, warps = tiles
+    if scale_k and (scale_k % block_k or w_rows is None or w_scale is None):
+        raise ValueError(f"grouped_gemm: block scales of {scale_k} columns, tiles of {block_k}")
     n, k = w.shape[1], w.shape[2]
     if w.stride(2) != 1:
         raise ValueError("grouped_gemm reads w with K contiguous")
@@ -278,6 +297,7 @@ def grouped_gemm(
         block_expert,
         weights if weights is not None else a,
         w_scale if w_scale is not None else a,
+        w_rows if w_rows is not None else a,
         bias if bias is not None else a,
         n,
         k,
@@ -286,12 +306,14 @@ def grouped_gemm(
         w.stride(0),
         w.stride(1),
         w_scale.stride(0) if w_scale is not None else 0,
+        w_scale.stride(1) if scale_k else 0,
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
         A_DIV=a_div,
         MUL_WEIGHT=weights is not None,
         ACCUMULATE=accumulate,
         W_E4M3=w_scale is not None,
+        SCALE_K=scale_k,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -377,5 +399,64 @@ def fused_moe_fp8_reference(
 ) -> Tensor:
     """The experts dequantized (`Fp8Experts.dequantize`, x's dtype), then `fused_moe_reference`:
     what the engine's dequantize mode computes."""
+    return fused_moe_reference(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), weights, ids,
+                               act)  # fmt: skip
+
+
+@dataclass
+class Fp8BlockExperts:
+    """One projection of a block-FP8 checkpoint's experts (DeepSeek-V3's): e4m3 bytes
+    [E, N, K] (uint8), float32 block scales [E, grid rows, ceil(K / block_k)], and `row_block`
+    int32 [N], the grid row of each output row (the same for every expert: gate and up each
+    keep their own blocks, kernels/fp8_block.py)."""
+
+    weight: Tensor
+    scale: Tensor
+    row_block: Tensor
+    block_k: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        """[E, N, K] in `dtype`: each e4m3 value times its block's scale, in float32."""
+        return torch.stack(
+            [
+                fp8_block_dequantize(w, s, self.row_block, self.block_k, dtype)
+                for w, s in zip(self.weight, self.scale)
+            ]
+        )
+
+
+def _fp8_block_gemm(a, w: Fp8BlockExperts, rows, block_expert, weights, num_rows, a_div, tiles):
+    return grouped_gemm(a, w.weight, rows, block_expert, weights, num_rows, a_div, tiles,
+                        w_scale=w.scale, w_rows=w.row_block, scale_k=w.block_k)  # fmt: skip
+
+
+def fused_moe_fp8_block(
+    x: Tensor,
+    w13: Fp8BlockExperts,
+    w2: Fp8BlockExperts,
+    weights: Tensor,
+    ids: Tensor,
+    act: str = "silu",
+) -> Tensor:
+    """The Triton path with `fused_moe_fp8_block_reference`'s contract (the block scales applied
+    to each K tile's sums instead of the weights); x [T, H] in float16, bfloat16 or float32.
+    block_k must be a multiple of the K tile (64; 32 for float32)."""
+    return run_experts(x, w13, w2, weights, ids, w13.num_experts, _fp8_block_gemm, act)
+
+
+def fused_moe_fp8_block_reference(
+    x: Tensor,
+    w13: Fp8BlockExperts,
+    w2: Fp8BlockExperts,
+    weights: Tensor,
+    ids: Tensor,
+    act: str = "silu",
+) -> Tensor:
+    """The experts dequantized (`Fp8BlockExperts.dequantize`, x's dtype), then
+    `fused_moe_reference`: what the engine's dequantize mode computes."""
     return fused_moe_reference(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), weights, ids,
                                act)  # fmt: skip

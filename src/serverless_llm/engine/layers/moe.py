@@ -17,9 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fused_moe import (
+    Fp8BlockExperts,
     Fp8Experts,
     fused_moe,
     fused_moe_fp8,
+    fused_moe_fp8_block,
+    fused_moe_fp8_block_reference,
     fused_moe_fp8_reference,
     fused_moe_reference,
 )
@@ -259,7 +262,8 @@ class Experts(nn.Module):
       `PackedExperts` (kernels/fused_moe_w4a16.py) and stay at their bit width, run by the
       packed MoE kernel; FP8 experts stay as their e4m3 bytes and channel scales
       (`Fp8Experts`, kernels/fused_moe.py), run by the grouped GEMM decoding them (each with
-      its torch reference elsewhere). MXFP4 experts (gpt-oss) stay as their E2M1 bytes and
+      its torch reference elsewhere); block-FP8 experts (DeepSeek-V3's) as their bytes and
+      block scales (`Fp8BlockExperts`), the same GEMM scaling each K tile's sums. MXFP4 experts (gpt-oss) stay as their E2M1 bytes and
       E8M0 block scales (`Mxfp4Experts`, kernels/fused_moe_mxfp4.py; `keep_mxfp4`,
       `take_mxfp4`), run by the MXFP4 MoE kernel.
 
@@ -361,7 +365,12 @@ class Experts(nn.Module):
             self.forms[which][e] = self._one_form(which, e, rec.forms)
             if len(self.forms[which]) == self.num_experts:
                 forms = [self.forms[which].pop(i) for i in range(self.num_experts)]
-                if self.scheme.method == "fp8":
+                if self.scheme.method == "fp8" and self.scheme.block is not None:
+                    weight = torch.stack([f[0] for f in forms]).view(torch.uint8)
+                    scale = torch.stack([f[1] for f in forms])
+                    block_k = self.scheme.block[1]
+                    self._hold(which, Fp8BlockExperts(weight, scale, forms[0][2], block_k))
+                elif self.scheme.method == "fp8":
                     weight = torch.stack([w for w, _ in forms]).view(torch.uint8)
                     self._hold(which, Fp8Experts(weight, torch.stack([s for _, s in forms])))
                 else:
@@ -380,6 +389,14 @@ class Experts(nn.Module):
         kind = "fp8" if self.scheme.method == "fp8" else "int"
         if kind == "fp8" and all(f[0] == "fp8" for f in forms):
             return tuple(torch.cat([f[i] for f in forms]) for i in (1, 2))
+        if kind == "fp8" and all(f[0] == "fp8_block" for f in forms):
+            # (e4m3 weight, stacked block grids, grid row of each output row): gate and up
+            # each keep their own blocks, as a fused QuantLinear's parts do
+            rows = [forms[0][3]]
+            if len(forms) > 1:
+                rows.append(forms[1][3] + forms[0][2].shape[0])
+            w, scale = (torch.cat([f[i] for f in forms]) for i in (1, 2))
+            return w, scale, torch.cat(rows).to(torch.int32)
         if any(f[0] != kind for f in forms):
             raise QuantLoadError(
                 f"expert {e} ({which}) is not stored as integers like the others: serve this "
@@ -428,6 +445,13 @@ class Experts(nn.Module):
                 codes = torch.randint(0, 0x3F, shape, generator=g, dtype=torch.uint8)
                 codes |= torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
                 scale = torch.full((self.num_experts, out), 0.04, dtype=torch.float32)
+                if self.scheme.block is not None:
+                    bn, bk = self.scheme.block
+                    grid = (self.num_experts, -(-out // bn), -(-k // bk))
+                    rows = (torch.arange(out) // bn).to(torch.int32)
+                    packed = Fp8BlockExperts(codes, torch.full(grid, 0.04), rows, bk)
+                    self._hold(which, packed)
+                    continue
                 self._hold(which, Fp8Experts(codes, scale))
             return
         bits = self.scheme.bits
@@ -445,24 +469,33 @@ class Experts(nn.Module):
 
     _PACKED_FIELDS = ("qweight", "scales", "zeros", "g_idx", "perm")
     _FP8_FIELDS = ("weight", "scale")
+    _FP8_BLOCK_FIELDS = ("weight", "scale", "row_block")
     _MXFP4_FIELDS = ("blocks", "scales")
 
     def _fields(self) -> tuple[str, ...]:
         if self.scheme.method == "mxfp4":
             return self._MXFP4_FIELDS
+        if self.scheme.method == "fp8" and self.scheme.block is not None:
+            return self._FP8_BLOCK_FIELDS
         return self._FP8_FIELDS if self.scheme.method == "fp8" else self._PACKED_FIELDS
 
-    def _hold(self, which: str, packed: PackedExperts | Fp8Experts | Mxfp4Experts) -> None:
+    def _hold(
+        self, which: str, packed: PackedExperts | Fp8Experts | Fp8BlockExperts | Mxfp4Experts
+    ) -> None:
         """Keeps a projection's packed experts as buffers (model.to moves them; the memory
         counts see them)."""
         for field in self._fields():
             self.register_buffer(f"{which}_{field}", getattr(packed, field))
         self.quantized.add(which)
 
-    def packed_experts(self, which: str) -> PackedExperts | Fp8Experts | Mxfp4Experts:
+    def packed_experts(
+        self, which: str
+    ) -> PackedExperts | Fp8Experts | Fp8BlockExperts | Mxfp4Experts:
         fields = [getattr(self, f"{which}_{f}") for f in self._fields()]
         if self.scheme.method == "mxfp4":
             return Mxfp4Experts(*fields)
+        if self.scheme.method == "fp8" and self.scheme.block is not None:
+            return Fp8BlockExperts(*fields, self.scheme.block[1])
         if self.scheme.method == "fp8":
             return Fp8Experts(*fields)
         return PackedExperts(*fields, self.scheme.bits)
@@ -486,7 +519,11 @@ class Experts(nn.Module):
             if self.scheme.method == "mxfp4":
                 fn = fused_moe_mxfp4 if self.use_kernels else fused_moe_mxfp4_reference
                 return fn(x, w13, w2, weights, ids, self.act, *self.biases())
-            if self.scheme.method == "fp8":
+            if self.scheme.method == "fp8" and self.scheme.block is not None:
+                # the grouped GEMM's K tile (64; 32 for float32) must divide the blocks
+                kernel = self.use_kernels and self.scheme.block[1] % 64 == 0
+                fn = fused_moe_fp8_block if kernel else fused_moe_fp8_block_reference
+            elif self.scheme.method == "fp8":
                 fn = fused_moe_fp8 if self.use_kernels else fused_moe_fp8_reference
             else:
                 fn = fused_moe_w4a16 if self.use_kernels else fused_moe_w4a16_reference
