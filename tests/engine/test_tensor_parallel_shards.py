@@ -13,7 +13,12 @@ import transformers
 from tests.engine import test_families, test_families_alibi, test_families_gpt, test_families_moe
 from tests.engine.family_check import save_family_model
 from tests.engine.tp_harness import sharded_logits
-from tests.quant_checkpoints import write_fp8, write_pack_quantized, write_quantized
+from tests.quant_checkpoints import (
+    write_fp8,
+    write_fp8_block,
+    write_pack_quantized,
+    write_quantized,
+)
 from tests.tiny_models import build_tokenizer
 
 # Every family the engine serves, from the family tests' own configs. The layouts among them:
@@ -64,6 +69,12 @@ QUANTIZED = {
     "fp8_channel": lambda src, d: write_fp8(
         src, f"{d}/f", f"{d}/q", "compressed-tensors", "channel"
     ),
+    # blocks of 16 rows x 32 columns: each rank's q/k/v/gate/up rows and o/down inputs are
+    # whole blocks, as a real checkpoint's 128 x 128 blocks are at real sizes
+    "block_fp8": lambda src, d: write_fp8_block(src, f"{d}/f", f"{d}/q", "fp8", (16, 32)),
+    "block_fp8_ct": lambda src, d: write_fp8_block(
+        src, f"{d}/f", f"{d}/q", "compressed-tensors", (16, 32)
+    ),
 }
 IDS = [5 + (7 * i) % 300 for i in range(37)]
 
@@ -105,7 +116,8 @@ def test_act_order_gptq_splits_keeping_every_group(tmp_path, tiny_llama, mode):
 @pytest.mark.parametrize(
     ("method", "act_order", "mode"),
     [("gptq", False, "packed"), ("gptq", True, "packed"), ("gptq", True, "dequantize"),
-     ("awq", False, "packed"), ("fp8", False, "dequantize"), ("fp8", False, "packed")],
+     ("awq", False, "packed"), ("fp8", False, "dequantize"), ("fp8", False, "packed"),
+     ("block_fp8", False, "packed")],
 )  # fmt: skip
 def test_quantized_moe_splits_each_experts_width(tmp_path, method, act_order, mode):
     """A quantized Qwen2-MoE (experts, shared expert and attention quantized; routers float):
@@ -118,6 +130,8 @@ def test_quantized_moe_splits_each_experts_width(tmp_path, method, act_order, mo
     src = save_family_model(str(tmp_path / "src"), config, std=0.1)
     if method == "fp8":
         _, quant = write_fp8(src, f"{tmp_path}/f", f"{tmp_path}/q", "fp8", "tensor")
+    elif method == "block_fp8":  # experts held as bytes and 16 x 32 block scales
+        _, quant = write_fp8_block(src, f"{tmp_path}/f", f"{tmp_path}/q", "fp8", (16, 32))
     else:
         _, quant = write_quantized(
             src, f"{tmp_path}/f", f"{tmp_path}/q", method, act_order=act_order

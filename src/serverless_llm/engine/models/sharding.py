@@ -351,6 +351,9 @@ class Sharder:
         and group boundaries)."""
         method = self.scheme.method
         layout = self.QUANT_LAYOUT.get((method, kind))
+        if self.scheme.block is not None and kind in ("weight_scale", "weight_scale_inv"):
+            # block FP8: one scale per block of rows and columns, split on block boundaries
+            layout = {"out": (0, self.scheme.block[0]), "in": (1, self.scheme.block[1])}
         split = self._linear_split(internal, leaf, how)
         if kind == "weight_shape":  # compressed-tensors: [out, in], now this rank's
             out, inp = (int(v) for v in _full(tensor).reshape(-1).tolist())
