@@ -24,6 +24,8 @@ from tests.engine.vision_check import (
 # case -> (module under tests/engine, builder, its keyword arguments)
 CASES = {
     "gemma3": ("vision_gemma3_models", "save_tiny_gemma3", {"tie_word_embeddings": False}),
+    # per-layer inputs at the image rows, a window shorter than an image's run
+    "gemma4": ("vision_gemma4_models", "save_tiny_gemma4", {}),
     "idefics3": ("vision_idefics3_models", "save_tiny_idefics3", {}),
     "smolvlm": ("vision_idefics3_models", "save_tiny_smolvlm", {}),
     # Llama 4: tiles + a global tile, separators inside an image's span, chunked attention

@@ -29,6 +29,7 @@ from tests.kernels.batch import DEVICE  # noqa: E402
 # case -> (module under tests/engine, builder)
 TOWERS = {
     "gemma3": ("vision_gemma3_models", "save_tiny_gemma3"),
+    "gemma4": ("vision_gemma4_models", "save_tiny_gemma4"),
     "idefics3": ("vision_idefics3_models", "save_tiny_idefics3"),
     "llama4": ("vision_llama4_models", "save_tiny_llama4"),
     "llava": ("vision_llava_models", "save_tiny_llava"),

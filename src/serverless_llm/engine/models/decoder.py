@@ -261,6 +261,10 @@ class DecoderSpec:
     # Per-layer input embeddings (vocab, width): an embedding of every layer's own, mixed with
     # a projection of the token embedding, fed into each layer after its MLP.
     per_layer_input: tuple[int, int] | None = None
+    # The token whose per-layer embedding the rows taking image features look up (Gemma 4:
+    # transformers replaces the image tokens by the pad token before that lookup); None: the
+    # rows' own token ids.
+    per_layer_image_id: int | None = None
     layer_scalar: bool = False  # each layer's output stream times its `layer_scalar`
     # Gemma 4's MoE block: routed experts beside the dense MLP in every layer (`ExpertsBeside`;
     # `routing` and `renormalize` as for `moe`).
@@ -1216,7 +1220,10 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             x = self.embed_norm(x)
         per_layer = None
         if s.per_layer_input is not None:
-            per_layer = self._per_layer_inputs(input_ids, x)
+            ids = input_ids
+            if images is not None and s.per_layer_image_id is not None:
+                ids = ids.index_fill(0, images[0], s.per_layer_image_id)
+            per_layer = self._per_layer_inputs(ids, x)
         residual = None
         temps = None
         if s.attn_temperature is not None:  # for the layers without rotary

@@ -17,7 +17,8 @@ rope, the embedding times sqrt(hidden), a final soft-cap) with:
   `DecoderSpec.kv_source`), and their MLPs may be twice as wide (`use_double_wide_mlp`);
 - **per-layer input embeddings** (`hidden_size_per_layer_input`): an embedding of every
   layer's own (times sqrt(width)), mixed with the normed projection of the token embedding,
-  fed into each layer after its MLP through a gate, a projection and a norm;
+  fed into each layer after its MLP through a gate, a projection and a norm; at the rows that
+  take image features, the pad token's embedding mixed with the features' projection;
 - each layer's output times its `layer_scalar`;
 - the **MoE block** (`enable_moe_block`, the 26B-A4B model): routed experts beside the dense MLP
   in every layer (`DecoderSpec.moe_beside`, decoder.ExpertsBeside): routed from the stream before
@@ -120,9 +121,11 @@ def gemma4(config) -> DecoderSpec:
         2 * config.intermediate_size if double and src is not None else None for src in sources
     )
     width = getattr(config, "hidden_size_per_layer_input", 0) or 0
-    per_layer_input = None
+    per_layer_input = per_layer_image_id = None
     if width:
         per_layer_input = (config.vocab_size_per_layer_input, width)
+        # the image rows' per-layer embedding is the pad token's (Gemma4Model.forward)
+        per_layer_image_id = getattr(config, "pad_token_id", None)
     window = config.sliding_window
     names = llama_names(**GEMMA4_LAYER, **(GEMMA4_MOE if moe is not None else {}))
     names.top.update(GEMMA4_TOP)
@@ -152,6 +155,7 @@ def gemma4(config) -> DecoderSpec:
         kv_source=sources,
         mlp_sizes=mlp_sizes,
         per_layer_input=per_layer_input,
+        per_layer_image_id=per_layer_image_id,
         layer_scalar=True,
         moe_beside=moe,
     )

@@ -10,7 +10,7 @@ from .base import VisionFamily
 VISION_FAMILIES: dict[str, VisionFamily] = {}
 
 # every module under models/vision/ that registers a family
-_MODULES = ("llava", "qwen_vl", "gemma3", "idefics3", "pixtral", "llama4")
+_MODULES = ("llava", "qwen_vl", "gemma3", "idefics3", "pixtral", "llama4", "gemma4")
 _loaded = False
 
 
