@@ -7,7 +7,9 @@ compared with the Llama shape's ratio in the same run.
 
 Bars (issue 12): every family's ratio >= 0.9 x the Llama shape's, and >= 2x. Hybrid families
 (issue 35; recurrent layers beside attention): engine >= 3x transformers, whose generate_batch
-refuses them, so their peer is its `generate` on the left-padded batch (see HYBRIDS).
+refuses them, so their peer is its `generate` on the left-padded batch (see HYBRIDS). Issue 37's
+shapes (DeepSeek-V2-Lite, gpt-oss-20b, Gemma 4): engine >= 3x transformers, the padded
+`generate` for those its generate_batch cannot run (see PADDED_PEER).
 
     .venv/bin/python bench/families.py                       # every family, 32 x 64 tokens
     .venv/bin/python bench/families.py --families llama,gemma2,gpt2 --json out.json
@@ -172,6 +174,7 @@ def family_configs(tokenizer, tiny: bool) -> dict[str, Any]:
             num_local_experts=4 if tiny else 32,
             num_experts_per_tok=2 if tiny else 4,
         ),
+        "gemma4": lambda: gemma4_config(llama, tiny),
     }
     for name, make in optional.items():
         cfgs[name] = make()
@@ -197,10 +200,49 @@ HYBRIDS = (
 BAR_HYBRID = 3.0
 # Shapes that transformers' generate_batch cannot run for another reason, measured as the hybrids
 # are (their own cache size, its `generate` on the padded batch, the 3x bar of issue 37):
-# MLA (its paged cache holds one head width for keys and values; MLA's keys are wider).
-PADDED_PEER = HYBRIDS + ("deepseek_v2_lite",)
+# MLA (its paged cache holds one head width for keys and values; MLA's keys are wider), Gemma 4
+# (the same cache reads one head width for the model, `find_head_dim`, and Gemma 4's config
+# refuses to give one: its global layers' heads are wider, AmbiguousGlobalPerLayerAttributeError).
+PADDED_PEER = HYBRIDS + ("deepseek_v2_lite", "gemma4")
 # Issue 37's shapes that transformers' generate_batch serves: their bar is 3x it.
 BAR_3X = ("gpt_oss",)
+
+
+def gemma4_config(llama: dict, tiny: bool):
+    """Gemma 4's shape (issue 37), gemma-4-E2B's text decoder scaled down: four sliding layers to
+    one global (E2B's pattern), 8 query heads over one KV head, the global layers' heads twice
+    the sliding ones' (E2B: 256 and 512) with their values the raw keys (`attention_k_eq_v`,
+    31B's, on here too), the last half of the layers reading the K/V of the last earlier layer
+    of their kind (E2B: 20 of 35) with double-wide MLPs, per-layer input embeddings, the
+    proportional rope on global layers, a final soft-cap; 10 layers (two periods) so that the
+    shared layers' MLPs leave it near the other shapes' size. Tiny: [S, F, S, F], two shared."""
+    import transformers as t
+
+    h = llama["hidden_size"]
+    ids = {k: llama[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    kinds = ["sliding_attention"] * 4 + ["full_attention"]
+    kinds = ["sliding_attention", "full_attention"] if tiny else kinds
+    return t.Gemma4TextConfig(
+        hidden_size=h,
+        num_hidden_layers=2 * len(kinds),
+        layer_types=2 * kinds,
+        num_attention_heads=4 if tiny else 8,
+        num_key_value_heads=1,
+        head_dim=16 if tiny else 64,
+        global_head_dim=32 if tiny else 128,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=len(kinds),
+        use_double_wide_mlp=True,
+        intermediate_size=llama["intermediate_size"],
+        hidden_size_per_layer_input=8 if tiny else 64,
+        vocab_size_per_layer_input=llama["vocab_size"],
+        sliding_window=64,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=llama["max_position_embeddings"],
+        architectures=["Gemma4ForCausalLM"],
+        **ids,
+    )
 
 
 def hybrid_configs(llama: dict, tiny: bool) -> dict[str, Any]:
@@ -603,13 +645,13 @@ def main(argv=None) -> int:
     )
     print(
         "transformers tok/s: its generate_batch; * its generate on the left-padded batch (its "
-        "generate_batch refuses recurrent layers and MLA)"
+        "generate_batch refuses recurrent layers, MLA and per-layer head widths)"
     )
     hybrid = {n: r["ratio"] for n, r in results.items() if n in PADDED_PEER and r["ratio"]}
     if hybrid:
         low = min(hybrid, key=hybrid.get)
         print(
-            f"hybrids and MLA: lowest ratio {low} {hybrid[low]:.2f}x (bar >= {BAR_HYBRID}x): "
+            f"hybrids, MLA, Gemma 4: lowest ratio {low} {hybrid[low]:.2f}x (bar >= {BAR_HYBRID}x): "
             + ("meets" if hybrid[low] >= BAR_HYBRID else "misses")
         )
     for name in BAR_3X:
