@@ -8,7 +8,8 @@
 # `bench/recurrent_kernels.py` (the hybrid models' delta rule and SSD scan),
 # `bench/vision_attention.py` (the vision towers' attention against SDPA), `bench/mla_decode.py`
 # (MLA's decode kernel against the bandwidth its latents need), `bench/mxfp4_gemm.py` (the MXFP4
-# expert GEMM against bf16 matmul), then
+# expert GEMM against bf16 matmul), `bench/fp8_block_gemm.py` (the block-scaled FP8 GEMM against
+# bf16 matmul), then
 # the rest of tests/kernels compiled on the GPU (bounded by KERNEL_TESTS_TIMEOUT seconds), and
 # leaves the device description,
 # both logs and the benchmark's JSON under $OUT (default /tmp/gpu-checks). The figures go into
@@ -51,6 +52,10 @@ mla=${PIPESTATUS[0]}
 # Issue 37: the MXFP4 expert GEMM (gpt-oss's experts kept 4-bit) against bf16 matmul, M = 1/16/256.
 "$PY" bench/mxfp4_gemm.py 2>&1 | tee "$OUT/mxfp4_gemm.log"
 mxfp4=${PIPESTATUS[0]}
+# Issue 37: the block-scaled FP8 GEMM (DeepSeek-style 128 x 128 block scales, kept 8-bit) against
+# bf16 matmul, M = 1/16/256.
+"$PY" bench/fp8_block_gemm.py 2>&1 | tee "$OUT/fp8_block_gemm.log"
+fp8_block=${PIPESTATUS[0]}
 # Last, every other kernel test compiled on this GPU (on CPU they run under the interpreter): the
 # references at small shapes, the e4m3 byte codec, the FP8 W8A16 GEMM, LoRA and MoE kernels.
 # Bounded, so the figures above always come back within a device call.
@@ -61,5 +66,6 @@ echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py 
     "bench/w4a16.py exit $w4a16; bench/moe_kernel.py exit $moe;" \
     "bench/recurrent_kernels.py exit $recurrent; bench/vision_attention.py exit $vision;" \
     "bench/mla_decode.py exit $mla; bench/mxfp4_gemm.py exit $mxfp4;" \
+    "bench/fp8_block_gemm.py exit $fp8_block;" \
     "compiled kernel tests exit $kernel_tests"
-exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || mxfp4 || kernel_tests))
+exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || mxfp4 || fp8_block || kernel_tests))

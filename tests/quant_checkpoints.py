@@ -33,6 +33,12 @@ LINEAR = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.\w+_proj|mlp(\.experts\.\d+|\.shared_expert)?\.\w+_proj"
     r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
 )
+# The same for DeepSeek's families (MLA's projections, `shared_experts`), as their FP8
+# checkpoints quantize them: every linear of the layers but the router (`mlp.gate`).
+MLA_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
+    r"|o_proj)|mlp(\.experts\.\d+|\.shared_experts)?\.(gate|up|down)_proj)\.weight$"
+)
 
 
 def int32_word(word: int) -> int:
