@@ -233,7 +233,9 @@ def test_text_part_of_the_composite_equals_transformers(tmp_path):
     tok.save_pretrained(path)
     prompts = family_prompts(len(tok), seed=2, lengths=(3, 20, 41))
     llm = engine(path)
-    assert llm.engine.inputs.images is None  # no images: the towers are not loaded
+    # no processor files: served for text, its image prompts refused (the tower loads)
+    assert llm.engine.inputs.images is None
+    assert llm.engine.vision is not None
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     config = model.generation_config
     config.eos_token_id = [len(tok) + 1]

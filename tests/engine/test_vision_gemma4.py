@@ -4,9 +4,10 @@ its weight loading; and the transformers facts the engine's image path relies on
 image features go (after the embedding scale), what the per-layer inputs of the image rows are
 (the pad token's per-layer embedding mixed with the features' projection: the decoder's
 `per_layer_image_id`), and which tokens attend to each other both ways (only with
-`use_bidirectional_attention: "vision"`, and then on the sliding layers only: such a checkpoint
-is served for text, its images refused by name). End to end: chunked prefill cutting through
-the images equals one-shot prefill (transformers' tokens: test_vision_engine.py's "gemma4")."""
+`use_bidirectional_attention: "vision"`, and then on the sliding layers only: the engine's key
+limits on the sliding layers' cache groups alone). End to end: chunked prefill cutting through
+the images equals one-shot prefill (transformers' tokens: test_vision_engine.py's "gemma4"); a
+"vision" checkpoint's batched greedy tokens equal transformers', chunked or not."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from serverless_llm.engine.models import decoder as decoder_module
 from serverless_llm.engine.models import describe_model
 from serverless_llm.engine.models.vision import gemma4 as g4
 from serverless_llm.engine.multimodal import vision_family_of
-from tests.engine.vision_check import engine_greedy, make_llm, vision_prompts
+from tests.engine.vision_check import engine_greedy, hf_vision_greedy, make_llm, vision_prompts
 from tests.engine.vision_gemma4_models import (
     AUDIO_TOKEN,
     BOI,
@@ -382,16 +383,37 @@ def test_bidirectional_images_are_the_sliding_layers_only():
             assert sliding[3, 8] and not full[3, 8]
 
 
-def test_bidirectional_checkpoint_serves_text_and_refuses_images(models):
+def test_bidirectional_checkpoint_batched_greedy_equals_transformers(models):
+    """A "vision" checkpoint (the 26B / 31B models' image attention): its images' soft tokens
+    attend both ways on the sliding layers (a window shorter than an image's run), causally on
+    the global ones; batched greedy equals transformers', and so does a run of 80-token steps
+    (never ending inside an image: whole images). Both ways on every layer would not."""
     path = models("bidirectional")
     family, config = family_and_config(path)
-    with pytest.raises(ValueError, match="use_bidirectional_attention='vision'"):
-        family.make_processor(path, config)
-    llm = make_llm(path)
-    assert llm.engine.inputs.images is None
+    assert family.bidirectional(config) == "sliding"
     prompts = vision_prompts(IMAGE_TOKEN, sample_images())
-    text_only = prompts[2]
-    assert engine_greedy(llm, [text_only], new_tokens=8)[0]
+    want = hf_vision_greedy(path, prompts)
+    llm = make_llm(path)
+    assert llm.engine.scheduler.whole_images
+    assert engine_greedy(llm, prompts) == want
+    chunked = make_llm(path, max_num_batched_tokens=80, enable_prefix_caching=False)
+    assert engine_greedy(chunked, prompts) == want
+    # every layer both ways (Gemma 3's rule) is another model: the global layers matter
+    everywhere = make_llm(path)
+    everywhere.engine.runner._limited_groups = None
+    assert engine_greedy(everywhere, prompts) != want
+
+
+def test_bidirectional_checkpoint_with_one_cache_group_serves_text(models, caplog):
+    """Sliding and global layers in one cache group (the hybrid cache disabled): the key
+    limits cannot be the sliding layers' alone, so the images are refused, the text served."""
+    path = models("bidirectional")
+    llm = make_llm(path, disable_hybrid_kv_cache_manager=True)
+    assert llm.engine.cache_layout.num_groups == 1
+    assert llm.engine.inputs.images is None
+    assert "serving it for text only" in caplog.text
+    prompts = vision_prompts(IMAGE_TOKEN, sample_images())
+    assert engine_greedy(llm, [prompts[2]], new_tokens=8)[0]
     with pytest.raises(InvalidRequestError, match="does not take images"):
         engine_greedy(llm, [prompts[0]], new_tokens=1)
 

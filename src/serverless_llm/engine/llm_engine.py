@@ -84,7 +84,7 @@ class LLMEngine:
                 e,
             )
             return None
-        whole = family.bidirectional_images
+        whole = family.bidirectional(self.vision.config) != "none"
         return ImageInputs(family, processor, self.max_num_batched_tokens if whole else None)
 
     def _start_ranks(self, config: EngineConfig):
@@ -219,9 +219,18 @@ class LLMEngine:
         )
         self.runner.kv = self.kv
         if self.vision is not None:
-            whole = self.vision.family.bidirectional_images
-            self.runner.attach_vision(self.vision.tower, encoder_cache_bytes(config, loaded), whole)
-            self.scheduler.whole_images = whole
+            mode = self.vision.family.bidirectional(self.vision.config)
+            if not self.runner.attach_vision(
+                self.vision.tower, encoder_cache_bytes(config, loaded), mode
+            ):
+                logger.warning(
+                    "%s: its image tokens attend both ways on the sliding-window layers only, "
+                    "and a cache group holds both kinds of layers (a window covering "
+                    "max_model_len, or the hybrid cache disabled): serving it for text only",
+                    self.resolved.source,
+                )
+                self.inputs.images = None
+            self.scheduler.whole_images = mode != "none"
         self.scheduler.copy_blocks = self.runner.copy_blocks
         if self.lora is not None:
             self.runner.lora_step = self.lora.step

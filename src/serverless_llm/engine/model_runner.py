@@ -106,14 +106,29 @@ class ModelRunner:
         self.vision_tower = None
         self.encoder_cache: EncoderCache | None = None
         self.bidirectional_images = False  # an image's tokens attend to each other both ways
+        self._limited_groups: tuple[bool, ...] | None = None  # "sliding": the groups that do
         self._pending_copies: list[tuple[int, int]] = []
 
-    def attach_vision(self, tower, cache_bytes: int, bidirectional: bool) -> None:
+    def attach_vision(self, tower, cache_bytes: int, bidirectional: str) -> bool:
         """A vision-language model's tower and an encoder cache of `cache_bytes` (every
-        tensor-parallel rank holds both: the cache evolves the same on every rank)."""
+        tensor-parallel rank holds both: the cache evolves the same on every rank).
+        `bidirectional` (VisionFamily.bidirectional): "none", "all" or "sliding" (the key limits
+        on the sliding-window layers' cache groups only). False (images then causal: the
+        engine must not serve them) where "sliding" meets a group of both kinds of layers."""
         self.vision_tower = tower
         self.encoder_cache = EncoderCache(cache_bytes)
-        self.bidirectional_images = bidirectional
+        self.bidirectional_images = bidirectional != "none"
+        self._limited_groups = None
+        if bidirectional != "sliding":
+            return True
+        windows = getattr(getattr(self.model, "spec", None), "windows", None)
+        windows = windows or (None,) * len(self.layout.group_of_layer)
+        sliding = [[windows[i] is not None for i in g.layers] for g in self.layout.groups]
+        if not all(all(kinds) or not any(kinds) for kinds in sliding):
+            self.bidirectional_images = False
+            return False
+        self._limited_groups = tuple(all(kinds) for kinds in sliding)
+        return True
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies KV blocks (src, dst) in every layer: now, or with tensor parallelism at the
@@ -276,6 +291,10 @@ class ModelRunner:
             )
             for table, slots in zip(h.block_tables[1:], h.slots[1:])
         ]
+        if self._limited_groups is not None and h.key_limits is not None:
+            for meta, limited in zip(metas, self._limited_groups):
+                if not limited:  # a global layers' group of "sliding": causal
+                    meta.key_limits_host = None
         ids_t = torch.tensor(h.input_ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
         return ids_t, pos_t, metas

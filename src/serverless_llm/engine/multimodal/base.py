@@ -118,6 +118,12 @@ class VisionFamily:
     # never ends inside an image's span.
     bidirectional_images: bool = False
 
+    def bidirectional(self, config) -> str:
+        """Where an image's tokens attend to each other both ways for the checkpoint of the
+        composite `config`: "none" (causal), "all" (every layer) or "sliding" (the
+        sliding-window layers only). By default from `bidirectional_images`."""
+        return "all" if self.bidirectional_images else "none"
+
     def make_processor(self, model_dir: str, config):
         """The family's transformers processor for the checkpoint in `model_dir` (config: the
         composite transformers config), built from its PIL image processor and tokenizer where

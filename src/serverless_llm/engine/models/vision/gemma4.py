@@ -37,10 +37,9 @@ the same (`DecoderSpec.per_layer_image_id`).
 
 Image tokens attending both ways: transformers does so only when the text config says
 `use_bidirectional_attention: "vision"` (the 26B and 31B models), and then on the sliding-window
-layers only (the global layers stay causal); the engine's bidirectional spans
-(`VisionFamily.bidirectional_images`) apply to every layer. So the family is causal (exact for
-the checkpoints without the setting: E2B, E4B) and a "vision" checkpoint is served for text
-only, its images refused by name (`make_processor` says why).
+layers only (the global layers stay causal). So `bidirectional` is "sliding" for such a
+checkpoint (the engine puts its key limits on the sliding layers' cache groups alone, and a
+prefill chunk never ends inside an image) and "none" for the others (E2B, E4B: causal).
 """
 
 from __future__ import annotations
@@ -449,18 +448,17 @@ def _images_processor_class():
 @vision_family("Gemma4ForConditionalGeneration")
 class Gemma4Family(VisionFamily):
     tower_prefixes = tuple(prefix for prefix, _ in _PREFIXES)
-    bidirectional_images = False  # see the module's docstring
+
+    def bidirectional(self, config) -> str:
+        """ "sliding" with use_bidirectional_attention "vision", else "none" (the module's
+        docstring)."""
+        text = getattr(config, "text_config", config)
+        vision = getattr(text, "use_bidirectional_attention", None) == "vision"
+        return "sliding" if vision else "none"
 
     def make_processor(self, model_dir: str, config):
         import transformers
 
-        text = getattr(config, "text_config", config)
-        if getattr(text, "use_bidirectional_attention", None) == "vision":
-            raise ValueError(
-                "Gemma 4 with use_bidirectional_attention='vision' lets an image's tokens attend "
-                "to each other both ways on its sliding-window layers only, which the engine "
-                "does not do yet: its images are not served"
-            )
         try:
             processor = transformers.AutoProcessor.from_pretrained(model_dir, local_files_only=True)
             if isinstance(processor, transformers.Gemma4Processor):
