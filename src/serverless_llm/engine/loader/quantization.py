@@ -41,6 +41,7 @@ QUANTIZATION_METHODS = (
     "awq_marlin",
     "gptq_marlin",
     "compressed-tensors",
+    "mxfp4",
 )
 
 
