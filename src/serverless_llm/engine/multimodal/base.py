@@ -153,6 +153,44 @@ class VisionFamily:
         raise NotImplementedError
 
 
+def load_tower_tensors(
+    targets: dict[str, torch.Tensor],
+    weights: Iterable[tuple[str, object]],
+    local_name,
+    label: str,
+    skip=None,
+) -> None:
+    """Copies checkpoint tensors into a tower's parameters (and buffers) `targets` by local
+    name (`local_name(checkpoint name)`, None when it is not the tower's); names `skip` accepts
+    are left out (tensors the tower does not use). ValueError for a shape mismatch; KeyError
+    naming every missing and unexpected tensor."""
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        local = local_name(name)
+        if local is not None and skip is not None and skip(local):
+            continue
+        if local not in targets:
+            unexpected.append(name)
+            continue
+        if not isinstance(tensor, torch.Tensor):  # a lazily read checkpoint tensor
+            tensor = tensor.full()
+        target = targets[local]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{label} tower: {name} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.add(local)
+    missing = sorted(set(targets) - loaded)
+    if missing or unexpected:
+        raise KeyError(
+            f"{label} tower weights: missing {missing or 'none'}; unexpected {unexpected or 'none'}"
+        )
+
+
 def hash_image_data(data: dict[str, torch.Tensor], extra: bytes = b"") -> bytes:
     """A content hash of one image's processed tensors (names, shapes, dtypes and bytes)."""
     h = hashlib.sha256(extra)

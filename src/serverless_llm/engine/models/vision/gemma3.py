@@ -36,6 +36,7 @@ from ...multimodal.base import (
     VisionFamily,
     VisionTower,
     hash_image_data,
+    load_tower_tensors,
 )
 from ...multimodal.registry import vision_family
 
@@ -232,32 +233,9 @@ class Gemma3Tower(VisionTower):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            local = _local_name(name)
-            if local is not None and local.startswith(_UNUSED):
-                continue
-            if local not in params:
-                unexpected.append(name)
-                continue
-            if not isinstance(tensor, torch.Tensor):  # a lazily read checkpoint tensor
-                tensor = tensor.full()
-            param = params[local]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"Gemma 3 tower: {name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(local)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise KeyError(
-                f"Gemma 3 tower weights: missing {missing or 'none'}; "
-                f"unexpected {unexpected or 'none'}"
-            )
+        load_tower_tensors(
+            params, weights, _local_name, "Gemma 3", skip=lambda local: local.startswith(_UNUSED)
+        )
 
 
 def _local_name(name: str) -> str | None:

@@ -59,6 +59,7 @@ from ...multimodal.base import (
     VisionFamily,
     VisionTower,
     hash_image_data,
+    load_tower_tensors,
 )
 from ...multimodal.registry import vision_family
 
@@ -366,30 +367,7 @@ class Gemma4Tower(VisionTower):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         params.update(self.named_buffers())  # clip bounds, std_bias / std_scale
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            local = _local_name(name)
-            if local not in params:
-                unexpected.append(name)
-                continue
-            if not isinstance(tensor, torch.Tensor):  # a lazily read checkpoint tensor
-                tensor = tensor.full()
-            param = params[local]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"Gemma 4 tower: {name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(local)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise KeyError(
-                f"Gemma 4 tower weights: missing {missing or 'none'}; "
-                f"unexpected {unexpected or 'none'}"
-            )
+        load_tower_tensors(params, weights, _local_name, "Gemma 4")
 
 
 def _local_name(name: str) -> str | None:
