@@ -246,14 +246,3 @@ def packed_rows(x: torch.Tensor, w: torch.Tensor, packed: bool) -> torch.Tensor:
 
 def test_tiny_config_builds_without_tokenizer_argument():
     assert gpt_oss_config(None).sliding_window == WINDOW
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from serverless_llm.engine.config import ConfigError
-    from serverless_llm.engine.models import describe_model
-    from serverless_llm.engine.models.sharding import check_shardable
-
-    config = gpt_oss_config(None)
-    config.architectures = ["GptOssForCausalLM"]
-    with pytest.raises(ConfigError, match="sinks and expert biases"):
-        check_shardable(describe_model(config), 2)

@@ -12,7 +12,10 @@ would. What is split:
 - row-parallel (input columns): o_proj, down, each expert's down; their partial outputs are
   all-reduced, so only rank 0 keeps their bias;
 - vocab-parallel: the embedding rows and the LM head rows (and its bias);
-- per head: a q/k norm with a weight per head or over all heads;
+- per head: a q/k norm with a weight per head or over all heads, gpt-oss's attention sink
+  logits (this rank's heads');
+- gpt-oss's expert biases: w13's [E, 2I] like w13's rows; w2's [E, H], added after the
+  row-parallel down projection, held by rank 0 (zeros on the others);
 - recurrent layers (hybrid models): their heads or channels, as the layer's description says
   (`RecurrentMixerSpec.tp_split`: in projection and convolution by rows, per-head vectors by
   entries, the output projection by input columns); checkpoint tensors that fill a fused weight
@@ -81,11 +84,6 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
     mlps = list(zip(spec.mlp_layers, spec.moe_layers))
     if any(has and not sparse for has, sparse in mlps):
         need(spec.intermediate_size, "MLP intermediate size")
-    if spec.attn_sinks or (spec.moe is not None and spec.moe.expert_bias):
-        raise ConfigError(
-            f"tensor_parallel_size={size}: tensor parallelism of attention sinks and expert "
-            "biases (gpt-oss) is not supported yet; use tensor_parallel_size=1"
-        )
     if spec.moe is not None and any(has and sparse for has, sparse in mlps):
         if spec.moe.latent_size or not spec.gated:  # as SparseMoE refuses them
             raise ConfigError(
@@ -155,10 +153,18 @@ class Sharder:
             return self._vocab(tensor), how
         if leaf == "qkv_proj" and how in ("qkv_heads", "qkv_grouped"):
             return self._qkv_interleaved(how, tensor), how
+        if leaf == "sinks":  # gpt-oss: a sink logit per head, this rank's heads'
+            return _read(tensor, 0, [self.q_heads]), how
+        if leaf == "w13_bias":  # gpt-oss: [E, 2I] as w13's rows (gate and up alternating)
+            return self._experts("w13", how, False, tensor, dim=1), how
+        if leaf == "w2_bias":  # [E, H], added after the down projection: by rank 0 only
+            t = _full(tensor)
+            return (t if self.tp.rank == 0 else torch.zeros_like(t)), how
         if leaf in ("w13", "w2"):
             if bias and self.scheme is not None:  # GPTQ's zero bias: checked, then dropped
                 return _full(tensor), how
-            return self._experts(leaf, how, bias, tensor), how
+            part = self._experts(leaf, how, bias, tensor)
+            return part if isinstance(part, tuple) else (part, how)
         split = self._linear_split(internal, leaf, how)
         if split is None:
             return _full(tensor), how
@@ -171,11 +177,15 @@ class Sharder:
             dim = 1 - dim
         return _read(tensor, dim, ranges), how
 
-    def _experts(self, leaf: str, how, bias: bool, tensor) -> torch.Tensor:
+    def _experts(self, leaf: str, how, bias: bool, tensor, dim: int = 0):
         """A stacked expert weight's part: every expert, 1/N of each one's width (w13's rows,
-        w2's columns), in whichever form the checkpoint stores them."""
+        w2's columns), in whichever form the checkpoint stores them (`dim`: where a w13
+        stored with gate and up alternating has them, for gpt-oss's w13 bias [E, 2I])."""
         if bias:
             raise ConfigError(f"tensor parallelism over experts with a bias ({leaf})")
+        if isinstance(how, str) and how.startswith(("experts:interleaved", "experts:stacked_t",
+                                                    "mxfp4_")):  # fmt: skip
+            return self._gpt_oss_experts(leaf, how, tensor, dim)
         if how == "experts:t" and len(tensor.shape) == 3:
             # Llama 4: stacked and transposed, gate_up [E, H, 2I] ([gate | up] along the last
             # dim), down [E, I, H]: 1/N of each expert's width from each half / from the rows.
@@ -194,6 +204,32 @@ class Sharder:
             lo, ln = self._even(half)
             return _read(tensor, 1, [(lo, ln), (half + lo, ln)])
         return _read(tensor, 0, [self._even(tensor.shape[0])])  # one expert's gate or up
+
+    def _gpt_oss_experts(self, leaf: str, how: str, tensor, dim: int) -> torch.Tensor:
+        """gpt-oss's experts: w13 with gate and up alternating (each intermediate channel's
+        pair side by side: this rank's channels are one run of 2I/N), as columns of
+        [E, H, 2I] ("experts:interleaved_t"), entries of the bias [E, 2I] or rows of the MXFP4
+        blocks [E, 2I, H / 32, 16] and scales [E, 2I, H / 32]; w2 [E, I, H] by rows
+        ("experts:stacked_t") or its MXFP4 blocks and scales by input blocks of 32 (dim 2);
+        when the ranks' channels do not fall on blocks, (the whole tensor, its placement
+        "mxfp4_*:cols:<first channel>:<count>"), cut once decoded (weights.py)."""
+        mxfp4 = how.startswith("mxfp4_")
+        if leaf == "w13":
+            if how == "experts:interleaved_t":
+                dim = 2
+            elif mxfp4:
+                dim = 1
+            lo, ln = self._even(tensor.shape[dim] // 2)
+            return _read(tensor, dim, [(2 * lo, 2 * ln)])
+        if not mxfp4:
+            return _read(tensor, 1, [self._even(tensor.shape[1])])
+        blocks = tensor.shape[2]  # the input's blocks of 32
+        if blocks % self.tp.size:
+            # A rank's channels end inside a block (gpt-oss's 2880 = 90 blocks over 4 ranks):
+            # the whole projection, decoded at load and then cut ("cols:<first>:<count>").
+            lo, ln = self._even(blocks * 32)
+            return _full(tensor), f"{how}:cols:{lo}:{ln}"
+        return _read(tensor, 2, [self._even(blocks)])
 
     # Quantized linears: each tensor kind's layout, as {axis: (dim, unit)}: the output axis
     # ("out") or the input axis ("in") is `dim` of the tensor, counted in `unit`s of logical

@@ -404,6 +404,17 @@ class DecoderWeights:
             return
         del pending[pname]
         blocks, scales = halves["mxfp4_blocks"], halves["mxfp4_scales"]
+        cols = None
+        if place.startswith("cols:"):  # tensor parallel: this rank's input channels, decoded
+            _, lo, ln = place.split(":")
+            cols, place = (int(lo), int(ln)), ""
+            if data is None:
+                raise QuantLoadError(
+                    f"{pname}: a tensor-parallel rank's share of the MXFP4 experts' input "
+                    f"channels ({cols[1]}) is not a whole number of 32-channel blocks, so they "
+                    "cannot stay 4-bit; use quantized_weights='dequantize' or a "
+                    "tensor_parallel_size whose share is"
+                )
         if data is None:
             path, _, which = internal.rpartition(".")
             experts = self.get_submodule(path)
@@ -419,6 +430,8 @@ class DecoderWeights:
             )
         for e in range(data.shape[0]):
             w = mxfp4_dequantize(blocks[e], scales[e], torch.float32)
+            if cols is not None:
+                w = w.narrow(1, *cols)
             if place:
                 self._place_experts(data, place, w[None], slice(e, e + 1))
             elif tuple(w.shape) != tuple(data.shape[1:]):
