@@ -25,6 +25,13 @@ the n with the highest cumulative logprob (not streamable: the best are known at
 `use_beam_search` returns its n beams together when the search ends: streamed, they come as one
 item holding every choice's whole text.
 
+A gpt-oss model (api/openai/harmony.py) renders `messages` (and `apply_chat_template`'s one
+user message) with harmony instead of its chat template, stops at `<|return|>` or `<|call|>`,
+and answers with the final answer only: the schema has no field for reasoning or tool calls, so
+the analysis channel and messages to a tool are dropped from the text (streamed, their tokens
+come as "" pieces; `usage` and `logprobs` still count every token). A plain `prompt` stays raw
+text in and out.
+
 Any failure is yielded as `{"error": "<message>"}`, once, and ends the job; the engine requests
 are aborted when this generator closes, so nothing is left holding KV blocks.
 """
@@ -62,6 +69,14 @@ from .media import ImageRef, MediaConfig, check_image_count, load_images
 from .multimodal import ContentForm, content_format, count_image_parts, message_content
 from .native_sampling import VLLMSamplingParams, parse_sampling_params
 from .offload import prepare
+from .openai.harmony import (
+    HarmonyParser,
+    HarmonyPromptError,
+    load_encoding,
+    render_prompt,
+    speaks_harmony,
+    stop_ids,
+)
 from .results import SequenceResult, choice_outputs, gather_results
 from .streams import merge_streams
 
@@ -144,11 +159,16 @@ class NativeServing:
         served_model_name: str | None = None,
         lora_modules: Sequence[LoRARequest] = (),
         media: MediaConfig | None = None,
+        harmony: bool | None = None,
     ) -> None:
         """`lora_modules`: the adapters a job may name in `model` (besides
         `served_model_name`, the model itself). `media`: how a vision-language model's images
-        are loaded (api.media)."""
+        are loaded (api.media). `harmony`: whether the model speaks gpt-oss's harmony format
+        (None: a gpt-oss config, as on the OpenAI routes)."""
         self.engine = engine
+        if harmony is None:
+            harmony = speaks_harmony(getattr(engine, "model_config", None))
+        self.harmony: Any = load_encoding() if harmony else None
         self.media = media or MediaConfig()
         info = getattr(engine, "model_info", None)
         self.image_input = bool(getattr(info, "image_input", False))
@@ -237,6 +257,11 @@ class NativeServing:
             messages = [{"role": "user", "content": request.prompt}]
         else:
             return request.prompt
+        if self._harmony_chat(request):
+            try:
+                return render_prompt(messages).token_ids
+            except HarmonyPromptError as e:
+                raise NativeJobError(str(e)) from None
         text = self._render(messages)
         # The template writes its own special tokens (BOS included); adding them again would
         # double them.
@@ -244,6 +269,13 @@ class NativeServing:
         if not ids:
             raise NativeJobError("the chat prompt is empty")
         return list(ids)
+
+    def _harmony_chat(self, request: NativeRequest) -> bool:
+        """Whether the job is a chat rendered with harmony (a gpt-oss model's messages)."""
+        return self.harmony is not None and (
+            request.messages is not None
+            or (request.apply_chat_template and request.multi_modal_data is None)
+        )
 
     def _render(self, messages: list[dict[str, Any]]) -> str:
         return apply_chat_template(
@@ -317,6 +349,9 @@ class NativeServing:
         images count towards the context)."""
         parsed = self._parse_params(request)
         params = parsed.params
+        if self._harmony_chat(request):  # the assistant's turn ends at <|return|> or <|call|>
+            stops = [t for t in stop_ids(self.harmony) if t not in params.stop_token_ids]
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *stops])
         if parsed.max_tokens_given:
             return params, self.engine.prepare_prompt(prompt, params)
         # The default is a convenience, not a demand: it shrinks to what fits.
@@ -363,7 +398,8 @@ class NativeServing:
             self.engine.generate(prepared, p, f"{job_id}#{seq}.{i}")
             for i, p in enumerate(sequence_params(params))
         ]
-        view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer))
+        harmony = self.harmony if self._harmony_chat(request) else None
+        view = _ChoiceView(params, TokenDecoder(self.engine.tokenizer), harmony)
 
         if not request.stream:
             chosen, (prompt_logprobs,) = await gather_results(streams, 1, params)
@@ -389,7 +425,7 @@ class NativeServing:
                 for i, out in group:
                     for j, choice_out in choice_outputs(i, out, params):
                         if choice_out.new_token_ids:  # an abort's final output carries no token
-                            view.extend(choices[j], choice_out)
+                            view.extend(j, choices[j], choice_out)
                             num_output += len(choice_out.new_token_ids)
                         if choice_out.prompt_logprobs is not None:
                             prompt_lp = choice_out.prompt_logprobs
@@ -411,10 +447,17 @@ class _PendingImages:
 class _ChoiceView:
     """Shapes choices for what the job asked (logprobs only when asked for)."""
 
-    def __init__(self, params: SamplingParams, decoder: TokenDecoder) -> None:
+    def __init__(self, params: SamplingParams, decoder: TokenDecoder, harmony: Any = None) -> None:
+        """`harmony`: the encoding of a gpt-oss chat's outputs, whose text is the final answer
+        (each choice read by its own parser; tool calls and reasoning dropped)."""
         self.top = params.logprobs
         self.prompt_top = params.prompt_logprobs
         self.decoder = decoder
+        self.harmony = harmony
+        self._readers: dict[int, HarmonyParser] = {}
+
+    def _reader(self) -> HarmonyParser:
+        return HarmonyParser(self.harmony, calls=False)
 
     def empty(self) -> dict[str, Any]:
         choice: dict[str, Any] = {"tokens": []}
@@ -422,14 +465,24 @@ class _ChoiceView:
             choice["logprobs"] = []
         return choice
 
-    def extend(self, choice: dict[str, Any], out: EngineOutput) -> None:
-        choice["tokens"].append(out.new_text)
+    def extend(self, index: int, choice: dict[str, Any], out: EngineOutput) -> None:
+        text = out.new_text
+        if self.harmony is not None:
+            reader = self._readers.get(index)
+            if reader is None:
+                reader = self._readers[index] = self._reader()
+            delta = reader.feed(out.new_token_ids) or {}
+            text = delta.get("content", "")
+        choice["tokens"].append(text)
         if self.top is not None and out.logprobs:
             choice["logprobs"].extend(native_logprobs(out.logprobs, self.top, self.decoder))
             choice["cumulative_logprob"] = out.cumulative_logprob
 
     def whole(self, seq: SequenceResult) -> dict[str, Any]:
-        choice: dict[str, Any] = {"tokens": [seq.text]}
+        text = seq.text
+        if self.harmony is not None:
+            text = self._reader().parse(seq.token_ids).content or ""
+        choice: dict[str, Any] = {"tokens": [text]}
         if self.top is not None:
             choice["logprobs"] = native_logprobs(seq.logprobs, self.top, self.decoder)
             choice["cumulative_logprob"] = seq.cumulative_logprob
