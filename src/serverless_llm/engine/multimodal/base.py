@@ -161,14 +161,14 @@ def load_tower_tensors(
     skip=None,
 ) -> None:
     """Copies checkpoint tensors into a tower's parameters (and buffers) `targets` by local
-    name (`local_name(checkpoint name)`, None when it is not the tower's); names `skip` accepts
-    are left out (tensors the tower does not use). ValueError for a shape mismatch; KeyError
-    naming every missing and unexpected tensor."""
+    name (`local_name(checkpoint name)`, None when it is not the tower's); tensors whose local
+    name `skip` accepts (None included) are left out (tensors the tower does not use).
+    ValueError for a shape mismatch; KeyError naming every missing and unexpected tensor."""
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
         local = local_name(name)
-        if local is not None and skip is not None and skip(local):
+        if skip is not None and skip(local):
             continue
         if local not in targets:
             unexpected.append(name)
@@ -189,6 +189,30 @@ def load_tower_tensors(
         raise KeyError(
             f"{label} tower weights: missing {missing or 'none'}; unexpected {unexpected or 'none'}"
         )
+
+
+def prefixed_name(name: str, prefixes) -> str | None:
+    """`name` with the first matching checkpoint prefix of `prefixes` ((prefix, local prefix)
+    pairs) replaced by its local prefix; None when none matches."""
+    for prefix, local in prefixes:
+        if name.startswith(prefix):
+            return local + name[len(prefix) :]
+    return None
+
+
+def token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of every maximal run of `token_id` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate(ids):
+        if t == token_id and start is None:
+            start = i
+        elif t != token_id and start is not None:
+            runs.append((start, i - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(ids) - start))
+    return runs
 
 
 def hash_image_data(data: dict[str, torch.Tensor], extra: bytes = b"") -> bytes:

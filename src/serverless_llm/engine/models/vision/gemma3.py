@@ -37,6 +37,8 @@ from ...multimodal.base import (
     VisionTower,
     hash_image_data,
     load_tower_tensors,
+    prefixed_name,
+    token_runs,
 )
 from ...multimodal.registry import vision_family
 
@@ -234,30 +236,12 @@ class Gemma3Tower(VisionTower):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         load_tower_tensors(
-            params, weights, _local_name, "Gemma 3", skip=lambda local: local.startswith(_UNUSED)
+            params,
+            weights,
+            lambda n: prefixed_name(n, _PREFIXES),
+            "Gemma 3",
+            skip=lambda local: local is not None and local.startswith(_UNUSED),
         )
-
-
-def _local_name(name: str) -> str | None:
-    for prefix, local in _PREFIXES:
-        if name.startswith(prefix):
-            return local + name[len(prefix) :]
-    return None
-
-
-def _soft_token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """(offset, length) of every maximal run of `token_id` in `ids`."""
-    runs, i = [], 0
-    while i < len(ids):
-        if ids[i] == token_id:
-            j = i
-            while j < len(ids) and ids[j] == token_id:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs
 
 
 def enable_pan_and_scan(processor, **settings):
@@ -322,7 +306,7 @@ class Gemma3Family(VisionFamily):
             return_tensors="pt",
         )
         ids = out["input_ids"][0].tolist()
-        runs = _soft_token_runs(ids, processor.tokenizer.image_token_id)
+        runs = token_runs(ids, processor.tokenizer.image_token_id)
         pixels = out.get("pixel_values")
         num_pixels = 0 if pixels is None else pixels.shape[0]
         if len(runs) != num_pixels or any(n != processor.image_seq_length for _, n in runs):

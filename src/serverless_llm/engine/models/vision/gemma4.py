@@ -60,6 +60,8 @@ from ...multimodal.base import (
     VisionTower,
     hash_image_data,
     load_tower_tensors,
+    prefixed_name,
+    token_runs,
 )
 from ...multimodal.registry import vision_family
 
@@ -367,29 +369,7 @@ class Gemma4Tower(VisionTower):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         params.update(self.named_buffers())  # clip bounds, std_bias / std_scale
-        load_tower_tensors(params, weights, _local_name, "Gemma 4")
-
-
-def _local_name(name: str) -> str | None:
-    for prefix, local in _PREFIXES:
-        if name.startswith(prefix):
-            return local + name[len(prefix) :]
-    return None
-
-
-def _soft_token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """(offset, length) of every maximal run of `token_id` in `ids`."""
-    runs, i = [], 0
-    while i < len(ids):
-        if ids[i] != token_id:
-            i += 1
-            continue
-        j = i
-        while j < len(ids) and ids[j] == token_id:
-            j += 1
-        runs.append((i, j - i))
-        i = j
-    return runs
+        load_tower_tensors(params, weights, lambda n: prefixed_name(n, _PREFIXES), "Gemma 4")
 
 
 @functools.cache
@@ -481,7 +461,7 @@ class Gemma4Family(VisionFamily):
             return_tensors="pt",
         )
         ids = out["input_ids"][0].tolist()
-        runs = _soft_token_runs(ids, processor.image_token_id)
+        runs = token_runs(ids, processor.image_token_id)
         if not images:
             if runs:
                 raise ValueError("Gemma 4 prompt holds image tokens but no image was given")

@@ -40,6 +40,7 @@ from ...multimodal.base import (
     VisionFamily,
     VisionTower,
     hash_image_data,
+    load_tower_tensors,
 )
 from ...multimodal.registry import vision_family
 
@@ -266,27 +267,7 @@ class Idefics3Tower(VisionTower):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            key = _tower_key(name)
-            if key not in params:
-                unexpected.append(name)
-                continue
-            param = params[key]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise KeyError(
-                f"Idefics3 tower weights: missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
-                f", unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-            )
+        load_tower_tensors(params, weights, _tower_key, "Idefics3")
 
 
 def _tower_key(name: str) -> str:

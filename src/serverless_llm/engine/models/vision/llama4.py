@@ -46,6 +46,7 @@ from ...multimodal.base import (
     VisionTower,
     hash_image_data,
     load_tower_tensors,
+    prefixed_name,
 )
 from ...multimodal.registry import vision_family
 from .llama4_image import Llama4ImageProcessorPil
@@ -319,14 +320,7 @@ class Llama4Tower(VisionTower):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        load_tower_tensors(params, weights, _local_name, "Llama 4")
-
-
-def _local_name(name: str) -> str | None:
-    for prefix, local in _PREFIXES:
-        if name.startswith(prefix):
-            return local + name[len(prefix) :]
-    return None
+        load_tower_tensors(params, weights, lambda n: prefixed_name(n, _PREFIXES), "Llama 4")
 
 
 def _read_json(path: str) -> dict:

@@ -41,6 +41,7 @@ from ...multimodal.base import (
     VisionFamily,
     VisionTower,
     hash_image_data,
+    load_tower_tensors,
 )
 from ...multimodal.registry import vision_family
 from .llava_clip import VisionTransformer, activation, hidden_state_indices
@@ -161,29 +162,8 @@ class LlavaTower(VisionTower):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            local = self.local_name(name)
-            if local is None:
-                continue
-            param = params.get(local)
-            if param is None:
-                unexpected.append(name)
-                continue
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"tower expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-            loaded.add(local)
-        missing = sorted(set(params) - loaded)
-        if unexpected or missing:
-            raise KeyError(
-                f"LLaVA tower weights: unexpected {sorted(unexpected)}; missing {missing}"
-            )
+        # names local_name maps to None are tensors the tower leaves out on purpose
+        load_tower_tensors(params, weights, self.local_name, "LLaVA", skip=lambda n: n is None)
 
 
 class LlavaNextTower(LlavaTower):

@@ -44,6 +44,7 @@ from ...multimodal.base import (
     VisionFamily,
     VisionTower,
     hash_image_data,
+    load_tower_tensors,
 )
 from ...multimodal.registry import vision_family
 
@@ -337,23 +338,7 @@ class PixtralTower(VisionTower):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded, unexpected = set(), []
-        for name, tensor in weights:
-            key = name.removeprefix("model.")
-            if key not in params:
-                unexpected.append(name)
-                continue
-            param = params[key]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise KeyError(f"Pixtral tower weights: missing {missing}, unexpected {unexpected}")
+        load_tower_tensors(params, weights, lambda n: n.removeprefix("model."), "Pixtral")
 
 
 def _build(config, dtype: torch.dtype, projector: str) -> PixtralTower:

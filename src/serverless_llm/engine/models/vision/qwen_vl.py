@@ -41,6 +41,7 @@ from ...multimodal.base import (
     VisionFamily,
     VisionTower,
     hash_image_data,
+    token_runs,
 )
 from ...multimodal.registry import vision_family
 from .qwen_vl_tower import TOWER_PREFIXES, Qwen2_5VisionTower, Qwen3VisionTower
@@ -151,7 +152,7 @@ class _QwenVLFamily(VisionFamily):
         merge = processor.image_processor.merge_size
         grids = out["image_grid_thw"]
         pixels = out["pixel_values"]
-        runs = _runs(ids, processor.image_token_id)
+        runs = token_runs(ids, processor.image_token_id)
         if len(runs) != len(images):
             raise ValueError(
                 f"{len(runs)} runs of image tokens in the processed prompt for {len(images)} images"
@@ -174,19 +175,6 @@ class _QwenVLFamily(VisionFamily):
 
     def build_tower(self, config, dtype: torch.dtype) -> VisionTower:
         return self.tower_class(config, dtype)
-
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """(offset, length) of every maximal run of `token` in `ids`."""
-    runs = []
-    start = None
-    for i, t in enumerate(ids + [None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs
 
 
 @vision_family("Qwen2_5_VLForConditionalGeneration")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
-from ...multimodal.base import ImageFeatures, VisionTower
+from ...multimodal.base import ImageFeatures, VisionTower, load_tower_tensors, prefixed_name
 
 TOWER_PREFIXES = ("model.visual.", "visual.")
 
@@ -266,29 +266,10 @@ class QwenVisionTower(VisionTower):
             for i in range(len(items))
         ]
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded, unexpected = set(), []
-        for name, tensor in weights:
-            key = next((name[len(p) :] for p in TOWER_PREFIXES if name.startswith(p)), None)
-            if key not in params:
-                unexpected.append(name)
-                continue
-            if not isinstance(tensor, torch.Tensor):
-                tensor = tensor.full()  # a loader's lazy tensor
-            if tuple(tensor.shape) != tuple(params[key].shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)}, the tower's {tuple(params[key].shape)}"
-                )
-            params[key].copy_(tensor)
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise KeyError(
-                f"vision tower weights: missing {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-                f", unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-            )
+        local = [(p, "") for p in TOWER_PREFIXES]
+        load_tower_tensors(params, weights, lambda n: prefixed_name(n, local), "Qwen-VL")
 
 
 class Qwen2_5VisionTower(QwenVisionTower):
