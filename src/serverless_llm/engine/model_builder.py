@@ -279,12 +279,7 @@ def load_vision(
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     else:
         tower.load_weights(weights)
-    tower = tower.to(device=device, dtype=dtype).eval()
-    logger.info(
-        "vision tower: %s, %.1f MiB",
-        type(tower).__name__,
-        sum(t.numel() * t.element_size() for t in tower.state_dict().values()) / 2**20,
-    )
+    tower = tower.to(device=device, dtype=dtype).eval()  # its size: the engine's ready line
     return Vision(family, tower, composite)
 
 
