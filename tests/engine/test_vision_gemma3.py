@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from serverless_llm.engine.models.vision import gemma3 as g3
 from serverless_llm.engine.multimodal import vision_family_of
 from tests.engine.family_check import engine_greedy, family_prompts
+from tests.engine.vision_check import checkpoint_tower, saved_variants
 from tests.engine.vision_gemma3_models import BOI, sample_images, save_tiny_gemma3
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,15 +33,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    saved: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in saved:
-            path = str(tmp_path_factory.mktemp(name))
-            saved[name] = save_tiny_gemma3(path, **VARIANTS[name])
-        return saved[name]
-
-    return get
+    return saved_variants(tmp_path_factory, save_tiny_gemma3, VARIANTS)
 
 
 def family_and_config(path: str):
@@ -48,13 +41,6 @@ def family_and_config(path: str):
     family = vision_family_of(config.architectures)
     assert isinstance(family, g3.Gemma3Family)
     return family, config
-
-
-def tower_of(family, config, path: str, dtype=torch.float32):
-    tower = family.build_tower(config, dtype)
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    tower.load_weights((k, v) for k, v in weights.items() if k.startswith(family.tower_prefixes))
-    return tower.eval()
 
 
 def hf_model(path: str):
@@ -164,7 +150,7 @@ def test_encode_equals_transformers_features(models, name):
     path = models(name)
     family, config = family_and_config(path)
     processor = family.make_processor(path, config)
-    tower = tower_of(family, config, path)
+    tower = checkpoint_tower(family, config, path)
     images = sample_images()
     mm = family.process(processor, " ".join([BOI] * len(images)), images)
     feats = tower.encode([item.data for item in mm.items])  # all images in one call
@@ -188,7 +174,7 @@ def test_tower_weights_all_loaded_and_checked(models):
     tower = family.build_tower(config, torch.float32)
     n_params = len(dict(tower.named_parameters()))
     assert len(tower_names) == n_params
-    ref = tower_of(family, config, path)
+    ref = checkpoint_tower(family, config, path)
     pixels = (
         family.process(family.make_processor(path, config), BOI, sample_images()[:1]).items[0].data
     )
@@ -221,11 +207,11 @@ def test_tower_weights_all_loaded_and_checked(models):
 def test_tower_in_bfloat16_returns_the_model_dtype(models):
     path = models("pool2")
     family, config = family_and_config(path)
-    tower = tower_of(family, config, path, dtype=torch.bfloat16)
+    tower = checkpoint_tower(family, config, path, dtype=torch.bfloat16)
     mm = family.process(family.make_processor(path, config), BOI, sample_images()[:1])
     out = tower.encode([mm.items[0].data])[0].embeds
     assert out.dtype == torch.bfloat16
-    ref = tower_of(family, config, path).encode([mm.items[0].data])[0].embeds
+    ref = checkpoint_tower(family, config, path).encode([mm.items[0].data])[0].embeds
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
 
 
@@ -249,7 +235,7 @@ def test_pan_and_scan_crops_are_images_of_their_own(models):
         assert torch.equal(item.data["pixel_values"], want["pixel_values"][i : i + 1])
     assert torch.equal(covered, want["token_type_ids"][0] == 1)
     # features in prompt order, as transformers scatters them
-    feats = tower_of(family, config, path).encode([item.data for item in mm.items])
+    feats = checkpoint_tower(family, config, path).encode([item.data for item in mm.items])
     with torch.no_grad():
         ref = hf_model(path).get_image_features(want["pixel_values"]).pooler_output
     torch.testing.assert_close(torch.stack([f.embeds for f in feats]), ref, atol=1e-4, rtol=1e-4)
@@ -314,7 +300,7 @@ def test_image_features_replace_the_scaled_text_embeddings(models):
     embeds = seen["inputs_embeds"][0]
     table = model.model.language_model.embed_tokens.weight
     scale = config.text_config.hidden_size**0.5
-    feats = tower_of(family, config, path).encode([item.data])[0].embeds
+    feats = checkpoint_tower(family, config, path).encode([item.data])[0].embeds
     torch.testing.assert_close(embeds[item.offset : item.end], feats, atol=1e-4, rtol=1e-4)
     text_rows = torch.ones(len(mm.token_ids), dtype=torch.bool)
     text_rows[item.offset : item.end] = False

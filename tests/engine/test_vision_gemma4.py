@@ -26,7 +26,14 @@ from serverless_llm.engine.models import decoder as decoder_module
 from serverless_llm.engine.models import describe_model
 from serverless_llm.engine.models.vision import gemma4 as g4
 from serverless_llm.engine.multimodal import vision_family_of
-from tests.engine.vision_check import engine_greedy, hf_vision_greedy, make_llm, vision_prompts
+from tests.engine.vision_check import (
+    checkpoint_tower,
+    engine_greedy,
+    hf_vision_greedy,
+    make_llm,
+    saved_variants,
+    vision_prompts,
+)
 from tests.engine.vision_gemma4_models import (
     AUDIO_TOKEN,
     BOI,
@@ -52,15 +59,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    saved: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in saved:
-            path = str(tmp_path_factory.mktemp(name))
-            saved[name] = save_tiny_gemma4(path, **VARIANTS[name])
-        return saved[name]
-
-    return get
+    return saved_variants(tmp_path_factory, save_tiny_gemma4, VARIANTS)
 
 
 def family_and_config(path: str):
@@ -68,13 +67,6 @@ def family_and_config(path: str):
     family = vision_family_of(config.architectures)
     assert isinstance(family, g4.Gemma4Family)
     return family, config
-
-
-def tower_of(family, config, path: str, dtype=torch.float32):
-    tower = family.build_tower(config, dtype)
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    tower.load_weights((k, v) for k, v in weights.items() if k.startswith(family.tower_prefixes))
-    return tower.eval()
 
 
 def hf_model(path: str):
@@ -198,7 +190,7 @@ def test_encode_equals_transformers_features(models, name):
     path = models(name)
     family, config = family_and_config(path)
     processor = family.make_processor(path, config)
-    tower = tower_of(family, config, path)
+    tower = checkpoint_tower(family, config, path)
     images = sample_images()
     text = " ".join([IMAGE_TOKEN] * len(images))
     mm = family.process(processor, text, images)
@@ -231,7 +223,7 @@ def test_tower_weights_all_loaded_and_checked(models, name):
     tower = family.build_tower(config, torch.float32)
     state = tower.state_dict()  # parameters, the clamp bounds and the standardization
     assert len(tower_names) == len(state)
-    ref = tower_of(family, config, path)
+    ref = checkpoint_tower(family, config, path)
     processor = family.make_processor(path, config)
     data = family.process(processor, IMAGE_TOKEN, sample_images()[:1]).items[0].data
     # a bare Gemma4Model's state dict (no `model.` in front)
@@ -255,11 +247,11 @@ def test_tower_weights_all_loaded_and_checked(models, name):
 def test_tower_in_bfloat16_returns_the_model_dtype(models):
     path = models("base")
     family, config = family_and_config(path)
-    tower = tower_of(family, config, path, dtype=torch.bfloat16)
+    tower = checkpoint_tower(family, config, path, dtype=torch.bfloat16)
     mm = family.process(family.make_processor(path, config), IMAGE_TOKEN, sample_images()[:1])
     out = tower.encode([mm.items[0].data])[0].embeds
     assert out.dtype == torch.bfloat16
-    ref = tower_of(family, config, path).encode([mm.items[0].data])[0].embeds
+    ref = checkpoint_tower(family, config, path).encode([mm.items[0].data])[0].embeds
     torch.testing.assert_close(out.float(), ref, atol=0.15, rtol=0.05)
 
 
@@ -291,7 +283,7 @@ def test_image_features_replace_the_scaled_text_embeddings(models):
     item = mm.items[0]
     seen, _ = language_model_inputs(model, **out)
     embeds = seen["inputs_embeds"][0]
-    feats = tower_of(family, config, path).encode([item.data])[0].embeds
+    feats = checkpoint_tower(family, config, path).encode([item.data])[0].embeds
     torch.testing.assert_close(embeds[item.offset : item.end], feats, atol=1e-4, rtol=1e-4)
     ids = torch.tensor(mm.token_ids)
     text_rows = ids != config.image_token_id

@@ -33,6 +33,7 @@ from serverless_llm.engine.models.vision.llama4_image import (
     resize_like_torchvision,
 )
 from serverless_llm.engine.multimodal import vision_family_of
+from tests.engine.vision_check import checkpoint_tower, saved_variants
 from tests.engine.vision_llama4_models import (
     IMAGE,
     IMAGE_END,
@@ -57,15 +58,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    saved: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in saved:
-            path = str(tmp_path_factory.mktemp(name))
-            saved[name] = save_tiny_llama4(path, **VARIANTS[name])
-        return saved[name]
-
-    return get
+    return saved_variants(tmp_path_factory, save_tiny_llama4, VARIANTS)
 
 
 def family_and_config(path: str):
@@ -78,13 +71,6 @@ def family_and_config(path: str):
 def processor_of(path: str):
     family, config = family_and_config(path)
     return family, config, family.make_processor(path, config)
-
-
-def tower_of(family, config, path: str, dtype=torch.float32):
-    tower = family.build_tower(config, dtype)
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    tower.load_weights((k, v) for k, v in weights.items() if k.startswith(family.tower_prefixes))
-    return tower.eval()
 
 
 def hf_model(path: str):
@@ -469,7 +455,7 @@ def test_placeholder_mismatch_is_a_value_error(models):
 def test_encode_equals_transformers_features(models, name):
     path = models(name)
     family, config, processor = processor_of(path)
-    tower = tower_of(family, config, path)
+    tower = checkpoint_tower(family, config, path)
     images = sample_images()
     mm = family.process(processor, " ".join([IMAGE] * len(images)), images)
     feats = tower.encode([item.data for item in mm.items])  # all images in one call
@@ -506,7 +492,7 @@ def test_tower_in_bfloat16_equals_transformers_in_bfloat16(models):
     float32 and cast back, as transformers does it."""
     path = models("base")
     family, config, processor = processor_of(path)
-    tower = tower_of(family, config, path, dtype=torch.bfloat16)
+    tower = checkpoint_tower(family, config, path, dtype=torch.bfloat16)
     images = sample_images()[:3]
     mm = family.process(processor, " ".join([IMAGE] * 3), images)
     feats = tower.encode([item.data for item in mm.items])
@@ -544,7 +530,7 @@ def test_tower_weights_all_loaded_and_checked(models):
     assert rest and all(k.startswith("language_model.") for k in rest)
     tower = family.build_tower(config, torch.float32)
     assert len(tower_names) == len(dict(tower.named_parameters()))
-    ref = tower_of(family, config, path)
+    ref = checkpoint_tower(family, config, path)
     data = family.process(processor, IMAGE, sample_images()[1:2]).items[0].data
     # a wrapped state dict's names (`model.` in front)
     other = family.build_tower(config, torch.float32)

@@ -74,3 +74,26 @@ def make_llm(path: str, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("max_model_len", 512)
     return LLM(model=path, **kw)
+
+
+def saved_variants(tmp_path_factory, save, variants: dict):
+    """name -> the checkpoint `save(path, **variants[name])` wrote, built once per test module
+    (a module fixture returns this)."""
+    saved: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in saved:
+            saved[name] = save(str(tmp_path_factory.mktemp(name)), **variants[name])
+        return saved[name]
+
+    return get
+
+
+def checkpoint_tower(family, config, path: str, dtype=torch.float32):
+    """The family's tower with its tensors from the checkpoint in `path`."""
+    from safetensors.torch import load_file
+
+    tower = family.build_tower(config, dtype)
+    weights = load_file(f"{path}/model.safetensors")
+    tower.load_weights((k, v) for k, v in weights.items() if k.startswith(family.tower_prefixes))
+    return tower.eval()
