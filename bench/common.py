@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -426,3 +427,56 @@ def gpu_copy_bandwidth() -> float:
     weight-streaming kernel is compared with."""
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     return 2 * big.numel() / gpu_time_ms(big.clone) / 1e6
+
+
+# -- low-bit weight GEMMs against the 16-bit matmul (bench/mxfp4_gemm.py, fp8_block_gemm.py) ---
+
+
+def weight_gemm_timer(cuda: bool) -> tuple[float | None, Callable[[Callable[[], Any]], float]]:
+    """(the device's copy bandwidth in GB/s, a milliseconds timer): the GPU's median, or on
+    the CPU's interpreted smoke run no bandwidth and one timed call."""
+    if cuda:
+        return gpu_copy_bandwidth(), gpu_time_ms
+
+    def timed(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return None, timed
+
+
+def weight_gemm_row(
+    what: str, k: int, n: int, m: int, run, x, dense, weight_bytes: int, copy_gbs, timed
+) -> list:
+    """One table row: `run()` (the low-bit GEMM of x [m, k]) checked against x @ dense.T (a
+    SystemExit when off), both timed, the ratio and the low-bit kernel's share of the copy
+    bandwidth reading `weight_bytes`."""
+    got = run()
+    want = torch.matmul(x, dense.t())
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    if not err <= 2e-2 * scale + 1e-3:
+        raise SystemExit(f"{k}x{n} M={m}: {what} GEMM off by {err:.3g} (scale {scale:.3g})")
+    t_low = timed(run)
+    t16 = timed(partial(torch.matmul, x, dense.t()))
+    bw = weight_bytes / t_low / 1e6
+    return [
+        f"{k}x{n}",
+        m,
+        f"{t16 * 1e3:.1f} us",
+        f"{t_low * 1e3:.1f} us",
+        f"{t16 / t_low:.2f}",
+        "-" if copy_gbs is None else f"{bw / copy_gbs:.0%}",
+    ]
+
+
+def print_weight_gemm_table(what: str, key: str, table: list, dtype, copy_gbs, cuda: bool) -> None:
+    """The device, the table of `weight_gemm_row`s and the summary line (the smallest
+    matmul/low-bit ratio at M <= 16)."""
+    name = torch.cuda.get_device_name() if cuda else "CPU (interpreted)"
+    print(name, "" if copy_gbs is None else f"copy bandwidth {copy_gbs:.0f} GB/s")
+    header = ["weight", "M", f"{str(dtype)[6:]} matmul", what, f"matmul/{what}", f"{what} bw"]
+    print(format_table(header, table))
+    small = [float(r[4]) for r in table if r[1] <= 16]
+    print(f"SUMMARY {key}_vs_matmul_min_small_m={min(small):.2f} rows={len(table)}")

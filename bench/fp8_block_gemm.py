@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -26,7 +25,11 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch  # noqa: E402
 
-from bench.common import format_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    print_weight_gemm_table,
+    weight_gemm_row,
+    weight_gemm_timer,
+)
 
 SHAPES = [(7168, 18432), (18432, 7168), (4096, 4096)]  # (in, out)
 ROWS = [1, 16, 256]
@@ -51,18 +54,7 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter gets bf16 wrong
     shapes, rows = (SHAPES, ROWS) if cuda else ([(200, 136)], [1, 16])
-    if cuda:
-        from bench.common import gpu_copy_bandwidth, gpu_time_ms
-
-        copy_gbs, timed = gpu_copy_bandwidth(), gpu_time_ms
-    else:
-        copy_gbs = None
-
-        def timed(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-
+    copy_gbs, timed = weight_gemm_timer(cuda)
     table = []
     g = torch.Generator(device=device).manual_seed(0)
     for k, n in shapes:
@@ -78,33 +70,10 @@ def main(argv=None) -> int:
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=dtype)
             run = partial(fp8_block_linear, x, weight, scale, row_block, BLOCK[1])
-            got = run()
-            want = torch.matmul(x, dense.t())
-            err = (got.float() - want.float()).abs().max().item()
-            ref = want.float().abs().max().item()
-            if not err <= 2e-2 * ref + 1e-3:
-                raise SystemExit(
-                    f"{k}x{n} M={m}: block FP8 GEMM off by {err:.3g} (scale {ref:.3g})"
-                )
-            t8 = timed(run)
-            t16 = timed(partial(torch.matmul, x, dense.t()))
-            bw = weight_bytes / t8 / 1e6
             table.append(
-                [
-                    f"{k}x{n}",
-                    m,
-                    f"{t16 * 1e3:.1f} us",
-                    f"{t8 * 1e3:.1f} us",
-                    f"{t16 / t8:.2f}",
-                    "-" if copy_gbs is None else f"{bw / copy_gbs:.0%}",
-                ]
+                weight_gemm_row("fp8 block", k, n, m, run, x, dense, weight_bytes, copy_gbs, timed)
             )
-    name = torch.cuda.get_device_name() if cuda else "CPU (interpreted)"
-    print(name, "" if copy_gbs is None else f"copy bandwidth {copy_gbs:.0f} GB/s")
-    header = ["weight", "M", f"{str(dtype)[6:]} matmul", "fp8 block", "matmul/fp8", "fp8 bw"]
-    print(format_table(header, table))
-    small = [float(r[4]) for r in table if r[1] <= 16]
-    print(f"SUMMARY fp8_block_vs_matmul_min_small_m={min(small):.2f} rows={len(table)}")
+    print_weight_gemm_table("fp8 block", "fp8_block", table, dtype, copy_gbs, cuda)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -26,7 +25,11 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch  # noqa: E402
 
-from bench.common import format_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    print_weight_gemm_table,
+    weight_gemm_row,
+    weight_gemm_timer,
+)
 
 SHAPES = [(2880, 5760), (2880, 2880)]  # (in, out): gpt-oss-20b's gate/up and down
 ROWS = [1, 16, 256]
@@ -46,18 +49,7 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter gets bf16 wrong
     shapes, rows = (SHAPES, ROWS) if cuda else ([(64, 96)], [1, 16])
-    if cuda:
-        from bench.common import gpu_copy_bandwidth, gpu_time_ms
-
-        copy_gbs, timed = gpu_copy_bandwidth(), gpu_time_ms
-    else:
-        copy_gbs = None
-
-        def timed(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-
+    copy_gbs, timed = weight_gemm_timer(cuda)
     table = []
     for k, n in shapes:
         blocks = torch.randint(0, 256, (1, n, k // 32, 16), dtype=torch.uint8, device=device)
@@ -71,31 +63,10 @@ def main(argv=None) -> int:
             tiles = moe_tiles(m, 1, dtype)
             aligned, block_expert = moe_align(ids, 1, tiles[0])
             run = partial(mxfp4_gemm, x, experts, aligned, block_expert, None, m, 1, tiles)
-            got = run()
-            want = torch.matmul(x, dense.t())
-            err = (got.float() - want.float()).abs().max().item()
-            scale = want.float().abs().max().item()
-            if not err <= 2e-2 * scale + 1e-3:
-                raise SystemExit(f"{k}x{n} M={m}: mxfp4 GEMM off by {err:.3g} (scale {scale:.3g})")
-            t4 = timed(run)
-            t16 = timed(partial(torch.matmul, x, dense.t()))
-            bw = weight_bytes / t4 / 1e6
             table.append(
-                [
-                    f"{k}x{n}",
-                    m,
-                    f"{t16 * 1e3:.1f} us",
-                    f"{t4 * 1e3:.1f} us",
-                    f"{t16 / t4:.2f}",
-                    "-" if copy_gbs is None else f"{bw / copy_gbs:.0%}",
-                ]
+                weight_gemm_row("mxfp4", k, n, m, run, x, dense, weight_bytes, copy_gbs, timed)
             )
-    name = torch.cuda.get_device_name() if cuda else "CPU (interpreted)"
-    print(name, "" if copy_gbs is None else f"copy bandwidth {copy_gbs:.0f} GB/s")
-    header = ["weight", "M", f"{str(dtype)[6:]} matmul", "mxfp4", "matmul/mxfp4", "mxfp4 bw"]
-    print(format_table(header, table))
-    small = [float(r[4]) for r in table if r[1] <= 16]
-    print(f"SUMMARY mxfp4_vs_matmul_min_small_m={min(small):.2f} rows={len(table)}")
+    print_weight_gemm_table("mxfp4", "mxfp4", table, dtype, copy_gbs, cuda)
     return 0
 
 
