@@ -124,3 +124,40 @@ def greedy_family_test(configs: FamilyConfigs):
         assert_matches_transformers(family_models(name))
 
     return test
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    """Every KV block back in the pool and no owner left (the manager's own check passes)."""
+    llm.engine.kv.check()
+    pool = llm.engine.block_pool
+    assert pool.num_free == pool.num_blocks and not llm.engine.kv.owners()
+
+
+def check_cache_paths_change_nothing(engine, path: str, prompts, params, reference) -> None:
+    """Prefix-cache hits, prefill in steps of 6 tokens and preemption (room for the longest
+    request, not for all at once) each give `reference`'s tokens and leave the pool whole.
+    `engine(path, **overrides)` builds the family's LLM."""
+    cached = engine(path)
+    cached.generate(prompts, params)
+    hits = cached.engine.block_pool.hits
+    again = cached.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == reference
+    assert cached.engine.block_pool.hits > hits
+    assert_pool_whole(cached)
+
+    chunked = engine(path, max_num_batched_tokens=6, enable_prefix_caching=False)
+    outs = chunked.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_pool_whole(chunked)
+
+    small = engine(
+        path,
+        num_kv_blocks=40,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    outs = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_pool_whole(small)

@@ -21,6 +21,8 @@ from serverless_llm.engine.models import describe_model
 from serverless_llm.engine.models.registry import UnsupportedModelError
 from tests.engine.family_check import (
     NEW_TOKENS,
+    assert_pool_whole,
+    check_cache_paths_change_nothing,
     family_prompts,
     greedy_family_test,
     save_family_model,
@@ -129,12 +131,6 @@ def engine(path: str, **kw) -> LLM:
     return LLM(path, **args)
 
 
-def assert_pool_whole(llm: LLM) -> None:
-    llm.engine.kv.check()
-    pool = llm.engine.block_pool
-    assert pool.num_free == pool.num_blocks and not llm.engine.kv.owners()
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return family_prompts(len(build_tokenizer()), seed=5, lengths=(WINDOW, 5, 2 * WINDOW + 3, 40))
@@ -169,31 +165,7 @@ def test_shared_layers_keep_no_cache_and_global_entries_are_views(family_models)
 def test_prefix_cache_chunked_prefill_and_preemption_change_nothing(
     family_models, prompts, reference
 ):
-    path = family_models("gemma4")
-    cached = engine(path)
-    cached.generate(prompts, GREEDY)
-    hits = cached.engine.block_pool.hits
-    again = cached.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in again] == reference
-    assert cached.engine.block_pool.hits > hits
-    assert_pool_whole(cached)
-
-    chunked = engine(path, max_num_batched_tokens=6, enable_prefix_caching=False)
-    outs = chunked.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    assert_pool_whole(chunked)
-
-    small = engine(
-        path,
-        num_kv_blocks=40,
-        max_model_len=128,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=False,
-    )
-    outs = small.generate(prompts, GREEDY)
-    assert small.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    assert_pool_whole(small)
+    check_cache_paths_change_nothing(engine, family_models("gemma4"), prompts, GREEDY, reference)
 
 
 def test_bidirectional_text_is_refused_by_name():

@@ -18,6 +18,8 @@ from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.kv_cache_manager import ChunkedLocalSpec, FullAttentionSpec
 from tests.engine.family_check import (
     NEW_TOKENS,
+    assert_pool_whole,
+    check_cache_paths_change_nothing,
     family_models_fixture,
     family_prompts,
     greedy_family_test,
@@ -88,12 +90,6 @@ def engine(path: str, **kw) -> LLM:
     return LLM(path, **args)
 
 
-def assert_pool_whole(llm: LLM) -> None:
-    llm.engine.kv.check()
-    pool = llm.engine.block_pool
-    assert pool.num_free == pool.num_blocks and not llm.engine.kv.owners()
-
-
 @pytest.fixture(scope="module")
 def prompts(family_models) -> list[list[int]]:
     vocab = transformers.AutoConfig.from_pretrained(family_models("llama4")).vocab_size
@@ -139,33 +135,7 @@ def test_chunked_layers_hold_only_their_chunk(family_models, prompts, reference)
 def test_prefix_cache_chunked_prefill_and_preemption_change_nothing(
     family_models, prompts, reference
 ):
-    path = family_models("llama4")
-    cached = engine(path)
-    cached.generate(prompts, GREEDY)
-    hits = cached.engine.block_pool.hits
-    again = cached.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in again] == reference
-    assert cached.engine.block_pool.hits > hits
-    assert_pool_whole(cached)
-
-    # Chunked prefill: steps of 6 tokens, across chunk boundaries and not a block.
-    chunked = engine(path, max_num_batched_tokens=6, enable_prefix_caching=False)
-    outs = chunked.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    assert_pool_whole(chunked)
-
-    # Preemption: room for the longest request, not for all four at once.
-    small = engine(
-        path,
-        num_kv_blocks=40,
-        max_model_len=128,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=False,
-    )
-    outs = small.generate(prompts, GREEDY)
-    assert small.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    assert_pool_whole(small)
+    check_cache_paths_change_nothing(engine, family_models("llama4"), prompts, GREEDY, reference)
 
 
 def test_description_reads_the_config(family_models):
