@@ -409,7 +409,7 @@ class ModelRunner:
                         f"{item.num_embeds} placeholder tokens"
                     )
                 found[item.hash] = feats
-                cache.put(item.hash, feats, keep=set(found))
+                cache.put(item.hash, feats, keep=found)  # the step's images stay
         pieces = [(found[item.hash], f0, n) for item, f0, n in h.mm_parts]
         embeds = torch.cat([f.embeds[f0 : f0 + n] for f, f0, n in pieces])
         deepstack = None
@@ -433,9 +433,9 @@ class ModelRunner:
     def _captured_bucket(self, h: HostBatch) -> int | None:
         """The capture bucket of a decode-only step without prompt logprobs or images, else
         None."""
-        if self.captured is None or h.prompt_work.requests or h.mm_rows or h.mrope_runs:
+        if self.captured is None or h.prompt_work.requests:
             return None
-        if h.key_limits is not None:
+        if h.mm_rows or h.mrope_runs or h.key_limits is not None:  # image rows, M-RoPE, spans
             return None
         rows = len(h.query_lens)
         if h.num_decodes != rows:

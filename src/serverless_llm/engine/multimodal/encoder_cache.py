@@ -7,6 +7,7 @@ dropped when the cache would otherwise overflow (then it is encoded again, never
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 
 from .base import ImageFeatures
 
@@ -32,7 +33,9 @@ class EncoderCache:
             self.hits += 1
         return found
 
-    def put(self, key: bytes, features: ImageFeatures, keep: set[bytes] = frozenset()) -> None:
+    def put(
+        self, key: bytes, features: ImageFeatures, keep: Container[bytes] = frozenset()
+    ) -> None:
         """Adds an image's features, evicting the least recently used entries not in `keep`
         (the step's own images) while over capacity. An entry larger than the whole cache is
         kept until the next put (the step that made it uses it)."""
