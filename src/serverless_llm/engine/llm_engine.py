@@ -84,7 +84,7 @@ class LLMEngine:
                 e,
             )
             return None
-        whole = family.bidirectional(self.vision.config) != "none"
+        whole = self.vision.bidirectional != "none"
         return ImageInputs(family, processor, self.max_num_batched_tokens if whole else None)
 
     def _start_ranks(self, config: EngineConfig):
@@ -219,7 +219,7 @@ class LLMEngine:
         )
         self.runner.kv = self.kv
         if self.vision is not None:
-            mode = self.vision.family.bidirectional(self.vision.config)
+            mode = self.vision.bidirectional
             if not self.runner.attach_vision(
                 self.vision.tower, encoder_cache_bytes(config, loaded), mode
             ):

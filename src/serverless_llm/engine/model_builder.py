@@ -50,6 +50,11 @@ class Vision:
     tower: torch.nn.Module
     config: object
 
+    @property
+    def bidirectional(self) -> str:
+        """Where its image tokens attend both ways: "none", "all" or "sliding" layers."""
+        return self.family.bidirectional(self.config)
+
     def tower_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tower.state_dict().values())
 

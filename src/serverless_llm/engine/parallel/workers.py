@@ -275,7 +275,7 @@ def rank_main(rank, config, init_file, conn, load_slots, parent_pid) -> None:
             runner.attach_vision(
                 loaded.vision.tower,
                 encoder_cache_bytes(config, loaded),
-                loaded.vision.family.bidirectional(loaded.vision.config),
+                loaded.vision.bidirectional,
             )
         lora = None
         if config.enable_lora:  # the same slots as rank 0's, filled as its header says
