@@ -329,20 +329,21 @@ class CapturedDecode:
         kv = kv_tensors(self.kv_caches)
         states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
         bs = self.block_size
+        groups = max(self.layout.num_groups, 1)
         longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT))
         if kv:
-            longest = min(longest, kv[0].shape[1] * bs)
+            longest = min(longest, kv[0].shape[1] // groups * bs)
         probe_blocks = -(-longest // bs)
         # The probe's keys: finite values in the blocks it reads (an unused cache may hold
         # anything, NaN included). Nothing is served yet, so the blocks are free to scribble on.
         g = torch.Generator(device="cpu").manual_seed(0)
         for layer_cache in kv:
             junk = torch.randn(
-                (layer_cache.shape[0], probe_blocks, *layer_cache.shape[2:]),
+                (layer_cache.shape[0], groups * probe_blocks, *layer_cache.shape[2:]),
                 generator=g,
                 dtype=torch.float32,
             )
-            layer_cache[:, :probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
+            layer_cache[:, : groups * probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
         # Recurrent states: finite values in every slot; rows past the slots there are start
         # from zeros in the scratch slot 0 (as padded rows do).
         num_slots = states[0][0].shape[0] if states else 0
@@ -350,7 +351,14 @@ class CapturedDecode:
             for t in layer.tensors:
                 junk = torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.1
                 t.copy_(junk.to(t.dtype))
-        table = torch.arange(probe_blocks, dtype=torch.int32)
+        # Each cache group reads blocks of its own, as in serving (a block is one group's at a
+        # time): layers of different groups share tensors, and where a layer's entries are a
+        # view of another shape (Gemma 4's head widths that do not nest), one group's writes in
+        # a block would land on what another group's layers read there.
+        tables_of = [
+            torch.arange(probe_blocks, dtype=torch.int32) + grp * probe_blocks
+            for grp in range(groups)
+        ]
         vocab = self.model.embed_tokens.num_embeddings
         dtype = self.model.embed_tokens.weight.dtype
         tol = 1e-3 if dtype == torch.float32 else 3e-2
@@ -368,26 +376,24 @@ class CapturedDecode:
             positions = [x - 1 for x in lens]
             # Rows past `longest` repeat a length: they write nothing (two writes of one slot in
             # one step would race on a GPU), reading what the others wrote.
-            taken: set[int] = set()
-            slots = []
-            for p in positions:
-                slots.append(-1 if p in taken else int(table[p // bs]) * bs + p % bs)
-                taken.add(p)
-            tables = table[: max(-(-x // bs) for x in lens)].expand(n, -1).contiguous()
+            writes = [p not in positions[:r] for r, p in enumerate(positions)]
+            width = max(-(-x // bs) for x in lens)
+            slots = [
+                [int(t[p // bs]) * bs + p % bs if w else -1 for p, w in zip(positions, writes)]
+                for t in tables_of
+            ]
+            tables = [t[:width].expand(n, -1).contiguous() for t in tables_of]
             # The eager pass sees the host lengths the graph was captured with (they choose
             # the split-KV grid), so both run the same kernels on the same inputs and agree
             # to rounding whatever the dtype; the twin replays with the real lengths.
             host = lens if self.mode == "replay" else [self.max_seq_len] * n
-            groups = max(self.layout.num_groups, 1)
             # Both passes advance the states in place: each starts from the same saved ones.
             saved = [[t.clone() for t in layer.tensors] for layer in states]
             expected = self._eager(ids, positions, slots, lens, tables, host, state_slots)
             for layer, kept in zip(states, saved):
                 for t, k in zip(layer.tensors, kept):
                     t.copy_(k)
-            got = self.run(
-                size, ids, positions, [slots] * groups, lens, [tables] * groups, state_slots
-            )
+            got = self.run(size, ids, positions, slots, lens, tables, state_slots)
             got = got.clone()
             if SELF_CHECK_HOOK is not None:
                 got = SELF_CHECK_HOOK(got)
@@ -404,28 +410,30 @@ class CapturedDecode:
         # Built without StaticDecodeBatch on purpose: the check must not share the code it checks.
         dev = self.device
         n = len(ids)
-        # Every cache group reads the probe's one table, so one metadata serves every layer.
-        meta = AttentionMetadata(
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32).to(dev),
-            context_lens=torch.tensor([x - 1 for x in lens], dtype=torch.int32).to(dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            num_decodes=n,
-            max_query_len=1,
-            max_seq_len=max(host_lens),
-            query_lens_host=[1] * n,
-            seq_lens_host=list(host_lens),
-            block_size=self.block_size,
-        )
-        if state_slots is not None:
-            meta.state_slots = torch.tensor(state_slots, dtype=torch.int32).to(dev)
-            meta.has_initial_state = torch.tensor([x > 1 for x in lens]).to(dev)
-            meta.prompt_rows = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.backend.prepare(meta)
+        metas = []
+        for group_slots, group_table in zip(slots, tables):  # one metadata per cache group
+            meta = AttentionMetadata(
+                query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+                seq_lens=torch.tensor(lens, dtype=torch.int32).to(dev),
+                context_lens=torch.tensor([x - 1 for x in lens], dtype=torch.int32).to(dev),
+                block_tables=group_table.to(dev),
+                slot_mapping=torch.tensor(group_slots, dtype=torch.int64).to(dev),
+                num_decodes=n,
+                max_query_len=1,
+                max_seq_len=max(host_lens),
+                query_lens_host=[1] * n,
+                seq_lens_host=list(host_lens),
+                block_size=self.block_size,
+            )
+            if state_slots is not None:
+                meta.state_slots = torch.tensor(state_slots, dtype=torch.int32).to(dev)
+                meta.has_initial_state = torch.tensor([x > 1 for x in lens]).to(dev)
+                meta.prompt_rows = torch.zeros(n, dtype=torch.bool, device=dev)
+            self.backend.prepare(meta)
+            metas.append(meta)
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
-        return self.model(ids_t, pos_t, self.kv_caches, meta).clone()
+        return self.model(ids_t, pos_t, self.kv_caches, self.layout.per_layer(metas)).clone()
 
 
 def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:
