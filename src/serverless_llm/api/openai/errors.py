@@ -58,6 +58,10 @@ _STATUS_BY_TYPE: dict[str, int] = {
     "unprocessable_entity_error": 422,
     "rate_limit_error": 429,
     "RateLimitError": 429,
+    # Anthropic's names (api/anthropic.py), for its errors after a JSON round trip.
+    "request_too_large": 413,
+    "api_error": 500,
+    "overloaded_error": 529,
     SERVER_ERROR: 500,
     "internal_error": 500,
     "InternalServerError": 500,

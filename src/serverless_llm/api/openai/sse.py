@@ -1,8 +1,9 @@
 """Server-sent events as OpenAI streams them, framed here and nowhere else.
 
 Each chunk is one `data: <json>\\n\\n` event (compact JSON, non-ASCII kept); a Responses event
-(it has a `type` and a `sequence_number`) is preceded by its `event: <type>` line; chat and
-completions streams end with `data: [DONE]\\n\\n`. The serving layer frames its own output with
+or an Anthropic Messages event (it has a `type` and no `object`) is preceded by its
+`event: <type>` line, which the Anthropic client dispatches on; chat and completions streams end
+with `data: [DONE]\\n\\n`. The serving layer frames its own output with
 these when RAW_OPENAI_OUTPUT is on; when it is off the handler yields chunk objects, and the
 devserver frames them with the same functions (through the worker), so both give the same bytes.
 """
@@ -21,7 +22,7 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_event(chunk: Any) -> str:
     """One chunk as one event."""
     data = f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
-    if isinstance(chunk, dict) and "sequence_number" in chunk and "type" in chunk:
+    if isinstance(chunk, dict) and isinstance(chunk.get("type"), str) and "object" not in chunk:
         return f"event: {chunk['type']}\n{data}"
     return data
 
