@@ -83,9 +83,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.generate`; `lora_request`: one adapter for every prompt, or one (or
-        None, the base model) per prompt."""
+        None, the base model) per prompt; `priority`: one per prompt, lower served first (needs
+        `scheduling_policy="priority"` unless all are 0)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -109,18 +111,27 @@ class LLM:
                 raise ValueError(
                     f"{len(prompts)} prompts but {len(loras)} LoRA requests: give one or one each"
                 )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(priorities)} priorities: give one each"
+            )
         engine = self.engine
+        for value in priorities:
+            engine.check_priority(value)
         # Validate everything before scheduling anything, so a bad prompt leaves nothing behind.
         # A prompt with n (or best_of) sequences becomes that many engine requests (a beam
         # search, one).
         groups: list[list[Request]] = []
-        for prompt, p, lora in zip(prompts, params, loras):
+        for prompt, p, lora, rank in zip(prompts, params, loras, priorities):
             group = []
             children = sequence_params(p)
             prepared = engine.prepare(prompt, children[0], lora)  # validated once
             for i, child in enumerate(children):
                 rid = f"llm-{self._counter}" + (f".{i}" if len(children) > 1 else "")
-                group.append(engine.inputs.make_request(prepared, child, request_id=rid))
+                req = engine.inputs.make_request(prepared, child, request_id=rid)
+                req.priority = rank
+                group.append(req)
             self._counter += 1
             groups.append(group)
         requests = [req for group in groups for req in group]

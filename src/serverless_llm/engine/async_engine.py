@@ -121,6 +121,10 @@ class AsyncEngine:
             raise InvalidRequestError("LoRA is not enabled (enable_lora / ENABLE_LORA)")
         self.core.lora.get(lora_request)
 
+    def check_priority(self, priority: int) -> None:
+        """InvalidRequestError naming `priority` unless `generate` would take it."""
+        self.core.check_priority(priority)
+
     def stats(self) -> EngineStats:
         """A snapshot (read between steps without a lock: counts may be one step old)."""
         return self.core.stats()
@@ -180,11 +184,13 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[EngineOutput]:
         """Yields one EngineOutput per step that produced tokens for this request; the last
         has `finished` set. Invalid input raises InvalidRequestError before anything is queued
-        (a bad or unknown adapter among them: LoRAError, read off the event loop). A prompt
-        prepared by `prepare` (the routes') is not validated again."""
+        (a bad or unknown adapter among them: LoRAError, read off the event loop; a non-zero
+        `priority` without the priority scheduling policy). A prompt prepared by `prepare`
+        (the routes') is not validated again."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if self.dead is not None:
@@ -194,10 +200,12 @@ class AsyncEngine:
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        self.core.check_priority(priority)
         prepared = await self.prepare(prompt, params, lora_request)
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = self.core.inputs.build_request(prepared, params, request_id)
+        req.priority = priority
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)

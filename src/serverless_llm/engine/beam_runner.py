@@ -72,6 +72,7 @@ class BeamGroup:
             )
             member.sampling = self.sampling
             member.lora, member.lora_adapter = root.lora, root.lora_adapter
+            member.priority = root.priority
             member.beam = self
             member.beam_index = j
             if member.params.prompt_logprobs is not None:

@@ -78,7 +78,12 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[EngineOutput]: ...
+
+    def check_priority(self, priority: int) -> None:
+        """InvalidRequestError naming `priority` unless `generate` would take it (non-zero
+        needs the priority scheduling policy)."""
 
     def load_lora(self, lora_request: LoRARequest) -> None:
         """Reads an adapter now (at start, for the adapters a worker serves); LoRAError if it

@@ -43,6 +43,7 @@ GPU_MEMORY_UTILIZATION = 0.95
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
 DECODE_CAPTURE_MODES = ("auto", "off", "replay")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: from the model config
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, else 2048 (LLMEngine)
+    # "fcfs": waiting requests in arrival order, the newest running one preempted; "priority":
+    # by (request priority, arrival), lower first, the worst running one preempted (scheduler.py).
+    scheduling_policy: str = "fcfs"
     # KV cache.
     block_size: int = 16
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
@@ -147,6 +151,11 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len_to_capture={self.max_seq_len_to_capture}: must be >= 1")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy={self.scheduling_policy!r}: allowed "
+                + ", ".join(SCHEDULING_POLICIES)
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -213,6 +213,7 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_num_batched_tokens,
             config.max_loras if config.enable_lora else 0,
+            config.scheduling_policy,
         )
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, self.block_size, self.device, layout
@@ -385,12 +386,30 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         params = params or SamplingParams()
+        self.check_priority(priority)
         prepared = self.prepare(prompt, params, lora_request)
         req = self.inputs.build_request(prepared, params, request_id)
+        req.priority = priority
         self.add(req)
         return req
+
+    def check_priority(self, priority: int) -> None:
+        """InvalidRequestError naming `priority` unless this engine can honour it: an integer,
+        and not 0 only under the priority scheduling policy."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(
+                f"priority must be an integer, got {type(priority).__name__}", "priority"
+            )
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority={priority}: request priorities are served only under the priority "
+                "scheduling policy (scheduling_policy='priority', SCHEDULING_POLICY=priority on "
+                "the worker); this engine schedules first come, first served",
+                "priority",
+            )
 
     def prepare(
         self,

@@ -38,7 +38,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # prompt + the most output this request may produce
-    arrival: int = 0  # admission order; preemption picks the newest
+    arrival: int = 0  # admission order; FCFS preemption picks the newest
+    priority: int = 0  # lower first, under the priority scheduling policy (scheduler.py)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (blocks: kv_cache_manager)
     status: RequestStatus = RequestStatus.WAITING

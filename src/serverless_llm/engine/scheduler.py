@@ -11,6 +11,12 @@ request needs a block and none is free, the newest running request is preempted:
 are freed, its computed tokens forgotten, and it goes back to the head of the queue, to be
 recomputed later (its prompt plus the output it already has, so the output continues exactly).
 
+Under the `priority` policy (vLLM's), the queue is kept in (priority, arrival) order, lower
+first, and the running request preempted is the worst by the same key: the largest priority
+value, the latest arrival among equals. A preempted request keeps its arrival, so it returns to
+its place in the queue. As in vLLM, a waiting request never preempts running ones to get in:
+priority decides who waits and who gives way when those running outgrow the cache.
+
 Blocks are the KV cache manager's (kv_cache_manager.py): the scheduler asks it for a request's
 cached prefix, for the blocks a grant needs, and to free them; it never holds block ids itself.
 """
@@ -80,8 +86,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         self.kv = kv
+        self.by_priority = policy == "priority"
         self.max_loras = max_loras  # distinct adapters running at once (0: no adapters)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -90,6 +98,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = 0
+        self._fronts = 0  # arrivals handed to `front` requests under the priority policy
         # Gemma 3: an image's tokens attend to each other both ways, so a chunk never ends
         # inside an image's span (set by the engine for such models).
         self.whole_images = False
@@ -101,13 +110,29 @@ class Scheduler:
     def add(self, request: Request, front: bool = False) -> None:
         """`front`: ahead of the queue, for work that continues a request already in flight
         (the next beams of a beam search)."""
-        request.arrival = self._arrivals
-        self._arrivals += 1
+        if front and self.by_priority:
+            # Ahead of every request of its priority: an arrival before them all.
+            self._fronts -= 1
+            request.arrival = self._fronts
+        else:
+            request.arrival = self._arrivals
+            self._arrivals += 1
         request.status = RequestStatus.WAITING
-        if front:
+        if self.by_priority:
+            self._queue_in_order(request)
+        elif front:
             self.waiting.appendleft(request)
         else:
             self.waiting.append(request)
+
+    def _queue_in_order(self, request: Request) -> None:
+        """Puts `request` in the queue at its (priority, arrival) place (priority policy)."""
+        key = _rank(request)
+        for i, other in enumerate(self.waiting):
+            if _rank(other) > key:
+                self.waiting.insert(i, request)
+                return
+        self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Removes a request wherever it is and frees its blocks at once."""
@@ -160,11 +185,15 @@ class Scheduler:
             if num_new <= 0:
                 continue
             while not self._grow(req, req.num_computed_tokens + num_new):
-                victim = self.running[-1]
+                victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
+                if victim in out.requests:  # scheduled earlier in this step: its grant returns
+                    i = out.requests.index(victim)
+                    budget += out.num_new_tokens[i]
+                    del out.requests[i], out.num_new_tokens[i]
             if req.status is not RequestStatus.RUNNING:
                 continue
             out.requests.append(req)
@@ -306,7 +335,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._queue_in_order(req)
+        else:
+            self.waiting.appendleft(req)
+
+
+def _rank(req: Request) -> tuple[int, int]:
+    """A request's place under the priority policy: lower is served first, higher given up
+    first."""
+    return (req.priority, req.arrival)
 
 
 def _no_copies(pairs: list[tuple[int, int]]) -> None:
