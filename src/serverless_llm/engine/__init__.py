@@ -19,7 +19,7 @@ from .loader import ModelLoadError
 from .lora_adapters import LoRARequest
 from .models import UnsupportedModelError
 from .multimodal import MultiModalInput
-from .outputs import EngineOutput, EngineStats
+from .outputs import EngineOutput, EngineStats, RequestTimes
 from .sampling.logprobs import TokenLogprob
 from .sampling.params import (
     BEAM_SEARCH_TEMPERATURE,
@@ -52,6 +52,7 @@ __all__ = [
     "EngineDeadError",
     "EngineOutput",
     "EngineStats",
+    "RequestTimes",
     "InvalidRequestError",
     "LoRAError",
     "LoRARequest",

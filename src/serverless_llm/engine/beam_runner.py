@@ -238,4 +238,5 @@ class BeamSearchRunner:
             logprobs=hyp.logprobs if p.logprobs is not None else None,
             cumulative_logprob=hyp.cumulative_logprob,
             prompt_logprobs=root.out.prompt_logprobs,
+            times=root.times,
         )

@@ -104,4 +104,5 @@ def make_output(
         logprobs=logprobs,
         cumulative_logprob=out.cumulative_logprob,
         prompt_logprobs=prompt_logprobs,
+        times=req.times,
     )

@@ -9,6 +9,27 @@ from .sampling.logprobs import TokenLogprob
 
 
 @dataclass
+class RequestTimes:
+    """When things happened to one request, in `time.monotonic()` seconds, for the serving
+    layer's metrics. The engine writes it on its step thread; read it when an output is handed
+    over (between steps), since the next step moves `last_token` and `token_interval` on."""
+
+    arrival: float  # the engine took the request
+    scheduled: float | None = None  # first scheduled (None: still waiting)
+    first_token: float | None = None  # end of the step that gave its first token
+    last_token: float | None = None  # end of the step that gave its latest tokens
+    token_interval: float | None = None  # last_token minus the output step before it
+
+    def mark_tokens(self, now: float) -> None:
+        """A step ending at `now` gave the request tokens."""
+        if self.last_token is None:
+            self.first_token = now
+        else:
+            self.token_interval = now - self.last_token
+        self.last_token = now
+
+
+@dataclass
 class EngineOutput:
     """One request's progress in one step (or its end)."""
 
@@ -29,6 +50,8 @@ class EngineOutput:
     # Beam search gives no per-step output: its one output, at the end, is the best sequence
     # whole, and `sequences` holds the n best (that one first), each a whole finished output.
     sequences: list[EngineOutput] | None = None
+    # The request's times (shared with the engine, see RequestTimes); None where not tracked.
+    times: RequestTimes | None = None
 
 
 @dataclass(frozen=True)

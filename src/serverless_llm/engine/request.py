@@ -4,9 +4,11 @@ update changes (`Request`), and its output side (`OutputState`)."""
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .outputs import RequestTimes
 from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class Request:
     out: OutputState = field(default_factory=lambda: OutputState())  # what the caller sees
     # Images: their spans, processed data and hashes, and multimodal rotary positions.
     mm: MultiModalPrompt | None = None
+    # For metrics: arrival (reset when the engine takes it), first scheduled, token steps.
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     @property
     def lora_id(self) -> int:
