@@ -3,8 +3,9 @@ process, gloo between them). The vision tower is replicated on every rank (model
 load_vision): each rank encodes the step's images itself from the processor outputs rank 0
 sends in the step's HostBatch (`mm_parts`), keeps its own encoder cache (the same on every
 rank: the same puts in the same order), and writes the features over its own embedding rows
-before the sharded decoder. Greedy tokens at two ranks equal one rank's for LLaVA (CLIP tower)
-and Qwen2.5-VL (multimodal rotary positions: `mrope_runs` reach the peer too), with prompts of
+before the sharded decoder. Greedy tokens at two ranks equal one rank's for LLaVA (CLIP tower),
+Qwen2.5-VL (multimodal rotary positions: `mrope_runs` reach the peer too) and Gemma 4 (the image
+rows' per-layer inputs the pad token's, from the vocab-split per-layer embedding), with prompts of
 none, one and two images batched; and again with prefill chunks that cut through the images'
 spans, so the peer's encoder cache serves an image across chunks."""
 
@@ -16,6 +17,8 @@ import re
 import pytest
 
 from tests.engine.vision_check import engine_greedy, family_processor, make_llm, vision_prompts
+from tests.engine.vision_gemma4_models import sample_images as gemma4_images
+from tests.engine.vision_gemma4_models import save_tiny_gemma4
 from tests.engine.vision_llava_models import sample_images as llava_images
 from tests.engine.vision_llava_models import save_tiny_llava
 from tests.engine.vision_qwen_vl_models import sample_images as qwen_images
@@ -23,6 +26,7 @@ from tests.engine.vision_qwen_vl_models import save_tiny_qwen2_5_vl
 
 # case -> (checkpoint builder, sample images, the family the start-up line names)
 CASES = {
+    "gemma4": (save_tiny_gemma4, gemma4_images, "Gemma4"),
     "llava": (save_tiny_llava, llava_images, "Llava"),
     "qwen2_5_vl": (save_tiny_qwen2_5_vl, qwen_images, "Qwen2_5VL"),
 }

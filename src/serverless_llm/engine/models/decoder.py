@@ -693,10 +693,13 @@ class ScaledRouter(nn.Module):
 class ExpertsBeside(nn.Module):
     """Gemma 4's MoE block beside the dense MLP: the experts read the stream before the MLP
     norm, routed by `ScaledRouter` and normed on the way in (`in_norm`); the dense MLP's output
-    and the experts' are each normed (`dense_norm`, `out_norm`), then summed."""
+    and the experts' are each normed (`dense_norm`, `out_norm`), then summed. Under tensor
+    parallelism each rank holds every expert at 1/N of its width (as `SparseMoE`): the experts'
+    partial sums are all-reduced before their norm (the dense MLP has all-reduced its own)."""
 
-    def __init__(self, s: DecoderSpec, use_kernels: bool) -> None:
+    def __init__(self, s: DecoderSpec, use_kernels: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         m = self.moe = s.moe_beside
         h = s.hidden_size
         self.router = ScaledRouter(h, m.num_experts, s.norm.eps)
@@ -707,7 +710,7 @@ class ExpertsBeside(nn.Module):
 
     def forward(self, dense: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(stream, self.moe)
-        routed = self.experts(self.in_norm(stream), weights, ids)
+        routed = self.tp.all_reduce(self.experts(self.in_norm(stream), weights, ids))
         return self.dense_norm(dense) + self.out_norm(routed)
 
 
@@ -835,7 +838,7 @@ class DecoderLayer(nn.Module):
             self.ple_proj = nn.Linear(width, s.hidden_size, bias=False)
             self.ple_norm = make_norm(s.norm, s.hidden_size, uk)
         self.layer_scalar = LayerScalar() if s.layer_scalar else None
-        self.experts_beside = ExpertsBeside(s, uk) if s.moe_beside is not None else None
+        self.experts_beside = ExpertsBeside(s, uk, tp) if s.moe_beside is not None else None
         self.native_decode: NativeDecodeLayer | None = None  # `NativeDecodeLayer.attach`
 
     def _mix(self, h, rope, cache, meta, q_scale=None):
@@ -1261,7 +1264,9 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         s = self.spec
         width = s.per_layer_input[1]
         shape = (x.shape[0], s.num_layers, width)
-        own = self.embed_tokens_per_layer(input_ids)
+        own = self._vocab_lookup(
+            self.embed_tokens_per_layer, input_ids, self.full_spec.per_layer_input[0]
+        )
         own = (own * torch.tensor(width**0.5, dtype=own.dtype)).view(shape)
         mixed = self.per_layer_model_projection(x) * s.hidden_size**-0.5
         mixed = self.per_layer_projection_norm(mixed.view(shape))
@@ -1281,13 +1286,18 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         return rotary_step(table, index, dtype, self.use_kernels, gather=gather)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._vocab_lookup(self.embed_tokens, input_ids, self.full_spec.vocab_size)
+
+    def _vocab_lookup(self, table: nn.Embedding, input_ids: torch.Tensor, vocab: int):
+        """`table`'s rows of `input_ids`, of a vocabulary of `vocab` rows. Vocab-parallel: each
+        rank looks up the ids in its rows (`table` holds them), zeros for the others, summed
+        (exactly the one rank's row: every other term is zero)."""
         if not self.tp.enabled:
-            return self.embed_tokens(input_ids)
-        # Vocab-parallel: each rank looks up the ids in its rows, zeros for the others, summed.
-        first, rows = self.tp.vocab_range(self.full_spec.vocab_size)
+            return table(input_ids)
+        first, rows = self.tp.vocab_range(vocab)
         local = input_ids - first
         mine = (local >= 0) & (local < rows)
-        x = self.embed_tokens(torch.where(mine, local, 0))
+        x = table(torch.where(mine, local, 0))
         return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

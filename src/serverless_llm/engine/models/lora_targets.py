@@ -92,7 +92,5 @@ class DecoderLoRA:
             raise KeyError(f"its weight is stored as {how!r}, which adapters cannot target")
         path, in_features = f"layers.{idx}.{internal}", layer.lora_a.shape[2]
         if getattr(self, "sharder", None) is not None:  # tensor parallel: the whole layer's
-            in_features, out_rows = self.sharder.lora_full_shape(
-                internal, part, in_features, out_rows
-            )
+            in_features, out_rows = self.sharder.lora_full_shape(path, part, in_features, out_rows)
         return path, part, in_features, out_rows

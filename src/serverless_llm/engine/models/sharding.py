@@ -22,6 +22,11 @@ would. What is split:
   in another order (Qwen3-Next's interleaved projections, OLMo Hybrid's split convolution,
   Kimi Linear's separate q/k/v) give this rank the rows of its heads, placed at their rows of
   the rank's fused weight;
+- Gemma 4: each layer by its own head shape and MLP width (`Sharder.at_layer`: the global
+  layers' KV heads split or replicated by their own count); the experts beside the MLP like any
+  experts; the per-layer embedding by vocabulary rows like the embedding; its projection, each
+  layer's gate and projection and the layer scalars replicated (no partial sums: each rank's
+  per-layer inputs are one rank's exactly);
 - replicated: norms, routers, learned positions, the rest.
 
 Every rank holds every expert, with 1/N of its width: the same all-reduce serves dense and
@@ -43,6 +48,11 @@ Ranges = list[tuple[int, int]]  # (start, length) along one dim
 ROW_PARALLEL = ("o_proj", "down_proj", "w2", "out_proj", "x_proj")
 
 
+def layer_heads(spec: DecoderSpec) -> list[tuple[int, int]]:
+    """Per layer, its (KV heads, head width): the model's, or its own (Gemma 4's global layers)."""
+    return [own or (spec.num_kv_heads, spec.head_dim) for own in spec.layer_heads]
+
+
 def check_shardable(spec: DecoderSpec, size: int) -> None:
     """Raises ConfigError naming the first dimension `size` ranks cannot split."""
 
@@ -53,30 +63,17 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
                 f"choose a size that divides it"
             )
 
-    gemma4 = [
-        what
-        for what, on in (
-            ("per-layer head shapes", any(h is not None for h in spec.layer_heads)),
-            ("KV shared across layers", any(src is not None for src in spec.kv_source)),
-            ("per-layer input embeddings", spec.per_layer_input is not None),
-            ("the MoE block beside the MLP", spec.moe_beside is not None),
-        )
-        if on
-    ]
-    if gemma4:
-        raise ConfigError(
-            f"tensor_parallel_size={size}: tensor parallelism of {' and '.join(gemma4)} "
-            "(Gemma 4) is not supported yet; use tensor_parallel_size=1"
-        )
     if any(spec.attention_layers):
         need(spec.num_heads, "number of attention heads")
-        kvh = spec.num_kv_heads
-        if kvh % size and size % kvh:
-            raise ConfigError(
-                f"tensor_parallel_size={size} and the model's {kvh} KV heads: one must divide "
-                "the other (the KV heads are split across ranks, or each replicated on "
-                "size/heads ranks)"
-            )
+        # Each head shape's KV heads (Gemma 4's global layers have their own count).
+        for i, (kvh, d) in enumerate(layer_heads(spec)):
+            if spec.mixers[i] in ("attention", "parallel") and kvh % size and size % kvh:
+                which = "" if spec.layer_heads[i] is None else f" (layer {i}, {d} wide)"
+                raise ConfigError(
+                    f"tensor_parallel_size={size} and the model's {kvh} KV heads{which}: one "
+                    "must divide the other (the KV heads are split across ranks, or each "
+                    "replicated on size/heads ranks)"
+                )
     if spec.state_layers:
         refusal = spec.recurrent.tp_refusal(spec.hidden_size, size)
         if refusal is not None:
@@ -84,6 +81,11 @@ def check_shardable(spec: DecoderSpec, size: int) -> None:
     mlps = list(zip(spec.mlp_layers, spec.moe_layers))
     if any(has and not sparse for has, sparse in mlps):
         need(spec.intermediate_size, "MLP intermediate size")
+        for i, width in enumerate(spec.mlp_sizes):
+            if width is not None and spec.mlp_layers[i] and not spec.moe_layers[i]:
+                need(width, f"layer {i}'s MLP intermediate size")
+    if spec.moe_beside is not None:  # Gemma 4's experts beside the MLP: split like any experts
+        need(spec.moe_beside.intermediate_size, "expert intermediate size")
     if spec.moe is not None and any(has and sparse for has, sparse in mlps):
         if spec.moe.latent_size or not spec.gated:  # as SparseMoE refuses them
             raise ConfigError(
@@ -108,6 +110,15 @@ def local_spec(spec: DecoderSpec, tp: TensorParallel) -> DecoderSpec:
     recurrent = spec.recurrent
     if recurrent is not None and spec.state_layers:
         recurrent = recurrent.shard(spec.hidden_size, n)
+    # Gemma 4: each layer's own KV heads and MLP width split like the model's; the experts
+    # beside the MLP by width; the per-layer embedding by vocabulary rows, like the embedding
+    # (its per-layer width and the per-layer projection stay whole on every rank).
+    beside = spec.moe_beside
+    if beside is not None:
+        beside = dataclasses.replace(beside, intermediate_size=beside.intermediate_size // n)
+    per_layer_input = spec.per_layer_input
+    if per_layer_input is not None:
+        per_layer_input = (tp.vocab_range(per_layer_input[0])[1], per_layer_input[1])
     return dataclasses.replace(
         spec,
         recurrent=recurrent,
@@ -116,6 +127,12 @@ def local_spec(spec: DecoderSpec, tp: TensorParallel) -> DecoderSpec:
         intermediate_size=spec.intermediate_size // n if not all(spec.moe_layers) else 0,
         vocab_size=tp.vocab_range(spec.vocab_size)[1],
         moe=moe,
+        layer_heads=tuple(
+            None if h is None else (max(1, h[0] // n), h[1]) for h in spec.layer_heads
+        ),
+        mlp_sizes=tuple(None if w is None else w // n for w in spec.mlp_sizes),
+        moe_beside=beside,
+        per_layer_input=per_layer_input,
     )
 
 
@@ -134,11 +151,39 @@ class Sharder:
             self.kv_heads = (r * s.num_kv_heads // n, 1)
         self.q_rows = (self.q_heads[0] * d, self.q_heads[1] * d)
         self.kv_rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
+        self._views: dict[tuple, Sharder] = {}  # per-layer shapes (`at_layer`)
 
-    def take(self, internal: str, how, kind: str, tensor) -> tuple[torch.Tensor, object] | None:
+    def at_layer(self, layer: int | None) -> Sharder:
+        """The sharder of layer `layer`'s tensors: one of the layer's own KV heads, head width and
+        MLP width where they are not the model's (Gemma 4's global layers, its double-wide MLPs);
+        itself otherwise (and for None: a tensor outside the layers)."""
+        s = self.spec
+        if layer is None or not 0 <= layer < s.num_layers:
+            return self
+        changes = {}
+        if s.layer_heads[layer] is not None:
+            changes["num_kv_heads"], changes["head_dim"] = s.layer_heads[layer]
+        if s.mlp_sizes[layer] is not None:
+            changes["intermediate_size"] = s.mlp_sizes[layer]
+        if not changes:
+            return self
+        key = tuple(sorted(changes.items()))
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = Sharder(dataclasses.replace(s, **changes), self.tp)
+        view.scheme = self.scheme
+        return view
+
+    def take(
+        self, internal: str, how, kind: str, tensor, layer: int | None = None
+    ) -> tuple[torch.Tensor, object] | None:
         """(this rank's part of `tensor`, its placement) for the parameter `internal`.`kind`
-        placed `how` (see WeightNames), or None when this rank holds none of it. `tensor` is a
-        torch tensor or a loader LazyTensor (only the slice is read)."""
+        placed `how` (see WeightNames) of layer `layer` (None: outside the layers), or None when
+        this rank holds none of it. `tensor` is a torch tensor or a loader LazyTensor (only the
+        slice is read)."""
+        view = self.at_layer(layer)
+        if view is not self:
+            return view.take(internal, how, kind, tensor)
         leaf = internal.rpartition(".")[2]
         bias = kind == "bias"
         if internal == "mixer":  # a recurrent layer's bare parameter (A_log, D), named by kind
@@ -149,7 +194,7 @@ class Sharder:
             return self._recurrent(internal, how, kind, tensor)
         if leaf in ("q_norm", "k_norm"):
             return self._qk_norm(leaf, how, tensor)
-        if leaf in ("embed_tokens", "lm_head", "lm_head_bias"):
+        if leaf in ("embed_tokens", "lm_head", "lm_head_bias", "embed_tokens_per_layer"):
             return self._vocab(tensor), how
         if leaf == "qkv_proj" and how in ("qkv_heads", "qkv_grouped"):
             return self._qkv_interleaved(how, tensor), how
@@ -284,7 +329,7 @@ class Sharder:
         elif leaf in ("w13", "w2") and isinstance(how, str) and how.startswith("expert:"):
             # One expert's tensor of a quantized checkpoint ("expert:<e>[:gate|up]"): its width
             # splits like a dense MLP's (gate/up by output rows, down by input columns).
-            width = self.spec.moe.intermediate_size
+            width = (self.spec.moe or self.spec.moe_beside).intermediate_size
             if leaf == "w2":
                 return "in", [self._even(width)]
             if how.endswith((":gate", ":up")):
@@ -440,7 +485,11 @@ class Sharder:
     def lora_full_shape(self, internal: str, part: int | None, inp: int, out: int):
         """(in features, out rows) of the whole model's layer `internal` (its `part`, None: the
         whole output) that this rank holds `inp` x `out` of: what an adapter's A and B must
-        fit before `lora_slice` takes this rank's share."""
+        fit before `lora_slice` takes this rank's share. `internal` is the layer's path
+        ("layers.<i>.self_attn.qkv_proj"), so a layer of its own head shape counts its own."""
+        layer, internal = _layer_of(internal)
+        if self.at_layer(layer) is not self:
+            return self.at_layer(layer).lora_full_shape(internal, part, inp, out)
         leaf = internal.rpartition(".")[2]
         how = self._LORA_HOW.get((leaf, part))
         split = self._linear_split(internal, leaf, how)
@@ -461,6 +510,9 @@ class Sharder:
         """This rank's share of an adapter's A [r, in] and B [out, r] for layer `internal`: B's
         rows of a column-parallel layer, A's columns of a row-parallel one (each rank's
         B (A x) is then a partial sum that the layer's all-reduce adds up, like its output)."""
+        layer, internal = _layer_of(internal)
+        if self.at_layer(layer) is not self:
+            return self.at_layer(layer).lora_slice(internal, part, a, b)
         leaf = internal.rpartition(".")[2]
         split = self._linear_split(internal, leaf, self._LORA_HOW.get((leaf, part)))
         if split is None:
@@ -525,6 +577,15 @@ class Sharder:
             return part
         pad = torch.zeros((ln - rows, *tensor.shape[1:]), dtype=tensor.dtype)
         return pad if part is None else torch.cat([part, pad])
+
+
+def _layer_of(path: str) -> tuple[int | None, str]:
+    """(i, the rest) of a path "layers.<i>.<rest>"; (None, path) for any other."""
+    head, _, rest = path.partition(".")
+    index, _, local = rest.partition(".")
+    if head == "layers" and index.isdigit() and local:
+        return int(index), local
+    return None, path
 
 
 def _full(tensor) -> torch.Tensor:

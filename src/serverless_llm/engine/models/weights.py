@@ -130,14 +130,15 @@ class DecoderWeights:
                 if local in names.scales:
                     tensor = self._fold_scale(name, kind, tensor, names.scales[local])
                 prefix = f"layers.{idx}."
+                layer = int(idx) if idx.isdigit() else None
             else:
                 target = names.top.get(module)
-                prefix = ""
+                prefix, layer = "", None
             if target is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.arch}")
             internal, how = (target, None) if isinstance(target, str) else target
             if self.sharder is not None:  # tensor parallel: this rank's slice, read now
-                taken = self.sharder.take(internal, how, kind, tensor)
+                taken = self.sharder.take(internal, how, kind, tensor, layer)
                 if taken is None:
                     continue
                 tensor, how = taken
