@@ -245,7 +245,6 @@ def test_a_cut_stream_ends_incomplete(client: openai.OpenAI):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -1,8 +1,10 @@
 """A RunPod job's `input`, parsed into an OpenAI job or a native job.
 
 With `openai_route` set, the job goes to the OpenAI layer with `openai_input` as the request
-body; otherwise it is a native job. Both may set the stream batch knobs (`max_batch_size`,
-`min_batch_size`, `batch_size_growth_factor`), which override the env defaults for this job.
+body (and `openai_method`, optional, as the HTTP method where a route has several: `DELETE`
+for `/v1/responses/{id}`); otherwise it is a native job. Both may set the stream batch knobs
+(`max_batch_size`, `min_batch_size`, `batch_size_growth_factor`), which override the env
+defaults for this job.
 A job that cannot be parsed raises JobError, whose `payload` is the error in the shape of the
 job's route. Every string of the input (keys included) must be Unicode text that UTF-8 can carry:
 JSON's `\\ud800` escapes decode to lone surrogates, which the tokenizer, the templates and the
@@ -23,7 +25,7 @@ from ..api.openai import openai_error
 
 __all__ = ["JobError", "NativeJob", "OpenAIJob", "parse_job"]
 
-_OPENAI_KEYS = ("openai_route", "openai_input")
+_OPENAI_KEYS = ("openai_route", "openai_input", "openai_method")
 _BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
 
 
@@ -42,6 +44,7 @@ class OpenAIJob:
     route: str
     body: Any
     batch: BatchSizes
+    method: str | None = None  # the HTTP method, where the route has several
 
 
 @dataclass(frozen=True)
@@ -145,15 +148,23 @@ def parse_job(job: Any, defaults: BatchSizes) -> OpenAIJob | NativeJob:
                 openai=True,
                 param=extra[0],
             )
+        method = data.get("openai_method")
+        if method is not None and method not in ("GET", "POST", "DELETE"):
+            raise JobError(
+                f"openai_method must be 'GET', 'POST' or 'DELETE', got {method!r}",
+                openai=True,
+                param="openai_method",
+            )
         batch = _batch_sizes(data, defaults, openai=True)
         _check_text(data.get("openai_input"), openai=True)  # param: a path in the body
-        return OpenAIJob(route=route, body=data.get("openai_input"), batch=batch)
+        return OpenAIJob(route=route, body=data.get("openai_input"), batch=batch, method=method)
 
     batch = _batch_sizes(data, defaults, openai=False)
     _check_text(data, openai=False)
     rest = {k: v for k, v in data.items() if k not in _BATCH_KEYS and k not in _OPENAI_KEYS}
-    if "openai_input" in data:
-        raise JobError("openai_input needs openai_route", openai=False)
+    for key in ("openai_input", "openai_method"):
+        if key in data:
+            raise JobError(f"{key} needs openai_route", openai=False)
     try:
         request = NativeRequest.parse(rest)
     except NativeJobError as e:

@@ -11,12 +11,16 @@ into a Response object, or, streamed, its chunks into the Responses event sequen
 (`response.created`, `response.in_progress`, `response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`, ..., `response.completed`).
 
-Nothing is stored (`store` is accepted and changes nothing): `previous_response_id`,
-`conversation`, `item_reference` input items, `background` and stored `prompt` templates need
-responses kept across requests, and a serverless worker's memory is neither shared between
-workers nor kept between scale-downs, so each is a clear 400. A client keeps the conversation by
-sending the output items back as input, which is what the Agents SDK does without a server-side
-store.
+Responses are kept (`store`, true by default as on OpenAI) in a response store
+(response_store.py: in this process, bounded, or in Redis shared by an endpoint's workers): the
+Response object and the input items it answered. `previous_response_id` continues a stored
+response: its input items and its output come before the new request's input (its
+`instructions` do not carry over, as on OpenAI). GET /v1/responses/{id} returns a stored
+Response, DELETE removes it, GET /v1/responses/{id}/input_items lists its input items; an id
+not stored (never, `store: false`, evicted, expired, deleted) is a 404.
+`conversation`, `item_reference` input items, `background` and stored `prompt` templates are
+still a clear 400: a client keeps a conversation by `previous_response_id` or by sending the
+output items back as input, which is what the Agents SDK does without a server-side store.
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Refused when set: they need responses kept on the server (see the module docstring).
-    store: bool | None = None
-    previous_response_id: str | None = None
+    store: bool | None = None  # unset: true
+    previous_response_id: str | None = Field(None, min_length=1)
+    # Refused when set (see the module docstring).
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     prompt: dict[str, Any] | None = None
@@ -139,14 +143,18 @@ def _unsupported(message: str, param: str) -> OpenAIServingError:
 
 
 def to_chat_body(
-    request: ResponsesRequest, renames: dict[str, str] | None = None
+    request: ResponsesRequest,
+    renames: dict[str, str] | None = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The chat-completions body that answers `request`; a request this server cannot honour
     is a 400 naming the Responses parameter. `renames` (filled in when given): the chat body's
-    message fields that carry parts, by the Responses names the chat route's errors use."""
+    message fields that carry parts, by the Responses names the chat route's errors use.
+    `history`: the items of the response `previous_response_id` names (`history_of`), which
+    come before the request's own input."""
     _refuse_stored_state(request)
     names: dict[str, str] = {"messages": "input"}
-    body: dict[str, Any] = {"messages": _messages(request, names)}
+    body: dict[str, Any] = {"messages": _messages(request, names, history or [])}
     if renames is not None:
         renames.update(names)
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", "stream"):
@@ -199,18 +207,15 @@ def to_chat_body(
 
 
 def _refuse_stored_state(request: ResponsesRequest) -> None:
-    why = "this server keeps no responses (each request must carry its whole input)"
-    if request.previous_response_id is not None:
-        raise _unsupported(
-            f"previous_response_id is not supported: {why}; send the earlier output items "
-            "back in 'input' instead.",
-            "previous_response_id",
-        )
     if request.conversation is not None:
-        raise _unsupported(f"conversation is not supported: {why}.", "conversation")
+        raise _unsupported(
+            "conversation is not supported: this server keeps responses, not conversations; "
+            "continue a conversation with previous_response_id.",
+            "conversation",
+        )
     if request.background:
         raise _unsupported(
-            f"background responses are not supported: {why}; use stream=true instead.",
+            "background responses are not supported: use stream=true instead.",
             "background",
         )
     if request.prompt is not None:
@@ -304,13 +309,21 @@ def _parts(content: list[Any], param: str) -> list[dict[str, Any]]:
     return parts
 
 
-def _messages(request: ResponsesRequest, names: dict[str, str]) -> list[dict[str, Any]]:
+def _messages(
+    request: ResponsesRequest, names: dict[str, str], history: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        return messages
+    own = (
+        [{"role": "user", "content": request.input}]
+        if isinstance(request.input, str)
+        else request.input
+    )
+    # Stored items were checked when they were stored; an error in one still names where it
+    # came from.
+    items = [("previous_response_id", item) for item in history]
+    items += [(f"input[{i}]", item) for i, item in enumerate(own)]
     reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
 
     def assistant_turn() -> dict[str, Any]:
@@ -321,8 +334,7 @@ def _messages(request: ResponsesRequest, names: dict[str, str]) -> list[dict[str
         messages.append(message)
         return message
 
-    for i, item in enumerate(request.input):
-        param = f"input[{i}]"
+    for param, item in items:
         if not isinstance(item, dict):
             raise _bad(f"Invalid value for '{param}': an input item object.", param, "invalid_type")
         kind = item.get("type", "message" if "role" in item else None)
@@ -384,8 +396,8 @@ def _messages(request: ResponsesRequest, names: dict[str, str]) -> list[dict[str
             reasoning = _text(parts, f"{param}.content") or None
         elif kind == "item_reference":
             raise _unsupported(
-                "item_reference input items are not supported: this server keeps no "
-                "responses; send the item itself.",
+                "item_reference input items are not supported: send the item itself, or "
+                "continue a stored response with previous_response_id.",
                 param,
             )
         else:
@@ -470,8 +482,15 @@ class ResponseFormatter:
     """Builds one request's Response object and, streamed, its events from the chat route's
     answer. `count_tokens` counts the tokens of a text (the reasoning-token figure)."""
 
-    def __init__(self, request: ResponsesRequest, model: str, count_tokens: Any) -> None:
+    def __init__(
+        self,
+        request: ResponsesRequest,
+        model: str,
+        count_tokens: Any,
+        history: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.request = request
+        self.history = history or []  # the items previous_response_id brought
         self.model = model
         self.count_tokens = count_tokens
         self.id = _new_id("resp")
@@ -482,6 +501,7 @@ class ResponseFormatter:
         self._open: dict[str, Any] | None = None  # the item deltas go to
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
         self._finish_reason: str | None = None
+        self.final: dict[str, Any] | None = None  # the Response the stream closed with
 
     # The Response object.
 
@@ -512,9 +532,9 @@ class ResponseFormatter:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": r.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": r.previous_response_id,
             "reasoning": r.reasoning or {"effort": None, "summary": None},
-            "store": False,
+            "store": r.store is not False,
             "temperature": r.temperature,
             "text": {"format": text.get("format") or {"type": "text"}},
             "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
@@ -527,6 +547,24 @@ class ResponseFormatter:
             "metadata": r.metadata or {},
             "background": False,
         }
+
+    def stored_record(self, response: dict[str, Any]) -> dict[str, Any]:
+        """What the store keeps for `response` (see response_store.py): the Response and every
+        input item it answered, with ids."""
+        return {"response": response, "input": self.history + own_items(self.request)}
+
+    def store_failed(self, events: list[dict[str, Any]], message: str) -> list[dict[str, Any]]:
+        """A stream's closing batch when its response could not be stored: the closing
+        `response.completed` (or `.incomplete`) becomes an `error` event and `response.failed`."""
+        closing = events.pop()
+        self._seq -= 1
+        error = {"code": "server_error", "message": message}
+        failed = {**closing["response"], "status": "failed", "error": error}
+        tail = [
+            self._event("error", code="server_error", message=message, param=None),
+            self._event("response.failed", response=failed),
+        ]
+        return events + self._numbered(tail)
 
     def _usage(self, chat_usage: dict[str, int], reasoning: str) -> dict[str, Any]:
         inp, out = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
@@ -788,6 +826,7 @@ class ResponseFormatter:
         )
         usage = self._usage(chat_usage, reasoning)
         final = self.response(self._items, status, usage, finish_reason)
+        self.final = final
         kind = "response.completed" if status == "completed" else "response.incomplete"
         events.append(self._event(kind, response=final))
         return events
@@ -832,4 +871,92 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
         "name": name,
         "arguments": arguments,
         "status": status,
+    }
+
+
+# -- stored responses ----------------------------------------------------------------------
+
+_ITEM_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def own_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as the items a store keeps and lists: a string is a user message,
+    string content becomes one text part, and every item has an `id`."""
+    if isinstance(request.input, str):
+        return [_stored_item({"type": "message", "role": "user", "content": request.input})]
+    return [_stored_item(item) for item in request.input]
+
+
+def _stored_item(item: dict[str, Any]) -> dict[str, Any]:
+    item = dict(item)
+    kind = item.get("type", "message" if "role" in item else None)
+    item["type"] = kind
+    content = item.get("content")
+    if kind == "message" and isinstance(content, str):
+        if item.get("role") == "assistant":
+            item["content"] = [{"type": "output_text", "text": content, "annotations": []}]
+        else:
+            item["content"] = [{"type": "input_text", "text": content}]
+    if not isinstance(item.get("id"), str):
+        item["id"] = _new_id(_ITEM_PREFIX.get(str(kind), "item"))
+    return item
+
+
+def history_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The items a follow-up of a stored response continues: what it answered, then its
+    output."""
+    return list(record["input"]) + list(record["response"]["output"])
+
+
+def response_not_found(response_id: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's 404 for a response id that is not stored (the client raises NotFoundError)."""
+    if param == "previous_response_id":
+        return openai_error(
+            f"Previous response with id '{response_id}' not found: it was never stored "
+            "(store: false), or it was evicted, expired or deleted.",
+            param=param,
+            code="previous_response_not_found",
+            status=404,
+        )
+    return openai_error(f"Response with id '{response_id}' not found.", status=404)
+
+
+def response_deleted(response_id: str) -> dict[str, Any]:
+    """DELETE /v1/responses/{id}'s answer, as OpenAI's."""
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def input_items_page(record: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: a page of the input items the response answered
+    (`limit` 1-100, default 20; `order` `desc` (default) or `asc`; `after` an item id)."""
+    for name in query:
+        if name not in ("limit", "order", "after", "include", "include[]"):
+            raise _bad(f"Unknown query parameter '{name}'.", name, "unknown_parameter")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise _bad("Invalid value for 'limit': an integer from 1 to 100.", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _bad("Invalid value for 'order': 'asc' or 'desc'.", "order")
+    items = list(record["input"])
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise _bad(f"Invalid value for 'after': no input item with id '{after}'.", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit_text)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
     }

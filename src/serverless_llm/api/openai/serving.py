@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from pydantic import BaseModel, ValidationError
 
@@ -95,7 +95,16 @@ from .params import chat_sampling_params, completion_sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import END as REASONING_END
 from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_parser
-from .responses import ResponseFormatter, ResponsesRequest, to_chat_body
+from .response_store import MemoryResponseStore, ResponseStore, ResponseStoreError
+from .responses import (
+    ResponseFormatter,
+    ResponsesRequest,
+    history_of,
+    input_items_page,
+    response_deleted,
+    response_not_found,
+    to_chat_body,
+)
 from .sse import SSE_DONE, sse_events
 from .tool_parsers import (
     ToolChoice,
@@ -129,6 +138,12 @@ def parse_route(route: Any) -> tuple[str, str | None]:
             return "completions", None
         if path == "responses":
             return "responses", None
+        if path.startswith("responses/"):  # a stored response, or its input items
+            rest = path[len("responses/") :]
+            if rest.endswith("/input_items"):
+                return "response_items", unquote(rest[: -len("/input_items")])
+            if rest and "/" not in rest:
+                return "response", unquote(rest)
         if path == "models":
             return "models", None
         if path.startswith("models/") and len(path) > len("models/"):
@@ -136,7 +151,7 @@ def parse_route(route: Any) -> tuple[str, str | None]:
     raise OpenAIServingError(
         openai_error(
             f"Invalid URL: no route {route!r}; the OpenAI routes are {', '.join(ROUTES)} "
-            "(and /v1/models/{model}).",
+            "(and /v1/models/{model}, /v1/responses/{id}, /v1/responses/{id}/input_items).",
             INVALID_REQUEST,
             "openai_route",
             "unknown_url",
@@ -297,6 +312,7 @@ class OpenAIServing:
         lora_modules: Sequence[LoRARequest] = (),
         media: MediaConfig | None = None,
         harmony: bool | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
         OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
@@ -311,8 +327,13 @@ class OpenAIServing:
         `media`: how a vision-language model's request images are loaded (LIMIT_MM_PER_PROMPT,
         MAX_IMAGE_BYTES, ...; api.media).
         `harmony`: whether the model speaks gpt-oss's harmony format (None: a gpt-oss config,
-        as vLLM decides; see harmony.py)."""
+        as vLLM decides; see harmony.py).
+        `response_store`: where /v1/responses keeps responses (response_store.py; default: a
+        bounded store in this process)."""
         self.engine = engine
+        self.response_store: ResponseStore = (
+            MemoryResponseStore() if response_store is None else response_store
+        )
         self.limits = limits or RequestLimits()
         self.media = media or MediaConfig()
         info = getattr(engine, "model_info", None)
@@ -400,11 +421,16 @@ class OpenAIServing:
     # -- entry point ------------------------------------------------------------------------
 
     async def handle(
-        self, route: str, body: Any, batch: BatchSizes | None = None
+        self, route: str, body: Any, batch: BatchSizes | None = None, method: str | None = None
     ) -> AsyncIterator[Any]:
-        """Runs one OpenAI request; see the module docstring for what it yields."""
+        """Runs one OpenAI request; see the module docstring for what it yields. `method`: the
+        HTTP method, where a route has several (GET or DELETE /v1/responses/{id}); None: the
+        route's usual one."""
         try:
             kind, arg = parse_route(route)
+            if kind in ("response", "response_items"):
+                yield await self._stored_response(kind, arg or "", method, route)
+                return
             if kind == "models":
                 yield list_models(
                     self.model_names, self.created, self.max_model_len, self._adapter_cards()
@@ -422,7 +448,8 @@ class OpenAIServing:
             # Parsing, the chat template and the tokenizer run off the event loop.
             responses: ResponseFormatter | None = None
             if kind == "responses":
-                plan, responses = await prepare(self._responses_plan, body)
+                history = await self._history(body)
+                plan, responses = await prepare(self._responses_plan, body, history)
             elif kind == "chat":
                 plan = await prepare(self._chat_plan, body)
             else:
@@ -726,12 +753,15 @@ class OpenAIServing:
             placeholder=self.image_placeholder,
         )
 
-    def _responses_plan(self, body: Any) -> tuple[_Plan, ResponseFormatter]:
-        """A Responses request is answered by the chat route (see responses.py)."""
+    def _responses_plan(
+        self, body: Any, history: list[dict[str, Any]] | None = None
+    ) -> tuple[_Plan, ResponseFormatter]:
+        """A Responses request is answered by the chat route (see responses.py); `history`:
+        the items of the stored response it continues (previous_response_id)."""
         request: ResponsesRequest = self._parse(ResponsesRequest, body)
         renames: dict[str, str] = {}
         try:
-            plan = self._chat_plan(to_chat_body(request, renames), renames)
+            plan = self._chat_plan(to_chat_body(request, renames, history), renames)
         except OpenAIServingError as e:
             info = e.error.get("error") or {}
             if info.get("param") == "messages":  # the context-length error: say it as asked
@@ -745,7 +775,70 @@ class OpenAIServing:
             return len(tokenizer.encode(text, add_special_tokens=False))
 
         model = plan.formatter.model
-        return plan, ResponseFormatter(request, model, count_tokens)
+        return plan, ResponseFormatter(request, model, count_tokens, history)
+
+    # -- stored responses -------------------------------------------------------------------
+
+    async def _history(self, body: Any) -> list[dict[str, Any]] | None:
+        """The items the stored response `previous_response_id` names continues with; 404 when
+        it is not stored. (A badly typed id is left to the request's validation.)"""
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if not isinstance(previous, str) or not previous:
+            return None
+        record = await self._store_call(self.response_store.get(previous))
+        if record is None:
+            raise OpenAIServingError(response_not_found(previous, "previous_response_id"))
+        return history_of(record)
+
+    async def _stored_response(
+        self, kind: str, response_id: str, method: str | None, route: str
+    ) -> dict[str, Any]:
+        """GET /v1/responses/{id} (the Response), DELETE /v1/responses/{id}, GET
+        /v1/responses/{id}/input_items (a page of its input items)."""
+        method = (method or "GET").upper()
+        allowed = ("GET", "DELETE") if kind == "response" else ("GET",)
+        if method not in allowed:
+            raise OpenAIServingError(
+                openai_error(
+                    f"Method {method} is not allowed on {route!r}: use {' or '.join(allowed)}.",
+                    INVALID_REQUEST,
+                    "openai_method",
+                    "method_not_allowed",
+                    400,
+                )
+            )
+        store = self.response_store
+        if method == "DELETE":
+            if not await self._store_call(store.delete(response_id)):
+                raise OpenAIServingError(response_not_found(response_id))
+            return response_deleted(response_id)
+        record = await self._store_call(store.get(response_id))
+        if record is None:
+            raise OpenAIServingError(response_not_found(response_id))
+        if kind == "response":
+            return record["response"]
+        query = dict(parse_qsl(route.partition("?")[2], keep_blank_values=True))
+        return input_items_page(record, query)
+
+    async def _keep(self, fmt: ResponseFormatter, response: dict[str, Any]) -> str | None:
+        """Stores `response` unless the request said `store: false`; the error's message when
+        the store failed."""
+        if fmt.request.store is False:
+            return None
+        try:
+            await self.response_store.put(response["id"], fmt.stored_record(response))
+        except ResponseStoreError as e:
+            logger.error("%s", e)
+            return f"the response was generated but could not be stored: {e}"
+        return None
+
+    @staticmethod
+    async def _store_call(aw: Any) -> Any:
+        try:
+            return await aw
+        except ResponseStoreError as e:
+            logger.error("%s", e)
+            raise OpenAIServingError(openai_error(str(e), status=503)) from e
 
     def _structured_after(self, params: SamplingParams, prompt_ids: list[int]) -> tuple[int, ...]:
         """The tokens after which a reasoning model's structured output starts: `</think>`'s,
@@ -885,7 +978,12 @@ class OpenAIServing:
     async def _responses_complete(self, plan: _Plan, fmt: ResponseFormatter) -> AsyncIterator[Any]:
         async with aclosing(self._complete(plan)) as items:
             async for item in items:
-                yield item if is_error(item) else fmt.from_chat(item)
+                if is_error(item):
+                    yield item
+                    continue
+                response = fmt.from_chat(item)
+                failed = await self._keep(fmt, response)
+                yield response if failed is None else openai_error(failed, status=503)
 
     async def _responses_stream(
         self, plan: _Plan, fmt: ResponseFormatter, batch: BatchSizes
@@ -893,9 +991,15 @@ class OpenAIServing:
         """The Responses events: `response.created` at once, then one yield per batch of
         tokens, as on chat."""
         yield self._emit_events(fmt.start())
+        kept = False
         async with aclosing(self._stream_chunks(plan, batch)) as parts:
             async for chunks, _ in parts:
                 events = fmt.fail(chunks) if isinstance(chunks, dict) else fmt.feed(chunks)
+                if fmt.final is not None and not kept:  # the closing batch: stored first
+                    kept = True
+                    failed = await self._keep(fmt, fmt.final)
+                    if failed is not None:
+                        events = fmt.store_failed(events, failed)
                 if events:
                     yield self._emit_events(events)
 
