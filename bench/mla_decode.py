@@ -11,7 +11,16 @@ the row's share of the bandwidth. The torch twin (gather + matmul) is timed besi
     .venv/bin/python -m bench.mla_decode
     TRITON_INTERPRET=1 .venv/bin/python -m bench.mla_decode --cpu-smoke   # code paths only
 
-Without CUDA (and without --cpu-smoke) it says it needs a GPU and exits 0.
+Without CUDA (and without --cpu-smoke or --cpu) it says it needs a GPU and exits 0.
+
+`--cpu`: the CPU default path's absorbed decode, the native kernel (cpu_native.c
+`mla_decode_f32`, through `NativeKernels.latent_step` without the row write) against the torch
+twin it replaced (`latent_decode_torch`, its per-step plan made once outside the timing, as a
+model's layers share it), float32, at DeepSeek-V2-Lite's attention (16 heads, kv_lora_rank 512,
+qk_rope_head_dim 64, block size 16): 1 and 16 decodes at contexts of 512 to 4096 tokens. Best of
+several calls each, interleaved; the two results are compared too (max |difference|).
+
+    .venv/bin/python -m bench.mla_decode --cpu
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from bench.kernels import bench_ms, copy_bandwidth  # noqa: E402
 HEADS, RANK, ROPE, BLOCK = 128, 512, 64, 16
 CASES = [(1, 8192), (1, 32768), (8, 4096), (16, 8192), (32, 4096), (64, 2048), (64, 8192)]
 SMOKE = [(1, 40), (3, 70)]
+CPU_HEADS = 16  # DeepSeek-V2-Lite (rank and rope as V3's)
+CPU_CASES = [(b, c) for b in (1, 16) for c in (512, 1024, 2048, 4096)]
 
 
 def make_step(batch: int, context: int, heads: int, rank: int, rope: int, dtype, device):
@@ -85,11 +96,80 @@ def run(cases, heads, rank, rope, dtype, device, bandwidth):
     return rows
 
 
+def run_cpu(cases, heads, rank, rope, repeats: int) -> list[list]:
+    """Native vs torch twin rows: [decodes, context, native us, torch us, torch / native,
+    native GB/s of latents, max |native - torch|]."""
+    from bench.common import best_of
+    from serverless_llm.engine.kernels import cpu_native
+    from serverless_llm.engine.kernels.mla_attention import latent_decode_torch
+
+    kernels = cpu_native.load()
+    if kernels is None:
+        raise SystemExit("the native CPU kernels did not build here (see the warning above)")
+    scale = (128 + rope) ** -0.5
+    rows = []
+    for batch, context in cases:
+        q, cache, meta = make_step(batch, context, heads, rank, rope, torch.float32, "cpu")
+        keep: list = []  # what the step's struct points into
+        step = cpu_native.make_step(meta, meta.slot_mapping, keep)
+
+        def native(q=q, cache=cache, step=step):
+            return kernels.latent_step(step, None, q, cache, scale, rank)
+
+        def twin(q=q, cache=cache, meta=meta):
+            return latent_decode_torch(q, cache, meta, scale, rank)
+
+        native(), twin()  # warm: the plan, the pages, the team
+        t_native = t_twin = float("inf")
+        for _ in range(repeats):  # interleaved, so both see the same machine
+            t, got = best_of(native, 1)
+            t_native = min(t_native, t)
+            t, want = best_of(twin, 1)
+            t_twin = min(t_twin, t)
+        diff = (got - want).abs().max().item()
+        need = batch * (context + 1) * (rank + rope) * 4
+        rows.append(
+            [batch, context, t_native * 1e6, t_twin * 1e6, t_twin / t_native,
+             need / t_native / 1e9, diff]
+        )  # fmt: skip
+        del keep
+    return rows
+
+
+def main_cpu(args) -> int:
+    from bench.common import cpu_flags, cpu_model_name, load_average, set_threads
+
+    threads = set_threads()
+    flags = " ".join(cpu_flags()) or "none of avx2/avx512f"
+    load = load_average()
+    print(
+        f"cpu: {cpu_model_name()}; {threads} threads; flags: {flags}; load "
+        f"{'/'.join(f'{x:.1f}' for x in load) if load else '?'}; {CPU_HEADS} heads, latent "
+        f"{RANK} + rope {ROPE}, float32, block {BLOCK}"
+    )
+    rows = run_cpu(CPU_CASES, CPU_HEADS, RANK, ROPE, args.repeats)
+    header = ["decodes", "context", "native us", "torch us", "torch / native", "native GB/s"]
+    print(format_table(header + ["max abs diff"], rows))
+    worst = min(r[4] for r in rows)
+    print(
+        f"SUMMARY device=cpu mla_decode_native_speedup_min={worst:.2f} "
+        f"max={max(r[4] for r in rows):.2f} max_abs_diff={max(r[6] for r in rows):.2e}",
+        flush=True,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": "cpu", "rows": rows}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreter")
+    p.add_argument("--cpu", action="store_true", help="native CPU kernel vs the torch twin")
+    p.add_argument("--repeats", type=int, default=7, help="--cpu: timed calls of each")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.cpu:
+        return main_cpu(args)
     if args.cpu_smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--cpu-smoke needs TRITON_INTERPRET=1 in the environment")

@@ -248,3 +248,32 @@ def test_experts_stored_one_tensor_each(family_models, prompts, reference, tmp_p
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     outs = [o.outputs[0].token_ids for o in engine(dst).generate(prompts, GREEDY)]
     assert outs == reference
+
+
+@pytest.mark.parametrize("name", ["llama4", "llama4_plain"])
+def test_native_cpu_step_runs_the_chunked_layers(family_models, name, monkeypatch):
+    """The CPU default path (native kernels) attends the chunked layers' decodes in its own
+    kernel with their chunk (after the L2 q/k norm in torch, or with q and k prepared natively
+    where the layer has no such norm), not on the torch path: transformers' tokens."""
+    from serverless_llm.engine.kernels import cpu_native
+
+    kernels = cpu_native.load()
+    assert kernels is not None, "the native CPU kernels did not build here"
+    chunks: list[int] = []
+    for fn, at in (("attention_step", 0), ("decoder_layer", 1)):
+        real = getattr(kernels, fn)
+
+        def spy(*args, real=real, at=at):
+            chunks.append(args[at].chunk)
+            return real(*args)
+
+        monkeypatch.setattr(kernels, fn, spy)
+    path = family_models(name)
+    llm = engine(path)
+    assert llm.engine.backend.name == "native"
+    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+    some = family_prompts(vocab, seed=5, lengths=(CHUNK - 3, 2 * CHUNK + 3))
+    outs = [o.outputs[0].token_ids for o in llm.generate(some, GREEDY)]
+    assert outs == [hf_greedy(path, p, NEW_TOKENS) for p in some]
+    assert CHUNK in chunks and 0 in chunks  # the chunked layers and the global ones
+    assert_pool_whole(llm)

@@ -294,6 +294,32 @@ def test_beam_search_and_replayed_decodes(family_models):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 16)
 
 
+def test_native_cpu_step_takes_the_latent_layers(family_models, monkeypatch):
+    """On the CPU default path (native kernels) every latent layer's step writes its rows and
+    attends its decodes in the native latent step, not the torch twin: transformers' tokens,
+    prompts shorter and longer than a block, batched."""
+    from serverless_llm.engine.kernels import cpu_native
+
+    kernels = cpu_native.load()
+    assert kernels is not None, "the native CPU kernels did not build here"
+    decodes: list[int] = []
+    real = kernels.latent_step
+
+    def spy(step, rows, q, *args):
+        decodes.append(0 if q is None else q.shape[0])
+        return real(step, rows, q, *args)
+
+    monkeypatch.setattr(kernels, "latent_step", spy)
+    path = family_models("deepseek_v2")
+    llm = _engine(path)
+    assert llm.engine.backend.name == "native"
+    prompts = family_prompts(len(build_tokenizer()), lengths=(3, 20, 45))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 16) for p in prompts]
+    assert max(decodes) == 3  # the three requests' decodes in one call
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
 def _meta(requests, block_size, num_blocks, decode: bool) -> AttentionMetadata:
     """(context, new) requests over consecutive blocks; `decode`: count them as decodes."""
     tables, slots, seq_lens = [], [], []

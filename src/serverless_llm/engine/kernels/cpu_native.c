@@ -13,6 +13,7 @@
  * sized by torch.set_num_threads), used only where a call has enough work to pay for a team.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +53,8 @@ typedef struct {
     const float *k_norm_bias;
     const float *sinks;    /* [num_heads] sink logits (gpt-oss): one more softmax term each,
                               with no value; or NULL */
+    int64_t chunk;         /* 0: none; else chunked local attention (Llama 4): a query at p
+                              sees keys p - p % chunk <= j <= p, its own chunk's */
 } layer_t;
 
 static inline float sum_squares(const float *x, int64_t n) {
@@ -218,7 +221,7 @@ static inline void prefetch_block(const float *cache, int32_t block, int64_t KVH
 }
 
 /* One decode's attention for one KV head and its group of query heads: scores (scaled,
- * soft-capped, ALiBi, windowed), softmax (with the head's sink), weighted values, a cache
+ * soft-capped, ALiBi, windowed or chunked), softmax (with the head's sink), weighted values, a cache
  * block at a time. `buf`
  * holds group * seq_len floats. */
 static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh, const float *q,
@@ -227,6 +230,7 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
     int64_t G = H / KVH;
     int64_t len = S->seq_lens[i], p = len - 1;
     int64_t first = (L->window > 0 && p - L->window + 1 > 0) ? p - L->window + 1 : 0;
+    if (L->chunk > 0 && p - p % L->chunk > first) first = p - p % L->chunk;
     int64_t n = len - first;
     const int32_t *table = S->block_tables + i * S->bt_stride;
     const float *qi = q + i * q_stride + kh * G * D;
@@ -315,6 +319,241 @@ void attention_step_f32(const layer_t *L, const step_t *S, float *q, int64_t q_s
             attend_one(L, S, task / KVH, task % KVH, q, q_stride, out, out_stride, buf);
         free(buf);
     }
+}
+
+/* -- multi-head latent attention (DeepSeek V2/V3): the absorbed decode -------------------- */
+
+/* A latent layer's cache holds one row of W = L + R floats a token (the KV latent after its
+ * norm, then the rotary key shared by every head): [blocks, block_size, W], so slot s's row is
+ * at s * W. In the absorbed form a decode's query for head h is q[h] = [q_lat | q_pe] (W
+ * floats: q_nope already moved into latent space by the caller), its score against key j is
+ * q[h] . row_j, and its output the softmax-weighted sum of the latents row_j[0..L), which the
+ * caller brings up through W_UV. Every head reads the same rows: a tile of MLA_TILE rows
+ * (36 KB at W = 576) is read from memory once and serves all heads' scores and then their
+ * values from L1/L2, with an online softmax across tiles (a running maximum and sum a head, the
+ * partial output rescaled when the maximum grows). A decode's keys may be cut into splits run
+ * by different threads (few decodes, long contexts), merged after by their maxima and sums. */
+
+#define MLA_TILE 16
+
+/* s0[j], s1[j] = q0 . r[j], q1 . r[j] for n rows (two heads at once: each row load serves
+ * both; four rows at once: eight independent sums). q1 == NULL: one head. */
+static void mla_dots(const float *q0, const float *q1, const float *const *r, int64_t n,
+                     int64_t W, float *s0, float *s1) {
+    int64_t j = 0;
+    if (q1) {
+        for (; j + 4 <= n; j += 4) {
+            const float *r0 = r[j], *r1 = r[j + 1], *r2 = r[j + 2], *r3 = r[j + 3];
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+            for (int64_t d = 0; d < W; d++) {
+                float x = q0[d], y = q1[d];
+                a0 += r0[d] * x;
+                a1 += r1[d] * x;
+                a2 += r2[d] * x;
+                a3 += r3[d] * x;
+                b0 += r0[d] * y;
+                b1 += r1[d] * y;
+                b2 += r2[d] * y;
+                b3 += r3[d] * y;
+            }
+            s0[j] = a0, s0[j + 1] = a1, s0[j + 2] = a2, s0[j + 3] = a3;
+            s1[j] = b0, s1[j + 1] = b1, s1[j + 2] = b2, s1[j + 3] = b3;
+        }
+        for (; j < n; j++) {
+            const float *rj = r[j];
+            float a = 0.0f, b = 0.0f;
+#pragma omp simd reduction(+ : a, b)
+            for (int64_t d = 0; d < W; d++) {
+                a += rj[d] * q0[d];
+                b += rj[d] * q1[d];
+            }
+            s0[j] = a, s1[j] = b;
+        }
+        return;
+    }
+    for (; j + 4 <= n; j += 4) {
+        const float *r0 = r[j], *r1 = r[j + 1], *r2 = r[j + 2], *r3 = r[j + 3];
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t d = 0; d < W; d++) {
+            float x = q0[d];
+            a0 += r0[d] * x;
+            a1 += r1[d] * x;
+            a2 += r2[d] * x;
+            a3 += r3[d] * x;
+        }
+        s0[j] = a0, s0[j + 1] = a1, s0[j + 2] = a2, s0[j + 3] = a3;
+    }
+    for (; j < n; j++) {
+        const float *rj = r[j];
+        float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t d = 0; d < W; d++) a += rj[d] * q0[d];
+        s0[j] = a;
+    }
+}
+
+/* o0 += sum_j p0[j] r[j][0..L), and o1 with p1 (NULL: one head): four rows a pass, so each
+ * pass reads and writes the outputs once for four rows. */
+static void mla_values(float *o0, float *o1, const float *p0, const float *p1,
+                       const float *const *r, int64_t n, int64_t L) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *r0 = r[j], *r1 = r[j + 1], *r2 = r[j + 2], *r3 = r[j + 3];
+        float a0 = p0[j], a1 = p0[j + 1], a2 = p0[j + 2], a3 = p0[j + 3];
+#pragma omp simd
+        for (int64_t d = 0; d < L; d++)
+            o0[d] = o0[d] + (a0 * r0[d] + a1 * r1[d] + a2 * r2[d] + a3 * r3[d]);
+        if (o1) {
+            float b0 = p1[j], b1 = p1[j + 1], b2 = p1[j + 2], b3 = p1[j + 3];
+#pragma omp simd
+            for (int64_t d = 0; d < L; d++)
+                o1[d] = o1[d] + (b0 * r0[d] + b1 * r1[d] + b2 * r2[d] + b3 * r3[d]);
+        }
+    }
+    for (; j < n; j++) {
+        const float *rj = r[j];
+        float a = p0[j];
+#pragma omp simd
+        for (int64_t d = 0; d < L; d++) o0[d] = o0[d] + a * rj[d];
+        if (o1) {
+            float b = p1[j];
+#pragma omp simd
+            for (int64_t d = 0; d < L; d++) o1[d] = o1[d] + b * rj[d];
+        }
+    }
+}
+
+/* Keys a..b-1 of decode i for all H heads of q [H, W]: o [H, L] gets the unnormalised
+ * weighted latents, m [H] the heads' maximum score, l [H] their sums of exp(score - m);
+ * sc holds H * MLA_TILE floats. An empty range leaves o = 0, m = -inf, l = 0. */
+static void mla_range(const step_t *S, const float *cache, int64_t W, int64_t L, int64_t H,
+                      float scale, const float *q, int64_t i, int64_t a, int64_t b, float *o,
+                      float *m, float *l, float *sc) {
+    int64_t bs = S->block_size;
+    const int32_t *table = S->block_tables + i * S->bt_stride;
+    memset(o, 0, (size_t)(H * L) * sizeof(float));
+    for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    const float *rows[MLA_TILE];
+    for (int64_t t0 = a; t0 < b; t0 += MLA_TILE) {
+        int64_t n = b - t0 < MLA_TILE ? b - t0 : MLA_TILE;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t pos = t0 + j;
+            rows[j] = cache + ((int64_t)table[pos / bs] * bs + pos % bs) * W;
+        }
+        for (int64_t h = 0; h < H; h += 2) {
+            int two = h + 1 < H;
+            mla_dots(q + h * W, two ? q + (h + 1) * W : NULL, rows, n, W, sc + h * MLA_TILE,
+                     sc + (h + two) * MLA_TILE);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = sc + h * MLA_TILE, mx = m[h];
+            for (int64_t j = 0; j < n; j++) {
+                sh[j] = sh[j] * scale;
+                mx = sh[j] > mx ? sh[j] : mx;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) {
+                sh[j] = exp_nonpositive(sh[j] - mx);
+                sum += sh[j];
+            }
+            if (mx > m[h] && m[h] > -INFINITY) { /* the maximum grew: rescale what came before */
+                float alpha = exp_nonpositive(m[h] - mx);
+                l[h] = l[h] * alpha;
+                float *oh = o + h * L;
+                for (int64_t d = 0; d < L; d++) oh[d] = oh[d] * alpha;
+            }
+            l[h] = l[h] + sum;
+            m[h] = mx;
+        }
+        for (int64_t h = 0; h < H; h += 2) {
+            int two = h + 1 < H;
+            mla_values(o + h * L, two ? o + (h + 1) * L : NULL, sc + h * MLA_TILE,
+                       two ? sc + (h + 1) * MLA_TILE : NULL, rows, n, L);
+        }
+    }
+}
+
+/* One latent layer's step: each of the step's rows (rows [T, W], `rows_stride` floats apart;
+ * NULL: none) written to its slot of cache [blocks, block_size, W] (slot < 0: skipped), then
+ * (q not NULL) the decodes' absorbed attention: q [num_decodes, H, W] (rows q_stride floats apart, heads W
+ * apart) -> out [num_decodes, H, L] (rows out_stride apart, heads L apart), the softmax of
+ * scale * q[h] . row_j over the decode's keys 0..seq_len-1 weighting row_j[0..L). */
+void mla_decode_f32(const step_t *S, const float *rows, int64_t rows_stride, float *cache,
+                    int64_t W, const float *q, int64_t q_stride, int64_t H, int64_t L, float scale,
+                    float *out, int64_t out_stride) {
+    if (rows) {
+        for (int64_t t = 0; t < S->num_tokens; t++) {
+            int64_t slot = S->slot_mapping[t];
+            if (slot >= 0) memcpy(cache + slot * W, rows + t * rows_stride, W * sizeof(float));
+        }
+    }
+    int64_t nd = S->num_decodes;
+    if (nd == 0 || !q) return;
+    int64_t max_len = 0, total = 0;
+    for (int64_t i = 0; i < nd; i++) {
+        max_len = S->seq_lens[i] > max_len ? S->seq_lens[i] : max_len;
+        total += S->seq_lens[i];
+    }
+    int parallel = total * W * H > PARALLEL_WORK;
+    int64_t threads = parallel ? omp_get_max_threads() : 1;
+    /* Splits a decode: enough tasks for two a thread, each of at least 4 tiles. */
+    int64_t splits = (2 * threads + nd - 1) / nd;
+    int64_t most = (max_len + 4 * MLA_TILE - 1) / (4 * MLA_TILE);
+    splits = splits < most ? splits : most;
+    splits = splits < 1 ? 1 : splits;
+    int64_t tasks = nd * splits;
+    float *stats = malloc((size_t)(tasks * 2 * H) * sizeof(float));
+    float *part = splits > 1 ? malloc((size_t)(tasks * H * L) * sizeof(float)) : NULL;
+#pragma omp parallel if (parallel)
+    {
+        float *sc = malloc((size_t)(H * MLA_TILE) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t i = task / splits, s = task % splits, len = S->seq_lens[i];
+            int64_t per = (len + splits - 1) / splits;
+            per = (per + MLA_TILE - 1) / MLA_TILE * MLA_TILE;
+            int64_t a = s * per < len ? s * per : len, b = a + per < len ? a + per : len;
+            float *m = stats + task * 2 * H, *l = m + H;
+            float *o = part ? part + task * H * L : out + i * out_stride;
+            mla_range(S, cache, W, L, H, scale, q + i * q_stride, i, a, b, o, m, l, sc);
+            if (!part)
+                for (int64_t h = 0; h < H; h++) {
+                    float inv = 1.0f / l[h];
+                    for (int64_t d = 0; d < L; d++) o[h * L + d] = o[h * L + d] * inv;
+                }
+        }
+        free(sc);
+        if (part) {
+#pragma omp for schedule(static)
+            for (int64_t ih = 0; ih < nd * H; ih++) {
+                int64_t i = ih / H, h = ih % H;
+                float mx = -INFINITY;
+                for (int64_t s = 0; s < splits; s++) {
+                    float ms = stats[(i * splits + s) * 2 * H + h];
+                    mx = ms > mx ? ms : mx;
+                }
+                float *oi = out + i * out_stride + h * L, sum = 0.0f;
+                for (int64_t d = 0; d < L; d++) oi[d] = 0.0f;
+                for (int64_t s = 0; s < splits; s++) {
+                    const float *st = stats + (i * splits + s) * 2 * H;
+                    if (!(st[h] > -INFINITY)) continue; /* an empty split */
+                    float w = exp_nonpositive(st[h] - mx);
+                    sum += w * st[H + h];
+                    const float *os = part + ((i * splits + s) * H + h) * L;
+#pragma omp simd
+                    for (int64_t d = 0; d < L; d++) oi[d] = oi[d] + w * os[d];
+                }
+                float inv = 1.0f / sum;
+                for (int64_t d = 0; d < L; d++) oi[d] = oi[d] * inv;
+            }
+        }
+    }
+    free(part);
+    free(stats);
 }
 
 /* Residual add and norm over rows of n: with `residual`, res_out = x + residual and

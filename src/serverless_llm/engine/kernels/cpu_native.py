@@ -6,8 +6,12 @@ one request those cost as much as a third of the step in dispatch alone. cpu_nat
 group in one call, float32, reading the paged cache in place:
 
 - `attention_step`: a layer's q/k clip, q/k RMSNorm, rotary (neox or GPT-J, full or partial),
-  KV write and the decode rows' attention (soft-cap, ALiBi, sliding window, sinks) over the head-major
-  cache the torch backend uses (`allocate_kv_cache(head_major=True)`);
+  KV write and the decode rows' attention (soft-cap, ALiBi, sliding window, chunked local
+  attention, sinks) over the head-major cache the torch backend uses
+  (`allocate_kv_cache(head_major=True)`);
+- `latent_step`: a multi-head latent attention (MLA) layer's row write and its decodes'
+  absorbed attention over the latent cache (one row of latent | rotary key a token, read once
+  for all heads), `mla_attention.latent_decode_reference`'s contract;
 - `add_norm`: the residual add and RMSNorm or LayerNorm;
 - `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
   where it measures faster than oneDNN (layers/linear.py chooses);
@@ -31,7 +35,8 @@ leave the torch path in place with a warning line; `ATTENTION_BACKEND=torch` tur
 
 References: the torch code this replaces, in its own kernel modules (`rms_norm_reference`,
 `layer_norm_reference`, `rotary_embedding_reference`, `reshape_and_cache_reference`,
-`paged_attention_reference`); `attention_step_reference` composes them in this call's order. The
+`paged_attention_reference`, `write_latents_reference`, `latent_decode_reference`);
+`prepare_reference` is the step's q/k preparation in this call's order. The
 recurrent decodes' references are the torch decode branches of `gated_delta_rule_ref`,
 `ssd_scan_ref`, `selective_scan_ref` and `causal_conv1d_ref` (run inside `torch_decodes()`).
 """
@@ -107,6 +112,7 @@ class Layer(ctypes.Structure):
         ("q_norm_bias", _P),
         ("k_norm_bias", _P),
         ("sinks", _P),
+        ("chunk", _I),
     ]
 
 
@@ -221,6 +227,10 @@ class NativeKernels:
         f.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Step)] + [_P, _I] * 4
         f.restype = None
         self._attention = f
+        f = self.lib.mla_decode_f32
+        f.argtypes = [ctypes.POINTER(Step), _P, _I, _P, _I, _P, _I, _I, _I, _F, _P, _I]
+        f.restype = None
+        self._mla = f
         f = self.lib.linear_panels_f32
         f.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
         f.restype = None
@@ -280,6 +290,40 @@ class NativeKernels:
             out.data_ptr(),
             out.stride(0),
         )
+
+    def latent_step(self, step: Step, rows, q, cache, scale: float, rank: int):
+        """A latent (MLA) layer's step, float32: each row of `rows` [T, W] (the latent after its
+        norm, then the rotated key; rows strided, values contiguous; or None: nothing written) at
+        its slot of `cache` ([1, blocks, block_size, 1, W], contiguous), then the absorbed decode
+        of q [num_decodes, H, W] (q_lat | q_pe) over each decode's cached rows: returns the
+        softmax(scale * q . row)-weighted latents [num_decodes, H, rank]
+        (mla_attention.latent_decode_reference's contract)."""
+        W = cache.shape[-1]
+        if not cache[0].is_contiguous():
+            raise ValueError("the native latent step reads a contiguous cache only")
+        if rows is not None and rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        nd, H = (0, 0) if q is None else q.shape[:2]
+        if q is not None and nd != step.num_decodes:
+            raise ValueError(f"{nd} decode queries for a step of {step.num_decodes} decodes")
+        if q is not None and (q.stride(2) != 1 or q.stride(1) != W):
+            q = q.contiguous()
+        out = torch.empty(nd, H, rank, dtype=torch.float32)
+        self._mla(
+            ctypes.byref(step),
+            ptr_or_null(rows),
+            0 if rows is None else rows.stride(0),
+            cache.data_ptr(),
+            W,
+            ptr_or_null(q),
+            0 if q is None else q.stride(0),
+            H,
+            rank,
+            scale,
+            out.data_ptr(),
+            H * rank,
+        )
+        return out
 
     def linear(self, x, panels, bias=None, out_features: int | None = None):
         """F.linear(x, w, bias) for x [M, K] (last dim contiguous) and `panels` =
@@ -578,6 +622,7 @@ def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | No
         q_norm_bias=ptr_or_null(prep.q_norm_bias),
         k_norm_bias=ptr_or_null(prep.k_norm_bias),
         sinks=ptr_or_null(sinks),
+        chunk=spec.chunk_size or 0,
     )
 
 
@@ -631,8 +676,8 @@ def add_norm_reference(x, residual, weight, bias, eps: float, kind: int):
 
 def self_check(kernels: NativeKernels) -> str | None:
     """Each function against its torch reference on a small probe (GQA, partial GPT-J rotary,
-    q/k norm, soft-cap, ALiBi, a window, sinks, a prefill row; linears and norms; the recurrent
-    decodes): None, or what disagreed."""
+    q/k norm, soft-cap, ALiBi, a window, sinks, a chunk, a prefill row; the latent step; linears
+    and norms; the recurrent decodes): None, or what disagreed."""
     from .kv_write import reshape_and_cache_reference
     from .paged_attention import paged_attention_reference
 
@@ -657,6 +702,7 @@ def self_check(kernels: NativeKernels) -> str | None:
                 "sinks": torch.randn(H, generator=g) * 2,
             },
         ),
+        ("chunked", LayerPrep(rope=_probe_rope(D, g)), {"chunk_size": 3}),
     ):
         spec = AttentionSpec(H, KVH, D, D**-0.5, **spec_kw)
         lens, qlens = [9, 3, 7], [1, 1, 3]
@@ -702,6 +748,10 @@ def self_check(kernels: NativeKernels) -> str | None:
             err = (a - b).abs().max().item()
             if not err <= 1e-4:
                 return f"attention_step ({name}): {what} differs by {err:.3g}"
+        if name == "plain":
+            problem = _check_latent(kernels, meta, pos, g)
+            if problem:
+                return problem
     # Columns off the panels (21 = 16 + 5), K past one block (130 = 128 + 2), rows off the
     # micro-kernel's 6.
     for n, k in ((21, 37), (32, 130)):
@@ -730,6 +780,26 @@ def self_check(kernels: NativeKernels) -> str | None:
                 if not err <= 1e-4:
                     return f"add_norm (kind {kind}): differs by {err:.3g}"
     return _check_recurrent(kernels, g)
+
+
+def _check_latent(kernels: NativeKernels, meta: AttentionMetadata, pos, g) -> str | None:
+    """`latent_step` (the row write, then the absorbed decode of 3 heads over the rows) against
+    mla_attention's references on the attention probe's step: None, or what disagreed."""
+    from .mla_attention import latent_decode_reference, write_latents_reference
+
+    W, rank = 20, 16
+    cache = torch.randn(1, 12, meta.block_size, 1, W, generator=g)
+    ref_cache = cache.clone()
+    rows = torch.randn(pos.shape[0], W, generator=g)
+    q = torch.randn(meta.num_decodes, 3, W, generator=g)
+    got = kernels.latent_step(make_step(meta, pos, []), rows, q, cache, 0.3, rank)
+    write_latents_reference(rows, ref_cache, meta)
+    want = latent_decode_reference(q, ref_cache, meta, 0.3, rank)
+    for what, a, b in (("cache", cache, ref_cache), ("attention", got, want)):
+        err = (a - b).abs().max().item()
+        if not err <= 1e-4:
+            return f"latent_step: {what} differs by {err:.3g}"
+    return None
 
 
 def _check_recurrent(kernels: NativeKernels, g: torch.Generator) -> str | None:

@@ -85,10 +85,12 @@ class TorchAttentionBackend(AttentionBackend):
 
 class NativeCpuBackend(TorchAttentionBackend):
     """The CPU path with the native kernels (kernels/cpu_native.py): each layer's KV write and
-    decode attention in one call over the head-major cache, read in place; prefill rows through
-    the torch backend's code. `forward_native` also takes over the layer's q/k preparation (clip,
-    q/k norm, rotary), as the layer's struct (`layer`, from its `LayerPrep`) describes it. A float32 cache only: any other
-    (bfloat16 models, an 8-bit cache) runs the torch backend's path."""
+    decode attention in one call over the head-major cache, read in place (soft-cap, ALiBi,
+    sliding window, chunked local attention, sinks); prefill rows through the torch backend's
+    code. `forward_native` also takes over the layer's q/k preparation (clip, q/k norm,
+    rotary), as the layer's struct (`layer`, from its `LayerPrep`) describes it. Latent (MLA)
+    layers write their rows and attend their decodes in `latent_step`. A float32 cache only: any
+    other (bfloat16 models, an 8-bit cache) runs the torch backend's path."""
 
     name = "native"
 
@@ -99,12 +101,22 @@ class NativeCpuBackend(TorchAttentionBackend):
         meta.backend_state["native"] = None  # built by the first layer that needs it
 
     def forward(self, q, k, v, kv_cache, meta, spec):
-        native = q.dtype == torch.float32 and native_cache_ok(kv_cache)
-        if not native or spec.chunk_size is not None:  # (the native step has no chunk rule)
+        if not (q.dtype == torch.float32 and native_cache_ok(kv_cache)):
             if "kv_write" not in meta.backend_state:  # the torch backend's plan, once a step
                 super().prepare(meta)
             return super().forward(q, k, v, kv_cache, meta, spec)
         return self.forward_native(q, k, v, kv_cache, meta, spec, self.layer(spec, kv_cache))
+
+    def latent_ready(self, rows: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether `latent_step` takes a latent (MLA) layer's step: float32 rows and cache."""
+        return rows.dtype == torch.float32 and native_cache_ok(kv_cache)
+
+    def latent_step(self, rows, q, kv_cache, meta, scale: float, rank: int) -> torch.Tensor:
+        """A latent layer's row write (rows [T, W]: latent | rotated key) and its decodes'
+        absorbed attention (q [num_decodes, H, W]: q_lat | q_pe; None: the write only) in one
+        native call: the weighted latents [num_decodes, H, rank], as
+        mla_attention.latent_decode_torch gives them."""
+        return self.kernels.latent_step(self.step(meta, None), rows, q, kv_cache, scale, rank)
 
     def layer(self, spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | None = None):
         return make_layer(spec, kv_cache, prep)

@@ -467,7 +467,6 @@ class Attention(nn.Module):
             and not self.gate_size
             and s.qk_norm != "l2_head"
             and self.temperature is None
-            and attn.chunk_size is None  # the native kernels have no chunk rule
         )
         self._native_layer: tuple | None = None  # (key, struct, prep), rebuilt on a new key
 

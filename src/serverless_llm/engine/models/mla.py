@@ -18,9 +18,10 @@ Two forms, chosen per step, the same attention:
   weighted latents come up through the value half (W_UV) once; the expanded keys are never
   made, and a decode reads L + R values a cached token for all heads.
 
-The Triton backend runs both on the kernels of kernels/mla_attention.py; every other backend
-(torch, and the native CPU backend, whose kernels know only per-head K/V caches) on their
-torch twins.
+The Triton backend runs both on the kernels of kernels/mla_attention.py; the native CPU backend
+writes the rows and runs the absorbed decode in one native call (`NativeCpuBackend.latent_step`,
+cpu_native.c `mla_decode_f32`; float32 caches), its prefill rows on the torch twin; the torch
+backend (and the native one on any other cache) on the torch twins.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..kernels.mla_attention import (
     write_latents,
     write_latents_reference,
 )
+from ..layers.attention import NativeCpuBackend
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryStep, apply_rotary, yarn_mscale
 from ..parallel.group import SINGLE, TensorParallel
@@ -180,27 +182,44 @@ class LatentAttention(nn.Module):
             q_nope = (q_nope.float() * q_scale).to(q.dtype)
             q_pe = (q_pe.float() * q_scale).to(q.dtype)
         rows = torch.cat([latent, k_pe.reshape(T, R)], dim=-1)  # the cache's row a token
-        kernels = self.use_kernels and not self._fp8_bytes(kv_cache)
-        if kernels:
-            write_latents(rows, kv_cache, meta.slot_mapping, self.spec.k_scale)
-        else:
-            write_latents_reference(rows, kv_cache, meta, self.spec.k_scale)
         out = x.new_empty(T, H, V)
         nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta, kernels)
+        kernels = self.use_kernels and not self._fp8_bytes(kv_cache)
+        backend = self.backend
+        if isinstance(backend, NativeCpuBackend) and backend.latent_ready(rows, kv_cache):
+            # The write and the decodes' attention in one native call.
+            q = self._absorbed_queries(q_nope[:nd], q_pe[:nd]) if nd else None
+            o_lat = backend.latent_step(rows, q, kv_cache, meta, self.spec.scale, L)
+            if nd:
+                out[:nd] = self._up(o_lat)
+        else:
+            if kernels:
+                write_latents(rows, kv_cache, meta.slot_mapping, self.spec.k_scale)
+            else:
+                write_latents_reference(rows, kv_cache, meta, self.spec.k_scale)
+            if nd:
+                out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta, kernels)
         if meta.num_requests > nd:
             out[nd:] = self._expanded(q_nope[nd:], q_pe[nd:], rows, kv_cache, meta, kernels)
         return self.tp.all_reduce(self.o_proj(out.view(T, H * V)))
 
+    def _absorbed_queries(self, q_nope, q_pe) -> torch.Tensor:
+        """The decodes' queries in latent space, [nd, H, L + R]: q_nope through W_UK, q_pe."""
+        w_uk = self.absorbed_weights()[0]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [nd, H, L]
+        return torch.cat([q_lat, q_pe], dim=-1)
+
+    def _up(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """The weighted latents [nd, H, L] up through W_UV: [nd, H, V]."""
+        w_uv = self.absorbed_weights()[1]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
     def _absorbed(self, q_nope, q_pe, kv_cache, meta, kernels: bool) -> torch.Tensor:
         """The decodes' outputs [nd, H, V] in the absorbed form."""
-        w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [nd, H, L]
-        q = torch.cat([q_lat, q_pe], dim=-1)
+        q = self._absorbed_queries(q_nope, q_pe)
         decode = latent_decode if kernels else latent_decode_torch
         o_lat = decode(q, kv_cache, meta, self.spec.scale, self.mla.kv_lora_rank, self.spec.k_scale)
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self._up(o_lat)
 
     def _expanded(self, q_nope, q_pe, rows, kv_cache, meta, kernels: bool) -> torch.Tensor:
         """The prefill rows' outputs [Tp, H, V] in the expanded form: each request's latents
