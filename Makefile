@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install install-dev run chat test lint format bench
+.PHONY: install install-dev redis-server run chat test lint format bench
 
 $(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,23 @@ $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 
 install: $(VENV)/.installed
 
-install-dev: $(VENV)/.installed-dev
+install-dev: $(VENV)/.installed-dev redis-server
+
+# The tests start a real redis-server (the Responses API's shared store, on a loopback port):
+# Debian's package, installed when missing where this runs as root with apt-get; otherwise a
+# message says how (the store's tests then fail naming it).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing redis-server (Debian package) for the tests"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; \
+	  else \
+	    echo "note: redis-server is not installed, and installing it needs root and apt-get;" \
+	      "install Debian's redis-server package (sudo apt-get install redis-server) for the" \
+	      "Responses store tests" >&2; \
+	  fi; }
 
 # Starts the local endpoint (OpenAI routes under /openai/v1, RunPod job routes) on the embedded
 # default model (SmolLM2-135M-Instruct) unless MODEL_NAME says otherwise.
