@@ -21,7 +21,7 @@ from serverless_llm.engine.models import describe_model
 from serverless_llm.engine.models.sharding import check_shardable
 from tests.engine.family_check import assert_pool_whole, family_prompts
 from tests.engine.reference import hf_greedy
-from tests.engine.test_families_gemma4 import WINDOW, _composite, _gemma4, save_gemma4
+from tests.engine.test_families_gemma4 import CONFIGS, WINDOW, _composite, _gemma4, save_gemma4
 from tests.engine.tp_harness import sharded_logits
 from tests.tiny_models import build_tokenizer
 
@@ -96,6 +96,20 @@ def test_shards_give_transformers_logits(checkpoint):
     torch.testing.assert_close(out["logits"], _hf_logits(hf, ids), atol=2e-4, rtol=2e-4)
     whole = sum(p.numel() * 4 for p in hf.parameters())
     assert all(whole * 0.45 < loaded < whole * 0.6 for loaded in out["bytes"]), out["bytes"]
+
+
+def test_global_kv_heads_split_across_ranks(tmp_path):
+    """The 31B-style dense decoder (no sharing, no per-layer inputs, separate values) with the
+    global layers' two 48-wide KV heads split one per rank: each rank's entries are 1 x 48, the
+    sliding layers' 1 x 16 views into them; the logits are transformers'."""
+    tok = build_tokenizer()
+    plain = CONFIGS["gemma4_plain"](tok)
+    assert describe_model(plain).layer_heads[2] == (2, 48)
+    path = save_gemma4(str(tmp_path / "m"), plain)
+    ids = family_prompts(len(tok), seed=4, lengths=(35,))[0]
+    out = sharded_logits(path, ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.testing.assert_close(out["logits"], _hf_logits(hf, ids), atol=2e-4, rtol=2e-4)
 
 
 def test_text_part_of_the_composite_over_two_ranks(tmp_path):
