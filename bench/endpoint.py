@@ -12,6 +12,11 @@ alternating rounds expose both systems to the same swings.
 
     .venv/bin/python bench/endpoint.py [--num-prompts 32] [--max-tokens 64] [--rounds 5]
                                        [--model DIR] [--tiny]
+
+`--metrics-ab` measures what Prometheus metrics cost instead (issue 38): two endpoints, one with
+ENABLE_METRICS on and one off, the same streamed chats on each, alternating rounds (on, off,
+on, ...; the other idles meanwhile); /metrics is scraped after each metrics-on round and its
+request count checked. The bar: the best metrics-on throughput >= 98% of the best off.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from bench.common import (  # noqa: E402
 from bench.throughput import BATCH_TOKENS, PAGE_SIZE, engine_llm  # noqa: E402
 
 BAR = 0.90
+METRICS_BAR = 0.98
 
 
 def log(msg: str) -> None:
@@ -142,6 +148,108 @@ class Offline:
         return seconds
 
 
+def scrape_finished(port: int) -> float:
+    """Requests the endpoint's /metrics counts as finished, all reasons."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "serverless_llm:request_success_total"
+    )
+
+
+def metrics_ab(args: argparse.Namespace, model_dir: str, settings: dict[str, str]) -> int:
+    """Streamed-chat throughput with metrics on against off, in one run (see the docstring)."""
+    servers = {}
+    try:
+        for on in (True, False):
+            port = free_port()
+            log(f"endpoint, metrics {'on' if on else 'off'}, on port {port}: load and warm up")
+            env = {**settings, "ENABLE_METRICS": "1" if on else "0"}
+            servers[on] = (port, start_server(model_dir, port, env))
+        from openai import OpenAI
+
+        model_id = (
+            OpenAI(base_url=f"http://127.0.0.1:{servers[True][0]}/openai/v1", api_key="unused")
+            .models.list()
+            .data[0]
+            .id
+        )
+        for port, _ in servers.values():
+            asyncio.run(stream_chats(port, model_id, questions(args.num_prompts, "Warm-up. "), 8))
+        times: dict[bool, list[tuple[float, float | None]]] = {True: [], False: []}
+        for r in range(args.rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                port, proc = servers[on]
+                log(f"round {r + 1}: metrics {'on' if on else 'off'}")
+                counted = scrape_finished(port) if on else 0.0
+                with CpuCompetition(pids=[proc.pid]) as comp:
+                    seconds, tokens = asyncio.run(
+                        stream_chats(
+                            port,
+                            model_id,
+                            questions(args.num_prompts, round_lead(r)),
+                            args.max_tokens,
+                        )
+                    )
+                if tokens != args.num_prompts * args.max_tokens:
+                    raise RuntimeError(f"the endpoint produced {tokens} tokens")
+                if on and scrape_finished(port) - counted != args.num_prompts:
+                    raise RuntimeError("/metrics did not count this round's requests")
+                times[on].append((seconds, comp.other_cores))
+    finally:
+        for _, proc in servers.values():
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    total = args.num_prompts * args.max_tokens
+    rows = [
+        [
+            str(r + 1),
+            f"{total / times[True][r][0]:.1f}",
+            _fmt(times[True][r][1]),
+            f"{total / times[False][r][0]:.1f}",
+            _fmt(times[False][r][1]),
+            f"{times[False][r][0] / times[True][r][0]:.3f}",
+        ]
+        for r in range(args.rounds)
+    ]
+    on_rate = total / min(t for t, _ in times[True])
+    off_rate = total / min(t for t, _ in times[False])
+    ratio = on_rate / off_rate
+    rows.append(["best", f"{on_rate:.1f}", "", f"{off_rate:.1f}", "", f"{ratio:.3f}"])
+    info = machine_info()
+    print(
+        f"{info.get('cpu')}, {info.get('cores')} cores; {args.num_prompts} streamed chats x "
+        f"{args.max_tokens} tokens; {args.rounds} rounds, metrics on and off in each"
+    )
+    print(
+        format_table(
+            ["round", "on tok/s", "others' cores", "off tok/s", "others' cores", "on / off"], rows
+        )
+    )
+    verdict = "meets" if ratio >= METRICS_BAR else "misses"
+    print(f"metrics on vs off (best of each)   {ratio:.3f}  (bar >= {METRICS_BAR:.2f}: {verdict})")
+    print(
+        f"SUMMARY metrics_on={on_rate:.1f}tok/s metrics_off={off_rate:.1f}tok/s ratio={ratio:.3f}"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"on_tok_s": on_rate, "off_tok_s": off_rate, "ratio": ratio, "rounds": times},
+                indent=2,
+                default=str,
+            )
+        )
+    return 0
+
+
 def round_lead(r: int) -> str:
     """Each round asks questions neither engine has seen, so no round gains from a prefix cache
     filled by an earlier one (both engines see the same leads, so the same tokens)."""
@@ -165,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model directory (default: embedded SmolLM2)")
     ap.add_argument("--tiny", action="store_true", help="CI smoke size: 4 prompts x 8 tokens")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--metrics-ab",
+        action="store_true",
+        help="metrics on against off (ENABLE_METRICS), no offline engine",
+    )
     args = ap.parse_args(argv)
     if args.tiny:
         args.num_prompts, args.max_tokens, args.rounds = 4, 8, 1
@@ -182,12 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = -(-need // PAGE_SIZE) * PAGE_SIZE
     # Room for every request of one round, plus what the earlier rounds leave cached.
     num_blocks = args.num_prompts * (max_model_len // PAGE_SIZE) + 8
-
-    whole = CpuCompetition().__enter__()
-    log("offline engine: load and warm up")
-    offline = Offline(model_dir, warmup, max_model_len, num_blocks)
-
-    port = free_port()
     settings = {
         "DTYPE": "float32",
         "MAX_MODEL_LEN": str(max_model_len),
@@ -198,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         "DISABLE_LOG_REQUESTS": "1",
         "DISABLE_LOG_STATS": "1",
     }
+    if args.metrics_ab:
+        return metrics_ab(args, model_dir, settings)
+
+    whole = CpuCompetition().__enter__()
+    log("offline engine: load and warm up")
+    offline = Offline(model_dir, warmup, max_model_len, num_blocks)
+
+    port = free_port()
     log(f"endpoint on port {port}: load and warm up")
     server = start_server(model_dir, port, settings)
     total = args.num_prompts * args.max_tokens

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import serverless_llm
 from serverless_llm.api.batching import BatchSizes
 from serverless_llm.api.limits import RequestLimits
 from serverless_llm.api.media import MediaConfig
@@ -130,6 +131,8 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "structured_in_reasoning": False,
         "lora_modules": [],
         "media": MediaConfig(),  # the Multimodal settings' defaults
+        "metrics": worker.metrics.render,  # ENABLE_METRICS on by default
+        "version": serverless_llm.__version__,
     }
     assert serving.calls[0] == (
         "/v1/chat/completions",

@@ -9,6 +9,9 @@ Every route builds the same job the platform would hand the worker and drives th
   real server-sent events, one write per item the handler yields. A client that goes away
   mid-request closes the handler's generator, which aborts the engine request and frees its KV
   blocks.
+- `/tokenize`, `/detokenize`, `/version`, `/metrics` (vLLM's utility routes, at the root as in
+  vLLM and under `/openai/v1` as the platform relays them): `openai_route` jobs answered
+  directly, outside the job slots, so a scrape never waits behind generation.
 - `/run`, `/runsync`, `/stream/{id}`, `/status/{id}`, `/cancel/{id}`, `/health` (and
   `/v2/{endpoint_id}/...`): the platform's job API. Unlike runpod's `--rp_serve_api`, `/stream`
   returns only what is new since the last poll, as the platform does.
@@ -34,7 +37,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..worker.handler import SSE_DONE, http_status, is_error, openai_error, sse_event, sse_events
+from ..worker.handler import (
+    METRICS_CONTENT_TYPE,
+    SSE_DONE,
+    UTILITY_ROUTES,
+    http_status,
+    is_error,
+    openai_error,
+    sse_event,
+    sse_events,
+)
 from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager, unless
 
 logger = logging.getLogger(__name__)
@@ -73,7 +85,7 @@ class ClientGone(Exception):
 
 
 def _is_openai_path(path: str) -> bool:
-    return "/openai/" in path
+    return "/openai/" in path or path.rstrip("/").rsplit("/", 1)[-1] in UTILITY_ROUTES
 
 
 def _error_response(path: str, status: int, message: str, code: str | None = None) -> Response:
@@ -365,6 +377,46 @@ def create_app(
             status=404,
         )
         return _openai_error_response(err)
+
+    # -- vLLM's utility routes ----------------------------------------------------------------
+
+    async def utility(route: str, body: dict[str, Any]) -> Response:
+        """Runs the worker's handler on the route's job directly: no job slot, and answered
+        while draining too (a scrape or a token count never waits behind generation)."""
+        job_manager()  # 503 until the worker has started
+        job = {
+            "id": f"util-{uuid.uuid4().hex}",
+            "input": {"openai_route": route, "openai_input": body},
+        }
+        async with aclosing(worker.handle(job)) as items:
+            first = await anext(items, None)
+            async for _ in items:
+                pass
+        if isinstance(first, str):  # /metrics: Prometheus' text format
+            return Response(first, media_type=METRICS_CONTENT_TYPE)
+        if not isinstance(first, dict):
+            raise ApiError(500, "the worker produced no output")
+        if is_error(first):
+            return _openai_error_response(first)
+        return JSONResponse(first)
+
+    for prefix in ("", "/openai/v1"):
+
+        @router.post(f"{prefix}/tokenize")
+        async def tokenize(request: Request) -> Response:
+            return await utility("/tokenize", await read_openai_body(request))
+
+        @router.post(f"{prefix}/detokenize")
+        async def detokenize(request: Request) -> Response:
+            return await utility("/detokenize", await read_openai_body(request))
+
+        @router.get(f"{prefix}/version")
+        async def version() -> Response:
+            return await utility("/version", {})
+
+        @router.get(f"{prefix}/metrics")
+        async def metrics() -> Response:
+            return await utility("/metrics", {})
 
     # -- the platform's job API ---------------------------------------------------------------
 

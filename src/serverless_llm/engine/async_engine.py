@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from .client import ModelInfo
 from .config import EngineConfig
@@ -70,6 +70,7 @@ class AsyncEngine:
         self._closed = False
         self.dead: Exception | None = None  # set when the engine can never step again
         self.on_fatal = None  # called with that error, once
+        self._observers: list[Callable[[list[EngineOutput]], None]] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -128,6 +129,20 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot (read between steps without a lock: counts may be one step old)."""
         return self.core.stats()
+
+    def add_output_observer(self, observer: Callable[[list[EngineOutput]], None]) -> None:
+        """Calls `observer` on the event loop with every step's outputs (and each abort's),
+        before the next step starts, so their `times` hold still while it reads them (the
+        serving layer's metrics). It must be quick; what it raises is logged, never the
+        requests'."""
+        self._observers.append(observer)
+
+    def _observe(self, outputs: list[EngineOutput]) -> None:
+        for observer in self._observers:
+            try:
+                observer(outputs)
+            except Exception:
+                logger.exception("an output observer failed")
 
     def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
         return self.core.inputs.tokenize_prompt(prompt)
@@ -282,6 +297,8 @@ class AsyncEngine:
             queue = self._queues.get(rid)
             if out is not None and queue is not None:
                 queue.put_nowait(out)
+            if out is not None and self._observers:
+                self._observe([out])
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -310,6 +327,8 @@ class AsyncEngine:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            if self._observers and outputs:
+                self._observe(outputs)
             failed, self.core.failed = self.core.failed, {}
             for rid, exc in failed.items():
                 queue = self._queues.get(rid)

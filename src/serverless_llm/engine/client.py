@@ -3,7 +3,7 @@ nothing else (vLLM's EngineClient is the idea). `AsyncEngine` implements it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +49,9 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Any: ...
 
     def stats(self) -> EngineStats: ...
+
+    def add_output_observer(self, observer: Callable[[list[EngineOutput]], None]) -> None:
+        """`observer` sees every step's outputs, before the next step (for metrics)."""
 
     def tokenize_prompt(self, prompt: str | list[int]) -> PromptInput:
         """A text or token-id prompt checked and as token ids (InvalidRequestError if bad)."""

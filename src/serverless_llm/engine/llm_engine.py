@@ -375,6 +375,7 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        req.times.arrival = time.monotonic()
         if req.params.use_beam_search:
             self.beams.start(req)
         else:
@@ -510,6 +511,10 @@ class LLMEngine:
                     sampled.append(Sampled(req, [tok], [lp]))
         updates = self.scheduler.update(batch, sampled, process_token)
         outputs = []
+        now = time.monotonic()
+        for req in batch.requests:
+            if req.times.scheduled is None:
+                req.times.scheduled = now
         for up in updates:
             req = up.request
             if up.error is not None:
@@ -517,6 +522,8 @@ class LLMEngine:
                 continue
             if req.finished:
                 self.requests.pop(req.request_id, None)
+            if up.token_ids:
+                req.times.mark_tokens(now)
             outputs.append(make_output(req, up.token_ids, up.text, up.logprobs or None))
         for req, lp in beams:
             try:

@@ -19,10 +19,14 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
+from .. import __version__
 from ..api.errors import native_error
+from ..api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..api.metrics import EngineMetrics
 from ..api.native import NativeServing
 from ..api.openai import (
     SSE_DONE,
+    UTILITY_ROUTES,
     OpenAIServing,
     http_status,
     is_error,
@@ -48,7 +52,9 @@ from .shutdown import GracefulShutdown, serve
 # imports nothing else).
 __all__ = [
     "LOAD_ERRORS",
+    "METRICS_CONTENT_TYPE",
     "SSE_DONE",
+    "UTILITY_ROUTES",
     "Worker",
     "http_status",
     "is_error",
@@ -75,6 +81,8 @@ class Worker:
         self.engine: AsyncEngine | None = engine
         # The adapters served (LORA_MODULES, those that read), once the engine exists.
         self.loras: list[LoRARequest] = [] if engine is None else self._load_loras(engine)
+        # Prometheus metrics (ENABLE_METRICS), observing the engine from when it exists.
+        self.metrics: EngineMetrics | None = None if engine is None else self._metrics(engine)
         self._load_lock = threading.Lock()
         self._native: NativeServing | None = None
         self._openai: Any = None
@@ -97,7 +105,13 @@ class Worker:
                 self.engine.on_fatal = self._engine_stopped
                 self.engine.warm_up_grammars()
                 self.loras = self._load_loras(self.engine)
+                self.metrics = self._metrics(self.engine)
             return self.engine
+
+    def _metrics(self, engine: AsyncEngine) -> EngineMetrics | None:
+        if not self.settings.enable_metrics:
+            return None
+        return EngineMetrics(engine, self.settings.served_model_name).attach()
 
     def _load_loras(self, engine: AsyncEngine) -> list[LoRARequest]:
         """Reads each LORA_MODULES adapter now; one that cannot be served is logged with its
@@ -219,6 +233,8 @@ class Worker:
                 structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
                 lora_modules=self.loras,
                 media=self.settings.media_config,
+                metrics=self.metrics.render if self.metrics is not None else None,
+                version=__version__,
             )
         return self._openai
 

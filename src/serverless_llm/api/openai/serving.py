@@ -106,6 +106,7 @@ from .responses import (
     to_chat_body,
 )
 from .sse import SSE_DONE, sse_events
+from .tokenization import detokenize, tokenize
 from .tool_parsers import (
     ToolChoice,
     ToolParser,
@@ -121,6 +122,8 @@ from .tool_parsers.default_prompt import DEFAULT_TOOL_PARSER, template_renders_t
 logger = logging.getLogger(__name__)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+# vLLM's utility routes (served at the root by vLLM; here under either prefix too).
+UTILITY_ROUTES = ("tokenize", "detokenize", "version", "metrics")
 
 
 def parse_route(route: Any) -> tuple[str, str | None]:
@@ -132,6 +135,8 @@ def parse_route(route: Any) -> tuple[str, str | None]:
         for prefix in ("openai/", "v1/"):
             if path.startswith(prefix):
                 path = path[len(prefix) :]
+        if path in UTILITY_ROUTES:
+            return path, None
         if path == "chat/completions":
             return "chat", None
         if path == "completions":
@@ -312,6 +317,8 @@ class OpenAIServing:
         lora_modules: Sequence[LoRARequest] = (),
         media: MediaConfig | None = None,
         harmony: bool | None = None,
+        metrics: Callable[[], str] | None = None,
+        version: str = "",
         response_store: ResponseStore | None = None,
     ) -> None:
         """`model_aliases`: further names requests may use (say MODEL_NAME when
@@ -329,8 +336,11 @@ class OpenAIServing:
         `harmony`: whether the model speaks gpt-oss's harmony format (None: a gpt-oss config,
         as vLLM decides; see harmony.py).
         `response_store`: where /v1/responses keeps responses (response_store.py; default: a
-        bounded store in this process)."""
+        bounded store in this process).
+        `metrics`: renders the worker's Prometheus metrics (/metrics; None: ENABLE_METRICS
+        off); `version`: what /version answers."""
         self.engine = engine
+        self.metrics, self.version = metrics, version
         self.response_store: ResponseStore = (
             MemoryResponseStore() if response_store is None else response_store
         )
@@ -428,6 +438,9 @@ class OpenAIServing:
         route's usual one."""
         try:
             kind, arg = parse_route(route)
+            if kind in UTILITY_ROUTES:
+                yield await self._utility(kind, body)
+                return
             if kind in ("response", "response_items"):
                 yield await self._stored_response(kind, arg or "", method, route)
                 return
@@ -494,6 +507,27 @@ class OpenAIServing:
         invalid schema, regex or grammar is the request's 400) and the adapter read, once for
         every sequence of every prompt; the engine then checks none of it again."""
         plan.prompts = [await self.engine.prepare(p, plan.params, plan.lora) for p in plan.prompts]
+
+    async def _utility(self, kind: str, body: Any) -> dict[str, Any] | str:
+        """/tokenize, /detokenize (tokenization.py), /version, and /metrics: the Prometheus
+        text itself, a string (the devserver answers it as text/plain)."""
+        if kind == "tokenize":
+            return await prepare(tokenize, self, body)
+        if kind == "detokenize":
+            return await prepare(detokenize, self, body)
+        if kind == "version":
+            return {"version": self.version}
+        if self.metrics is None:
+            raise OpenAIServingError(
+                openai_error(
+                    "Metrics are off on this worker (ENABLE_METRICS=false).",
+                    INVALID_REQUEST,
+                    "openai_route",
+                    "unknown_url",
+                    404,
+                )
+            )
+        return self.metrics()
 
     # -- request -> plan --------------------------------------------------------------------
 

@@ -616,6 +616,16 @@ class SettingsFields(BaseSettings):
             "10 seconds while busy."
         ),
     )
+    enable_metrics: bool = _serverless(
+        True,
+        "ENABLE_METRICS",
+        title="Enable Metrics",
+        description=(
+            "Prometheus metrics at `/metrics` (and the `/metrics` openai_route): requests by "
+            "finish reason, tokens, queue and KV cache load, latency histograms (docs/api.md). "
+            "Off: the engine's outputs are not observed and `/metrics` answers 404."
+        ),
+    )
     disable_log_requests: bool = _serverless(
         True,
         "DISABLE_LOG_REQUESTS",
