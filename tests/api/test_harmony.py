@@ -359,7 +359,9 @@ class ScriptedEngine:
     async def prepare(self, prompt, params, lora_request=None) -> PreparedPrompt:
         return prompt
 
-    async def generate(self, prompt, params, request_id=None, lora_request=None) -> AsyncIterator:
+    async def generate(
+        self, prompt, params, request_id=None, lora_request=None, priority=0
+    ) -> AsyncIterator:
         self.prompts.append(prompt.token_ids)
         self.params.append(params)
         out: list[int] = []

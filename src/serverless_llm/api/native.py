@@ -110,6 +110,8 @@ class NativeRequest(BaseModel):
     stream: bool = False
     # A served LoRA adapter's name (LORA_MODULES), or the model's own; unset: the model.
     model: str | None = None
+    # Lower is served first, as vLLM's (SCHEDULING_POLICY=priority; otherwise only 0 goes).
+    priority: int = 0
     # vLLM's offline form: {"image": URL | [URL, ...]} with `prompt` (vision-language models).
     multi_modal_data: dict[str, Any] | None = None
 
@@ -376,6 +378,8 @@ class NativeServing:
         self, request: NativeRequest, batch: BatchSizes, job_id: str
     ) -> AsyncIterator[dict[str, Any]]:
         lora = self._lora_of(request.model)
+        if request.priority:
+            self.engine.check_priority(request.priority)
         first = await prepare(self._prepare, request)
         if isinstance(first, _PendingImages):
             images = await load_images(first.refs, self.media)
@@ -395,7 +399,7 @@ class NativeServing:
             )
         seq = next(self._ids)
         streams = [
-            self.engine.generate(prepared, p, f"{job_id}#{seq}.{i}")
+            self.engine.generate(prepared, p, f"{job_id}#{seq}.{i}", priority=request.priority)
             for i, p in enumerate(sequence_params(params))
         ]
         harmony = self.harmony if self._harmony_chat(request) else None

@@ -30,7 +30,6 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 # field -> the values that mean "not used" (so accepting them changes nothing).
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
-    "priority": (0,),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),

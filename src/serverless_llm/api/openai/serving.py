@@ -279,6 +279,7 @@ class _Plan:
     prompts: list[PreparedPrompt]  # validated once; their grammar and adapter added by `_prepare`
     params: SamplingParams  # as asked (n, best_of, logprobs)
     sequences: list[SamplingParams]  # one engine request of each prompt per entry (best_of)
+    priority: int = 0  # lower served first (SCHEDULING_POLICY=priority)
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -527,6 +528,13 @@ class OpenAIServing:
                     404,
                 )
             )
+    def _priority(self, priority: int) -> int:
+        """The request's priority, refused (400 naming `priority` and SCHEDULING_POLICY) unless
+        the engine schedules by priority; 0, every request's, always goes."""
+        if priority:
+            self.engine.check_priority(priority)
+        return priority
+
         return self.metrics()
 
     # -- request -> plan --------------------------------------------------------------------
@@ -676,6 +684,7 @@ class OpenAIServing:
                 prompts = [self._prepare_prompt(list(ids), params, "messages")]
         else:
             ids = render_chat_prompt(
+            priority=self._priority(request.priority),
                 request, self.tokenizer, self.chat_template, tools, describe, renames=renames
             )
             prompts = [self._prepare_prompt(ids, params, "messages")]
@@ -911,6 +920,7 @@ class OpenAIServing:
             prompts.append(prepared)
             if echo is not None:
                 if prompt.text is not None and len(ids) == len(prompt.token_ids):
+            priority=self._priority(request.priority),
                     echo.append(prompt.text)
                 else:  # token ids, or a truncated prompt: echo what the model saw
                     echo.append(self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -976,7 +986,9 @@ class OpenAIServing:
         id (unique). Stream p * len(sequences) + i is sequence i of prompt p."""
         count = len(plan.sequences)
         return [
-            self.engine.generate(prepared, seq, f"{plan.response_id}-{p * count + i}")
+            self.engine.generate(
+                prepared, seq, f"{plan.response_id}-{p * count + i}", priority=plan.priority
+            )
             for p, prepared in enumerate(plan.prompts)
             for i, seq in enumerate(plan.sequences)
         ]

@@ -44,6 +44,7 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         hf_token=s.hf_token.get_secret_value() if s.hf_token else None,
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
+        scheduling_policy=s.scheduling_policy,
         max_num_batched_tokens=s.max_num_batched_tokens,
         block_size=s.block_size,
         gpu_memory_utilization=s.gpu_memory_utilization,

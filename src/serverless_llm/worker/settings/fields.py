@@ -33,6 +33,7 @@ from ...engine.config import (
     KV_CACHE_DTYPE_CHOICES,
     LOAD_FORMATS,
     QUANTIZED_WEIGHTS_MODES,
+    SCHEDULING_POLICIES,
 )
 from ...engine.loader.quantization import QUANTIZATION_METHODS
 
@@ -231,6 +232,18 @@ class SettingsFields(BaseSettings):
             "or commas. Needs ENABLE_LORA."
         ),
     )
+    allow_runtime_lora_updating: bool = _llm(
+        False,
+        "ALLOW_RUNTIME_LORA_UPDATING",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        title="Allow Runtime LoRA Updating",
+        description=(
+            "Turns on `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's "
+            "routes, through `openai_route` on the worker) to add and remove adapters while "
+            "serving. Needs ENABLE_LORA. Anyone who can call the endpoint can then make the "
+            "worker read any adapter path it can reach."
+        ),
+    )
     max_loras: int = _llm(
         1,
         "MAX_LORAS",
@@ -395,6 +408,19 @@ class SettingsFields(BaseSettings):
             "reserved at start, fewer when memory is short."
         ),
         ge=1,
+    )
+    scheduling_policy: str = _system(
+        "fcfs",
+        "SCHEDULING_POLICY",
+        title="Scheduling Policy",
+        description=(
+            "How waiting requests are ordered (vLLM's `--scheduling-policy`). `fcfs`: first come, "
+            "first served; a request's non-zero `priority` is refused. `priority`: by the "
+            "request's `priority` (an integer, lower first; 0 when unset), then arrival; when "
+            "the KV cache runs out, the running request with the largest priority value (the "
+            "latest among equals) is preempted first."
+        ),
+        choices=SCHEDULING_POLICIES,
     )
     max_num_batched_tokens: int | None = _system(
         None,

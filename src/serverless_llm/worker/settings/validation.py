@@ -52,6 +52,10 @@ def check(settings: SettingsFields) -> None:
     check_tool_parser(settings)
     if settings.lora_modules and not settings.enable_lora:
         raise SettingsError("LORA_MODULES is set but ENABLE_LORA is not: set ENABLE_LORA=true")
+    if settings.allow_runtime_lora_updating and not settings.enable_lora:
+        raise SettingsError(
+            "ALLOW_RUNTIME_LORA_UPDATING is set but ENABLE_LORA is not: set ENABLE_LORA=true"
+        )
     try:
         engine_config(settings)
     except ConfigError as e:
