@@ -219,3 +219,12 @@ def test_native_backend_runs_chunked_layers_natively(kernels, monkeypatch):
     assert calls, "the chunked layer did not take the native step"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+
+
+def test_the_cpu_benchmark_runs_and_agrees(kernels):
+    """bench/mla_decode.py --cpu's rows at tiny shapes: both sides ran, and gave one result."""
+    from bench.mla_decode import run_cpu
+
+    rows = run_cpu([(1, 40), (3, 70)], 4, 32, 16, repeats=1, retries=0, settle=0.0)
+    assert [r[:2] for r in rows] == [[1, 40], [3, 70]]
+    assert all(r[2] > 0 and r[3] > 0 and r[6] < 1e-5 for r in rows)

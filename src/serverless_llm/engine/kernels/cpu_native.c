@@ -18,6 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* An explicit fused multiply-add (the build turns off implicit contraction). */
+#ifdef __FMA__
+#define MUL_ADD(a, b, c) fmaf((a), (b), (c)) /* one instruction where the target has FMA */
+#else
+#define MUL_ADD(a, b, c) ((a) * (b) + (c))
+#endif
+
 /* What every layer of one step shares. */
 typedef struct {
     int64_t num_tokens;     /* T: rows of q, k, v */
@@ -37,7 +44,7 @@ typedef struct {
     float softcap;         /* 0: none */
     const float *slopes;   /* [num_heads] ALiBi slopes, or NULL */
     int64_t window;        /* 0: none; else a query sees keys p - window < j <= p */
-    float *k_cache;        /* head-major [blocks, num_kv_heads, block_size, head_dim] */
+    float *k_cache;        /* [blocks, block_size, num_kv_heads, head_dim] at the strides below */
     float *v_cache;
     const float *rope;     /* NULL, or [max_position, rot_dim]: cos half, then sin half */
     int64_t rot_dim;
@@ -55,7 +62,22 @@ typedef struct {
                               with no value; or NULL */
     int64_t chunk;         /* 0: none; else chunked local attention (Llama 4): a query at p
                               sees keys p - p % chunk <= j <= p, its own chunk's */
+    int64_t block_stride;  /* floats between blocks, heads and tokens of k_cache and v_cache
+                              (head_dim contiguous); 0: the head-major cache's own, */
+    int64_t head_stride;   /* num_kv_heads * block_size * head_dim, block_size * head_dim and */
+    int64_t token_stride;  /* head_dim. A layer view of narrower entries inside a wider layer's
+                              tensor (Gemma 4: kv_cache.layer_view) has the wide tensor's. */
 } layer_t;
+
+/* The cache strides of layer L, its zeros (a struct that leaves them unset) made the
+ * head-major cache's own. */
+static inline void cache_strides(const layer_t *L, int64_t bs, int64_t *sb, int64_t *sh,
+                                 int64_t *st) {
+    int64_t D = L->head_dim;
+    *st = L->token_stride ? L->token_stride : D;
+    *sh = L->head_stride ? L->head_stride : bs * D;
+    *sb = L->block_stride ? L->block_stride : L->num_kv_heads * bs * D;
+}
 
 static inline float sum_squares(const float *x, int64_t n) {
     float acc = 0.0f;
@@ -149,10 +171,11 @@ static void write_row(const layer_t *L, const step_t *S, int64_t t, const float 
                       const float *v) {
     int64_t slot = S->slot_mapping[t];
     if (slot < 0) return;
-    int64_t KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size;
+    int64_t KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size, sb, sh, st;
+    cache_strides(L, bs, &sb, &sh, &st);
     int64_t blk = slot / bs, off = slot % bs;
     for (int64_t h = 0; h < KVH; h++) {
-        int64_t at = ((blk * KVH + h) * bs + off) * D;
+        int64_t at = blk * sb + h * sh + off * st;
         memcpy(L->k_cache + at, k + h * D, D * sizeof(float));
         memcpy(L->v_cache + at, v + h * D, D * sizeof(float));
     }
@@ -182,12 +205,14 @@ static inline float exp_nonpositive(float x) {
     return y * two_k.f;
 }
 
-/* s[t] = q . keys[t] for n keys D floats apart: four keys at a time, so four independent
- * sums hide the adds' latency. */
-static inline void key_dots(const float *q, const float *keys, int64_t n, int64_t D, float *s) {
+/* s[t] = q . keys[t] for n keys of D floats, `stride` floats apart: four keys at a time, so
+ * four independent sums hide the adds' latency. */
+static inline void key_dots(const float *q, const float *keys, int64_t n, int64_t D,
+                            int64_t stride, float *s) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-        const float *k0 = keys + t * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        const float *k0 = keys + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,
+                    *k3 = k2 + stride;
         float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
         for (int64_t d = 0; d < D; d++) {
@@ -203,7 +228,7 @@ static inline void key_dots(const float *q, const float *keys, int64_t n, int64_
         s[t + 3] = a3;
     }
     for (; t < n; t++) {
-        const float *kt = keys + t * D;
+        const float *kt = keys + t * stride;
         float a = 0.0f;
 #pragma omp simd reduction(+ : a)
         for (int64_t d = 0; d < D; d++) a += kt[d] * q[d];
@@ -211,23 +236,32 @@ static inline void key_dots(const float *q, const float *keys, int64_t n, int64_
     }
 }
 
-/* Asks for the cache lines of one (block, head) row of the cache: the next block of a request
- * is anywhere in memory, where the hardware prefetcher cannot guess it. */
-static inline void prefetch_block(const float *cache, int32_t block, int64_t KVH, int64_t kh,
-                                  int64_t bs, int64_t D) {
-    const char *at = (const char *)(cache + ((int64_t)block * KVH + kh) * bs * D);
-    for (int64_t off = 0; off < bs * D * (int64_t)sizeof(float); off += 64)
-        __builtin_prefetch(at + off, 0, 3);
+/* Asks for the cache lines of one (block, head) row of the cache, `bs` tokens of D floats
+ * `st` apart from `row`: the next block of a request is anywhere in memory, where the hardware
+ * prefetcher cannot guess it. */
+static inline void prefetch_block(const float *row, int64_t bs, int64_t D, int64_t st) {
+    if (st == D) {
+        const char *at = (const char *)row;
+        for (int64_t off = 0; off < bs * D * (int64_t)sizeof(float); off += 64)
+            __builtin_prefetch(at + off, 0, 3);
+        return;
+    }
+    for (int64_t t = 0; t < bs; t++) {
+        const char *at = (const char *)(row + t * st);
+        for (int64_t off = 0; off < D * (int64_t)sizeof(float); off += 64)
+            __builtin_prefetch(at + off, 0, 3);
+    }
 }
 
 /* One decode's attention for one KV head and its group of query heads: scores (scaled,
- * soft-capped, ALiBi, windowed or chunked), softmax (with the head's sink), weighted values, a cache
- * block at a time. `buf`
+ * soft-capped, ALiBi, windowed or chunked), softmax (with the head's sink), weighted values, a
+ * cache block at a time. `buf`
  * holds group * seq_len floats. */
 static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh, const float *q,
                        int64_t q_stride, float *out, int64_t out_stride, float *buf) {
     int64_t H = L->num_heads, KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size;
-    int64_t G = H / KVH;
+    int64_t G = H / KVH, sb, sh, st;
+    cache_strides(L, bs, &sb, &sh, &st);
     int64_t len = S->seq_lens[i], p = len - 1;
     int64_t first = (L->window > 0 && p - L->window + 1 > 0) ? p - L->window + 1 : 0;
     if (L->chunk > 0 && p - p % L->chunk > first) first = p - p % L->chunk;
@@ -240,10 +274,12 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
     for (int64_t b = first / bs; b * bs < len; b++) {
         int64_t t0 = b * bs < first ? first - b * bs : 0;
         int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
-        const float *kb = L->k_cache + ((int64_t)table[b] * KVH + kh) * bs * D;
-        if ((b + 1) * bs < len) prefetch_block(L->k_cache, table[b + 1], KVH, kh, bs, D);
+        const float *kb = L->k_cache + table[b] * sb + kh * sh;
+        if ((b + 1) * bs < len)
+            prefetch_block(L->k_cache + table[b + 1] * sb + kh * sh, bs, D, st);
         for (int64_t g = 0; g < G; g++)
-            key_dots(qi + g * D, kb + t0 * D, t1 - t0, D, buf + g * n + (b * bs + t0 - first));
+            key_dots(qi + g * D, kb + t0 * st, t1 - t0, D, st,
+                     buf + g * n + (b * bs + t0 - first));
     }
     for (int64_t g = 0; g < G; g++) {
         float *sc = buf + g * n;
@@ -270,10 +306,11 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
     for (int64_t b = first / bs; b * bs < len; b++) {
         int64_t t0 = b * bs < first ? first - b * bs : 0;
         int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
-        const float *vb = L->v_cache + ((int64_t)table[b] * KVH + kh) * bs * D;
-        if ((b + 1) * bs < len) prefetch_block(L->v_cache, table[b + 1], KVH, kh, bs, D);
+        const float *vb = L->v_cache + table[b] * sb + kh * sh;
+        if ((b + 1) * bs < len)
+            prefetch_block(L->v_cache + table[b + 1] * sb + kh * sh, bs, D, st);
         for (int64_t t = t0; t < t1; t++) {
-            const float *val = vb + t * D;
+            const float *val = vb + t * st;
             for (int64_t g = 0; g < G; g++) {
                 float pj = buf[g * n + (b * bs + t - first)];
                 float *o = oi + g * D;
@@ -349,14 +386,14 @@ static void mla_dots(const float *q0, const float *q1, const float *const *r, in
 #pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
             for (int64_t d = 0; d < W; d++) {
                 float x = q0[d], y = q1[d];
-                a0 += r0[d] * x;
-                a1 += r1[d] * x;
-                a2 += r2[d] * x;
-                a3 += r3[d] * x;
-                b0 += r0[d] * y;
-                b1 += r1[d] * y;
-                b2 += r2[d] * y;
-                b3 += r3[d] * y;
+                a0 = MUL_ADD(r0[d], x, a0);
+                a1 = MUL_ADD(r1[d], x, a1);
+                a2 = MUL_ADD(r2[d], x, a2);
+                a3 = MUL_ADD(r3[d], x, a3);
+                b0 = MUL_ADD(r0[d], y, b0);
+                b1 = MUL_ADD(r1[d], y, b1);
+                b2 = MUL_ADD(r2[d], y, b2);
+                b3 = MUL_ADD(r3[d], y, b3);
             }
             s0[j] = a0, s0[j + 1] = a1, s0[j + 2] = a2, s0[j + 3] = a3;
             s1[j] = b0, s1[j + 1] = b1, s1[j + 2] = b2, s1[j + 3] = b3;
@@ -366,8 +403,8 @@ static void mla_dots(const float *q0, const float *q1, const float *const *r, in
             float a = 0.0f, b = 0.0f;
 #pragma omp simd reduction(+ : a, b)
             for (int64_t d = 0; d < W; d++) {
-                a += rj[d] * q0[d];
-                b += rj[d] * q1[d];
+                a = MUL_ADD(rj[d], q0[d], a);
+                b = MUL_ADD(rj[d], q1[d], b);
             }
             s0[j] = a, s1[j] = b;
         }
@@ -379,10 +416,10 @@ static void mla_dots(const float *q0, const float *q1, const float *const *r, in
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
         for (int64_t d = 0; d < W; d++) {
             float x = q0[d];
-            a0 += r0[d] * x;
-            a1 += r1[d] * x;
-            a2 += r2[d] * x;
-            a3 += r3[d] * x;
+            a0 = MUL_ADD(r0[d], x, a0);
+            a1 = MUL_ADD(r1[d], x, a1);
+            a2 = MUL_ADD(r2[d], x, a2);
+            a3 = MUL_ADD(r3[d], x, a3);
         }
         s0[j] = a0, s0[j + 1] = a1, s0[j + 2] = a2, s0[j + 3] = a3;
     }
@@ -390,7 +427,7 @@ static void mla_dots(const float *q0, const float *q1, const float *const *r, in
         const float *rj = r[j];
         float a = 0.0f;
 #pragma omp simd reduction(+ : a)
-        for (int64_t d = 0; d < W; d++) a += rj[d] * q0[d];
+        for (int64_t d = 0; d < W; d++) a = MUL_ADD(rj[d], q0[d], a);
         s0[j] = a;
     }
 }
@@ -404,24 +441,28 @@ static void mla_values(float *o0, float *o1, const float *p0, const float *p1,
         const float *r0 = r[j], *r1 = r[j + 1], *r2 = r[j + 2], *r3 = r[j + 3];
         float a0 = p0[j], a1 = p0[j + 1], a2 = p0[j + 2], a3 = p0[j + 3];
 #pragma omp simd
-        for (int64_t d = 0; d < L; d++)
-            o0[d] = o0[d] + (a0 * r0[d] + a1 * r1[d] + a2 * r2[d] + a3 * r3[d]);
+        for (int64_t d = 0; d < L; d++) {
+            float x = MUL_ADD(a1, r1[d], MUL_ADD(a0, r0[d], o0[d]));
+            o0[d] = MUL_ADD(a3, r3[d], MUL_ADD(a2, r2[d], x));
+        }
         if (o1) {
             float b0 = p1[j], b1 = p1[j + 1], b2 = p1[j + 2], b3 = p1[j + 3];
 #pragma omp simd
-            for (int64_t d = 0; d < L; d++)
-                o1[d] = o1[d] + (b0 * r0[d] + b1 * r1[d] + b2 * r2[d] + b3 * r3[d]);
+            for (int64_t d = 0; d < L; d++) {
+                float x = MUL_ADD(b1, r1[d], MUL_ADD(b0, r0[d], o1[d]));
+                o1[d] = MUL_ADD(b3, r3[d], MUL_ADD(b2, r2[d], x));
+            }
         }
     }
     for (; j < n; j++) {
         const float *rj = r[j];
         float a = p0[j];
 #pragma omp simd
-        for (int64_t d = 0; d < L; d++) o0[d] = o0[d] + a * rj[d];
+        for (int64_t d = 0; d < L; d++) o0[d] = MUL_ADD(a, rj[d], o0[d]);
         if (o1) {
             float b = p1[j];
 #pragma omp simd
-            for (int64_t d = 0; d < L; d++) o1[d] = o1[d] + b * rj[d];
+            for (int64_t d = 0; d < L; d++) o1[d] = MUL_ADD(b, rj[d], o1[d]);
         }
     }
 }
@@ -442,6 +483,13 @@ static void mla_range(const step_t *S, const float *cache, int64_t W, int64_t L,
         for (int64_t j = 0; j < n; j++) {
             int64_t pos = t0 + j;
             rows[j] = cache + ((int64_t)table[pos / bs] * bs + pos % bs) * W;
+        }
+        /* Ask for the next tile's rows while this one computes: its block is anywhere in
+         * memory, where the hardware prefetcher cannot guess it. */
+        for (int64_t pos = t0 + MLA_TILE; pos < b && pos < t0 + 2 * MLA_TILE; pos++) {
+            const char *at = (const char *)(cache + ((int64_t)table[pos / bs] * bs + pos % bs) * W);
+            for (int64_t off = 0; off < W * (int64_t)sizeof(float); off += 64)
+                __builtin_prefetch(at + off, 0, 3);
         }
         for (int64_t h = 0; h < H; h += 2) {
             int two = h + 1 < H;
@@ -479,9 +527,11 @@ static void mla_range(const step_t *S, const float *cache, int64_t W, int64_t L,
 
 /* One latent layer's step: each of the step's rows (rows [T, W], `rows_stride` floats apart;
  * NULL: none) written to its slot of cache [blocks, block_size, W] (slot < 0: skipped), then
- * (q not NULL) the decodes' absorbed attention: q [num_decodes, H, W] (rows q_stride floats apart, heads W
- * apart) -> out [num_decodes, H, L] (rows out_stride apart, heads L apart), the softmax of
- * scale * q[h] . row_j over the decode's keys 0..seq_len-1 weighting row_j[0..L). */
+ * (q not NULL) the decodes' absorbed attention: q [num_decodes, H, W] (rows q_stride floats
+ * apart, heads W apart) -> out [num_decodes, H, L] (rows out_stride apart, heads L apart), the
+ * softmax of scale * q[h] . row_j over the decode's keys 0..seq_len-1 weighting row_j[0..L).
+ * The dot products and the weighted sums use explicit fused multiply-adds (the attention's
+ * arithmetic, where the float32 FMA rate is the limit), so they round once a step. */
 void mla_decode_f32(const step_t *S, const float *rows, int64_t rows_stride, float *cache,
                     int64_t W, const float *q, int64_t q_stride, int64_t H, int64_t L, float scale,
                     float *out, int64_t out_stride) {
@@ -862,11 +912,6 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
 /* exp(x) for any float32 x, within a few ulps of expf: exp_nonpositive's reduction and
  * polynomial, 2^k applied as two halves so that k from -150 to 128 fits (denormal results
  * included), inf past expf's overflow, NaN kept. Branch-free: a loop of it vectorizes. */
-#ifdef __FMA__
-#define MUL_ADD(a, b, c) fmaf((a), (b), (c)) /* one instruction where the target has FMA */
-#else
-#define MUL_ADD(a, b, c) ((a) * (b) + (c))
-#endif
 static inline float exp_any(float x) {
     float c = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
     float k = floorf(MUL_ADD(c, 1.44269504088896341f, 0.5f));
