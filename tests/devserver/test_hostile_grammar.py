@@ -30,8 +30,8 @@ MAX_ROUNDS = 40  # only against a hang: one round gives hundreds of gaps on a 2-
 
 # Each takes several seconds to compile (the work grows with the square of the alternatives). The
 # schema is over the default GRAMMAR_MAX_CHARS, which would refuse it at once: the size limit is
-# off here so that the time limit is what stops it. A round's pair is new (failed specs are
-# remembered, and would be refused at once).
+# off here so that the time limit is what stops it. A round's pair is new, so that no round
+# shares a compile still being killed with the one before.
 def slow_regex(round_: int) -> str:
     return "(a|b|c|d|e|f|g)" * 3000 + "x" * round_
 

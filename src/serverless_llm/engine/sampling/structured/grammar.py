@@ -128,6 +128,22 @@ def _fast_tokenizer_class() -> type:
     return PreTrainedTokenizerFast
 
 
+class _CompileFailure(Exception):
+    """Why a spec did not compile, before it is told to a request: `param` is the field to name
+    when the failure is about a field of its own (guided_whitespace_pattern...), else None (the
+    asking request's field: two requests may ask for one spec through different fields).
+    `permanent`: a property of the spec (invalid, over a limit, accepts nothing), remembered;
+    otherwise (a timeout, a dead compile process: the machine's state) the next request for the
+    spec compiles it again."""
+
+    def __init__(self, message: str, param: str | None, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.message, self.param, self.permanent = message, param, permanent
+
+    def for_request(self, spec: StructuredOutputSpec) -> StructuredOutputError:
+        return StructuredOutputError(self.message, self.param or spec.param)
+
+
 @dataclass
 class _Job:
     """One spec's compilation under way, shared by every request waiting for it. When the last
@@ -206,7 +222,7 @@ class GrammarCompiler:
         self._xgr_compiler: Any = None
         self._info: Any = None
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
-        self._failed: OrderedDict[StructuredOutputSpec, StructuredOutputError] = OrderedDict()
+        self._failed: OrderedDict[StructuredOutputSpec, _CompileFailure] = OrderedDict()
         self._inflight: dict[StructuredOutputSpec, _Job] = {}
         self._stats = CacheInfo()
         self._workers = max(1, workers)
@@ -278,7 +294,7 @@ class GrammarCompiler:
                     out.set_result(hit)
                 else:
                     self._failed.move_to_end(spec)
-                    out.set_exception(failure)
+                    out.set_exception(failure.for_request(spec))
                 return out
             job = self._inflight.get(spec)
             if job is None or job.abandoned.is_set():
@@ -298,7 +314,9 @@ class GrammarCompiler:
             if not out.set_running_or_notify_cancel():
                 return
             exc = done.exception()
-            if exc is not None:
+            if isinstance(exc, _CompileFailure):
+                out.set_exception(exc.for_request(spec))  # this request's field
+            elif exc is not None:
                 out.set_exception(exc)
             else:
                 out.set_result(done.result())
@@ -344,7 +362,7 @@ class GrammarCompiler:
             with self._lock:
                 if self._inflight.get(spec) is job:
                     del self._inflight[spec]
-                if isinstance(exc, StructuredOutputError):
+                if isinstance(exc, _CompileFailure) and exc.permanent:
                     self._failed[spec] = exc
                     while len(self._failed) > self._max_entries:
                         self._failed.popitem(last=False)
@@ -371,10 +389,11 @@ class GrammarCompiler:
         what = WHAT[spec.kind]
         chars = _spec_chars(spec)
         if self.max_spec_chars and chars > self.max_spec_chars:
-            raise StructuredOutputError(
+            raise _CompileFailure(
                 f"the {what} is {chars} characters long, over the limit of "
                 f"{self.max_spec_chars} (GRAMMAR_MAX_CHARS)",
-                spec.param,
+                None,
+                permanent=True,
             )
         compiler = self._compiler()
         payload = _spec_payload(spec)
@@ -396,16 +415,19 @@ class GrammarCompiler:
                     self._isolate = False
             compiled = compile_spec(xgr, compiler, payload, self._max_bytes)
         except SpecError as exc:
-            raise StructuredOutputError(str(exc), exc.param or spec.param) from None
+            raise _CompileFailure(str(exc), exc.param, permanent=True) from None
         except CompileTimeout:
-            raise StructuredOutputError(
+            # Not remembered: a busy machine may be what made it slow.
+            raise _CompileFailure(
                 f"the {what} took more than {self.compile_timeout:g} s to compile (the limit, "
                 "GRAMMAR_COMPILE_TIMEOUT): simplify it",
-                spec.param,
+                None,
+                permanent=False,
             ) from None
         except CompileProcessError as exc:
-            raise StructuredOutputError(
-                f"the {what} could not be compiled ({exc}): simplify it", spec.param
+            # Not remembered: the process may have been killed from outside (out of memory).
+            raise _CompileFailure(
+                f"the {what} could not be compiled ({exc}): simplify it", None, permanent=False
             ) from None
         return CompiledGrammar(spec, compiled, self.stop_token_ids)
 
