@@ -279,12 +279,12 @@ class _Plan:
     prompts: list[PreparedPrompt]  # validated once; their grammar and adapter added by `_prepare`
     params: SamplingParams  # as asked (n, best_of, logprobs)
     sequences: list[SamplingParams]  # one engine request of each prompt per entry (best_of)
-    priority: int = 0  # lower served first (SCHEDULING_POLICY=priority)
     stream: bool
     include_usage: bool
     continuous_usage: bool
     formatter: ChatFormatter | CompletionFormatter
     lora: LoRARequest | None = None  # the adapter the request's `model` names
+    priority: int = 0  # lower served first (SCHEDULING_POLICY=priority)
     # A prompt with images: its rendered text and image references, prepared (into `prompts`)
     # once the images are loaded, off the preparation thread (`OpenAIServing._load_images`).
     images: _PendingImages | None = None
@@ -528,13 +528,6 @@ class OpenAIServing:
                     404,
                 )
             )
-    def _priority(self, priority: int) -> int:
-        """The request's priority, refused (400 naming `priority` and SCHEDULING_POLICY) unless
-        the engine schedules by priority; 0, every request's, always goes."""
-        if priority:
-            self.engine.check_priority(priority)
-        return priority
-
         return self.metrics()
 
     # -- request -> plan --------------------------------------------------------------------
@@ -568,6 +561,13 @@ class OpenAIServing:
         if model in self.model_names or model in self.loras:
             return model
         raise OpenAIServingError(model_not_found(model))
+
+    def _priority(self, priority: int) -> int:
+        """The request's priority, refused (400 naming `priority` and SCHEDULING_POLICY) unless
+        the engine schedules by priority; 0, every request's, always goes."""
+        if priority:
+            self.engine.check_priority(priority)
+        return priority
 
     def _adapter_cards(self) -> list[tuple[str, str, str]]:
         """(name, root, parent) of each served adapter, vLLM's model cards for them."""
@@ -684,7 +684,6 @@ class OpenAIServing:
                 prompts = [self._prepare_prompt(list(ids), params, "messages")]
         else:
             ids = render_chat_prompt(
-            priority=self._priority(request.priority),
                 request, self.tokenizer, self.chat_template, tools, describe, renames=renames
             )
             prompts = [self._prepare_prompt(ids, params, "messages")]
@@ -719,6 +718,7 @@ class OpenAIServing:
             continuous_usage=bool(options and options.continuous_usage_stats),
             formatter=formatter,
             lora=self.loras.get(model),
+            priority=self._priority(request.priority),
             images=pending,
         )
 
@@ -920,7 +920,6 @@ class OpenAIServing:
             prompts.append(prepared)
             if echo is not None:
                 if prompt.text is not None and len(ids) == len(prompt.token_ids):
-            priority=self._priority(request.priority),
                     echo.append(prompt.text)
                 else:  # token ids, or a truncated prompt: echo what the model saw
                     echo.append(self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -955,6 +954,7 @@ class OpenAIServing:
             continuous_usage=bool(options and options.continuous_usage_stats),
             formatter=formatter,
             lora=self.loras.get(model),
+            priority=self._priority(request.priority),
         )
 
     def _harmony_completions(
