@@ -4,6 +4,7 @@ jobs, errors in each route's shape, and the model loading once."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -121,6 +122,12 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
     assert serving.engine is worker.engine
     assert serving.kwargs == {
         "served_model_name": "served",
+        # MODEL_NAME stays accepted beside the override, as written and by its last component.
+        "model_aliases": (),
+        "unlisted_aliases": (
+            worker.settings.model_name,
+            os.path.basename(worker.settings.model_name),
+        ),
         "response_role": "bot",
         "chat_template": "{{ messages }}",
         "raw_output": False,

@@ -298,6 +298,26 @@ def test_served_model_name():
     assert Settings.from_env({}).served_model_name == "SmolLM2-135M-Instruct"
 
 
+def test_served_model_names_and_unlisted_aliases(tmp_path):
+    """SERVED_MODEL_NAME lists names (commas and/or spaces), after the override's; MODEL_NAME as
+    written and its last component stay accepted without being listed."""
+    model_dir = str(tmp_path / "my-model")
+    os.mkdir(model_dir)
+    s = Settings.from_env({"MODEL_NAME": model_dir})
+    assert s.served_model_names == ("my-model",) and s.model_name_aliases == (model_dir,)
+    s = Settings.from_env({"MODEL_NAME": model_dir, "SERVED_MODEL_NAME": "a, b  c,,a"})
+    assert s.served_model_names == ("a", "b", "c") and s.served_model_name == "a"
+    assert s.model_name_aliases == (model_dir, "my-model")
+    both = {
+        "MODEL_NAME": "org/m",
+        "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "x",
+        "SERVED_MODEL_NAME": "y x",
+    }
+    s = Settings.from_env(both)
+    assert s.served_model_names == ("x", "y") and s.model_name_aliases == ("org/m",)
+    assert Settings.from_env({"SERVED_MODEL_NAME": "only"}).model_name_aliases == ()
+
+
 def test_base_path(monkeypatch, tmp_path):
     s = Settings.from_env({"BASE_PATH": str(tmp_path)})
     assert s.download_dir == str(tmp_path / "huggingface-cache" / "hub")

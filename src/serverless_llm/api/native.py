@@ -159,13 +159,14 @@ class NativeServing:
         log_requests: bool = False,
         limits: RequestLimits | None = None,
         served_model_name: str | None = None,
+        model_aliases: Sequence[str] = (),
         lora_modules: Sequence[LoRARequest] = (),
         media: MediaConfig | None = None,
         harmony: bool | None = None,
     ) -> None:
         """`lora_modules`: the adapters a job may name in `model` (besides
-        `served_model_name`, the model itself). `media`: how a vision-language model's images
-        are loaded (api.media). `harmony`: whether the model speaks gpt-oss's harmony format
+        `served_model_name` and `model_aliases`, the model itself). `media`: how a
+        vision-language model's images are loaded (api.media). `harmony`: whether the model speaks gpt-oss's harmony format
         (None: a gpt-oss config, as on the OpenAI routes)."""
         self.engine = engine
         if harmony is None:
@@ -175,7 +176,11 @@ class NativeServing:
         info = getattr(engine, "model_info", None)
         self.image_input = bool(getattr(info, "image_input", False))
         self.image_placeholder: str | None = getattr(info, "image_placeholder", None)
+        # The model's sampling defaults (generation_config.json) for parameters a job leaves out.
+        defaults = getattr(info, "sampling_defaults", None)
+        self.sampling_defaults: dict[str, Any] = dict(getattr(defaults, "values", None) or {})
         self.served_model_name = served_model_name
+        self.model_names = tuple(n for n in dict.fromkeys([served_model_name, *model_aliases]) if n)
         self.loras = {r.lora_name: r for r in lora_modules}
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
@@ -331,7 +336,9 @@ class NativeServing:
 
     def _parse_params(self, request: NativeRequest):
         parsed = parse_sampling_params(
-            request.sampling_params, default_max_tokens=self.default_max_tokens
+            request.sampling_params,
+            default_max_tokens=self.default_max_tokens,
+            defaults=self.sampling_defaults,
         )
         params = parsed.params
         if request.stream and params.ranks_by_logprob:
@@ -367,7 +374,7 @@ class NativeServing:
         return params, prepared.with_max_tokens(params.max_tokens)
 
     def _lora_of(self, model: str | None) -> LoRARequest | None:
-        if model is None or model == self.served_model_name:
+        if model is None or model == self.served_model_name or model in self.model_names:
             return None
         if model in self.loras:
             return self.loras[model]

@@ -14,11 +14,16 @@ Every error is the engine's SamplingParamsError, naming the parameter.
 requests with `sequence_params` (sequence i gets seed + i, as in vLLM). With `use_beam_search`,
 an unset temperature means 0 (beam search refuses any other), so `{"use_beam_search": true,
 "n": 3}` is enough.
+
+`temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` left out take the model's
+defaults where it has them (`defaults`: its generation_config.json, as vLLM's
+`--generation-config auto`), except under beam search, which takes none of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,8 +129,11 @@ def _is_default(name: str, value: Any) -> bool:
     return default is None and value in ("", [], {})
 
 
-def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSampling:
-    """Validates `raw` (a job's `sampling_params`) and builds the engine's parameters."""
+def parse_sampling_params(
+    raw: Any, *, default_max_tokens: int, defaults: Mapping[str, Any] | None = None
+) -> ParsedSampling:
+    """Validates `raw` (a job's `sampling_params`) and builds the engine's parameters.
+    `defaults`: the model's sampling defaults, for the parameters `raw` leaves out."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -160,6 +168,9 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
         kwargs[name] = value
     if parsed.use_beam_search and "temperature" not in given:
         kwargs["temperature"] = BEAM_SEARCH_TEMPERATURE
+    if defaults and not parsed.use_beam_search:
+        for name, value in defaults.items():
+            kwargs.setdefault(name, value)
     max_tokens_given = "max_tokens" in given
     if not max_tokens_given:
         kwargs["max_tokens"] = default_max_tokens
@@ -167,6 +178,10 @@ def parse_sampling_params(raw: Any, *, default_max_tokens: int) -> ParsedSamplin
     return ParsedSampling(params=params, n=parsed.n, max_tokens_given=max_tokens_given)
 
 
-def build_sampling_params(raw: Any, *, default_max_tokens: int) -> SamplingParams:
+def build_sampling_params(
+    raw: Any, *, default_max_tokens: int, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """The engine's SamplingParams for `raw` (n and best_of included)."""
-    return parse_sampling_params(raw, default_max_tokens=default_max_tokens).params
+    return parse_sampling_params(
+        raw, default_max_tokens=default_max_tokens, defaults=defaults
+    ).params

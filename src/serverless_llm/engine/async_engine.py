@@ -115,6 +115,7 @@ class AsyncEngine:
             tensor_parallel_size=core.tp.size,
             image_input=core.inputs.images is not None,
             image_placeholder=core.inputs.image_placeholder(),
+            sampling_defaults=core.sampling_defaults,
         )
 
     def load_lora(self, lora_request: LoRARequest) -> None:

@@ -4,9 +4,10 @@ nothing else (vLLM's EngineClient is the idea). `AsyncEngine` implements it."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .generation_defaults import SamplingDefaults
 from .input_processor import PreparedPrompt, PromptInput
 from .lora_adapters import LoRARequest
 from .outputs import EngineOutput, EngineStats
@@ -29,6 +30,8 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     image_input: bool = False  # a vision-language model: prompts may carry images
     image_placeholder: str | None = None  # the text one image stands for in a prompt
+    # Defaults for sampling parameters a request leaves unset (generation_defaults.py).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class EngineClient(Protocol):

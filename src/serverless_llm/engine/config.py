@@ -68,12 +68,21 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
+    # Changes to the model's config (vLLM's --hf-overrides; rope too: hf_overrides.py), and
+    # where requests' unset sampling parameters come from (vLLM's --generation-config "auto" |
+    # "vllm" | a directory, --override-generation-config; generation_defaults.py).
+    hf_overrides: dict | None = None
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     download_dir: str | None = None  # hub cache root (BASE_PATH on the worker)
     hf_token: str | None = dataclasses.field(default=None, repr=False)
     # Shape limits.
     max_model_len: int | None = None  # None: from the model config
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, else 2048 (LLMEngine)
+    # Prompts prefilled side by side in one step (vLLM's --max-num-partial-prefills): 1, one
+    # at a time in order; N > 1, up to N, each chunk at most max_num_batched_tokens / N.
+    max_num_partial_prefills: int = 1
     # "fcfs": waiting requests in arrival order, the newest running one preempted; "priority":
     # by (request priority, arrival), lower first, the worst running one preempted (scheduler.py).
     scheduling_policy: str = "fcfs"
@@ -151,6 +160,10 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len_to_capture={self.max_seq_len_to_capture}: must be >= 1")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError(
+                f"max_num_partial_prefills={self.max_num_partial_prefills}: must be >= 1"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy={self.scheduling_policy!r}: allowed "

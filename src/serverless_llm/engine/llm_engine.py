@@ -20,6 +20,7 @@ from .beam_runner import BeamSearchRunner
 from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
+from .generation_defaults import sampling_defaults
 from .input_processor import (
     ImageInputs,
     InputProcessor,
@@ -139,6 +140,9 @@ class LLMEngine:
         eos = eos_token_ids(
             self.tokenizer, self.hf_config, load_generation_config(self.resolved.model_dir)
         )
+        self.sampling_defaults = sampling_defaults(
+            self.resolved.model_dir, config.generation_config, config.override_generation_config
+        )
         self.vocab_size = self.hf_config.vocab_size
         self.inputs = InputProcessor(
             self.tokenizer,
@@ -214,6 +218,7 @@ class LLMEngine:
             self.max_num_batched_tokens,
             config.max_loras if config.enable_lora else 0,
             config.scheduling_policy,
+            config.max_num_partial_prefills,
         )
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, self.block_size, self.device, layout

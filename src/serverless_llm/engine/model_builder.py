@@ -12,6 +12,7 @@ import torch
 
 from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, ConfigError, EngineConfig, resolve_dtype
 from .cpu_tuning import cap_kernel_caches, tune_allocator
+from .hf_overrides import apply_hf_overrides
 from .kernels import cpu_native
 from .kv_cache import (
     RecurrentState,
@@ -161,6 +162,7 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
     device = config.resolve_device()
     resolved = resolve_model(config)
     hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+    apply_hf_overrides(hf_config, config.hf_overrides)
     read_side_config(hf_config, resolved.model_dir)
     scheme = check_quantization(config.quantization, hf_config, resolved.source)
     dtype = resolve_dtype(

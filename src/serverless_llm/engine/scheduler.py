@@ -87,8 +87,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_loras: int = 0,
         policy: str = "fcfs",
+        max_num_partial_prefills: int = 1,
     ) -> None:
         self.kv = kv
+        # Prompts prefilled side by side (vLLM's --max-num-partial-prefills); see _prefill_cap.
+        self.max_num_partial_prefills = max_num_partial_prefills
         self.by_priority = policy == "priority"
         self.max_loras = max_loras  # distinct adapters running at once (0: no adapters)
         self.block_size = block_size
@@ -173,6 +176,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        cap = self._prefill_cap()
+        partial = 0  # grants this step that leave part of a prompt for later
 
         # Running requests, oldest first. A preempted request leaves `running`, so iterate over
         # a snapshot and skip those already gone.
@@ -181,9 +186,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            left = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk(req, self._grant(left, budget, cap, partial))
             if num_new <= 0:
                 continue
+            partial += cap is not None and num_new < left
             while not self._grow(req, req.num_computed_tokens + num_new):
                 victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
                 self._preempt(victim)
@@ -208,8 +215,12 @@ class Scheduler:
             if req.lora_id and not self._lora_fits(req.lora_id):
                 break  # first come, first served: it waits for an adapter slot to free
             self._take_cached_prefix(req)
-            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
-            if num_new <= 0:  # its next image does not fit what is left of this step's budget
+            left = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk(req, self._grant(left, budget, cap, partial))
+            partial += cap is not None and 0 < num_new < left
+            # No grant: its next image does not fit what is left of this step's budget, or
+            # MAX_NUM_PARTIAL_PREFILLS prompts are part-way already.
+            if num_new <= 0:
                 self._free_blocks(req)
                 req.num_computed_tokens = 0
                 break
@@ -278,6 +289,32 @@ class Scheduler:
         req.num_computed_tokens = computed
         if copies:
             self.copy_blocks(copies)
+
+    def _prefill_cap(self) -> int | None:
+        """The most tokens one prompt's chunk may take this step when several prompts are to
+        be prefilled side by side (max_num_partial_prefills > 1): the step's budget shared
+        among up to that many prompts, those part-way and those waiting. None: no cap (one
+        prompt at a time, taking what budget is left, as with max_num_partial_prefills 1)."""
+        n = self.max_num_partial_prefills
+        if n <= 1:
+            return None
+        prefilling = len(self.waiting) + sum(
+            1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+        )
+        k = min(n, prefilling)
+        return None if k <= 1 else max(1, self.max_num_batched_tokens // k)
+
+    def _grant(self, left: int, budget: int, cap: int | None, partial: int) -> int:
+        """Tokens to offer a request with `left` to compute: what the budget allows; with a
+        prefill cap, at most the cap for a prompt, and none for a prompt that would be left
+        part-way when max_num_partial_prefills prompts already are."""
+        want = min(left, budget)
+        if cap is None or left <= 1:
+            return want
+        want = min(want, cap)
+        if want < left and partial >= self.max_num_partial_prefills:
+            return 0
+        return want
 
     def _chunk(self, req: Request, num_new: int) -> int:
         """`num_new`, shortened so the chunk does not end inside an image's span when images

@@ -144,7 +144,7 @@ def apply_baked_model(
             env.pop("TOKENIZER_REVISION", None)
         else:
             offline = False  # another tokenizer was asked for: it may need the hub
-    if not env.get("OPENAI_SERVED_MODEL_NAME_OVERRIDE"):
+    if not (env.get("OPENAI_SERVED_MODEL_NAME_OVERRIDE") or env.get("SERVED_MODEL_NAME")):
         env["OPENAI_SERVED_MODEL_NAME_OVERRIDE"] = baked.model_name
     if baked.lora_modules and not env.get("LORA_MODULES"):
         env["LORA_MODULES"] = baked.lora_modules

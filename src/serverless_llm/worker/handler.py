@@ -104,6 +104,7 @@ class Worker:
                 self.engine = AsyncEngine.from_config(self.settings.engine_config())
                 self.engine.on_fatal = self._engine_stopped
                 self.engine.warm_up_grammars()
+                logger.info("%s", sampling_defaults_line(self.settings, self.engine))
                 self.loras = self._load_loras(self.engine)
                 self.metrics = self._metrics(self.engine)
             return self.engine
@@ -211,6 +212,7 @@ class Worker:
                 log_requests=not self.settings.disable_log_requests,
                 limits=self.settings.request_limits,
                 served_model_name=self.settings.served_model_name,
+                model_aliases=self.settings.served_model_names + self.settings.model_name_aliases,
                 lora_modules=self.loras,
                 media=self.settings.media_config,
             )
@@ -223,6 +225,8 @@ class Worker:
             self._openai = OpenAIServing(
                 self.engine,
                 served_model_name=self.settings.served_model_name,
+                model_aliases=self.settings.served_model_names[1:],
+                unlisted_aliases=self.settings.model_name_aliases,
                 response_role=self.settings.openai_response_role,
                 chat_template=self.settings.custom_chat_template,
                 raw_output=self.settings.raw_openai_output,
@@ -284,6 +288,34 @@ MODEL_NAME_MISSING = (
     "serve, or build the image with --build-arg MODEL_NAME=...; for a local run without a model, "
     "python -m serverless_llm.devserver serves the embedded SmolLM2"
 )
+
+
+def sampling_defaults_line(settings: Settings, engine: Any) -> str:
+    """The start-up line saying which sampling defaults came from the model's
+    generation_config.json (GENERATION_CONFIG) and which from OVERRIDE_GENERATION_CONFIG."""
+    defaults = engine.model_info.sampling_defaults
+    where = {"model": [], "override": []}
+    for name, value in defaults.values.items():
+        where[defaults.sources[name]].append(f"{name}={value:g}")
+    parts = []
+    if where["model"]:
+        source = (
+            "the model's generation_config.json"
+            if settings.generation_config == "auto"
+            else f"{settings.generation_config}/generation_config.json"
+        )
+        parts.append(f"{', '.join(where['model'])} from {source}")
+    if where["override"]:
+        parts.append(f"{', '.join(where['override'])} from OVERRIDE_GENERATION_CONFIG")
+    if not parts:
+        why = (
+            "GENERATION_CONFIG=vllm"
+            if settings.generation_config == "vllm"
+            else "the model's generation_config.json sets none"
+        )
+        return f"sampling defaults: the engine's own ({why})"
+    tail = " (GENERATION_CONFIG=vllm turns the model's off)" if where["model"] else ""
+    return "sampling defaults for parameters a request leaves unset: " + "; ".join(parts) + tail
 
 
 def ready_line(worker: Worker) -> str:

@@ -4,16 +4,20 @@ This is the one place that knows which request fields reach the engine. A field 
 not implement yet is rejected when set to anything but its neutral value, never dropped: a
 client asking for a JSON schema and quietly getting none is worse than an error. Ranges are
 checked by the engine's SamplingParams, whose errors name the parameter; a field left unset
-takes the engine's default (SAMPLING_DEFAULTS), restated nowhere here.
+takes the engine's default (SAMPLING_DEFAULTS), restated nowhere here, or for temperature,
+top_p, top_k, min_p and repetition_penalty the model's (its generation_config.json, as vLLM's
+`--generation-config auto`; `defaults`, from the engine's ModelInfo).
 
 Beam search (`use_beam_search`, `length_penalty`, `early_stopping`) runs best_of (else n) beams
 and returns the n best. A temperature left unset means 0 with it (the only one it takes), as
-vLLM's beam search ignores temperature; one set above 0 is refused.
+vLLM's beam search ignores temperature; one set above 0 is refused. The model's sampling
+defaults do not apply to beam search (it takes none of those parameters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from serverless_llm.engine import (
@@ -90,14 +94,19 @@ def _common_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     structured: Any = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """`max_tokens=None` lets the engine generate up to max_model_len minus the prompt. Fields
-    left null mean the engine's default, as in OpenAI's API. Out-of-range values raise the
-    engine's SamplingParamsError, naming the field (a 400, api.errors)."""
+    left null (or out) mean the model's default where `defaults` has one, else the engine's,
+    as in OpenAI's API. Out-of-range values raise the engine's SamplingParamsError, naming the
+    field (a 400, api.errors)."""
+    model = {} if request.use_beam_search or defaults is None else defaults
 
     def value(name: str) -> Any:
         v = getattr(request, name)
-        return SAMPLING_DEFAULTS[name] if v is None else v
+        if v is None or name not in request.model_fields_set:
+            return model.get(name, SAMPLING_DEFAULTS[name])
+        return v
 
     temperature = request.temperature
     if temperature is None:
@@ -183,10 +192,14 @@ def _structured_fields(request: Any, structured: Any) -> dict[str, Any]:
     return fields
 
 
-def chat_sampling_params(request: ChatCompletionRequest, structured: Any = None) -> SamplingParams:
+def chat_sampling_params(
+    request: ChatCompletionRequest,
+    structured: Any = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> SamplingParams:
     """Chat's `logprobs: true` with `top_logprobs: k` is the engine's logprobs=k. Raises
     OpenAIServingError for fields the engine cannot honour yet. `structured`: the spec a
-    named or required tool_choice asks for."""
+    named or required tool_choice asks for. `defaults`: the model's sampling defaults."""
     _check_shared(request)
     _reject_unsupported(request, _UNSUPPORTED_CHAT)
     top = request.top_logprobs
@@ -196,16 +209,21 @@ def chat_sampling_params(request: ChatCompletionRequest, structured: Any = None)
         )
     logprobs = (top or 0) if request.logprobs else None
     return _common_params(
-        request, request.output_limit, logprobs, request.prompt_logprobs, structured
+        request, request.output_limit, logprobs, request.prompt_logprobs, structured, defaults
     )
 
 
-def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(
+    request: CompletionRequest, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """Completions' `logprobs: k`; with `echo` the prompt's logprobs are needed too (at least
-    k of them). Raises OpenAIServingError for fields the engine cannot honour yet."""
+    k of them). Raises OpenAIServingError for fields the engine cannot honour yet.
+    `defaults`: the model's sampling defaults."""
     _check_shared(request)
     _reject_unsupported(request, _UNSUPPORTED_COMPLETION)
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-    return _common_params(request, request.output_limit, request.logprobs, prompt_logprobs)
+    return _common_params(
+        request, request.output_limit, request.logprobs, prompt_logprobs, defaults=defaults
+    )

@@ -310,6 +310,7 @@ class OpenAIServing:
         chat_template: str | None = None,
         raw_output: bool = True,
         model_aliases: Sequence[str] = (),
+        unlisted_aliases: Sequence[str] = (),
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         limits: RequestLimits | None = None,
@@ -322,9 +323,10 @@ class OpenAIServing:
         version: str = "",
         response_store: ResponseStore | None = None,
     ) -> None:
-        """`model_aliases`: further names requests may use (say MODEL_NAME when
-        OPENAI_SERVED_MODEL_NAME_OVERRIDE is set, so both work); responses echo the name the
-        request used.
+        """`model_aliases`: further names requests may use, listed by /v1/models after
+        `served_model_name` (SERVED_MODEL_NAME's other names); `unlisted_aliases`: names
+        requests may use that /v1/models does not list (MODEL_NAME as written, so both it and
+        OPENAI_SERVED_MODEL_NAME_OVERRIDE work); responses echo the name the request used.
         `enable_auto_tool_choice` / `tool_call_parser`: ENABLE_AUTO_TOOL_CHOICE and
         TOOL_CALL_PARSER (a registered parser name; plugins are loaded before).
         `limits`: what one request may ask for (api.limits).
@@ -349,6 +351,10 @@ class OpenAIServing:
         self.media = media or MediaConfig()
         info = getattr(engine, "model_info", None)
         self.image_input = bool(getattr(info, "image_input", False))
+        # Sampling defaults from the model's generation_config.json (vLLM's
+        # --generation-config auto), for the parameters a request leaves unset.
+        defaults = getattr(info, "sampling_defaults", None)
+        self.sampling_defaults: dict[str, Any] = dict(getattr(defaults, "values", None) or {})
         # The text standing for one image, for a template that reads content as a string (the
         # engine may name it; without it such a template cannot take images).
         self.image_placeholder: str | None = getattr(info, "image_placeholder", None)
@@ -392,6 +398,9 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.model_names: tuple[str, ...] = tuple(
             dict.fromkeys([served_model_name, *(a for a in model_aliases if a)])
+        )
+        self.unlisted_names: tuple[str, ...] = tuple(
+            a for a in dict.fromkeys(unlisted_aliases) if a and a not in self.model_names
         )
         self.loras = {r.lora_name: r for r in lora_modules}
         self.response_role = response_role
@@ -453,7 +462,7 @@ class OpenAIServing:
             if kind == "model":
                 yield retrieve_model(
                     arg or "",
-                    self.model_names,
+                    self.model_names + self.unlisted_names,
                     self.created,
                     self.max_model_len,
                     self._adapter_cards(),
@@ -558,7 +567,7 @@ class OpenAIServing:
         A missing or empty name means the served model, as in vLLM."""
         if not model:
             return self.served_model_name
-        if model in self.model_names or model in self.loras:
+        if model in self.model_names or model in self.unlisted_names or model in self.loras:
             return model
         raise OpenAIServingError(model_not_found(model))
 
@@ -642,7 +651,9 @@ class OpenAIServing:
         if self.harmony is not None:
             params, ids, make_harmony = self._harmony_chat(request, tools, choice, renames)
         else:
-            params = chat_sampling_params(request, tool_choice_spec(tools, choice, parallel))
+            params = chat_sampling_params(
+                request, tool_choice_spec(tools, choice, parallel), self.sampling_defaults
+            )
         if self.harmony is None and (
             choice.mode != "none" and not (choice.mode == "auto" and self.auto_tool_parser is None)
         ):
@@ -756,7 +767,7 @@ class OpenAIServing:
             ]
             spec = StructuredOutputSpec(json={"anyOf": schemas}, param="tool_choice")
             after = (message_start_id(enc),)
-        params = chat_sampling_params(request, spec)
+        params = chat_sampling_params(request, spec, self.sampling_defaults)
         if params.structured is not None and spec is None:
             after = final_header_ids(enc)
         stops = [t for t in stop_ids(enc) if t not in params.stop_token_ids]
@@ -909,7 +920,7 @@ class OpenAIServing:
         self._check_limits(body, chat=False)
         request: CompletionRequest = self._parse(CompletionRequest, body)
         model = self._check_model(request.model)
-        params = completion_sampling_params(request)
+        params = completion_sampling_params(request, self.sampling_defaults)
         params.check_vocab(self.vocab_size)
         inputs = tokenize_prompts(request, self.tokenizer, self.vocab_size)
         prompts: list[PreparedPrompt] = []

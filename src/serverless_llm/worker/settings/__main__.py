@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}={value}")
     for lim in settings.limitations():
         print(f"{lim.level}: {lim.message}")
+    ignored = settings.ignored_engine_args_warning()
+    if ignored:
+        print(f"warning: {ignored}")
     return 0
 
 

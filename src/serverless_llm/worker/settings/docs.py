@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...engine.config import GPU_MEMORY_UTILIZATION
+from .engine_args import HONOURED, IGNORED, JSON_VALUED, ignored_reason
 from .fields import (
     CATEGORIES,
     EMBEDDED_MODEL_NAME,
@@ -100,6 +101,29 @@ def settings_markdown() -> str:
     ]
     for lim in LIMITS:
         out.append(f"| `{lim.env}` | {lim.level} | {_md_cell(lim.message)} |")
+    honoured = sorted(set(HONOURED) | {n for n in IGNORED if ignored_reason(n) is None})
+    ignored = [(n, why) for n, why in IGNORED.items() if ignored_reason(n) is not None]
+    out += [
+        "",
+        "## vLLM engine arguments",
+        "",
+        "worker-vllm turns any vLLM engine argument set as an upper-case environment variable",
+        "(`--cpu-offload-gb` -> `CPU_OFFLOAD_GB`) into a flag. Here each one is either a setting",
+        "above (the same meaning) or ignored: the ignored ones that are set are named, with the",
+        "reason, in one warning line at start-up. A value vLLM reads as JSON is parsed as JSON",
+        "whether honoured or not; bad JSON stops start-up with the variable and the position",
+        "(`HF_OVERRIDES is not valid JSON: Expecting ',' delimiter at line 1 column 12 (char 11)`).",
+        "",
+        "Honoured (see the tables above): "
+        + ", ".join(f"`{n}`" + (" (JSON)" if n in JSON_VALUED else "") for n in honoured)
+        + ".",
+        "",
+        "| Ignored | Why |",
+        "|---|---|",
+    ]
+    for name, why in ignored:
+        shown = f"`{name}`" + (" (JSON)" if name in JSON_VALUED else "")
+        out.append(f"| {shown} | {_md_cell(why)} |")
     out += [
         "",
         "## Defaults and choices shared with the engine",

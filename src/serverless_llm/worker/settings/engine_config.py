@@ -6,7 +6,7 @@ import os
 
 from ...engine import LoRARequest
 from ...engine.config import EngineConfig
-from .fields import DEFAULT_BASE_PATH, SettingsFields, parse_lora_modules
+from .fields import DEFAULT_BASE_PATH, SettingsFields, parse_json_object, parse_lora_modules
 
 
 def download_dir(base_path: str) -> str | None:
@@ -40,6 +40,15 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         dtype=s.dtype,
         seed=s.seed,
         trust_remote_code=s.trust_remote_code,
+        hf_overrides=hf_overrides(s),
+        generation_config=s.generation_config,
+        override_generation_config=(
+            parse_json_object(s.override_generation_config)
+            if s.override_generation_config
+            else None
+        ),
+        max_num_partial_prefills=s.max_num_partial_prefills,
+        disable_hybrid_kv_cache_manager=s.disable_hybrid_kv_cache_manager,
         download_dir=download_dir(s.base_path),
         hf_token=s.hf_token.get_secret_value() if s.hf_token else None,
         max_model_len=s.max_model_len,
@@ -65,6 +74,17 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         tensor_parallel_size=s.tensor_parallel_size,
         max_parallel_loading_workers=s.max_parallel_loading_workers,
     )
+
+
+def hf_overrides(settings: SettingsFields) -> dict | None:
+    """HF_OVERRIDES, with ROPE_SCALING and ROPE_THETA after it (vLLM folds them in alike)."""
+    s = settings
+    out = parse_json_object(s.hf_overrides) if s.hf_overrides else {}
+    if s.rope_scaling:
+        out["rope_scaling"] = parse_json_object(s.rope_scaling)
+    if s.rope_theta is not None:
+        out["rope_theta"] = s.rope_theta
+    return out or None
 
 
 def lora_requests(settings: SettingsFields) -> list[LoRARequest]:

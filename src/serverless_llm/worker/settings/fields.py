@@ -35,6 +35,7 @@ from ...engine.config import (
     QUANTIZED_WEIGHTS_MODES,
     SCHEDULING_POLICIES,
 )
+from ...engine.generation_defaults import DEFAULTABLE, GENERATION_CONFIG_FILE, check_value
 from ...engine.loader.quantization import QUANTIZATION_METHODS
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -52,6 +53,7 @@ MULTIMODAL = "Multimodal Settings"
 CATEGORIES = (LLM, TOKENIZER, SYSTEM, STREAMING, OPENAI, SERVERLESS, LIMITS, MULTIMODAL)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+CHOICES_MSG = "not one of the choices"
 
 
 def _setting(
@@ -63,11 +65,15 @@ def _setting(
     description: str,
     choices: tuple[Any, ...] | None = None,
     allowed: str | None = None,
+    json_object: bool = False,
     **constraints: Any,
 ) -> Any:
     """A Field whose metadata the docs and the console form are generated from. `env` is the
-    documented name; `aliases` are other names read too (first one set wins, `env` first)."""
+    documented name; `aliases` are other names read too (first one set wins, `env` first).
+    `json_object`: the value is a JSON object (checked as parsed; `parse_json_object`)."""
     extra: dict[str, Any] = {"category": category, "env": env, "aliases": list(aliases)}
+    if json_object:
+        extra["json_object"] = True
     if choices is not None:
         extra["choices"] = list(choices)
     if allowed is not None:
@@ -119,6 +125,7 @@ class SettingsFields(BaseSettings):
     model_revision: str | None = _llm(
         None,
         "MODEL_REVISION",
+        "REVISION",
         title="Model Revision",
         description="Branch, tag or commit of the model repo. Unset: `main`.",
     )
@@ -286,11 +293,76 @@ class SettingsFields(BaseSettings):
         ),
         choices=DTYPE_CHOICES,
     )
+    hf_overrides: str | None = _llm(
+        None,
+        "HF_OVERRIDES",
+        title="Hugging Face Config Overrides",
+        description=(
+            "vLLM's `--hf-overrides`: a JSON object of changes to the model's config.json, "
+            'applied before the model is built (`{"max_position_embeddings": 4096}`); an object '
+            "given for a nested config or dict is merged into it. On a vision-language model "
+            "they apply to its text decoder's config. `rope_scaling`, `rope_parameters` and "
+            "`rope_theta` keys act as ROPE_SCALING and ROPE_THETA."
+        ),
+        allowed="a JSON object",
+        json_object=True,
+    )
+    rope_scaling: str | None = _llm(
+        None,
+        "ROPE_SCALING",
+        title="RoPE Scaling",
+        description=(
+            'vLLM\'s `--rope-scaling`: JSON such as `{"rope_type": "yarn", "factor": 4.0, '
+            '"original_max_position_embeddings": 32768}` (`type` is read as `rope_type`), '
+            "merged into the model's rope parameters. A linear, dynamic or YaRN factor also "
+            "extends the maximum length to the original length times the factor, as vLLM "
+            "derives it. Applied after HF_OVERRIDES."
+        ),
+        allowed="a JSON object",
+        json_object=True,
+    )
+    rope_theta: float | None = _llm(
+        None,
+        "ROPE_THETA",
+        title="RoPE Theta",
+        description="vLLM's `--rope-theta`: the rope base, replacing the model's.",
+        gt=0.0,
+        allow_inf_nan=False,
+    )
+    generation_config: str = _llm(
+        "auto",
+        "GENERATION_CONFIG",
+        title="Generation Config",
+        description=(
+            "Where unset sampling parameters get their defaults (vLLM's `--generation-config`): "
+            "`auto` reads the model's generation_config.json, so a request (OpenAI or native) "
+            "that leaves temperature, top_p, top_k, min_p or repetition_penalty unset gets the "
+            "value the model's authors wrote there; `vllm` keeps the engine's own defaults "
+            "(temperature 1, no top-p/top-k/min-p, no repetition penalty); a directory reads "
+            "its generation_config.json instead. The worker's start-up line lists the defaults "
+            "in force and where each came from."
+        ),
+        allowed="auto, vllm, or a directory holding a generation_config.json",
+        min_length=1,
+    )
+    override_generation_config: str | None = _llm(
+        None,
+        "OVERRIDE_GENERATION_CONFIG",
+        title="Override Generation Config",
+        description=(
+            "vLLM's `--override-generation-config`: a JSON object of sampling defaults set on "
+            'top of GENERATION_CONFIG\'s (`{"temperature": 0.5}`; alone with `vllm`). Keys: '
+            "temperature, top_p, top_k, min_p, repetition_penalty."
+        ),
+        allowed="a JSON object",
+        json_object=True,
+    )
 
     # -- Tokenizer Settings -----------------------------------------------------------------
     tokenizer_name: str | None = _tokenizer(
         None,
         "TOKENIZER_NAME",
+        "TOKENIZER",
         title="Tokenizer",
         description="Repo id or directory of a tokenizer to use instead of the model's own.",
     )
@@ -432,6 +504,40 @@ class SettingsFields(BaseSettings):
         ),
         ge=1,
     )
+    disable_hybrid_kv_cache_manager: bool = _system(
+        False,
+        "DISABLE_HYBRID_KV_CACHE_MANAGER",
+        title="Disable Hybrid KV Cache Manager",
+        description=(
+            "Keep every token of every layer in one cache group, sliding-window layers "
+            "included (vLLM's `--disable-hybrid-kv-cache-manager`): the same outputs, with "
+            "the cache memory sliding windows would save spent instead (docs/engine.md)."
+        ),
+    )
+    enable_chunked_prefill: bool = _system(
+        True,
+        "ENABLE_CHUNKED_PREFILL",
+        title="Enable Chunked Prefill",
+        description=(
+            "Always on: a step's token budget (MAX_NUM_BATCHED_TOKENS) is shared by decodes and "
+            "prompt chunks, and a prompt longer than it is prefilled over several steps; the "
+            "engine has no separate prefill phase to fall back to. `true` is accepted; `false` "
+            "stops start-up with this reason."
+        ),
+    )
+    max_num_partial_prefills: int = _system(
+        1,
+        "MAX_NUM_PARTIAL_PREFILLS",
+        title="Max Partial Prefills",
+        description=(
+            "How many prompts may be prefilled side by side in one step (vLLM's "
+            "`--max-num-partial-prefills`). 1: one at a time, in arrival order; the prompt being "
+            "prefilled takes the step's remaining budget. N > 1: up to N prompts progress "
+            "together, each chunk at most MAX_NUM_BATCHED_TOKENS / N tokens, so short prompts "
+            "are not held behind a long one."
+        ),
+        ge=1,
+    )
     enable_prefix_caching: bool = _system(
         True,
         "ENABLE_PREFIX_CACHING",
@@ -537,7 +643,21 @@ class SettingsFields(BaseSettings):
         description=(
             "The model name clients send and `/v1/models` lists. Unset: MODEL_NAME (a local "
             "path's last component, never a path; the repo id it was built with for a baked "
-            f"image; `{EMBEDDED_MODEL_NAME}` for the embedded model)."
+            f"image; `{EMBEDDED_MODEL_NAME}` for the embedded model). Requests naming the model "
+            "as MODEL_NAME is written (a path as given, or its last component) are served too. "
+            "Several names may be given, separated by commas or spaces, as SERVED_MODEL_NAME."
+        ),
+        min_length=1,
+    )
+    served_names: str | None = _openai(
+        None,
+        "SERVED_MODEL_NAME",
+        title="Served Model Names",
+        description=(
+            "vLLM's `--served-model-name`: one or more names the model answers to, separated by "
+            "commas or spaces (`my-model,my-model-v2` or `my-model my-model-v2`). `/v1/models` "
+            "lists the first, then the others; responses echo the name the request used. With "
+            "OPENAI_SERVED_MODEL_NAME_OVERRIDE set too, its names come first."
         ),
         min_length=1,
     )
@@ -813,7 +933,33 @@ class SettingsFields(BaseSettings):
         extra = field_extra(cls.model_fields[info.field_name])
         choices = extra.get("choices")
         if choices is not None and value is not None and value not in choices:
-            raise ValueError("not one of the choices")
+            raise ValueError(CHOICES_MSG)
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_json_object(cls, value: Any, info: Any) -> Any:
+        if value is not None and field_extra(cls.model_fields[info.field_name]).get("json_object"):
+            parse_json_object(value)
+        return value
+
+    @field_validator("generation_config", mode="after")
+    @classmethod
+    def _check_generation_config(cls, value: str) -> str:
+        if value not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(value, GENERATION_CONFIG_FILE)
+        ):
+            raise ValueError(f"not auto, vllm or a directory holding {GENERATION_CONFIG_FILE}")
+        return value
+
+    @field_validator("override_generation_config", mode="after")
+    @classmethod
+    def _check_override_generation_config(cls, value: str | None) -> str | None:
+        if value is not None:
+            for name, v in parse_json_object(value).items():
+                if name not in DEFAULTABLE:
+                    raise ValueError(f"{name!r} cannot be set; keys: {', '.join(DEFAULTABLE)}")
+                check_value(name, v)
         return value
 
     @field_validator("lora_modules", mode="after")
@@ -842,6 +988,19 @@ class SettingsFields(BaseSettings):
         if not _DEVICE_RE.match(value):
             raise ValueError("not a device")
         return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON-object setting's value; ValueError naming where the JSON breaks."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"must be a JSON object, got {type(data).__name__}")
+    return data
 
 
 def parse_lora_modules(text: str) -> list[dict[str, str | None]]:

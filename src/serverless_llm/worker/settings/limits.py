@@ -46,6 +46,14 @@ LIMITS: tuple[Limit, ...] = (
         "file (dequantized at load)",
     ),
     Limit(
+        "ENABLE_CHUNKED_PREFILL",
+        "error",
+        lambda s: not s.enable_chunked_prefill,
+        "chunked prefill cannot be turned off: the engine gives each step one token budget "
+        "that decodes and prompt chunks share, and has no separate whole-prompt prefill to "
+        "fall back to; remove the setting (it is always on) or set it to true",
+    ),
+    Limit(
         "SWAP_SPACE",
         "warning",
         lambda s: s.swap_space > 0,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
-from pydantic import ValidationError
+from pydantic import PrivateAttr, ValidationError
 
 from ...api.batching import BatchSizes
 from ...api.limits import RequestLimits
@@ -15,6 +16,7 @@ from ...api.media import MediaConfig, parse_limit_mm_per_prompt
 from ...engine import LoRARequest
 from ...engine.config import EngineConfig
 from . import engine_config as _engine_config
+from .engine_args import check_json_engine_args, ignored_engine_args, ignored_warning
 from .fields import EMBEDDED_MODEL_NAME, ENV_TO_FIELD, SettingsFields, field_extra, shown_value
 from .limits import Limitation, limitations
 from .validation import SettingsError, check, format_validation_error
@@ -34,8 +36,18 @@ def served_name_of(model_name: str) -> str:
     return os.path.basename(os.path.normpath(expanded)) or model_name
 
 
+def split_names(text: str | None) -> list[str]:
+    """A served-name setting as its names: separated by commas and/or whitespace (vLLM's
+    `--served-model-name a b` written into one variable either way)."""
+    return [n for n in re.split(r"[\s,]+", text or "") if n]
+
+
 class Settings(SettingsFields):
     """The worker's configuration, read from the environment (`Settings.from_env()`)."""
+
+    # vLLM engine arguments set in the environment that no setting honours, with why
+    # (engine_args.py); logged in one warning line at start-up.
+    _ignored_engine_args: list[tuple[str, str]] = PrivateAttr(default_factory=list)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -43,6 +55,10 @@ class Settings(SettingsFields):
         first problem, as one line. Settings the engine cannot honour are checked too: an
         error-level limitation raises here; warnings are for `log_startup()`."""
         env = os.environ if environ is None else environ
+        try:
+            check_json_engine_args(env)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
         try:
             if environ is None:
                 settings = cls()
@@ -58,16 +74,36 @@ class Settings(SettingsFields):
         except ValidationError as e:
             raise SettingsError(format_validation_error(e, env)) from None
         check(settings)
+        settings._ignored_engine_args = ignored_engine_args(env)
         return settings
 
     # -- derived values ---------------------------------------------------------------------
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names `/v1/models` lists, the main one first: OPENAI_SERVED_MODEL_NAME_OVERRIDE's
+        and SERVED_MODEL_NAME's names, or else the one MODEL_NAME gives."""
+        names = split_names(self.openai_served_model_name_override)
+        names += split_names(self.served_names)
+        if not names:
+            names = [served_name_of(self.model_name) if self.model_name else EMBEDDED_MODEL_NAME]
+        return tuple(dict.fromkeys(names))
+
+    @property
     def served_model_name(self) -> str:
-        """The name OpenAI clients send as `model` and `/v1/models` lists."""
-        if self.openai_served_model_name_override:
-            return self.openai_served_model_name_override
-        return served_name_of(self.model_name) if self.model_name else EMBEDDED_MODEL_NAME
+        """The name OpenAI clients send as `model` and `/v1/models` lists first."""
+        return self.served_model_names[0]
+
+    @property
+    def model_name_aliases(self) -> tuple[str, ...]:
+        """Names requests may also use that `/v1/models` does not list: MODEL_NAME as written
+        (vLLM answers to a path as given) and the name it is served by when no served name is
+        set (its last component), so a client configured either way is served."""
+        if not self.model_name:
+            return ()
+        listed = set(self.served_model_names)
+        names = (self.model_name, served_name_of(self.model_name))
+        return tuple(n for n in dict.fromkeys(names) if n not in listed)
 
     @property
     def request_limits(self) -> RequestLimits:
@@ -122,6 +158,10 @@ class Settings(SettingsFields):
         """Settings whose values the engine cannot honour yet, with what happens instead."""
         return limitations(self)
 
+    def ignored_engine_args_warning(self) -> str | None:
+        """One line naming the vLLM engine arguments set but ignored, and why; None if none."""
+        return ignored_warning(self._ignored_engine_args)
+
     def non_default(self) -> dict[str, str]:
         """Env name -> shown value of every setting that differs from its default; secrets are
         shown as `***`."""
@@ -138,6 +178,9 @@ class Settings(SettingsFields):
         log.info("settings: %s", shown or "all defaults")
         for lim in self.limitations():
             log.warning("%s", lim.message)
+        ignored = self.ignored_engine_args_warning()
+        if ignored:
+            log.warning("%s", ignored)
 
 
 def load_settings_or_exit() -> Settings:

@@ -14,7 +14,14 @@ from pydantic import ValidationError
 
 from ...engine.config import ConfigError
 from .engine_config import engine_config
-from .fields import ENV_TO_FIELD, SettingsFields, allowed_values, field_extra, field_kind
+from .fields import (
+    CHOICES_MSG,
+    ENV_TO_FIELD,
+    SettingsFields,
+    allowed_values,
+    field_extra,
+    field_kind,
+)
 from .limits import limitations
 
 
@@ -39,7 +46,10 @@ def format_validation_error(error: ValidationError, environ: Any) -> str:
         # Name the variable that was actually set (an alias such as MIN_BATCH_SIZE).
         env = next((n for n in (extra["env"], *extra["aliases"]) if n in upper), extra["env"])
         value = "***" if field_kind(field) == "SecretStr" else repr(err.get("input"))
-        parts.append(f"{env}={value} is not valid: expected {allowed_values(field)}")
+        # A field's own check says what is wrong (where a JSON value breaks, say).
+        reason = str(err["msg"]).removeprefix("Value error, ")
+        why = f" ({reason})" if err["type"] == "value_error" and reason != CHOICES_MSG else ""
+        parts.append(f"{env}={value} is not valid{why}: expected {allowed_values(field)}")
     return "; ".join(parts)
 
 
