@@ -104,7 +104,6 @@ IGNORED: dict[str, str] = {
     "LONG_PREFILL_TOKEN_THRESHOLD": (
         "partial prefills are not told apart by length (MAX_NUM_PARTIAL_PREFILLS bounds them all)"
     ),
-    "SCHEDULING_POLICY": "requests are served first come, first served",
     "SCHEDULER_CLS": "the engine's own scheduler is the only one",
     "SCHEDULER_DELAY_FACTOR": "waiting requests are admitted as soon as they fit",
     "DISABLE_CHUNKED_MM_INPUT": "a prompt's image is never split across steps where it must not be",
@@ -243,6 +242,7 @@ HONOURED: tuple[str, ...] = (
     "MAX_NUM_BATCHED_TOKENS",
     "MAX_NUM_SEQS",
     "MAX_NUM_PARTIAL_PREFILLS",
+    "SCHEDULING_POLICY",
     "ENABLE_CHUNKED_PREFILL",
     "DISABLE_HYBRID_KV_CACHE_MANAGER",
     "DISABLE_LOG_STATS",
