@@ -13,6 +13,7 @@ import serverless_llm
 from serverless_llm.api.batching import BatchSizes
 from serverless_llm.api.limits import RequestLimits
 from serverless_llm.api.media import MediaConfig
+from serverless_llm.api.openai.response_store import MemoryResponseStore
 from serverless_llm.engine.async_engine import AsyncEngine
 from serverless_llm.worker import handler as handler_module
 from serverless_llm.worker.handler import Worker, _iterates_generators
@@ -76,7 +77,7 @@ class FakeServing:
         self.calls: list[tuple[str, Any, BatchSizes]] = []
         FakeServing.instances.append(self)
 
-    async def handle(self, route: str, body: Any, batch: BatchSizes):
+    async def handle(self, route: str, body: Any, batch: BatchSizes, method: str | None = None):
         self.calls.append((route, body, batch))
         if route == "/boom":
             yield "data: partial\n\n"
@@ -120,6 +121,10 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
     assert len(fake_openai.instances) == 1  # built once, on first use
     serving = fake_openai.instances[0]
     assert serving.engine is worker.engine
+    # The Responses store: in memory, with the settings' limits (RESPONSES_STORE_URL unset).
+    store = serving.kwargs.pop("response_store")
+    assert isinstance(store, MemoryResponseStore)
+    assert (store.max_count, store.max_bytes) == (10_000, 256 * 1024 * 1024)
     assert serving.kwargs == {
         "served_model_name": "served",
         # MODEL_NAME stays accepted beside the override, as written and by its last component.

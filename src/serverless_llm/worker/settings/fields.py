@@ -25,6 +25,10 @@ from ...api.media import (
     MAX_IMAGE_PIXELS,
     parse_limit_mm_per_prompt,
 )
+from ...api.openai.response_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_MAX_BYTES
+from ...api.openai.response_store import DEFAULT_MAX_COUNT as DEFAULT_STORE_MAX_COUNT
+from ...api.openai.response_store import DEFAULT_TTL_SECONDS as DEFAULT_STORE_TTL_SECONDS
+from ...api.openai.response_store import check_url as check_store_url
 from ...engine.config import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
@@ -730,6 +734,51 @@ class SettingsFields(BaseSettings):
         min_length=1,
     )
 
+    responses_store_max_count: int = _openai(
+        DEFAULT_STORE_MAX_COUNT,
+        "RESPONSES_STORE_MAX_COUNT",
+        title="Responses Store Max Count",
+        description=(
+            "Most responses `/v1/responses` keeps in the worker's memory (for "
+            "`previous_response_id` and GET/DELETE `/v1/responses/{id}`), the oldest dropped "
+            "first; a dropped id is a 404. 0: keep none. Not used with RESPONSES_STORE_URL."
+        ),
+        ge=0,
+    )
+    responses_store_max_bytes: int = _openai(
+        DEFAULT_STORE_MAX_BYTES,
+        "RESPONSES_STORE_MAX_BYTES",
+        title="Responses Store Max Bytes",
+        description=(
+            "Most bytes (of stored JSON: each response with the input it answered) the "
+            "in-memory responses store holds, the oldest dropped first; a response larger "
+            "than this on its own is not kept. Not used with RESPONSES_STORE_URL."
+        ),
+        ge=0,
+    )
+    responses_store_url: SecretStr | None = _openai(
+        None,
+        "RESPONSES_STORE_URL",
+        title="Responses Store URL",
+        description=(
+            "A Redis URL (`redis://[:password@]host:6379/0`, `rediss://...` for TLS, "
+            "`unix:///path.sock`) where `/v1/responses` keeps responses instead of the "
+            "worker's memory, so a `previous_response_id` follow-up, GET or DELETE reaches them "
+            "on any worker of the endpoint. Never written to any log."
+        ),
+        allowed="a redis://, rediss:// or unix:// URL",
+    )
+    responses_store_ttl_seconds: int = _openai(
+        DEFAULT_STORE_TTL_SECONDS,
+        "RESPONSES_STORE_TTL_SECONDS",
+        title="Responses Store TTL Seconds",
+        description=(
+            "How long Redis keeps a stored response (RESPONSES_STORE_URL); 30 days by default, "
+            "as OpenAI. 0: until deleted (or evicted by Redis's own maxmemory policy)."
+        ),
+        ge=0,
+    )
+
     # -- Serverless Settings ----------------------------------------------------------------
     max_concurrency: int = _serverless(
         300,
@@ -980,6 +1029,13 @@ class SettingsFields(BaseSettings):
     def _check_allowed_local_media_path(cls, value: str | None) -> str | None:
         if value is not None and not (os.path.isabs(value) and os.path.isdir(value)):
             raise ValueError("not an existing directory")
+        return value
+
+    @field_validator("responses_store_url", mode="after")
+    @classmethod
+    def _check_responses_store_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_store_url(value.get_secret_value())
         return value
 
     @field_validator("device", mode="after")

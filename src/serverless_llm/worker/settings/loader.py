@@ -13,6 +13,7 @@ from pydantic import PrivateAttr, ValidationError
 from ...api.batching import BatchSizes
 from ...api.limits import RequestLimits
 from ...api.media import MediaConfig, parse_limit_mm_per_prompt
+from ...api.openai.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
 from ...engine import LoRARequest
 from ...engine.config import EngineConfig
 from . import engine_config as _engine_config
@@ -117,6 +118,14 @@ class Settings(SettingsFields):
             max_n=self.max_n,
             max_prompts=self.max_prompts,
         )
+
+    def response_store(self) -> ResponseStore:
+        """Where /v1/responses keeps responses: Redis with RESPONSES_STORE_URL, else memory."""
+        if self.responses_store_url is not None:
+            return RedisResponseStore(
+                self.responses_store_url.get_secret_value(), self.responses_store_ttl_seconds
+            )
+        return MemoryResponseStore(self.responses_store_max_count, self.responses_store_max_bytes)
 
     @property
     def media_config(self) -> MediaConfig:
