@@ -456,7 +456,7 @@ def _arguments(text: str) -> dict[str, Any]:
     """A call's JSON arguments as tool_use `input` (a call cut off by max_tokens: {})."""
     try:
         value = json.loads(text) if text else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to read
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -671,6 +671,12 @@ def _parse(serving: OpenAIServing, kind: str, body: Any) -> MessagesRequest | Co
 def _plan(serving: OpenAIServing, kind: str, body: Any) -> tuple[_Plan, Any]:
     """(the chat plan, the parsed request); runs on the preparation thread."""
     request = _parse(serving, kind, body)
+    if (request.tool_choice or {}).get("type") == "auto" and not serving.enable_auto_tool_choice:
+        why = serving.auto_tool_unavailable or '"auto" tool choice is off on this worker'
+        raise _bad(
+            f"tool_choice: {why}; use {{'type': 'any'}} or {{'type': 'tool', 'name': ...}}, "
+            "which the grammar forces with any model."
+        )
     renames: dict[str, str] = {}
     plan = serving._chat_plan(to_chat_body(request, renames), renames)
     return plan, request

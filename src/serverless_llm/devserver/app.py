@@ -12,12 +12,17 @@ Every route builds the same job the platform would hand the worker and drives th
 - `/tokenize`, `/detokenize`, `/version`, `/metrics` (vLLM's utility routes, at the root as in
   vLLM and under `/openai/v1` as the platform relays them): `openai_route` jobs answered
   directly, outside the job slots, so a scrape never waits behind generation.
+- `/v1/messages`, `/v1/messages/count_tokens` (Anthropic's Messages API: the `anthropic` client
+  with `base_url` the endpoint's root; also under `/openai` and `/v2/{endpoint_id}`): relayed as
+  `openai_route` jobs the same way, answered and failed in Anthropic's shapes, streams without
+  `[DONE]`.
 - `/run`, `/runsync`, `/stream/{id}`, `/status/{id}`, `/cancel/{id}`, `/health` (and
   `/v2/{endpoint_id}/...`): the platform's job API. Unlike runpod's `--rp_serve_api`, `/stream`
   returns only what is new since the last poll, as the platform does.
 
 With an API key set, every route wants `Authorization: Bearer <key>` (a bare key works too, as
-on the platform); a wrong or missing one gets 401 in the route's error shape.
+on the platform; or `x-api-key: <key>`, as the Anthropic client sends it); a wrong or missing one
+gets 401 in the route's error shape.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
 from typing import Any, Protocol, TypeVar
-from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +46,7 @@ from ..worker.handler import (
     METRICS_CONTENT_TYPE,
     SSE_DONE,
     UTILITY_ROUTES,
+    anthropic_error,
     http_status,
     is_error,
     openai_error,
@@ -89,9 +94,20 @@ def _is_openai_path(path: str) -> bool:
     return "/openai/" in path or path.rstrip("/").rsplit("/", 1)[-1] in UTILITY_ROUTES
 
 
+# Anthropic's Messages routes, as the job's openai_route.
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def _is_anthropic_path(path: str) -> bool:
+    return path.rstrip("/").endswith(ANTHROPIC_ROUTES)
+
+
 def _error_response(path: str, status: int, message: str, code: str | None = None) -> Response:
-    """OpenAI routes answer in OpenAI's error object (what its client parses); job routes in
-    the platform's `{"error": "..."}`."""
+    """OpenAI routes answer in OpenAI's error object (what its client parses), Anthropic's
+    routes in Anthropic's; job routes in the platform's `{"error": "..."}`."""
+    if _is_anthropic_path(path):
+        err = anthropic_error(openai_error(message, code=code, status=status))
+        return JSONResponse(err, status_code=http_status(err))
     if _is_openai_path(path):
         err = openai_error(message, code=code, status=status)  # the type follows the status
         return JSONResponse(err, status_code=http_status(err))
@@ -255,6 +271,8 @@ def create_app(
         given = request.headers.get("authorization", "").strip()
         if given[:7].lower() == "bearer ":
             given = given[7:].strip()
+        if not given:  # the Anthropic client's header
+            given = request.headers.get("x-api-key", "").strip()
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise ApiError(401, "missing or incorrect API key", code="invalid_api_key")
 
@@ -284,14 +302,12 @@ def create_app(
 
     # -- OpenAI -------------------------------------------------------------------------------
 
-    async def relay(
-        request: Request, route: str, body: dict[str, Any], method: str | None = None
-    ) -> Response:
-        job_input: dict[str, Any] = {"openai_route": route, "openai_input": body}
-        if method is not None:
-            job_input["openai_method"] = method
+    async def relay(request: Request, route: str, body: dict[str, Any]) -> Response:
         items = taking_work().run_direct(
-            {"id": f"oai-{uuid.uuid4().hex}", "input": job_input},
+            {
+                "id": f"oai-{uuid.uuid4().hex}",
+                "input": {"openai_route": route, "openai_input": body},
+            },
             on_shutdown=openai_error(SHUTDOWN_MESSAGE, type="server_error", status=503),
         )
         try:
@@ -316,7 +332,9 @@ def create_app(
             if is_error(first):  # (a Response object carries `"error": null`)
                 return _openai_error_response(first)
             return JSONResponse(first)
-        return EventStream(first, items, done_marker=route != "/v1/responses")
+        # The Responses and Messages streams end with their own closing event, not [DONE].
+        done = route in ("/v1/chat/completions", "/v1/completions")
+        return EventStream(first, items, done_marker=done)
 
     async def read_body(request: Request) -> bytes:
         """The body, or 413 in the route's shape as soon as it is known to exceed the limit
@@ -359,22 +377,17 @@ def create_app(
     async def responses(request: Request) -> Response:
         return await relay(request, "/v1/responses", await read_openai_body(request))
 
-    # Stored responses (the worker's response store): retrieve, delete, list input items.
-    @router.get("/openai/v1/responses/{response_id}")
-    async def retrieve_response(request: Request, response_id: str) -> Response:
-        return await relay(request, f"/v1/responses/{quote(response_id, safe='')}", {}, "GET")
+    # Anthropic's Messages API: the `anthropic` client posts to {base_url}/v1/messages, so
+    # base_url is the endpoint's root (or .../openai, the prefix the platform relays).
+    def anthropic_endpoint(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def messages(request: Request) -> Response:
+            return await relay(request, route, await read_openai_body(request))
 
-    @router.delete("/openai/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> Response:
-        route = f"/v1/responses/{quote(response_id, safe='')}"
-        return await relay(request, route, {}, "DELETE")
+        return messages
 
-    @router.get("/openai/v1/responses/{response_id}/input_items")
-    async def response_input_items(request: Request, response_id: str) -> Response:
-        route = f"/v1/responses/{quote(response_id, safe='')}/input_items"
-        if request.url.query:
-            route += f"?{request.url.query}"
-        return await relay(request, route, {}, "GET")
+    for prefix in ("", "/openai"):
+        for route in ANTHROPIC_ROUTES:
+            router.add_api_route(prefix + route, anthropic_endpoint(route), methods=["POST"])
 
     @router.get("/openai/v1/models")
     async def list_models(request: Request) -> Response:

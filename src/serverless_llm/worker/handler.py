@@ -20,6 +20,7 @@ from contextlib import aclosing
 from typing import Any
 
 from .. import __version__
+from ..api.anthropic import anthropic_error
 from ..api.errors import native_error
 from ..api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..api.metrics import EngineMetrics
@@ -52,6 +53,7 @@ from .shutdown import GracefulShutdown, serve
 # imports nothing else).
 __all__ = [
     "LOAD_ERRORS",
+    "anthropic_error",
     "METRICS_CONTENT_TYPE",
     "SSE_DONE",
     "UTILITY_ROUTES",
@@ -176,9 +178,7 @@ class Worker:
                 yield openai_error(message) if openai else native_error(message)
                 return
             if isinstance(parsed, OpenAIJob):
-                stream = self._openai_serving().handle(
-                    parsed.route, parsed.body, parsed.batch, parsed.method
-                )
+                stream = self._openai_serving().handle(parsed.route, parsed.body, parsed.batch)
             else:
                 assert isinstance(parsed, NativeJob)
                 stream = self._native_serving().handle(parsed.request, parsed.batch, job_id)
@@ -239,7 +239,6 @@ class Worker:
                 structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
                 lora_modules=self.loras,
                 media=self.settings.media_config,
-                response_store=self.settings.response_store(),
                 metrics=self.metrics.render if self.metrics is not None else None,
                 version=__version__,
             )

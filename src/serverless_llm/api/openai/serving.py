@@ -51,6 +51,7 @@ from serverless_llm.engine import (
     sequence_params,
 )
 
+from .. import anthropic  # (a module: api/anthropic.py imports this package's parts too)
 from ..batching import BatchSizes, batch_stream
 from ..errors import REQUEST_ERRORS
 from ..limits import RequestLimitError, RequestLimits, string_chars
@@ -139,6 +140,10 @@ def parse_route(route: Any) -> tuple[str, str | None]:
             return path, None
         if path == "chat/completions":
             return "chat", None
+        if path == "messages":  # Anthropic's Messages API (api/anthropic.py)
+            return "messages", None
+        if path == "messages/count_tokens":
+            return "count_tokens", None
         if path == "completions":
             return "completions", None
         if path == "responses":
@@ -448,6 +453,12 @@ class OpenAIServing:
         route's usual one."""
         try:
             kind, arg = parse_route(route)
+            if kind in ("messages", "count_tokens"):  # in Anthropic's shapes, errors included
+                run = anthropic.handle_messages(self, kind, body, batch or BatchSizes())
+                async with aclosing(run) as items:
+                    async for item in items:
+                        yield item
+                return
             if kind in UTILITY_ROUTES:
                 yield await self._utility(kind, body)
                 return
