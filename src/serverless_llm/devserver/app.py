@@ -35,6 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
 from typing import Any, Protocol, TypeVar
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -302,12 +303,14 @@ def create_app(
 
     # -- OpenAI -------------------------------------------------------------------------------
 
-    async def relay(request: Request, route: str, body: dict[str, Any]) -> Response:
+    async def relay(
+        request: Request, route: str, body: dict[str, Any], method: str | None = None
+    ) -> Response:
+        job_input: dict[str, Any] = {"openai_route": route, "openai_input": body}
+        if method is not None:
+            job_input["openai_method"] = method
         items = taking_work().run_direct(
-            {
-                "id": f"oai-{uuid.uuid4().hex}",
-                "input": {"openai_route": route, "openai_input": body},
-            },
+            {"id": f"oai-{uuid.uuid4().hex}", "input": job_input},
             on_shutdown=openai_error(SHUTDOWN_MESSAGE, type="server_error", status=503),
         )
         try:
@@ -376,6 +379,23 @@ def create_app(
     @router.post("/openai/v1/responses")
     async def responses(request: Request) -> Response:
         return await relay(request, "/v1/responses", await read_openai_body(request))
+
+    # Stored responses (the worker's response store): retrieve, delete, list input items.
+    @router.get("/openai/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return await relay(request, f"/v1/responses/{quote(response_id, safe='')}", {}, "GET")
+
+    @router.delete("/openai/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        route = f"/v1/responses/{quote(response_id, safe='')}"
+        return await relay(request, route, {}, "DELETE")
+
+    @router.get("/openai/v1/responses/{response_id}/input_items")
+    async def response_input_items(request: Request, response_id: str) -> Response:
+        route = f"/v1/responses/{quote(response_id, safe='')}/input_items"
+        if request.url.query:
+            route += f"?{request.url.query}"
+        return await relay(request, route, {}, "GET")
 
     # Anthropic's Messages API: the `anthropic` client posts to {base_url}/v1/messages, so
     # base_url is the endpoint's root (or .../openai, the prefix the platform relays).

@@ -178,7 +178,9 @@ class Worker:
                 yield openai_error(message) if openai else native_error(message)
                 return
             if isinstance(parsed, OpenAIJob):
-                stream = self._openai_serving().handle(parsed.route, parsed.body, parsed.batch)
+                stream = self._openai_serving().handle(
+                    parsed.route, parsed.body, parsed.batch, parsed.method
+                )
             else:
                 assert isinstance(parsed, NativeJob)
                 stream = self._native_serving().handle(parsed.request, parsed.batch, job_id)
@@ -239,6 +241,7 @@ class Worker:
                 structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
                 lora_modules=self.loras,
                 media=self.settings.media_config,
+                response_store=self.settings.response_store(),
                 metrics=self.metrics.render if self.metrics is not None else None,
                 version=__version__,
             )
