@@ -54,6 +54,7 @@ from ..worker.handler import (
     sse_event,
     sse_events,
 )
+from .body import BodyError, parse_json_off_loop
 from .job_store import COMPLETED, FAILED, SHUTDOWN_MESSAGE, Job, JobManager, unless
 
 logger = logging.getLogger(__name__)
@@ -361,9 +362,9 @@ def create_app(
     async def read_openai_body(request: Request) -> dict[str, Any]:
         raw = await read_body(request)
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            body = await parse_json_off_loop(raw)
+        except BodyError as exc:
+            raise ApiError(400, str(exc)) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return body
@@ -476,9 +477,9 @@ def create_app(
     async def read_job_input(request: Request) -> Any:
         raw = await read_body(request)
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            body = await parse_json_off_loop(raw)
+        except BodyError as exc:
+            raise ApiError(400, str(exc)) from None
         if not isinstance(body, dict) or "input" not in body:
             raise ApiError(400, 'the request body must be a JSON object with an "input" field')
         if not isinstance(body["input"], dict):

@@ -25,6 +25,7 @@ from ..api.errors import native_error
 from ..api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..api.metrics import EngineMetrics
 from ..api.native import NativeServing
+from ..api.offload import prepare
 from ..api.openai import (
     SSE_DONE,
     UTILITY_ROUTES,
@@ -166,7 +167,8 @@ class Worker:
         self.active_jobs += 1
         try:
             try:
-                parsed = parse_job(job, self.settings.batch_sizes)
+                # Off the event loop: checking and validating a large input takes a while.
+                parsed = await prepare(parse_job, job, self.settings.batch_sizes)
             except JobError as e:
                 yield e.payload
                 return

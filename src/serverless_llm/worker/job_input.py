@@ -8,7 +8,9 @@ defaults for this job.
 A job that cannot be parsed raises JobError, whose `payload` is the error in the shape of the
 job's route. Every string of the input (keys included) must be Unicode text that UTF-8 can carry:
 JSON's `\\ud800` escapes decode to lone surrogates, which the tokenizer, the templates and the
-grammar compiler cannot take, so such a job is refused here, naming the field.
+grammar compiler cannot take, so such a job is refused here, naming the field. An input nested
+more than `MAX_JSON_DEPTH` levels deep is refused too: the layers above walk requests with
+recursive code (pydantic, templates, `json.dumps`), which would fail on it with RecursionError.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from ..api.errors import NativeJobError, describe_validation_error, loc_to_path,
 from ..api.native import NativeRequest
 from ..api.openai import openai_error
 
-__all__ = ["JobError", "NativeJob", "OpenAIJob", "parse_job"]
+__all__ = ["MAX_JSON_DEPTH", "JobError", "NativeJob", "OpenAIJob", "nesting_over", "parse_job"]
+
+# Levels of arrays and objects a job's input (and a request body) may nest. Far beyond what a
+# request needs (a JSON schema nested 40 levels deep fits), far below where Python's recursion
+# limit (1,000 frames) breaks the recursive code that reads requests.
+MAX_JSON_DEPTH = 128
 
 _OPENAI_KEYS = ("openai_route", "openai_input", "openai_method")
 _BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
@@ -82,6 +89,23 @@ def _batch_sizes(data: dict[str, Any], defaults: BatchSizes, *, openai: bool) ->
     )
 
 
+def nesting_over(data: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels deep in `data` (a scalar is 0
+    levels, `[]` is 1). Iterative, and stops at the first branch past the limit."""
+    stack: list[tuple[int, Any]] = [(0, data)]
+    while stack:
+        depth, value = stack.pop()
+        if isinstance(value, dict):
+            value = value.values()
+        elif not isinstance(value, (list, tuple)):
+            continue
+        depth += 1
+        if depth > limit:
+            return True
+        stack.extend((depth, v) for v in value if isinstance(v, (dict, list, tuple)))
+    return False
+
+
 def _lone_surrogate(data: Any) -> tuple[str, str] | None:
     """(path, repr of the character) of the first string in `data`, key or value, holding a lone
     surrogate; None when every string is valid text. Iterative: inputs may nest deeply."""
@@ -109,6 +133,12 @@ def _lone_surrogate(data: Any) -> tuple[str, str] | None:
 
 
 def _check_text(data: Any, *, openai: bool) -> None:
+    if nesting_over(data, MAX_JSON_DEPTH):
+        raise JobError(
+            f"the {'openai_input' if openai else 'input'} is nested more than {MAX_JSON_DEPTH} "
+            "levels deep",
+            openai=openai,
+        )
     found = _lone_surrogate(data)
     if found is not None:
         path, char = found

@@ -96,7 +96,7 @@ def _template_tool_call(call: Any) -> Any:
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read
             return call
         if isinstance(parsed, dict):
             return {**call, "function": {**call["function"], "arguments": parsed}}

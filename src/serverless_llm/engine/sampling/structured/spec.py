@@ -91,6 +91,10 @@ def resolve_backend(name: str | None) -> tuple[str, frozenset[str]]:
 # ---------------------------------------------------------------------------------------------
 
 
+# A schema nested so deep that Python's recursion limit stops reading or writing it.
+_TOO_DEEP = "the JSON schema is nested too deeply"
+
+
 def _canonical_schema(schema: Any, param: str) -> str:
     """A JSON schema (dict, JSON text, bool or pydantic model class) as compact JSON text: the
     cache key and what xgrammar reads. Key order is kept, since it is the output's order."""
@@ -101,6 +105,8 @@ def _canonical_schema(schema: Any, param: str) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}", param) from exc
+        except RecursionError:
+            raise StructuredOutputError(_TOO_DEEP, param) from None
     if not isinstance(schema, (dict, bool)):
         raise StructuredOutputError(
             f"the JSON schema must be an object, got {type(schema).__name__}", param
@@ -109,6 +115,8 @@ def _canonical_schema(schema: Any, param: str) -> str:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}", param) from exc
+    except RecursionError:
+        raise StructuredOutputError(_TOO_DEEP, param) from None
 
 
 @dataclass(frozen=True)
