@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine.kernels import paged_attention as pa
 from serverless_llm.engine.kernels.kv_write import reshape_and_cache_reference
 from serverless_llm.engine.kv_cache import allocate_kv_cache, layer_view
 from serverless_llm.engine.kv_cache_manager import FullAttentionSpec
@@ -263,6 +264,28 @@ def test_layer_view_keeps_each_token_inside_its_wider_entry(head_major):
     view[0, 1, 2].fill_(1.0)  # block 1, token 2
     hit = (wide[0] != 0).nonzero().tolist()
     assert {(b, t) for b, t, _, _ in hit} == {(1, 2)}
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+@pytest.mark.parametrize("wide", [(2, 24), (1, 32), (2, 16), (1, 128)], ids=str)
+def test_layer_views_gather_their_own_keys(head_major, wide):
+    """The torch decode's gather (`gather_blocks`) of a layer view reads, at every block and
+    head, what logical indexing reads, in the [..., heads, keys, dim] order; on the head-major
+    cache by whole rows of the wide tensor (`head_layout`) where the view's rows lie at fixed
+    offsets in it (heads inside heads, or packed at the block's start in whole tiles)."""
+    cache = allocate_kv_cache(1, 7, 4, *wide, torch.float32, torch.device("cpu"), head_major)[0]
+    cache.copy_(torch.randn(cache.shape))
+    blocks = torch.tensor([[3, 0, 6], [1, 1, 2]])
+    for kvh, d in [
+        (k, d) for k in (1, 2, 3) for d in (8, 16, 24, 32) if k * d <= wide[0] * wide[1]
+    ]:
+        view = layer_view(cache, kvh, d)
+        for half in (view[0], view[1]):
+            want = half[blocks].movedim(-2, -4).reshape(2, kvh, 3 * 4, d)
+            got = pa.gather_blocks(half, blocks)
+            assert torch.equal(got, want)
+            if head_major and kvh <= wide[0] and d <= wide[1]:  # heads inside heads: rows
+                assert pa.head_layout(half) == (wide[0], wide[1])
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])

@@ -18,11 +18,13 @@ from serverless_llm.engine.kernels.cpu_native import (
     add_norm_reference,
     make_layer,
     make_step,
+    native_cache_ok,
     prepare_reference,
 )
 from serverless_llm.engine.kernels.kv_write import reshape_and_cache_reference
 from serverless_llm.engine.kernels.metadata import AttentionMetadata, AttentionSpec
 from serverless_llm.engine.kernels.paged_attention import paged_attention_reference
+from serverless_llm.engine.kv_cache import layer_view
 from serverless_llm.engine.layers.attention import NativeCpuBackend, TorchAttentionBackend
 from serverless_llm.engine.model_builder import make_attention_backend
 
@@ -124,9 +126,31 @@ def make_case(name, g):
     return AttentionSpec(H, KVH, D, D**-0.5, **sopt), LayerPrep(**popt)
 
 
+def layer_cache(layout, num_blocks, block_size, KVH, D, g):
+    """(a layer's cache [2, blocks, block_size, KVH, D], the wider tensor it is a view of or
+    None): head-major (the torch backend's), token-major, or a `layer_view` of a wider
+    head-major tensor, with its heads inside the wider heads (Gemma 4's sliding layers in the
+    global layers' entries) or packed at each block's start (heads that do not nest)."""
+    if layout == "token-major":
+        return torch.randn(2, num_blocks, block_size, KVH, D, generator=g), None
+    heads, dim = {"head-major": (KVH, D), "nested": (KVH + 1, 2 * D), "packed": (2 * KVH, D // 2)}[
+        layout
+    ]
+    wide = torch.randn(2, num_blocks, heads, block_size, dim, generator=g).transpose(2, 3)
+    if layout == "head-major":
+        return wide, None
+    return layer_view(wide, KVH, D), wide
+
+
+LAYOUTS = ["head-major", "token-major", "nested", "packed"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_attention_step_matches_the_references(kernels, name, block_size):
+def test_attention_step_matches_the_references(kernels, name, block_size, layout):
+    """Every cache layout is read and written in place at its own strides (a layer view's
+    writes touch nothing of the wider tensor outside the view)."""
     g = torch.Generator().manual_seed(hash((name, block_size)) % 1000)
     spec, prep = make_case(name, g)
     H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -134,7 +158,9 @@ def test_attention_step_matches_the_references(kernels, name, block_size):
     meta, positions = ragged_step(lens, qlens, block_size, 40, g, pad_rows=2)
     T = positions.shape[0]
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g) * 2
-    cache = torch.randn(2, 40, KVH, block_size, D, generator=g).transpose(2, 3)  # head-major
+    cache, wide = layer_cache(layout, 40, block_size, KVH, D, g)
+    assert native_cache_ok(cache)
+    wide_before = None if wide is None else wide.clone()
     ref_cache = cache.clone()
     q, k, v = qkv.view(T, -1, D).split([H, KVH, KVH], dim=1)
     rq, rk, rv = prepare_reference(q, k, v, positions, prep)
@@ -155,6 +181,10 @@ def test_attention_step_matches_the_references(kernels, name, block_size):
     assert torch.equal(v, rv)
     torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, want[:nd], rtol=1e-5, atol=1e-5)
+    if wide is not None:  # outside the view, the wider tensor is as it was
+        outside = torch.ones_like(wide, dtype=torch.bool)
+        layer_view(outside, KVH, D).fill_(False)
+        assert torch.equal(wide[outside], wide_before[outside])
 
 
 def test_attention_step_leaves_padding_slots_and_other_blocks_alone(kernels):

@@ -225,8 +225,9 @@ def layer_view(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.T
     block's. Either way a block's entries stay in that block (a block is one group's at a time,
     so layers of other shapes never see them); the first two keep each token's entry inside the
     wider entry of the same token. Logical shape [2, num_blocks, block_size, num_kv_heads,
-    head_dim] as usual, strided: the kernels take the strides, the torch paths index by
-    (block, offset), the native CPU step reads only views that are contiguous."""
+    head_dim] as usual, strided: the Triton kernels and the native CPU step take the strides,
+    the torch decode gathers whole rows of the wide tensor where the view's rows lie at fixed
+    offsets in it (`paged_attention.head_layout`), else indexes by (block, offset)."""
     parts, num_blocks, block_size, heads, dim = cache.shape
     if num_kv_heads * head_dim > heads * dim:
         raise ValueError(f"{num_kv_heads} x {head_dim} entries do not fit in {heads} x {dim}")

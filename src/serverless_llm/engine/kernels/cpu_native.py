@@ -8,7 +8,8 @@ group in one call, float32, reading the paged cache in place:
 - `attention_step`: a layer's q/k clip, q/k RMSNorm, rotary (neox or GPT-J, full or partial),
   KV write and the decode rows' attention (soft-cap, ALiBi, sliding window, chunked local
   attention, sinks) over the head-major cache the torch backend uses
-  (`allocate_kv_cache(head_major=True)`);
+  (`allocate_kv_cache(head_major=True)`), read at the layer's strides (so a layer's view of
+  narrower entries in a wider layer's tensor, Gemma 4's, runs here too);
 - `latent_step`: a multi-head latent attention (MLA) layer's row write and its decodes'
   absorbed attention over the latent cache (one row of latent | rotary key a token, read once
   for all heads), `mla_attention.latent_decode_reference`'s contract;
@@ -113,6 +114,9 @@ class Layer(ctypes.Structure):
         ("k_norm_bias", _P),
         ("sinks", _P),
         ("chunk", _I),
+        ("block_stride", _I),
+        ("head_stride", _I),
+        ("token_stride", _I),
     ]
 
 
@@ -594,7 +598,7 @@ class LayerPrep:
 
 
 def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | None) -> Layer:
-    """A layer's struct over its cache (head-major, float32) and its prep's tensors (which must
+    """A layer's struct over its cache (float32, `native_cache_ok`) and its prep's tensors (which must
     outlive it: the model holds them)."""
     prep = prep or LayerPrep()
     slopes = spec.alibi_slopes
@@ -623,6 +627,7 @@ def make_layer(spec: AttentionSpec, kv_cache: torch.Tensor, prep: LayerPrep | No
         k_norm_bias=ptr_or_null(prep.k_norm_bias),
         sinks=ptr_or_null(sinks),
         chunk=spec.chunk_size or 0,
+        **cache_strides(kv_cache),
     )
 
 
@@ -632,8 +637,22 @@ def ptr_or_null(t: torch.Tensor | None) -> int | None:
 
 
 def native_cache_ok(kv_cache: torch.Tensor) -> bool:
-    """Whether the native step reads this cache: float32 and head-major, contiguous."""
-    return kv_cache.dtype == torch.float32 and kv_cache[0].transpose(1, 2).is_contiguous()
+    """Whether the native step reads this cache: float32, each entry's head_dim values
+    contiguous, K and V alike; blocks, heads and tokens at any strides (`cache_strides`), so a
+    layer's view of narrower entries in a wider layer's tensor (`kv_cache.layer_view`, Gemma 4)
+    is read in place as the tensor's own layers are."""
+    if kv_cache.dtype != torch.float32:
+        return False
+    k, v = kv_cache[0], kv_cache[1] if kv_cache.shape[0] > 1 else kv_cache[0]
+    return (k.stride(-1) == 1 or k.shape[-1] == 1) and k.stride() == v.stride()
+
+
+def cache_strides(kv_cache: torch.Tensor) -> dict[str, int]:
+    """The layer struct's strides (in floats) of a cache of logical shape [2, num_blocks,
+    block_size, KVH, D]: between blocks, heads and tokens (head-major and contiguous: KVH *
+    block_size * D, block_size * D, D)."""
+    sb, st, sh, _ = kv_cache[0].stride()
+    return {"block_stride": sb, "head_stride": sh, "token_stride": st}
 
 
 # -- torch references --------------------------------------------------------------------------
@@ -676,8 +695,9 @@ def add_norm_reference(x, residual, weight, bias, eps: float, kind: int):
 
 def self_check(kernels: NativeKernels) -> str | None:
     """Each function against its torch reference on a small probe (GQA, partial GPT-J rotary,
-    q/k norm, soft-cap, ALiBi, a window, sinks, a chunk, a prefill row; the latent step; linears
-    and norms; the recurrent decodes): None, or what disagreed."""
+    q/k norm, soft-cap, ALiBi, a window, sinks, a chunk, a prefill row, a cache that is a view
+    of narrower entries in a wider tensor; the latent step; linears and norms; the recurrent
+    decodes): None, or what disagreed."""
     from .kv_write import reshape_and_cache_reference
     from .paged_attention import paged_attention_reference
 
@@ -703,6 +723,7 @@ def self_check(kernels: NativeKernels) -> str | None:
             },
         ),
         ("chunked", LayerPrep(rope=_probe_rope(D, g)), {"chunk_size": 3}),
+        ("view", LayerPrep(rope=_probe_rope(D, g)), {"sliding_window": 5}),
     ):
         spec = AttentionSpec(H, KVH, D, D**-0.5, **spec_kw)
         lens, qlens = [9, 3, 7], [1, 1, 3]
@@ -729,6 +750,8 @@ def self_check(kernels: NativeKernels) -> str | None:
         pos = torch.tensor(positions)
         qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g) * 2
         cache = torch.randn(2, nb, KVH, bs, D, generator=g).transpose(2, 3)  # head-major
+        if name == "view":  # Gemma 4's narrower layers: their heads inside 3 x D wide ones
+            cache = torch.randn(2, nb, KVH, bs, 3 * D, generator=g)[..., :D].transpose(2, 3)
         ref_cache = cache.clone()
         q, k, v = qkv.view(T, -1, D).split([H, KVH, KVH], dim=1)
         rq, rk, rv = prepare_reference(q, k, v, pos, prep)

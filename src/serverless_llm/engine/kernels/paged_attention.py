@@ -617,29 +617,62 @@ def request_key_limits(meta: AttentionMetadata, i: int) -> list[int] | None:
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, rows=None) -> torch.Tensor:
     """One half of a layer's cache (logical [num_blocks, block_size, KVH, D], any layout) read at
-    `blocks` ([..., n] block ids): [..., KVH, n * block_size, D], contiguous, keys in order.
+    `blocks` ([..., n] block ids): [..., KVH, n * block_size, D], keys in order.
 
     On a head-major cache (`allocate_kv_cache(head_major=True)`, the torch backend's) each
-    (block, head) pair is one contiguous row of block_size x D, so this is one index_select of
-    those rows: the result is already in the [heads, keys, dim] order `matmul` wants, with no
-    second copy. `rows` is that row index when the caller has it (`head_rows`). Any other layout
-    is gathered by logical indexing, then reordered (two copies: tests and references only)."""
+    (block, head) pair is one row of block_size x D, so this is one index_select of those rows:
+    the result is already in the [heads, keys, dim] order `matmul` wants, with no second copy.
+    A layer's view of narrower entries in a wider layer's tensor (`kv_cache.layer_view`, Gemma
+    4) is read the same way: its rows lie at fixed offsets in the wide tensor (`head_layout`),
+    each a block_size x stride tile whose first D values a token are the layer's, so the tiles
+    are copied whole and the result is their [..., :D] slice (strided: matmul reads it as is).
+    `rows` is the row index when the caller has it (`head_rows(blocks, KVH, period)`). Any
+    other layout is gathered by logical indexing, then reordered (two copies: tests and
+    references only)."""
     nb, bs, kvh, d = cache.shape
     lead, n = blocks.shape[:-1], blocks.shape[-1]
-    physical = cache.transpose(1, 2)  # [nb, KVH, bs, D]
-    if physical.is_contiguous():
+    layout = head_layout(cache)
+    if layout is not None:
+        period, token_stride = layout
         if rows is None:
-            rows = head_rows(blocks, kvh)
-        return physical.view(nb * kvh, bs, d).index_select(0, rows).view(*lead, kvh, n * bs, d)
+            rows = head_rows(blocks, kvh, period)
+        tiles = cache.as_strided(
+            (nb * period, bs, token_stride), (cache.stride(0) // period, token_stride, 1)
+        )
+        out = tiles.index_select(0, rows).view(*lead, kvh, n * bs, token_stride)
+        return out if token_stride == d else out[..., :d]
     picked = cache[blocks.long()]  # [..., n, bs, KVH, D]
     return picked.movedim(-2, -4).reshape(*lead, kvh, n * bs, d)
 
 
-def head_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def head_layout(cache: torch.Tensor) -> tuple[int, int] | None:
+    """(period, token stride) of a head-major cache half (logical [num_blocks, block_size, KVH,
+    D]) whose (block, head) rows are whole tiles of the tensor: row (b, h) starts at
+    (b * period + h) tiles of block_size x token stride values, a token's D values first in its
+    tile row. The cache `allocate_kv_cache` makes: period KVH, token stride D; a
+    `kv_cache.layer_view` of it: the wide tensor's period and token stride (heads inside heads)
+    or the narrow ones (packed at the block's start) when a block holds whole tiles. None for
+    any other layout (token-major)."""
+    nb, bs, kvh, d = cache.shape
+    sb, st, sh, sd = cache.stride()
+    st = d if bs == 1 else st  # (a dim of one: its stride means nothing)
+    sh = bs * st if kvh == 1 else sh
+    if (sd != 1 and d > 1) or st < d or sh != bs * st:
+        return None
+    if nb > 1 and sb % sh:
+        return None
+    period = sb // sh if nb > 1 else kvh
+    if period < kvh:
+        return None
+    return period, st
+
+
+def head_rows(blocks: torch.Tensor, num_kv_heads: int, period: int | None = None) -> torch.Tensor:
     """The head-major cache's (block, head) rows for `blocks` [..., n], flattened in the order
-    [..., head, block]."""
+    [..., head, block]; `period`: rows a block spans (`head_layout`; default num_kv_heads)."""
     heads = torch.arange(num_kv_heads, device=blocks.device)[:, None]
-    return (blocks.long().unsqueeze(-2) * num_kv_heads + heads).reshape(-1)
+    period = num_kv_heads if period is None else period
+    return (blocks.long().unsqueeze(-2) * period + heads).reshape(-1)
 
 
 def plan_torch_decodes(meta: AttentionMetadata) -> None:
@@ -700,9 +733,11 @@ def _decode_torch(q, kv_cache, meta, spec):
     blocks, valid = st["decode_blocks"], st["decode_valid"]
     nd, L = valid.shape
     kvh, g, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-    rows = st.get(("decode_rows", kvh))
+    layout = head_layout(kv_cache[0])
+    period = kvh if layout is None else layout[0]
+    rows = st.get(("decode_rows", kvh, period))
     if rows is None:
-        rows = st[("decode_rows", kvh)] = head_rows(blocks, kvh)
+        rows = st[("decode_rows", kvh, period)] = head_rows(blocks, kvh, period)
     # (The math below stays plain matmul + softmax: unlike SDPA's blocked kernel, it gives each
     # request the same result whatever the padding, so outputs do not depend on what else is in
     # the batch.)
