@@ -81,6 +81,17 @@ IGNORED: dict[str, str] = {
         "enable_in_reasoning is STRUCTURED_OUTPUTS_ENABLE_IN_REASONING"
     ),
     "REASONING_PARSER_PLUGIN": "reasoning parser plugins are not loaded",
+    "ENABLE_REASONING": (
+        "reasoning is parsed whenever a parser applies (REASONING_PARSER, or the one the chat "
+        "template calls for)"
+    ),
+    "GUIDED_DECODING_DISABLE_FALLBACK": "there is one grammar compiler, so nothing to fall back to",
+    "GUIDED_DECODING_DISABLE_ANY_WHITESPACE": (
+        "JSON whitespace follows each request's guided_decoding_backend options"
+    ),
+    "GUIDED_DECODING_DISABLE_ADDITIONAL_PROPERTIES": (
+        "JSON schemas are compiled as written (additionalProperties as the schema says)"
+    ),
     # Attention and the cache.
     "DISABLE_SLIDING_WINDOW": "sliding-window layers always attend within their window",
     "DISABLE_CASCADE_ATTN": "the engine has no cascade attention",
@@ -93,6 +104,7 @@ IGNORED: dict[str, str] = {
     "KV_SHARING_FAST_PREFILL": "layers sharing a KV cache are computed in full",
     "MAMBA_CACHE_DTYPE": "recurrent states are kept in the engine's chosen dtype",
     "MAMBA_SSM_CACHE_DTYPE": "recurrent states are kept in the engine's chosen dtype",
+    "MAMBA_BLOCK_SIZE": "recurrent states are kept whole per request, not in blocks",
     "KV_OFFLOADING_SIZE": "the KV cache is not offloaded to CPU memory",
     "KV_OFFLOADING_BACKEND": "the KV cache is not offloaded to CPU memory",
     "KV_TRANSFER_CONFIG": "disaggregated prefill (KV transfer between instances) is not supported",
@@ -131,6 +143,9 @@ IGNORED: dict[str, str] = {
     "EPLB_CONFIG": _EXPERTS,
     "EXPERT_PLACEMENT_STRATEGY": _EXPERTS,
     "NUM_REDUNDANT_EXPERTS": _EXPERTS,
+    "EPLB_WINDOW_SIZE": _EXPERTS,
+    "EPLB_STEP_INTERVAL": _EXPERTS,
+    "EPLB_LOG_BALANCEDNESS": _EXPERTS,
     "ENABLE_DBO": "dual-batch overlap is not implemented",
     "DBO_DECODE_TOKEN_THRESHOLD": "dual-batch overlap is not implemented",
     "DBO_PREFILL_TOKEN_THRESHOLD": "dual-batch overlap is not implemented",
@@ -188,6 +203,7 @@ IGNORED: dict[str, str] = {
     "TYPICAL_ACCEPTANCE_SAMPLER_POSTERIOR_ALPHA": _SPECULATIVE,
     "DISABLE_LOGPROBS_DURING_SPEC_DECODING": _SPECULATIVE,
     "NUM_LOOKAHEAD_SLOTS": _SPECULATIVE,
+    "SPECULATIVE_DISABLE_MQA_SCORER": _SPECULATIVE,
     # Older vLLM.
     "TOKENIZER_POOL_SIZE": "prompts are tokenized on the worker's own preparation threads",
     "TOKENIZER_POOL_TYPE": "prompts are tokenized on the worker's own preparation threads",
