@@ -134,6 +134,26 @@ def test_vllm_turns_the_models_off_and_override_sets_one(auto, overridden, route
     assert route(overridden) == route(auto, temperature=0.0, **{"repetition_penalty": 1.0})
 
 
+def test_the_responses_route_takes_them_too(auto):
+    """/v1/responses runs through the chat route: its unset parameters get the model's values
+    (no ignore_eos there, so the chat calls compared leave it out too)."""
+    client = _client(auto)
+
+    def chat(**params) -> str:
+        out = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=24,
+            extra_body=params,
+        )
+        return out.choices[0].message.content or ""
+
+    response = client.responses.create(model="m", input=PROMPT, max_output_tokens=24)
+    assert response.output_text == chat()
+    assert response.output_text == chat(temperature=0.0, repetition_penalty=1.8)
+    assert response.output_text != chat(temperature=0.0, repetition_penalty=1.0)
+
+
 def test_the_startup_line_says_where_defaults_came_from(auto, overridden, caplog):
     from serverless_llm.worker.handler import sampling_defaults_line
 
