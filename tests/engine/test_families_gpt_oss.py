@@ -8,11 +8,16 @@ description) against transformers loading that checkpoint (it dequantizes on CPU
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
 
 from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine import model_builder
+from serverless_llm.engine.config import ConfigError
 from serverless_llm.engine.kernels.mxfp4 import e2m1_values, mxfp4_dequantize
 from tests.engine.family_check import (
     NEW_TOKENS,
@@ -190,6 +195,32 @@ def test_mxfp4_checkpoint_equals_transformers(mxfp4_model):
     """The engine decodes the MXFP4 experts at load; transformers dequantizes the same
     checkpoint on CPU: the same weights, the same greedy tokens."""
     assert_matches_transformers(mxfp4_model)
+
+
+def test_mxfp4_set_explicitly(mxfp4_model, family_models, tmp_path, monkeypatch):
+    """QUANTIZATION=mxfp4 on the MXFP4 checkpoint loads it as leaving it unset does (the same
+    tokens as transformers); on a checkpoint that is not MXFP4 it stops the load by name,
+    before any weight is read: an unquantized gpt-oss (unset QUANTIZATION) and an FP8 one (the
+    checkpoint's own method named)."""
+    assert_matches_transformers(mxfp4_model, quantization="mxfp4", lengths=(3, 20))
+    kw = dict(block_size=8, num_kv_blocks=64, max_model_len=128, dtype="float32")
+    llm = LLM(mxfp4_model, quantization="mxfp4", **kw)
+    assert "mxfp4" in llm.engine.model.quantization
+    plain = family_models("gpt_oss")
+
+    def refuse(*a, **kw):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(model_builder, "iter_weights", refuse)
+    with pytest.raises(ConfigError, match="quantization='mxfp4', but .* is not quantized"):
+        LLM(plain, quantization="mxfp4", **kw)
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(plain, fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="'mxfp4' contradicts .* quantized with 'fp8'"):
+        LLM(str(fp8), quantization="mxfp4", **kw)
 
 
 def test_mxfp4_experts_kept_4bit_equal_transformers(mxfp4_model):
