@@ -221,3 +221,32 @@ def test_partial_prefills_share_a_step(tiny_llama):
     assert outputs[1] == outputs[2]
     for prompt, out in zip(prompts, outputs[2]):
         assert out == hf_greedy(tiny_llama, prompt, 8)
+
+
+def test_partial_prefills_count_only_prompts_that_can_start(tiny_llama):
+    """With no seat free for a second prompt (max_num_seqs 1), the one prompt being prefilled
+    keeps the whole budget: the share is among prompts that can run this step."""
+    llm = LLM(
+        tiny_llama,
+        block_size=8,
+        num_kv_blocks=64,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_num_partial_prefills=2,
+    )
+    scheduler: Scheduler = llm.engine.scheduler
+    seen: list[list[int]] = []
+    schedule = scheduler.schedule
+
+    def record():
+        batch = schedule()
+        seen.append(list(batch.num_new_tokens))
+        return batch
+
+    scheduler.schedule = record  # type: ignore[method-assign]
+    prompts = [list(range(5, 85)), list(range(7, 87))]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert seen[:2] == [[64], [16]]
+    for prompt, out in zip(prompts, outs):
+        assert out == hf_greedy(tiny_llama, prompt, 4)

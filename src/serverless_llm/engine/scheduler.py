@@ -298,7 +298,9 @@ class Scheduler:
         n = self.max_num_partial_prefills
         if n <= 1:
             return None
-        prefilling = len(self.waiting) + sum(
+        # Waiting prompts count only as far as there are seats for them this step.
+        seats = max(0, self.max_num_seqs - len(self.running))
+        prefilling = min(len(self.waiting), seats) + sum(
             1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
         )
         k = min(n, prefilling)
