@@ -297,7 +297,7 @@ def test_beam_search_and_replayed_decodes(family_models):
 def test_native_cpu_step_takes_the_latent_layers(family_models, monkeypatch):
     """On the CPU default path (native kernels) every latent layer's step writes its rows and
     attends its decodes in the native latent step, not the torch twin: transformers' tokens,
-    prompts shorter and longer than a block, batched."""
+    prompts shorter and longer than a block, batched; the torch backend's twins too."""
     from serverless_llm.engine.kernels import cpu_native
 
     kernels = cpu_native.load()
@@ -318,6 +318,13 @@ def test_native_cpu_step_takes_the_latent_layers(family_models, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 16) for p in prompts]
     assert max(decodes) == 3  # the three requests' decodes in one call
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+    # The torch twins (the path where the native build is unavailable): the same tokens, and
+    # the native step untouched.
+    decodes.clear()
+    twin = _engine(path, attention_backend="torch")
+    outs = twin.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 16) for p in prompts]
+    assert not decodes
 
 
 def _meta(requests, block_size, num_blocks, decode: bool) -> AttentionMetadata:

@@ -228,3 +228,24 @@ def test_the_cpu_benchmark_runs_and_agrees(kernels):
     rows = run_cpu([(1, 40), (3, 70)], 4, 32, 16, repeats=1, retries=0, settle=0.0)
     assert [r[:2] for r in rows] == [[1, 40], [3, 70]]
     assert all(r[2] > 0 and r[3] > 0 and r[6] < 1e-5 for r in rows)
+
+
+def test_self_check_catches_a_missing_chunk_rule_or_a_wrong_latent_step(kernels, monkeypatch):
+    """The load-time self-check probes both: a layer struct without its chunk, or a latent
+    step whose attention is off, fails it (and the torch path would run instead)."""
+    assert cpu_native.self_check(kernels) is None
+    real_layer = cpu_native.make_layer
+
+    def no_chunk(spec, cache, prep):
+        layer = real_layer(spec, cache, prep)
+        layer.chunk = 0
+        return layer
+
+    monkeypatch.setattr(cpu_native, "make_layer", no_chunk)
+    assert "attention_step (chunked)" in cpu_native.self_check(kernels)
+    monkeypatch.setattr(cpu_native, "make_layer", real_layer)
+    real_step = kernels.latent_step
+    monkeypatch.setattr(
+        kernels, "latent_step", lambda step, rows, q, *a: real_step(step, rows, q, *a) * 1.01
+    )
+    assert "latent_step: attention" in cpu_native.self_check(kernels)
