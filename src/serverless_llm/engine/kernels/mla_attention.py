@@ -13,7 +13,9 @@ Attention comes in two forms that compute the same thing (models/mla.py chooses 
   q_lat . latent_j + q_pe . rope_j, one dot over the cached row; the output is the softmax
   weighted sum of latents, [T, H, L], which the caller brings up with W_UV[h] (the value half).
   It reads L + R values a key, once for all heads: `latent_decode` (Triton), `latent_decode_torch`
-  (the torch backend's, batched) and `latent_decode_reference` (per request, float32);
+  (the torch backend's, batched) and `latent_decode_reference` (per request, float32); the CPU
+  default path runs cpu_native.c's `mla_decode_f32` instead (`NativeKernels.latent_step`,
+  tested against the reference here);
 - **expanded** (prefill): the latents are brought up to per-head keys (no-rope part) and values
   first, k_nope, v = W_UK latent, W_UV latent, each key the concatenation [k_nope | rope_j];
   then ordinary causal attention with a query-key width (nope + R) unlike the value width:
