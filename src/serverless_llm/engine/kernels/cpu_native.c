@@ -253,18 +253,24 @@ static inline void prefetch_block(const float *row, int64_t bs, int64_t D, int64
     }
 }
 
+/* The first key the query at position p sees: 0, or its window's or chunk's first. */
+static inline int64_t first_key(const layer_t *L, int64_t p) {
+    int64_t first = (L->window > 0 && p - L->window + 1 > 0) ? p - L->window + 1 : 0;
+    if (L->chunk > 0 && p - p % L->chunk > first) first = p - p % L->chunk;
+    return first;
+}
+
 /* One decode's attention for one KV head and its group of query heads: scores (scaled,
  * soft-capped, ALiBi, windowed or chunked), softmax (with the head's sink), weighted values, a
  * cache block at a time. `buf`
- * holds group * seq_len floats. */
+ * holds group * (keys it reads) floats. */
 static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh, const float *q,
                        int64_t q_stride, float *out, int64_t out_stride, float *buf) {
     int64_t H = L->num_heads, KVH = L->num_kv_heads, D = L->head_dim, bs = S->block_size;
     int64_t G = H / KVH, sb, sh, st;
     cache_strides(L, bs, &sb, &sh, &st);
     int64_t len = S->seq_lens[i], p = len - 1;
-    int64_t first = (L->window > 0 && p - L->window + 1 > 0) ? p - L->window + 1 : 0;
-    if (L->chunk > 0 && p - p % L->chunk > first) first = p - p % L->chunk;
+    int64_t first = first_key(L, p);
     int64_t n = len - first;
     const int32_t *table = S->block_tables + i * S->bt_stride;
     const float *qi = q + i * q_stride + kh * G * D;
@@ -342,10 +348,12 @@ void attention_step_f32(const layer_t *L, const step_t *S, float *q, int64_t q_s
     }
     int64_t nd = S->num_decodes;
     if (nd == 0) return;
+    /* The keys the decodes read (a window's or chunk's only): the work, and the longest. */
     int64_t max_len = 0, total = 0;
     for (int64_t i = 0; i < nd; i++) {
-        max_len = S->seq_lens[i] > max_len ? S->seq_lens[i] : max_len;
-        total += S->seq_lens[i];
+        int64_t len = S->seq_lens[i], keys = len - first_key(L, len - 1);
+        max_len = keys > max_len ? keys : max_len;
+        total += keys;
     }
     int64_t tasks = nd * KVH;
 #pragma omp parallel if (total * KVH * D * 2 > PARALLEL_WORK)
