@@ -141,3 +141,15 @@ def test_mla_kv_tiny(tiny_llama, capsys):
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert summary.startswith("SUMMARY mla_kv_bytes_per_token=4608 gqa_equivalent=327680")
     assert "PASS" in summary
+
+
+def test_gemma4_decode_attention_tiny(capsys):
+    """bench/gemma4_decode.py --attention: one layer's step on a layer view and on the wide
+    tensor, through both CPU backends (no model), at a tiny size."""
+    from bench.gemma4_decode import main
+
+    assert main(["--attention", "--requests", "2", "--context", "40", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    for backend in ("native", "torch"):
+        for layer in ("sliding (view)", "global"):
+            assert any(line.startswith(f"{backend:7s} {layer}") for line in out.splitlines())
