@@ -61,6 +61,14 @@ def test_ignored_ones_are_named_in_one_warning_line(make_worker, caplog):
     assert make_worker().settings.ignored_engine_args_warning() is None
 
 
+def test_every_ignored_one_is_named_when_set():
+    env = {n: "{}" if n in JSON_VALUED else "1" for n in IGNORED if ignored_reason(n)}
+    line = Settings.from_env(env).ignored_engine_args_warning()
+    assert line is not None and "\n" not in line
+    for name in env:
+        assert f" {name} (" in line or f": {name} (" in line, name
+
+
 def test_the_warning_reads_the_process_environment(monkeypatch):
     monkeypatch.setenv("KV_TRANSFER_CONFIG", '{"kv_connector": "x"}')
     monkeypatch.setenv("max_logprobs", "50")  # any case, as the settings are read
