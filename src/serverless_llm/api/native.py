@@ -65,6 +65,7 @@ from .batching import BatchSizes, batch_stream
 from .errors import REQUEST_ERRORS, NativeJobError, describe_validation_error, native_error
 from .limits import RequestLimits
 from .logprobs import TokenDecoder, native_logprobs
+from .lora import LoRAAdapters
 from .media import ImageRef, MediaConfig, check_image_count, load_images
 from .multimodal import ContentForm, content_format, count_image_parts, message_content
 from .native_sampling import VLLMSamplingParams, parse_sampling_params
@@ -181,7 +182,10 @@ class NativeServing:
         self.sampling_defaults: dict[str, Any] = dict(getattr(defaults, "values", None) or {})
         self.served_model_name = served_model_name
         self.model_names = tuple(n for n in dict.fromkeys([served_model_name, *model_aliases]) if n)
-        self.loras = {r.lora_name: r for r in lora_modules}
+        # Shared with the OpenAI routes, which may change it at runtime (api/lora.py).
+        self.loras = (
+            lora_modules if isinstance(lora_modules, LoRAAdapters) else LoRAAdapters(lora_modules)
+        )
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
         self.default_max_tokens = default_max_tokens

@@ -12,6 +12,9 @@ Every route builds the same job the platform would hand the worker and drives th
 - `/tokenize`, `/detokenize`, `/version`, `/metrics` (vLLM's utility routes, at the root as in
   vLLM and under `/openai/v1` as the platform relays them): `openai_route` jobs answered
   directly, outside the job slots, so a scrape never waits behind generation.
+- `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` (vLLM's runtime LoRA routes, also under
+  `/openai/v1`; ALLOW_RUNTIME_LORA_UPDATING): answered the same way; success is vLLM's
+  plain-text line.
 - `/v1/messages`, `/v1/messages/count_tokens` (Anthropic's Messages API: the `anthropic` client
   with `base_url` the endpoint's root; also under `/openai` and `/v2/{endpoint_id}`): relayed as
   `openai_route` jobs the same way, answered and failed in Anthropic's shapes, streams without
@@ -92,8 +95,14 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
+# vLLM's runtime LoRA routes (ALLOW_RUNTIME_LORA_UPDATING), at /v1/... as in vLLM and under
+# /openai/v1: answered directly like the utility routes, success as vLLM's plain-text line.
+LORA_ROUTES = ("load_lora_adapter", "unload_lora_adapter")
+
+
 def _is_openai_path(path: str) -> bool:
-    return "/openai/" in path or path.rstrip("/").rsplit("/", 1)[-1] in UTILITY_ROUTES
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    return "/openai/" in path or last in UTILITY_ROUTES or last in LORA_ROUTES
 
 
 # Anthropic's Messages routes, as the job's openai_route.
@@ -446,8 +455,9 @@ def create_app(
             first = await anext(items, None)
             async for _ in items:
                 pass
-        if isinstance(first, str):  # /metrics: Prometheus' text format
-            return Response(first, media_type=METRICS_CONTENT_TYPE)
+        if isinstance(first, str):  # /metrics: Prometheus' text format; LoRA updates: a line
+            media = METRICS_CONTENT_TYPE if route == "/metrics" else "text/plain; charset=utf-8"
+            return Response(first, media_type=media)
         if not isinstance(first, dict):
             raise ApiError(500, "the worker produced no output")
         if is_error(first):
@@ -471,6 +481,16 @@ def create_app(
         @router.get(f"{prefix}/metrics")
         async def metrics() -> Response:
             return await utility("/metrics", {})
+
+    def lora_update(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def update(request: Request) -> Response:
+            return await utility(route, await read_openai_body(request))
+
+        return update
+
+    for prefix in ("/v1", "/openai/v1"):
+        for name in LORA_ROUTES:
+            router.add_api_route(f"{prefix}/{name}", lora_update(f"/v1/{name}"), methods=["POST"])
 
     # -- the platform's job API ---------------------------------------------------------------
 

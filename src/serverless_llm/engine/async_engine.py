@@ -63,6 +63,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list = []
         self._pending_aborts: list[str] = []
+        self._pending_lora_removals: list[int] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._executor = executor or _step_executor()
@@ -122,6 +123,13 @@ class AsyncEngine:
         if self.core.lora is None:
             raise InvalidRequestError("LoRA is not enabled (enable_lora / ENABLE_LORA)")
         self.core.lora.get(lora_request)
+
+    def remove_lora(self, lora_request: LoRARequest) -> None:
+        """Forgets an adapter (its host copy and slot) once its requests in flight have
+        finished; they run to their end with it. Returns at once: applied at the next step
+        boundary."""
+        self._pending_lora_removals.append(lora_request.lora_int_id)
+        self._ensure_loop()
 
     def check_priority(self, priority: int) -> None:
         """InvalidRequestError naming `priority` unless `generate` would take it."""
@@ -300,6 +308,13 @@ class AsyncEngine:
                 queue.put_nowait(out)
             if out is not None and self._observers:
                 self._observe([out])
+        # After the adds: a request queued just before its adapter was unloaded still counts.
+        removals, self._pending_lora_removals = self._pending_lora_removals, []
+        for lid in removals:
+            try:
+                self.core.remove_lora(lid)
+            except Exception:  # the adapter stays read; no request is hurt
+                logger.exception("adapter %d could not be removed", lid)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

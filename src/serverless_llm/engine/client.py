@@ -95,6 +95,10 @@ class EngineClient(Protocol):
         """Reads an adapter now (at start, for the adapters a worker serves); LoRAError if it
         cannot be served."""
 
+    def remove_lora(self, lora_request: LoRARequest) -> None:
+        """Forgets an adapter once the requests using it have finished (they finish with it);
+        returns at once."""
+
     async def abort(self, request_id: str) -> None: ...
 
     async def shutdown(self) -> None: ...

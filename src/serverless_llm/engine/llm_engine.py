@@ -201,6 +201,7 @@ class LLMEngine:
         self.state_pool = StatePool(num_slots) if layout.has_state else None
         self.kv = KVCacheManager(self.block_pool, layout, self.block_size, self.state_pool)
         self.lora = None
+        self._retiring_loras: set[int] = set()  # adapters to forget once no request uses them
         if config.enable_lora:
             self.lora = LoRAManager(
                 model,
@@ -456,7 +457,23 @@ class LLMEngine:
             self.scheduler.finish(req, FinishReason.ABORT)
         else:
             self.beams.abort(req.beam)
+        if self._retiring_loras:
+            self._drop_retired_loras()
         return make_output(req, [], "")
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forgets adapter `lora_int_id` once the requests using it have finished (now, when
+        none does); until then they run with it as before. Naming it again reads it anew."""
+        if self.lora is None:
+            return
+        self._retiring_loras.add(lora_int_id)
+        self._drop_retired_loras()
+
+    def _drop_retired_loras(self) -> None:
+        in_use = {req.lora_id for req in self.requests.values()}
+        for lid in self._retiring_loras - in_use:
+            self.lora.remove(lid)
+            self._retiring_loras.discard(lid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -540,6 +557,8 @@ class LLMEngine:
                 self.requests.pop(out.request_id, None)
                 outputs.append(out)
         self.beams.end_step()
+        if self._retiring_loras:
+            self._drop_retired_loras()
         return outputs
 
     def _fail_request(self, req: Request, exc: Exception) -> None:

@@ -260,6 +260,14 @@ class LoRAManager:
             self.slot_of[lid] = slot
         return {lid: self.slot_of[lid] for lid in wanted}
 
+    def remove(self, lora_int_id: int) -> None:
+        """Forgets an adapter: its host copy and its slot (which the next adapter loaded there
+        overwrites). Runs on the step's thread, once no request uses it (LLMEngine.remove_lora):
+        a request keeps the weights it was given, so one still in flight would load it again."""
+        with self._lock:
+            self.host.pop(lora_int_id, None)
+        self.slot_of.pop(lora_int_id, None)
+
     def load_for_peer(self, slot: int, req: LoRARequest, local: str) -> None:
         """On a tensor-parallel rank other than 0: the adapter rank 0 put in `slot`, read from
         the same directory (this rank's share of it)."""

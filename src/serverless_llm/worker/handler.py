@@ -22,6 +22,7 @@ from typing import Any
 from .. import __version__
 from ..api.anthropic import anthropic_error
 from ..api.errors import native_error
+from ..api.lora import LoRAAdapters
 from ..api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..api.metrics import EngineMetrics
 from ..api.native import NativeServing
@@ -89,6 +90,7 @@ class Worker:
         self._load_lock = threading.Lock()
         self._native: NativeServing | None = None
         self._openai: Any = None
+        self._adapters: LoRAAdapters | None = None
         self._stats_task: asyncio.Task | None = None
         self.active_jobs = 0
         self.finished_jobs = 0
@@ -131,6 +133,16 @@ class Worker:
         if served:
             logger.info("LoRA adapters: %s", ", ".join(r.lora_name for r in served))
         return served
+
+    @property
+    def adapters(self) -> LoRAAdapters:
+        """The adapters requests may name, shared by the OpenAI and native routes: those of
+        LORA_MODULES that read, and, with ALLOW_RUNTIME_LORA_UPDATING, those loaded since."""
+        if self._adapters is None:
+            self._adapters = LoRAAdapters(
+                self.loras, runtime_updates=self.settings.allow_runtime_lora_updating
+            )
+        return self._adapters
 
     def _engine_stopped(self, exc: BaseException) -> None:
         self.fatal = exc
@@ -219,7 +231,7 @@ class Worker:
                 limits=self.settings.request_limits,
                 served_model_name=self.settings.served_model_name,
                 model_aliases=self.settings.served_model_names + self.settings.model_name_aliases,
-                lora_modules=self.loras,
+                lora_modules=self.adapters,
                 media=self.settings.media_config,
             )
         return self._native
@@ -241,7 +253,7 @@ class Worker:
                 limits=self.settings.request_limits,
                 reasoning_parser=self.settings.reasoning_parser or "auto",
                 structured_in_reasoning=self.settings.structured_outputs_enable_in_reasoning,
-                lora_modules=self.loras,
+                lora_modules=self.adapters,
                 media=self.settings.media_config,
                 response_store=self.settings.response_store(),
                 metrics=self.metrics.render if self.metrics is not None else None,

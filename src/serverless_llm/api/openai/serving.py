@@ -56,6 +56,7 @@ from ..batching import BatchSizes, batch_stream
 from ..errors import REQUEST_ERRORS
 from ..limits import RequestLimitError, RequestLimits, string_chars
 from ..logprobs import TokenDecoder, merge_completion_logprobs
+from ..lora import LoadLoRAAdapterRequest, LoRAAdapters, LoRAUpdateError, UnloadLoRAAdapterRequest
 from ..media import ImageRef, MediaConfig, check_image_count, load_images
 from ..multimodal import ContentForm, content_format, count_image_parts, rename_param
 from ..offload import prepare
@@ -125,6 +126,8 @@ logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
 # vLLM's utility routes (served at the root by vLLM; here under either prefix too).
 UTILITY_ROUTES = ("tokenize", "detokenize", "version", "metrics")
+# vLLM's runtime LoRA routes (ALLOW_RUNTIME_LORA_UPDATING; api/lora.py).
+LORA_ROUTES = ("load_lora_adapter", "unload_lora_adapter")
 
 
 def parse_route(route: Any) -> tuple[str, str | None]:
@@ -136,7 +139,7 @@ def parse_route(route: Any) -> tuple[str, str | None]:
         for prefix in ("openai/", "v1/"):
             if path.startswith(prefix):
                 path = path[len(prefix) :]
-        if path in UTILITY_ROUTES:
+        if path in UTILITY_ROUTES or path in LORA_ROUTES:
             return path, None
         if path == "chat/completions":
             return "chat", None
@@ -407,7 +410,10 @@ class OpenAIServing:
         self.unlisted_names: tuple[str, ...] = tuple(
             a for a in dict.fromkeys(unlisted_aliases) if a and a not in self.model_names
         )
-        self.loras = {r.lora_name: r for r in lora_modules}
+        # Shared with the native route and changed by the runtime LoRA routes (api/lora.py).
+        self.loras = (
+            lora_modules if isinstance(lora_modules, LoRAAdapters) else LoRAAdapters(lora_modules)
+        )
         self.response_role = response_role
         self.raw_output = raw_output
         self.max_model_len = engine.max_model_len
@@ -461,6 +467,9 @@ class OpenAIServing:
                 return
             if kind in UTILITY_ROUTES:
                 yield await self._utility(kind, body)
+                return
+            if kind in LORA_ROUTES:
+                yield await self._lora_update(kind, body)
                 return
             if kind in ("response", "response_items"):
                 yield await self._stored_response(kind, arg or "", method, route)
@@ -581,6 +590,30 @@ class OpenAIServing:
         if model in self.model_names or model in self.unlisted_names or model in self.loras:
             return model
         raise OpenAIServingError(model_not_found(model))
+
+    async def _lora_update(self, kind: str, body: Any) -> str:
+        """vLLM's runtime LoRA routes: its plain-text success line, or OpenAIServingError (the
+        routes off: 404 saying how to turn them on; a bad body or adapter: 400; an unknown
+        name to unload: 404)."""
+        try:
+            self.loras.check_allowed()
+            if kind == "load_lora_adapter":
+                load: LoadLoRAAdapterRequest = self._parse(LoadLoRAAdapterRequest, body)
+                await self.loras.load(
+                    self.engine,
+                    load.lora_name,
+                    load.lora_path,
+                    reserved=self.model_names,
+                    replace=load.load_inplace,
+                )
+                return f"Success: LoRA adapter '{load.lora_name}' added successfully."
+            unload: UnloadLoRAAdapterRequest = self._parse(UnloadLoRAAdapterRequest, body)
+            await self.loras.unload(self.engine, unload.lora_name)
+            return f"Success: LoRA adapter '{unload.lora_name}' removed successfully."
+        except LoRAUpdateError as e:
+            raise OpenAIServingError(
+                openai_error(str(e), INVALID_REQUEST, e.param, None, e.status)
+            ) from None
 
     def _priority(self, priority: int) -> int:
         """The request's priority, refused (400 naming `priority` and SCHEDULING_POLICY) unless
