@@ -134,3 +134,27 @@ def test_fcfs_refuses_a_priority_naming_the_setting(tiny_llama, prompts):
 def test_unknown_policy_is_a_config_error():
     with pytest.raises(ConfigError, match="scheduling_policy='lifo'"):
         EngineConfig(scheduling_policy="lifo")
+
+
+def test_beam_search_and_plain_requests_under_the_priority_policy(tiny_llama, prompts):
+    """A beam search's steps queue their next beams ahead of their priority class: mixed with
+    plain requests of other priorities in a cache too small for all, every result equals the
+    FCFS engine's."""
+    beams = SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0.0, max_tokens=8)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    params = [beams, plain, beams, plain]
+    results = {}
+    for policy, priority in (("fcfs", None), ("priority", [2, 0, -1, 1])):
+        llm = LLM(
+            tiny_llama,
+            num_kv_blocks=14,
+            block_size=8,
+            max_model_len=96,
+            max_num_seqs=6,
+            scheduling_policy=policy,
+        )
+        outs = llm.generate(prompts, params, priority=priority)
+        results[policy] = [[o.token_ids for o in out.outputs] for out in outs]
+        assert llm.engine.block_pool.num_free == 14
+        assert llm.engine.scheduler.num_preemptions > 0  # the cache was short under both
+    assert results["priority"] == results["fcfs"]
