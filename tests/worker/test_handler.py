@@ -125,6 +125,7 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
     store = serving.kwargs.pop("response_store")
     assert isinstance(store, MemoryResponseStore)
     assert (store.max_count, store.max_bytes) == (10_000, 256 * 1024 * 1024)
+    assert len(worker.adapters) == 0 and not worker.adapters.runtime_updates
     assert serving.kwargs == {
         "served_model_name": "served",
         # MODEL_NAME stays accepted beside the override, as written and by its last component.
@@ -141,7 +142,8 @@ def test_openai_jobs_are_delegated(make_worker, fake_openai):
         "limits": RequestLimits(),
         "reasoning_parser": "auto",  # REASONING_PARSER unset: read from the chat template
         "structured_in_reasoning": False,
-        "lora_modules": [],
+        # The adapters, shared with the native route (none; runtime loading off).
+        "lora_modules": worker.adapters,
         "media": MediaConfig(),  # the Multimodal settings' defaults
         "metrics": worker.metrics.render,  # ENABLE_METRICS on by default
         "version": serverless_llm.__version__,
