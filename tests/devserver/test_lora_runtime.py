@@ -8,6 +8,7 @@ setting off the routes say how to turn them on."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -175,7 +176,7 @@ def test_unload_while_a_request_runs(server, http, client, adapters, reference):
     assert pool_.num_free == pool_.num_blocks
 
 
-def test_bad_loads_and_unloads(server, http, client, adapters, tmp_path):
+def test_bad_loads_and_unloads(server, http, client, adapters, tmp_path, tiny_llama):
     missing = _load(http, "x", str(tmp_path / "nowhere"))
     assert missing.status_code == 400
     assert missing.json()["error"]["param"] == "lora_path"
@@ -187,7 +188,10 @@ def test_bad_loads_and_unloads(server, http, client, adapters, tmp_path):
     too_big = _load(http, "x", adapters["rank32"])
     assert too_big.status_code == 400
     assert "rank 32, above max_lora_rank 16" in too_big.json()["error"]["message"]
-    assert _load(http, SERVED, adapters["a1"]).status_code == 400  # the model's own name
+    # The model's own names: the served one, and MODEL_NAME as written and by its last part.
+    for name in (SERVED, tiny_llama, os.path.basename(tiny_llama)):
+        taken = _load(http, name, adapters["a1"])
+        assert taken.status_code == 400 and "served model's" in taken.json()["error"]["message"]
     no_path = http.post("/v1/load_lora_adapter", json={"lora_name": "x"})
     assert no_path.status_code == 400 and "lora_path" in no_path.text
     assert _models(client) == [SERVED]  # none of them is served

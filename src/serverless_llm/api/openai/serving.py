@@ -603,7 +603,7 @@ class OpenAIServing:
                     self.engine,
                     load.lora_name,
                     load.lora_path,
-                    reserved=self.model_names,
+                    reserved=self.model_names + self.unlisted_names,
                     replace=load.load_inplace,
                 )
                 return f"Success: LoRA adapter '{load.lora_name}' added successfully."
