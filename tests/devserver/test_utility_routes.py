@@ -20,7 +20,7 @@ from tests.devserver.conftest import ServerThread, serve, wait_until
 from tests.step_gate import StepGate
 
 MODEL = "tiny-utility"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 512  # the tiny model's positions: room for the described tools
 MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
 PROMPT = "The quick brown fox jumps over"
 PREFIXES = ("", "/openai/v1")
@@ -374,3 +374,31 @@ def test_metrics_off(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
         assert "ENABLE_METRICS" in err["message"]
         assert worker.metrics is None and not worker.engine._observers
         assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_tokenize_chat_with_tools_counts_what_the_chat_route_uses(
+    http: httpx.Client, client: openai.OpenAI
+):
+    with_tools = http.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
+    without = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert with_tools["count"] > without["count"]  # the tools reach the prompt
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=1, temperature=0.0
+    )
+    assert with_tools["count"] == chat.usage.prompt_tokens
+    err = _assert_openai_error(
+        http.post("/tokenize", json={"messages": MESSAGES, "tools": [{"type": "nope"}]}), 400
+    )
+    assert "tools" in (err["param"] or "") or "tools" in err["message"]
