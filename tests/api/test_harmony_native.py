@@ -137,3 +137,67 @@ def test_native_plain_prompt_stays_raw_and_bad_history_is_an_error():
     bad = {"messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}
     (item,) = native(engine, bad, ids)
     assert "messages[0].tool_call_id" in item["error"]
+
+
+def system_text(engine: ScriptedEngine) -> str:
+    """The system message of the last prompt the engine was given."""
+    text = ENC.decode(engine.prompts[0])
+    return text[: text.index("<|end|>")]
+
+
+def test_native_reasoning_effort_sets_the_system_message():
+    """`reasoning_effort` at the top level, or in chat_template_kwargs as vLLM takes it (with
+    `model_identity`), becomes harmony's `Reasoning: ...` line; the top-level field wins;
+    without either, medium."""
+    engine = ScriptedEngine()
+    ids, _ = tokenize(OUTPUTS["answer_only"])
+    user = [{"role": "user", "content": "2+2?"}]
+    native(engine, {"messages": user}, ids)
+    assert "Reasoning: medium" in system_text(engine)
+    for effort in ("low", "medium", "high"):
+        (item,) = native(engine, {"messages": user, "reasoning_effort": effort}, ids)
+        assert f"Reasoning: {effort}" in system_text(engine) and "error" not in item
+    body = {
+        "messages": user,
+        "chat_template_kwargs": {"reasoning_effort": "high", "model_identity": "You are Ada."},
+    }
+    native(engine, body, ids)
+    assert "Reasoning: high" in system_text(engine)
+    assert system_text(engine).startswith("<|start|>system<|message|>You are Ada.")
+    native(engine, {**body, "reasoning_effort": "low"}, ids)
+    assert "Reasoning: low" in system_text(engine)
+    # apply_chat_template's one user message takes it too
+    native(engine, {"prompt": "2+2?", "apply_chat_template": True, "reasoning_effort": "high"}, ids)
+    assert "Reasoning: high" in system_text(engine)
+
+
+def test_native_reasoning_effort_is_checked():
+    """Anything but low / medium / high, or a job that is not a chat, is refused by name in
+    the native route's {"error": ...} shape (worker/job_input.py), before the engine sees it."""
+    from serverless_llm.worker.job_input import JobError, parse_job
+
+    defaults = BatchSizes()
+    user = [{"role": "user", "content": "2+2?"}]
+    for body, words in (
+        ({"messages": user, "reasoning_effort": "max"}, ("reasoning_effort", "'high'", "'max'")),
+        ({"messages": user, "reasoning_effort": 2}, ("reasoning_effort",)),
+        ({"prompt": "2+2?", "reasoning_effort": "low"}, ("reasoning_effort", "chat jobs")),
+        ({"prompt": "2+2?", "chat_template_kwargs": {}}, ("chat_template_kwargs", "chat jobs")),
+        ({"messages": user, "chat_template_kwargs": []}, ("chat_template_kwargs",)),
+    ):
+        try:
+            parse_job({"input": body}, defaults)
+        except JobError as e:
+            assert set(e.payload) == {"error"}, e.payload
+            assert all(w in e.payload["error"] for w in words), e.payload
+        else:
+            raise AssertionError(f"{body} was accepted")
+    # In chat_template_kwargs the value is harmony's to read: checked when the job renders.
+    engine = ScriptedEngine()
+    ids, _ = tokenize(OUTPUTS["answer_only"])
+    for bad in ("minimal", "max", 3):
+        body = {"messages": user, "chat_template_kwargs": {"reasoning_effort": bad}}
+        (item,) = native(engine, body, ids)
+        assert "chat_template_kwargs.reasoning_effort" in item["error"]
+        assert repr(bad) in item["error"]
+    assert not engine.prompts  # nothing reached the engine

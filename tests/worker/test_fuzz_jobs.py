@@ -390,6 +390,8 @@ def native_inputs(draw) -> dict[str, Any]:
         "sampling_params": (st.just(sampling), BOUNDED_JUNK),
         "stream": (st.booleans(), JUNK),
         "apply_chat_template": (st.booleans(), JUNK),
+        "reasoning_effort": (st.sampled_from(["low", "medium", "high"]), JUNK),
+        "chat_template_kwargs": (st.dictionaries(TEXT, JUNK, max_size=2), JUNK),
         **BATCH_KNOBS,
     }
     rnd = draw(randoms())

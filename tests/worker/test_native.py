@@ -147,6 +147,44 @@ def test_custom_chat_template(make_worker):
     assert chat[0]["usage"]["input"] == n
 
 
+def test_template_variables_reach_the_chat_template(make_worker):
+    """`chat_template_kwargs` and `reasoning_effort` are the template's variables (a model that
+    does not speak harmony; gpt-oss's are tested in tests/api/test_harmony_native.py)."""
+    worker = make_worker(
+        CUSTOM_CHAT_TEMPLATE=(
+            "{{ reasoning_effort | default('none') }}/{{ tone | default('plain') }}:"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        )
+    )
+    user = [{"role": "user", "content": "Hello world"}]
+    jobs = {
+        "none/plain:Hello world": {"messages": user},
+        "high/plain:Hello world": {"messages": user, "reasoning_effort": "high"},
+        "none/warm:Hello world": {"messages": user, "chat_template_kwargs": {"tone": "warm"}},
+        "low/warm:Hello world": {
+            "messages": user,
+            "chat_template_kwargs": {"tone": "warm", "reasoning_effort": "low"},
+        },
+        "medium/plain:Hello world": {
+            "prompt": "Hello world",
+            "apply_chat_template": True,
+            "reasoning_effort": "medium",
+        },
+    }
+
+    async def scenario(w):
+        # Each job answers as the prompt its template should render does (greedy).
+        pairs = []
+        for i, (text, job) in enumerate(jobs.items()):
+            chat = await run_job(w, {**job, "sampling_params": GREEDY_LONG}, job_id=f"c{i}")
+            raw = await run_job(w, {"prompt": text, "sampling_params": GREEDY_LONG}, job_id=f"r{i}")
+            pairs.append((chat, raw))
+        return pairs
+
+    for chat, raw in run(worker, scenario):
+        assert chat == raw
+
+
 def test_n_choices(make_worker):
     params = {"n": 2, "max_tokens": 30, "ignore_eos": True, "seed": 5, "temperature": 1.0}
 

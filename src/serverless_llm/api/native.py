@@ -30,7 +30,9 @@ user message) with harmony instead of its chat template, stops at `<|return|>` o
 and answers with the final answer only: the schema has no field for reasoning or tool calls, so
 the analysis channel and messages to a tool are dropped from the text (streamed, their tokens
 come as "" pieces; `usage` and `logprobs` still count every token). A plain `prompt` stays raw
-text in and out.
+text in and out. A chat job may set `reasoning_effort` (low, medium, high: harmony's system
+message; another model's template variable) and `chat_template_kwargs` (the template's
+variables, vLLM's field; harmony reads reasoning_effort and model_identity there).
 
 Any failure is yielded as `{"error": "<message>"}`, once, and ends the job; the engine requests
 are aborted when this generator closes, so nothing is left holding KV blocks.
@@ -45,7 +47,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -115,6 +117,12 @@ class NativeRequest(BaseModel):
     priority: int = 0
     # vLLM's offline form: {"image": URL | [URL, ...]} with `prompt` (vision-language models).
     multi_modal_data: dict[str, Any] | None = None
+    # A chat's reasoning effort: gpt-oss's harmony system message (`Reasoning: ...`, default
+    # medium); another model's chat template gets it as its `reasoning_effort` variable.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # Variables for the chat template, as vLLM's chat_template_kwargs (harmony reads
+    # `reasoning_effort` and `model_identity` from them; the top-level field wins).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _needs_input(self) -> NativeRequest:
@@ -125,7 +133,20 @@ class NativeRequest(BaseModel):
                 "multi_modal_data goes with 'prompt'; in 'messages', give images as image_url "
                 "content parts"
             )
+        if self.messages is None and not self.apply_chat_template:
+            for name in ("reasoning_effort", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} applies to chat jobs: give 'messages', or set "
+                        "apply_chat_template with 'prompt'"
+                    )
         return self
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: chat_template_kwargs, with `reasoning_effort`."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> NativeRequest:
@@ -143,6 +164,9 @@ class NativeRequest(BaseModel):
                     message += f" (sampling parameters go in sampling_params: {{'{path}': ...}})"
             raise NativeJobError(message) from None
 
+
+# The reasoning efforts a native job may ask for (harmony's three levels).
+_EFFORTS = ("low", "medium", "high")
 
 # Top-level keys that belong in sampling_params: a hint for a common mistake.
 _SAMPLING_NAMES = frozenset(VLLMSamplingParams.model_fields)
@@ -257,7 +281,7 @@ class NativeServing:
                             m["content"], f"messages[{i}].content", form, refs
                         )
                 if refs:
-                    text = self._render(messages)
+                    text = self._render(messages, request)
                     return _PendingImages(text, refs, add_special_tokens=False)
             elif count_image_parts(messages):
                 # Refused by the same rule as the chat route's (a text model takes no images).
@@ -269,11 +293,20 @@ class NativeServing:
         else:
             return request.prompt
         if self._harmony_chat(request):
+            options = request.chat_template_kwargs or {}
+            effort = options.get("reasoning_effort")
+            if request.reasoning_effort is None and effort not in (None, *_EFFORTS):
+                raise NativeJobError(
+                    "chat_template_kwargs.reasoning_effort must be 'low', 'medium' or 'high', "
+                    f"got {effort!r}"
+                )
             try:
-                return render_prompt(messages).token_ids
+                return render_prompt(
+                    messages, reasoning_effort=request.reasoning_effort, options=options
+                ).token_ids
             except HarmonyPromptError as e:
                 raise NativeJobError(str(e)) from None
-        text = self._render(messages)
+        text = self._render(messages, request)
         # The template writes its own special tokens (BOS included); adding them again would
         # double them.
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -288,9 +321,12 @@ class NativeServing:
             or (request.apply_chat_template and request.multi_modal_data is None)
         )
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], request: NativeRequest) -> str:
         return apply_chat_template(
-            self.engine.tokenizer, messages, chat_template=self.chat_template
+            self.engine.tokenizer,
+            messages,
+            chat_template=self.chat_template,
+            chat_template_kwargs=request.template_kwargs(),
         )
 
     def _content_form(self) -> ContentForm:
@@ -335,7 +371,7 @@ class NativeServing:
         form = self._content_form()
         parts: list[Any] = [{"type": "image_url", "image_url": r.url} for r in refs]
         content = message_content([*parts, {"type": "text", "text": prompt}], "prompt", form, [])
-        text = self._render([{"role": "user", "content": content}])
+        text = self._render([{"role": "user", "content": content}], request)
         return _PendingImages(text, refs, add_special_tokens=False)
 
     def _parse_params(self, request: NativeRequest):
