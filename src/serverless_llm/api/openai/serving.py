@@ -24,6 +24,7 @@ request of the job, which frees their KV blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -760,7 +761,12 @@ class OpenAIServing:
             tool_parser=make_parser,
             tool_mode=choice.mode,
             parallel_tool_calls=parallel,
-            reasoning_parser=self.reasoning_parser,
+            # Per request: DeepSeek V3.1 thinks only when its `thinking` kwarg is set.
+            reasoning_parser=(
+                functools.partial(self.reasoning_parser, request.chat_template_kwargs)
+                if self.reasoning_parser is not None
+                else None
+            ),
             harmony=make_harmony,
         )
         return _Plan(

@@ -690,10 +690,10 @@ class SettingsFields(BaseSettings):
         title="Tool Call Parser",
         description=(
             'How the model writes tool calls, for `tool_choice: "auto"`: `hermes`, '
-            "`mistral`, `llama3_json`, `internlm`, `jamba`, or a name TOOL_PARSER_PLUGIN "
-            "registers. Unset: read from the chat template (`<tool_call>`: hermes, "
-            "`[TOOL_CALLS]`: mistral, `<|python_tag|>`: llama3_json, InternLM's action tags: "
-            "internlm)."
+            "`mistral`, `llama3_json`, `internlm`, `jamba`, `qwen3_coder`, `pythonic`, "
+            "`granite`, `deepseek_v3`, `deepseek_v31`, `kimi_k2`, `glm45` (vLLM's names), or a "
+            "name TOOL_PARSER_PLUGIN registers. Unset: read from the chat template's markers "
+            "(docs/api.md lists them; `<tool_call>` alone: hermes)."
         ),
         min_length=1,
     )
@@ -704,11 +704,12 @@ class SettingsFields(BaseSettings):
         description=(
             "Splits a reasoning model's `<think>...</think>` text from its answer into chat's "
             "`reasoning_content`: `deepseek_r1` (everything before `</think>` is reasoning), "
-            "`qwen3` (only a `<think>` block that opens the output), or `none`. Unset: read "
-            "from the chat template (a template that writes `<think>` blocks gets `qwen3` "
-            "when it has an `enable_thinking` switch, else `deepseek_r1`)."
+            "`qwen3` and `glm45` (only a `<think>` block that opens the output), "
+            "`deepseek_v3` (V3.1: as deepseek_r1 when the chat template kwarg `thinking` is "
+            "true, else all content), `granite` (\"Here is my thought process:\" ... \"Here "
+            "is my response:\"), or `none`. Unset: read from the chat template (docs/api.md)."
         ),
-        choices=("deepseek_r1", "qwen3", "none"),
+        choices=("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "granite", "none"),
     )
     structured_outputs_enable_in_reasoning: bool = _openai(
         False,
@@ -733,7 +734,6 @@ class SettingsFields(BaseSettings):
         ),
         min_length=1,
     )
-
     responses_store_max_count: int = _openai(
         DEFAULT_STORE_MAX_COUNT,
         "RESPONSES_STORE_MAX_COUNT",

@@ -14,6 +14,14 @@ from .base import (
     tool_parser_names,
 )
 from .detect import detect_tool_parser
+from .families import (
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
+    GLM45ToolParser,
+    GraniteToolParser,
+    KimiK2ToolParser,
+    Qwen3CoderToolParser,
+)
 from .formats import (
     HermesToolParser,
     InternLMToolParser,
@@ -22,6 +30,7 @@ from .formats import (
     Llama3JSONToolParser,
     MistralToolParser,
 )
+from .pythonic import PythonicToolParser
 from .tool_choice import (
     NamedToolCallParser,
     RequiredToolCallParser,
@@ -35,6 +44,13 @@ from .tool_choice import (
 )
 
 __all__ = [
+    "DeepSeekV3ToolParser",
+    "DeepSeekV31ToolParser",
+    "GLM45ToolParser",
+    "GraniteToolParser",
+    "KimiK2ToolParser",
+    "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "detect_tool_parser",
     "TOOL_PARSERS",
     "ExtractedToolCalls",

@@ -58,6 +58,7 @@ class PartialCall:
     arguments: str  # the arguments' text so far
     confirmed: bool  # known to be a call: safe to start streaming it
     complete: bool
+    call_id: str | None = None  # the id the model gave the call (Kimi K2), else one is made
 
 
 @dataclass
@@ -89,7 +90,9 @@ class JSONToolParser(ToolParser):
 
     def extract(self, text: str) -> ExtractedToolCalls:
         content, calls = self._parse(text, final=True)
-        tool_calls = [ToolCall(self.new_call_id(), c.name or "", c.arguments) for c in calls]
+        tool_calls = [
+            ToolCall(c.call_id or self.new_call_id(), c.name or "", c.arguments) for c in calls
+        ]
         return ExtractedToolCalls(content or None, tool_calls)
 
     def feed(self, delta_text: str) -> list[dict[str, Any]]:
@@ -125,7 +128,7 @@ class JSONToolParser(ToolParser):
             elif index == len(self._sent_calls) and call.confirmed and call.name:
                 header = {
                     "index": index,
-                    "id": self.new_call_id(),
+                    "id": call.call_id or self.new_call_id(),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }
