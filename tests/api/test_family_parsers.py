@@ -307,6 +307,15 @@ def test_arguments_stream_as_they_come():
     assert coder.feed("</function>") == [
         {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}
     ]
+    # A text value streams as it is written, less what may be its end.
+    coder = get_tool_parser("qwen3_coder")(TOOLS)
+    coder.feed("<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n")
+    sent = []
+    for piece in ["<parameter=city>", "\n", 'Pa"', "ris\n", "</para", "meter>\n</function>"]:
+        sent.append(
+            "".join(p["function"]["arguments"] for d in coder.feed(piece) for p in d["tool_calls"])
+        )
+    assert sent == ["", ', "city": "', 'Pa\\"', "ris", "", '"}']
 
 
 def test_untyped_values_without_a_schema():

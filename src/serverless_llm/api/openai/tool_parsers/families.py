@@ -20,8 +20,9 @@ region was complete and only the closing marker is missing.
 The XML forms (qwen3_coder, glm45) write each argument as text; a value becomes the JSON type
 the tool's schema gives the parameter (integer, number, boolean, null, object, array), and
 stays a string where the schema says string or the text does not read as that type. Their
-arguments stream one parameter at a time: `{"a": 1`, then `, "b": "x"`, then `}`. The JSON forms
-stream the arguments' text as the model writes it.
+arguments stream one parameter at a time: `{"a": 1`, then `, "b": "x"`, then `}`; Qwen3-Coder's
+text values (a file's contents, say) stream as they are written. The JSON forms stream the
+arguments' text as the model writes it.
 
 Kimi K2 names its calls `functions.NAME:INDEX`; that id is the call's OpenAI id, as its chat
 template expects to read it back.
@@ -236,6 +237,27 @@ def _convert(kind: str, raw: str) -> tuple[bool, Any]:
 # Qwen3-Coder
 # ---------------------------------------------------------------------------------------------
 
+_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
+
+
+def _open_text(key: str, partial: str) -> str:
+    """`"key": "text so far` for a text value still being written: what may yet be its
+    template newlines or the start of its end marker is held back."""
+    if not partial:
+        return ""  # its first newline (the template's) may be next
+    if partial.startswith("\n"):
+        partial = partial[1:]
+    held = 0
+    for end in _VALUE_ENDS:
+        for size in range(min(len(end) - 1, len(partial)), held, -1):
+            if partial.endswith(end[:size]):
+                held = size
+                break
+    partial = partial[: len(partial) - held]
+    if partial.endswith("\n"):
+        partial = partial[:-1]
+    return _RegionParser._member(key, partial)[:-1]  # without the closing quote
+
 
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(_RegionParser):
@@ -244,6 +266,10 @@ class Qwen3CoderToolParser(_RegionParser):
     name = "qwen3_coder"
     needs_special_tokens = True
     markers = ("<tool_call>",)
+
+    def _is_text(self, function: str, parameter: str) -> bool:
+        """Whether the value stays text, whatever it reads as (then it streams as written)."""
+        return _schema_types(self._schema(function, parameter)) <= {"string"}
 
     def _read(self, cur: _Cursor, calls: list[PartialCall]) -> int:
         cur.ws()
@@ -263,7 +289,13 @@ class Qwen3CoderToolParser(_RegionParser):
                 cur.take(">")
                 # A value missing its </parameter> ends where the next parameter or the
                 # function's end starts.
-                value, end = cur.until("</parameter>", "<parameter=", "</function>")
+                try:
+                    value, end = cur.until(*_VALUE_ENDS)
+                except _Cut:
+                    opened = _open_text(key, cur.text[cur.pos :])
+                    if opened and self._is_text(name, key):  # stream the text so far
+                        call.arguments = "{" + "".join(m + ", " for m in members) + opened
+                    raise
                 if end == "</parameter>":
                     cur.pos += len(end)
                 if value.startswith("\n"):
