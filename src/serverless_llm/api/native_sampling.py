@@ -36,6 +36,7 @@ from ..engine import (
     SamplingParamsError,
 )
 from .errors import describe_validation_error
+from .json_types import WholeInt
 
 __all__ = [
     "ParsedSampling",
@@ -52,20 +53,21 @@ _D = SAMPLING_DEFAULTS
 class VLLMSamplingParams(BaseModel):
     """vLLM's SamplingParams names (including the older beam-search ones and the guided-decoding
     extras users send on the native route) and Aphrodite's samplers, with their defaults. JSON
-    types only: strict, so "0.5" is not a number and 1 is not a bool."""
+    types only: strict, so "0.5" is not a number and 1 is not a bool (a whole float such as 2.0
+    is an integer, as JSON has it: api.json_types)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     # Honoured (n and best_of by fan-out; the rest by the engine's SamplingParams, which checks
     # the ranges).
     # Their upper bound is the endpoint's MAX_N (api.limits).
-    n: int = Field(_D["n"], ge=1)
-    best_of: int | None = Field(_D["best_of"], ge=1)
-    max_tokens: int | None = None  # None: not given (the route's default, which may be capped)
-    min_tokens: int = _D["min_tokens"]
+    n: WholeInt = Field(_D["n"], ge=1)
+    best_of: WholeInt | None = Field(_D["best_of"], ge=1)
+    max_tokens: WholeInt | None = None  # None: not given (the route's default, which may be capped)
+    min_tokens: WholeInt = _D["min_tokens"]
     temperature: float = _D["temperature"]
     top_p: float = _D["top_p"]
-    top_k: int = _D["top_k"]
+    top_k: WholeInt = _D["top_k"]
     min_p: float = _D["min_p"]
     top_a: float = _D["top_a"]
     tfs: float = _D["tfs"]
@@ -78,17 +80,17 @@ class VLLMSamplingParams(BaseModel):
     frequency_penalty: float = _D["frequency_penalty"]
     repetition_penalty: float = _D["repetition_penalty"]
     logit_bias: dict[str, float] | None = _D["logit_bias"]
-    allowed_token_ids: list[int] | None = _D["allowed_token_ids"]
-    seed: int | None = Field(_D["seed"], ge=-(2**63), lt=2**64)
+    allowed_token_ids: list[WholeInt] | None = _D["allowed_token_ids"]
+    seed: WholeInt | None = Field(_D["seed"], ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = _D["stop"]
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[WholeInt] | None = None
     include_stop_str_in_output: bool = _D["include_stop_str_in_output"]
     ignore_eos: bool = _D["ignore_eos"]
-    logprobs: int | None = _D["logprobs"]
-    prompt_logprobs: int | None = _D["prompt_logprobs"]
+    logprobs: WholeInt | None = _D["logprobs"]
+    prompt_logprobs: WholeInt | None = _D["prompt_logprobs"]
     skip_special_tokens: bool = _D["skip_special_tokens"]
     spaces_between_special_tokens: bool = _D["spaces_between_special_tokens"]
-    truncate_prompt_tokens: int | None = _D["truncate_prompt_tokens"]
+    truncate_prompt_tokens: WholeInt | None = _D["truncate_prompt_tokens"]
     use_beam_search: bool = _D["use_beam_search"]
     length_penalty: float = _D["length_penalty"]
     early_stopping: bool | str = _D["early_stopping"]

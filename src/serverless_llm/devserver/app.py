@@ -113,6 +113,29 @@ def _is_anthropic_path(path: str) -> bool:
     return path.rstrip("/").endswith(ANTHROPIC_ROUTES)
 
 
+def _not_json_type(content_type: str | None) -> str | None:
+    """Why a body sent with `content_type` is not taken as JSON (a 415), or None when it is:
+    `application/json` or a `+json` type, its charset (if named) UTF-8, as JSON's RFC has it.
+    A body without a Content-Type is read as JSON, as vLLM's FastAPI server does."""
+    if content_type is None or not content_type.strip():
+        return None
+    media, *params = (p.strip() for p in content_type.split(";"))
+    media = media.lower()
+    if media != "application/json" and not (
+        media.startswith("application/") and media.endswith("+json")
+    ):
+        return (
+            f"the request body must be JSON, sent with Content-Type: application/json "
+            f"(got {media or 'an empty type'!r})"
+        )
+    for param in params:
+        key, _, value = param.partition("=")
+        charset = value.strip().strip('"').lower()
+        if key.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            return f"a JSON body must be UTF-8 (got charset {charset!r})"
+    return None
+
+
 def _error_response(path: str, status: int, message: str, code: str | None = None) -> Response:
     """OpenAI routes answer in OpenAI's error object (what its client parses), Anthropic's
     routes in Anthropic's; job routes in the platform's `{"error": "..."}`."""
@@ -351,7 +374,11 @@ def create_app(
 
     async def read_body(request: Request) -> bytes:
         """The body, or 413 in the route's shape as soon as it is known to exceed the limit
-        (from Content-Length, or while reading a body sent without one)."""
+        (from Content-Length, or while reading a body sent without one); 415 for a body that
+        is not sent as JSON (see `_not_json_type`)."""
+        not_json = _not_json_type(request.headers.get("content-type"))
+        if not_json is not None:
+            raise ApiError(415, not_json, code="unsupported_media_type")
         too_big = ApiError(
             413,
             f"the request body is larger than {max_body_bytes} bytes",

@@ -151,16 +151,22 @@ def render_chat_text(
     )
 
 
+# OpenAI's efforts above "high", as a chat template or harmony takes them.
+TEMPLATE_EFFORTS = {"xhigh": "high", "max": "high"}
+
+
 def _with_reasoning_effort(
     request: ChatCompletionRequest, tokenizer: Any, template: str | None
 ) -> dict[str, Any] | None:
     """`reasoning_effort` as the template sees it: the variable itself (gpt-oss style templates
     read it), and, for a template with an `enable_thinking` switch (Qwen 3, SmolLM3), thinking
-    off for "none" and "minimal" unless chat_template_kwargs sets the switch itself."""
+    off for "none" and "minimal" unless chat_template_kwargs sets the switch itself. OpenAI's
+    "xhigh" and "max" reach the template as "high", the highest effort open models take."""
     kwargs = request.chat_template_kwargs
     effort = request.reasoning_effort
     if effort is None:
         return kwargs
+    effort = TEMPLATE_EFFORTS.get(effort, effort)
     kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     if "enable_thinking" not in kwargs and "enable_thinking" in chat_template_source(
         tokenizer, template
@@ -237,7 +243,10 @@ class ChatFormatter(ResponseFormatter):
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
-        return {"content": chat_logprobs(entries or [], self.top_logprobs, self.decoder)}
+        # OpenAI's choice logprobs carry `refusal` (the refusal's tokens) beside `content`;
+        # no model here writes a separate refusal, so it is always null.
+        content = chat_logprobs(entries or [], self.top_logprobs, self.decoder)
+        return {"content": content, "refusal": None}
 
     def head_chunks(self, index: int) -> list[dict[str, Any]]:
         """Each choice's stream opens with its role (and the echoed text, if any)."""

@@ -120,6 +120,10 @@ class CompletionFormatter(ResponseFormatter):
     With `logprobs: k` each choice carries OpenAI's legacy logprobs object; with echo too, it
     starts with the prompt's tokens (the first without a logprob), so a streamed echo waits for
     the first engine output, which brings the prompt's logprobs.
+
+    `prompt_only` (echo with max_tokens 0): each choice is its prompt and the prompt's logprobs
+    alone, finish_reason "length" and no completion tokens in the usage; the one token the
+    engine made while scoring the prompt is dropped.
     """
 
     object_name = "text_completion"
@@ -137,13 +141,15 @@ class CompletionFormatter(ResponseFormatter):
         prompt_ids: list[list[int]] | None = None,
         decoder: TokenDecoder | None = None,
         harmony: list[Callable[[], HarmonyParser] | None] | None = None,
+        prompt_only: bool = False,
     ) -> None:
         """`harmony`: per prompt, a gpt-oss model's output parser factory for a prompt that
         ends inside an assistant message (None: the output is plain text). Such a choice's
         `text` is the answer (final channel) and its reasoning (analysis channel) comes as
         `reasoning_content`; tool calls are left out; logprobs list every output token."""
         super().__init__(response_id, created, model)
-        self.harmony = harmony
+        self.prompt_only = prompt_only
+        self.harmony = None if prompt_only else harmony
         self._readers: dict[int, HarmonyParser | None] = {}
         self.echo = echo  # per prompt, when echo is on
         self.n = n
@@ -183,10 +189,25 @@ class CompletionFormatter(ResponseFormatter):
             self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
         ]
 
+    def _no_completion(self, usage: dict[str, int] | None) -> dict[str, int] | None:
+        """`usage` without the dropped token of a prompt_only request."""
+        if usage is None or not self.prompt_only:
+            return usage
+        prompt = usage["prompt_tokens"]
+        return {**usage, "completion_tokens": 0, "total_tokens": prompt}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return super().usage_chunk(self._no_completion(usage) or usage)
+
     def delta_chunk(
         self, index: int, out: EngineOutput, usage: dict[str, int] | None
     ) -> dict[str, Any] | None:
         text, finish_reason = out.new_text, out.finish_reason
+        stop_reason, new_logprobs = out.stop_reason, out.logprobs
+        if self.prompt_only:
+            text, new_logprobs, stop_reason = "", None, None
+            finish_reason = "length" if out.finished else None
+            usage = self._no_completion(usage)
         reasoning = None
         reader = self._reader(index)
         if reader is not None:
@@ -202,17 +223,15 @@ class CompletionFormatter(ResponseFormatter):
                 part, offset = self._prompt_part(index, out.prompt_logprobs)
                 offset = len(self.echo[index // self.n])
                 parts.append(part)
-            if out.logprobs:
+            if new_logprobs:
                 part, offset = completion_logprobs(
-                    out.logprobs, self.logprobs, self.decoder, offset
+                    new_logprobs, self.logprobs, self.decoder, offset
                 )
                 parts.append(part)
             self._offsets[index] = offset
             if parts:
                 logprobs = merge_completion_logprobs(parts)
-        chunk = self._delta_chunk(
-            index, "text", text, logprobs, finish_reason, out.stop_reason, usage
-        )
+        chunk = self._delta_chunk(index, "text", text, logprobs, finish_reason, stop_reason, usage)
         if reasoning:
             if chunk is None:
                 chunk = self._chunk(
@@ -237,9 +256,13 @@ class CompletionFormatter(ResponseFormatter):
         usage: dict[str, int],
     ) -> dict[str, Any]:
         choices = []
+        usage = self._no_completion(usage) or usage
         for k, r in enumerate(results):
             text = r.text
             p = k // self.n
+            finish_reason, stop_reason, token_logprobs = r.finish_reason, r.stop_reason, r.logprobs
+            if self.prompt_only:
+                text, finish_reason, stop_reason, token_logprobs = "", "length", None, []
             reasoning = None
             make = self.harmony[p] if self.harmony is not None else None
             if make is not None:
@@ -255,15 +278,18 @@ class CompletionFormatter(ResponseFormatter):
                     part, _ = self._prompt_part(k, prompt_logprobs[p])
                     offset = len(self.echo[p])
                     parts.append(part)
-                part, _ = completion_logprobs(r.logprobs, self.logprobs, self.decoder, offset)
-                parts.append(part)
+                if token_logprobs:
+                    part, _ = completion_logprobs(
+                        token_logprobs, self.logprobs, self.decoder, offset
+                    )
+                    parts.append(part)
                 logprobs = merge_completion_logprobs(parts)
             choice = {
                 "index": k,
                 "text": text,
                 "logprobs": logprobs,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
             }
             if reasoning is not None:
                 choice["reasoning_content"] = reasoning

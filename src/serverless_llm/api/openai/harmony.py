@@ -13,12 +13,13 @@ template, and the output tokens go through the library's streaming parser:
 - `final`, and `commentary` without a recipient (a preamble meant for the user) -> content.
 
 The prompt: a system message (model identity, knowledge cutoff, today's date, `Reasoning:
-low|medium|high` from `reasoning_effort`; `none` and `minimal` as low), a developer message
-(the first system or developer message's text as its instructions, and the function tools as
-the `functions` namespace), then the conversation: user turns, assistant turns (their
-`reasoning_content` or `reasoning` as an analysis message, their tool calls as commentary
-messages to `functions.NAME`, their text as a final message), tool results as messages from
-`functions.NAME` (the name read from the `tool_call_id` of the call they answer).
+low|medium|high` from `reasoning_effort`; `none` and `minimal` as low, `xhigh` and `max` as
+high), a developer message (the first system or developer message's text as its instructions,
+and the function tools as the `functions` namespace), then the conversation: user turns,
+assistant turns (their `reasoning_content` or `reasoning` as an analysis message, their tool
+calls as commentary messages to `functions.NAME`, their text as a final message), tool results
+as messages from `functions.NAME` (the name read from the `tool_call_id` of the call they
+answer).
 
 The library tokenizes with tiktoken's `o200k_base` vocabulary plus harmony's special tokens,
 the same ids as gpt-oss's own tokenizer. It reads `o200k_base.tiktoken` from the folder named
@@ -184,7 +185,15 @@ def _load() -> Any:
 
 # -- prompts ---------------------------------------------------------------------------------
 
-_EFFORTS = {"none": "LOW", "minimal": "LOW", "low": "LOW", "medium": "MEDIUM", "high": "HIGH"}
+_EFFORTS = {
+    "none": "LOW",
+    "minimal": "LOW",
+    "low": "LOW",
+    "medium": "MEDIUM",
+    "high": "HIGH",
+    "xhigh": "HIGH",
+    "max": "HIGH",
+}
 
 
 @dataclass

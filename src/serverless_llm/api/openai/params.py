@@ -111,13 +111,19 @@ def _common_params(
     temperature = request.temperature
     if temperature is None:
         temperature = BEAM_SEARCH_TEMPERATURE if request.use_beam_search else value("temperature")
+    top_p = float(value("top_p"))
+    if top_p == 0.0 and not request.use_beam_search:
+        # The nucleus of mass 0 is the most likely token alone, whatever the temperature:
+        # greedy decoding, which is how the engine is asked for it. (Beam search, which takes
+        # no top_p, gets the engine's error naming it.)
+        temperature, top_p = 0.0, 1.0
     return SamplingParams(
         n=request.num_choices,
         best_of=request.best_of,
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
         temperature=float(temperature),
-        top_p=float(value("top_p")),
+        top_p=top_p,
         top_k=value("top_k"),
         min_p=float(value("min_p")),
         top_a=float(value("top_a")),
@@ -224,6 +230,28 @@ def completion_sampling_params(
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-    return _common_params(
-        request, request.output_limit, request.logprobs, prompt_logprobs, defaults=defaults
-    )
+    max_tokens = request.output_limit
+    if max_tokens == 0:
+        if not request.echo:
+            raise OpenAIServingError.bad_request(
+                "max_tokens must be at least 1; 0 is taken only with echo (the prompt and its "
+                "log-probabilities, nothing generated).",
+                "max_tokens",
+                "invalid_value",
+            )
+        if request.min_tokens:
+            raise OpenAIServingError.bad_request(
+                f"min_tokens ({request.min_tokens}) cannot be more than max_tokens (0).",
+                "min_tokens",
+                "invalid_value",
+            )
+        # The engine scores the prompt while it makes one token, which the formatter drops
+        # (prompt_only): what legacy OpenAI and vLLM answer to lm-evaluation-harness's
+        # log-likelihood requests.
+        max_tokens = 1
+    return _common_params(request, max_tokens, request.logprobs, prompt_logprobs, defaults=defaults)
+
+
+def prompt_only(request: CompletionRequest) -> bool:
+    """Whether a completions request asks for its echoed prompt alone (echo, max_tokens 0)."""
+    return bool(request.echo) and request.output_limit == 0

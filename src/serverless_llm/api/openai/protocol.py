@@ -24,6 +24,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from serverless_llm.engine import SAMPLING_DEFAULTS as _D
 
+from ..json_types import WholeInt
+
 # torch generators take seeds in this range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -89,8 +91,8 @@ EarlyStopping = Annotated[Any, AfterValidator(_check_early_stopping)]
 Stop = Annotated[Any, AfterValidator(_check_stop)]
 Prompt = Annotated[Any, AfterValidator(_check_prompt)]
 StrOrObject = Annotated[Any, AfterValidator(_check_str_or_object)]
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
-TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[WholeInt, Field(ge=SEED_MIN, le=SEED_MAX)]
+TokenId = Annotated[WholeInt, Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -119,6 +121,25 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class _ModerationMode(_Strict):
+    mode: Literal["score", "block"]
+
+
+class _ModerationPolicy(_Strict):
+    input: _ModerationMode | None = None
+    output: _ModerationMode | None = None
+
+
+class Moderation(_Strict):
+    model: str
+    policy: _ModerationPolicy | None = None
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
 class _SamplingRequest(_Strict):
     """Fields chat and completions share: OpenAI's, then vLLM's extra sampling parameters.
     A sampling parameter's default is the engine's (SAMPLING_DEFAULTS)."""
@@ -128,8 +149,8 @@ class _SamplingRequest(_Strict):
         _D["frequency_penalty"], ge=-2.0, le=2.0, allow_inf_nan=False
     )
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(_D["n"], ge=1)  # at most the endpoint's MAX_N (api.limits)
+    max_tokens: WholeInt | None = Field(None, ge=1)
+    n: WholeInt | None = Field(_D["n"], ge=1)  # at most the endpoint's MAX_N (api.limits)
     presence_penalty: float | None = Field(
         _D["presence_penalty"], ge=-2.0, le=2.0, allow_inf_nan=False
     )
@@ -138,7 +159,8 @@ class _SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    # 0 keeps only the most likely token: greedy, whatever the temperature (params.py).
+    top_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     user: str | None = None
     # OpenAI bookkeeping that changes nothing about the output.
     metadata: dict[str, str] | None = None
@@ -146,11 +168,16 @@ class _SamplingRequest(_Strict):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # OpenAI's hosted moderation and prompt-cache controls: shapes checked, then ignored (no
+    # moderation model runs here; the prefix cache needs no breakpoints and keeps what fits).
+    moderation: Moderation | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     # vLLM's extra sampling parameters.
-    best_of: int | None = Field(None, ge=1)  # at most MAX_N
+    best_of: WholeInt | None = Field(None, ge=1)  # at most MAX_N
     use_beam_search: bool = _D["use_beam_search"]
-    top_k: int | None = Field(None, ge=-1)
+    top_k: WholeInt | None = Field(None, ge=-1)
     min_p: float | None = Field(_D["min_p"], ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(_D["repetition_penalty"], gt=0.0, allow_inf_nan=False)
     # Aphrodite's samplers (ranges checked by the engine's SamplingParams).
@@ -166,14 +193,14 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = _D["include_stop_str_in_output"]
     ignore_eos: bool = _D["ignore_eos"]
-    min_tokens: int = Field(_D["min_tokens"], ge=0)
+    min_tokens: WholeInt = Field(_D["min_tokens"], ge=0)
     skip_special_tokens: bool = _D["skip_special_tokens"]
     spaces_between_special_tokens: bool = _D["spaces_between_special_tokens"]
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    truncate_prompt_tokens: WholeInt | None = Field(None, ge=1)
+    prompt_logprobs: WholeInt | None = Field(None, ge=0, le=20)
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: WholeInt = 0
 
     # vLLM's structured output (guided decoding).
     response_format: dict[str, Any] | None = None
@@ -193,9 +220,9 @@ class _SamplingRequest(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: WholeInt | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrOrObject = None
     parallel_tool_calls: bool | None = None
@@ -204,7 +231,10 @@ class ChatCompletionRequest(_SamplingRequest):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # "xhigh" and "max" reach a template or harmony as "high", the most any open model takes.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
 
@@ -229,8 +259,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt = Field()
+    # 0 only with echo: the prompt's log-probabilities alone (params.py, completions.py).
+    max_tokens: WholeInt | None = Field(None, ge=0)
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: WholeInt | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     # A plain prompt is raw text, so BOS (and whatever else the tokenizer adds) belongs in it.
     add_special_tokens: bool = True

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import Field
 
+from ..json_types import WholeInt
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import Seed, Stop, StreamOptions, TokenId, _Strict
 
@@ -76,14 +78,14 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[Any] = Field(min_length=1)
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: WholeInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)  # 0: greedy
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = Field(None, ge=1)
+    max_tool_calls: WholeInt | None = Field(None, ge=1)
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
@@ -112,7 +114,7 @@ class ResponsesRequest(_Strict):
     # vLLM's extras, checked again by the chat route.
     seed: Seed | None = None
     stop: Stop = None
-    top_k: int | None = None
+    top_k: WholeInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -120,13 +122,13 @@ class ResponsesRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
+    min_tokens: WholeInt | None = None
     skip_special_tokens: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    priority: int | None = None
+    priority: WholeInt | None = None
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> OpenAIServingError:
@@ -309,6 +311,98 @@ def _parts(content: list[Any], param: str) -> list[dict[str, Any]]:
     return parts
 
 
+_STATUSES = ("in_progress", "completed", "incomplete")
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_status(value: Any) -> bool:
+    return value in _STATUSES
+
+
+def _is_phase(value: Any) -> bool:
+    return value in ("commentary", "final_answer")
+
+
+def _is_caller(value: Any) -> bool:
+    if not isinstance(value, dict) or value.get("type") not in ("direct", "program"):
+        return False
+    allowed = {"type"} if value["type"] == "direct" else {"type", "caller_id"}
+    return set(value) <= allowed and (value["type"] == "direct" or _is_str(value.get("caller_id")))
+
+
+def _is_summary(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(p, dict)
+        and set(p) <= {"type", "text"}
+        and p.get("type") == "summary_text"
+        and _is_str(p.get("text"))
+        for p in value
+    )
+
+
+# The fields OpenAI's schema declares on each input item type that this server does not read
+# (an id, a status, a namespace...): (what the value must be, described; its check; whether null
+# is allowed). They change nothing here, but a client that sends a wrong one gets a 400 naming
+# it, as from OpenAI, and any field the schema does not declare is an unknown parameter.
+_Check = tuple[str, Callable[[Any], bool], bool]
+_STATUS: _Check = ("one of in_progress, completed, incomplete", _is_status, False)
+_UNREAD_FIELDS: dict[str, dict[str, _Check]] = {
+    "message": {
+        "id": ("a string", _is_str, False),
+        "status": _STATUS,
+        "phase": ("one of commentary, final_answer", _is_phase, True),
+    },
+    "function_call": {
+        "id": ("a string", _is_str, False),
+        "status": _STATUS,
+        "namespace": ("a string", _is_str, False),
+        "caller": ("a caller object (type direct, or program with a caller_id)", _is_caller, True),
+    },
+    "function_call_output": {
+        "id": ("a string", _is_str, True),
+        "status": (_STATUS[0], _is_status, True),
+        "name": ("a string", _is_str, True),
+        "namespace": ("a string", _is_str, True),
+        "caller": ("a caller object (type direct, or program with a caller_id)", _is_caller, True),
+    },
+    "reasoning": {
+        "id": ("a string", _is_str, False),
+        "status": _STATUS,
+        "summary": ("a list of summary_text parts", _is_summary, False),
+        "encrypted_content": ("a string", _is_str, True),
+    },
+}
+# The fields each item type's handling below reads.
+_READ_FIELDS = {
+    "message": ("type", "role", "content"),
+    "function_call": ("type", "call_id", "name", "arguments"),
+    "function_call_output": ("type", "call_id", "output"),
+    "reasoning": ("type", "content", "summary"),
+}
+
+
+def _check_unread_fields(item: dict[str, Any], kind: str, param: str) -> None:
+    """An input item's fields beyond those this server reads, checked against OpenAI's schema
+    (a 400 naming the field); `kind` is one of _READ_FIELDS."""
+    checks = _UNREAD_FIELDS[kind]
+    for key, value in item.items():
+        if key in checks:
+            what, ok, nullable = checks[key]
+            if not (ok(value) or (nullable and value is None)):
+                raise _bad(
+                    f"Invalid value for '{param}.{key}': {what}{' or null' if nullable else ''}.",
+                    f"{param}.{key}",
+                    "invalid_type",
+                )
+        elif key not in _READ_FIELDS[kind]:
+            raise _bad(
+                f"Unknown parameter: '{param}.{key}'.", f"{param}.{key}", "unknown_parameter"
+            )
+
+
 def _messages(
     request: ResponsesRequest, names: dict[str, str], history: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -338,6 +432,8 @@ def _messages(
         if not isinstance(item, dict):
             raise _bad(f"Invalid value for '{param}': an input item object.", param, "invalid_type")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind in _READ_FIELDS and not param.startswith("previous_response_id"):
+            _check_unread_fields(item, kind, param)
         if kind == "message":
             role = item.get("role")
             if role not in _ROLES:
