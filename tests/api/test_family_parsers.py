@@ -667,3 +667,22 @@ def test_auto_tool_calls_through_the_chat_route(serve, template, call):
     finishes = [c["choices"][0]["finish_reason"] for c in chunks]
     assert [f for f in finishes if f] == ["tool_calls"]
     assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+
+def test_structured_output_waits_for_the_families_end_of_thinking(serve):
+    """A constrained request's grammar starts after `</think>` for the `<think>` families and
+    from the first token for Granite, whose answer follows a phrase instead (it then answers
+    without thinking rather than never being constrained)."""
+    body = {"messages": [{"role": "user", "content": "2+2?"}], "guided_regex": "[0-9]+"}
+
+    def after(s):
+        async def run():
+            end = tuple(s.tokenizer.encode("</think>", add_special_tokens=False))
+            return end, s._chat_plan(body).params.structured_after
+
+        return run()
+
+    for parser in ("glm45", "deepseek_v3"):
+        end, got = serve(after, reasoning_parser=parser)
+        assert got == end and end, parser
+    assert serve(after, reasoning_parser="granite")[1] == ()
