@@ -94,7 +94,7 @@ from .harmony import (
     stop_ids,
 )
 from .models import list_models, retrieve_model
-from .params import chat_sampling_params, completion_sampling_params
+from .params import chat_sampling_params, completion_sampling_params, prompt_only
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import END as REASONING_END
 from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_parser
@@ -237,7 +237,8 @@ def _merge_into(prev: dict[str, Any], chunk: dict[str, Any], key: str) -> bool:
             if name in c["delta"]:
                 p["delta"][name] = p["delta"].get(name, "") + c["delta"][name]
         if c["logprobs"] is not None:
-            p["logprobs"] = {"content": p["logprobs"]["content"] + c["logprobs"]["content"]}
+            content = p["logprobs"]["content"] + c["logprobs"]["content"]
+            p["logprobs"] = {**p["logprobs"], "content": content}  # `refusal` kept
     p["finish_reason"] = c["finish_reason"]
     if "stop_reason" in c:
         p["stop_reason"] = c["stop_reason"]
@@ -347,10 +348,10 @@ class OpenAIServing:
         MAX_IMAGE_BYTES, ...; api.media).
         `harmony`: whether the model speaks gpt-oss's harmony format (None: a gpt-oss config,
         as vLLM decides; see harmony.py).
-        `response_store`: where /v1/responses keeps responses (response_store.py; default: a
-        bounded store in this process).
         `metrics`: renders the worker's Prometheus metrics (/metrics; None: ENABLE_METRICS
-        off); `version`: what /version answers."""
+        off); `version`: what /version answers.
+        `response_store`: where /v1/responses keeps responses (response_store.py; default: a
+        bounded store in this process)."""
         self.engine = engine
         self.metrics, self.version = metrics, version
         self.response_store: ResponseStore = (
@@ -1003,6 +1004,7 @@ class OpenAIServing:
             prompt_ids=[p.token_ids for p in prompts],
             decoder=TokenDecoder(self.tokenizer),
             harmony=harmony,
+            prompt_only=prompt_only(request),
         )
         return _Plan(
             response_id=response_id,
