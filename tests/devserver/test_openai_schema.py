@@ -447,3 +447,13 @@ def test_other_content_types_get_415_in_each_routes_shape(http, endpoint, conten
     assert job.status_code == 415 and isinstance(job.json()["error"], str)
     # The worker keeps serving.
     assert http.post("/openai/v1/chat/completions", content=BODY).status_code == 200
+
+
+def test_whole_number_floats_meet_the_same_limits_as_integers(http):
+    """MAX_N is checked on the body as sent: n as a float is held to it as n as an int."""
+    for name in ("n", "best_of"):
+        error = error_of(post(http, "chat/completions", chat_body(**{name: 1e9})))
+        assert error["param"] == name and error["code"] == "integer_above_max_value", error
+    job = {"prompt": PROMPT, "sampling_params": {"n": 1e9}}
+    failed = http.post("/runsync", json={"input": job})
+    assert "MAX_N" in failed.json()["error"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import InvalidRequestError
+from .json_types import whole_number
 
 __all__ = ["RequestLimitError", "RequestLimits", "string_chars"]
 
@@ -94,8 +95,10 @@ class RequestLimits:
         self, *, n: Any = None, best_of: Any = None, stop: Any = None, logit_bias: Any = None
     ) -> None:
         """`n`, `best_of`, `stop` and `logit_bias` as the request gave them (before any other
-        check, so a wrong type here is left for that check to name)."""
+        check, so a wrong type here is left for that check to name; a whole-number float is the
+        integer the schema will take it as, api.json_types)."""
         for name, value in (("n", n), ("best_of", best_of)):
+            value = whole_number(value)
             if (
                 self.max_n
                 and isinstance(value, int)
