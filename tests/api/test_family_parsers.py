@@ -686,3 +686,47 @@ def test_structured_output_waits_for_the_families_end_of_thinking(serve):
         end, got = serve(after, reasoning_parser=parser)
         assert got == end and end, parser
     assert serve(after, reasoning_parser="granite")[1] == ()
+
+
+def test_glm45_thinks_then_calls_through_the_chat_route(serve):
+    """Both parsers detected from one template: the reasoning goes to reasoning_content, the
+    call after it to tool_calls, streamed and not."""
+    template = _marked("[gMASK]<sop> <think></think> <arg_key>{k}</arg_key> enable_thinking")
+    forced = (
+        "<think>UTC is asked.</think>\n<tool_call>get_time\n<arg_key>zone</arg_key>\n"
+        "<arg_value>utc</arg_value>\n</tool_call>"
+    )
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "time?"}],
+        "tools": [{"type": "function", "function": {"name": "get_time"}}],
+        "max_tokens": 200,
+        "guided_regex": re.escape(forced),
+    }
+
+    async def run(s):
+        assert s.auto_tool_parser.name == "glm45"
+        assert s.reasoning_parser.name == "glm45"
+        (full,) = await collect(s, "/v1/chat/completions", body)
+        streamed = await collect(s, "/v1/chat/completions", {**body, "stream": True})
+        return full, streamed
+
+    full, streamed = serve(
+        run,
+        served_model_name="tiny",
+        chat_template=template,
+        enable_auto_tool_choice=True,
+        reasoning_parser="auto",
+        structured_in_reasoning=True,
+    )
+    message = full["choices"][0]["message"]
+    assert message["reasoning_content"] == "UTC is asked."
+    assert not message["content"]
+    (tc,) = message["tool_calls"]
+    assert (tc["function"]["name"], tc["function"]["arguments"]) == ("get_time", '{"zone": "utc"}')
+    deltas = [c["choices"][0]["delta"] for c in parse_sse(streamed) if c.get("choices")]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "UTC is asked."
+    assert not "".join(d.get("content") or "" for d in deltas)
+    pieces = [p for d in deltas for p in d.get("tool_calls") or []]
+    assert pieces[0]["function"]["name"] == "get_time"
+    assert "".join(p["function"].get("arguments", "") for p in pieces) == '{"zone": "utc"}'
