@@ -211,6 +211,11 @@ def test_whole_number_floats_on_responses_and_native_jobs(http, client):
     assert len(output[0]["choices"]) == 2 and output[0]["usage"]["output"] == 6
     failed = http.post("/runsync", json={"input": {**job, "sampling_params": {"n": 1.5}}})
     assert "n" in failed.json()["error"] and "integer" in failed.json()["error"]
+    # The job's own integer field too (0 is the only priority the default FCFS policy takes).
+    zero = http.post("/runsync", json={"input": {**job, "priority": 0.0}})
+    assert zero.json()["status"] == "COMPLETED", zero.text
+    half = http.post("/runsync", json={"input": {**job, "priority": 0.5}})
+    assert "priority" in half.json()["error"] and "integer" in half.json()["error"]
 
 
 # -- top_p 0 -------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ from ..engine import (
 )
 from .batching import BatchSizes, batch_stream
 from .errors import REQUEST_ERRORS, NativeJobError, describe_validation_error, native_error
+from .json_types import WholeInt
 from .limits import RequestLimits
 from .logprobs import TokenDecoder, native_logprobs
 from .lora import LoRAAdapters
@@ -114,7 +115,7 @@ class NativeRequest(BaseModel):
     # A served LoRA adapter's name (LORA_MODULES), or the model's own; unset: the model.
     model: str | None = None
     # Lower is served first, as vLLM's (SCHEDULING_POLICY=priority; otherwise only 0 goes).
-    priority: int = 0
+    priority: WholeInt = 0
     # vLLM's offline form: {"image": URL | [URL, ...]} with `prompt` (vision-language models).
     multi_modal_data: dict[str, Any] | None = None
     # A chat's reasoning effort: gpt-oss's harmony system message (`Reasoning: ...`, default
