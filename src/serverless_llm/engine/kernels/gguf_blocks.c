@@ -1,0 +1,214 @@
+/* Linears on GGUF block-quantized weights kept in their low-bit form (kernels/gguf_blocks.py
+ * repacks the file's blocks into the layout below, builds and loads this file, and holds the
+ * torch references it is tested against).
+ *
+ * The layout ("qb32"): a weight [N, K] with K a multiple of 32, in blocks of 32 consecutive
+ * inputs of one output row; every block's values are w = d * u + c with u an unsigned code:
+ *   - 4-bit (Q4_0, Q4_1): qs [N, K/32, 16] bytes, byte j of a block holding u of input j in
+ *     its low nibble and of input j + 16 in its high nibble (the file's own order);
+ *   - 8-bit (Q8_0): qs [N, K/32, 32] bytes, u = q + 128 (the signed code moved to unsigned);
+ *   - d [N, K/32] and c [N, K/32] float16: Q4_1's scale and min; Q4_0's scale and -8 * scale;
+ *     Q8_0's scale and -128 * scale.
+ *
+ * The product: each row of x is quantized per block of 32 to int8 (scale a = max|x| / 127,
+ * codes round-half-even(x / a)), so a block's contribution to out is
+ *   d * a * sum(u * q) + c * (a * sum(q)),
+ * the sum over 32 products of unsigned and signed bytes: one VPDPBUSD per two blocks on
+ * AVX-512 VNNI. Elsewhere (and with `scalar`) a plain C loop computes the same integers.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_VNNI512 1
+#else
+#define HAVE_VNNI512 0
+#endif
+
+int qb32_has_vnni(void) { return HAVE_VNNI512; }
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One row of x into int8 codes q[K], per-block scales a[nb] and a * sum(q) s[nb]. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *a, float *s) {
+    int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float scale = amax / 127.0f;
+        float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int v = (int)nearbyintf(xb[i] * inv);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            q[b * 32 + i] = (int8_t)v;
+            sum += v;
+        }
+        a[b] = scale;
+        s[b] = scale * (float)sum;
+    }
+}
+
+/* out[m] for the rows m < mt of one output row n: the portable path. */
+static void row_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb,
+                       int bits, const int8_t *q, const float *a, const float *s, int64_t K,
+                       int mt, float *acc) {
+    int64_t bb = bits == 4 ? 16 : 32;
+    for (int m = 0; m < mt; m++) {
+        const int8_t *qm = q + m * K;
+        const float *am = a + m * nb, *sm = s + m * nb;
+        float total = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *u = qs + b * bb;
+            const int8_t *qb = qm + b * 32;
+            int32_t dot = 0;
+            if (bits == 4) {
+                for (int j = 0; j < 16; j++)
+                    dot += (int32_t)(u[j] & 15) * qb[j] + (int32_t)(u[j] >> 4) * qb[j + 16];
+            } else {
+                for (int j = 0; j < 32; j++) dot += (int32_t)u[j] * qb[j];
+            }
+            total += half_to_float(d[b]) * am[b] * (float)dot + half_to_float(c[b]) * sm[b];
+        }
+        acc[m] = total;
+    }
+}
+
+#if HAVE_VNNI512
+/* The same with VPDPBUSD, two blocks per step; mt (1..4) constant after inlining. */
+static inline __attribute__((always_inline)) void row_vnni(
+    const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb, int bits,
+    const int8_t *q, const float *a2, const float *s, int64_t K, int mt, float *acc) {
+    __m512 sum[4];
+    for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512i u;
+        if (bits == 4) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + b * 16));
+            __m256i lo = _mm256_and_si256(raw, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            /* [lo0 lo1 | hi0 hi1] in 128-bit lanes -> [lo0 hi0 lo1 hi1]: block b, block b+1 */
+            __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            u = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+        } else {
+            u = _mm512_loadu_si512((const void *)(qs + b * 32));
+        }
+        uint32_t dd;
+        memcpy(&dd, d + b, 4);
+        __m512 wd = _mm512_permutexvar_ps(
+            lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd))));
+        for (int m = 0; m < mt; m++) {
+            __m512i x = _mm512_loadu_si512((const void *)(q + m * K + b * 32));
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+            __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(a2 + (m * nb + b) * 8));
+            sum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[m]);
+        }
+    }
+    float tail[4] = {0, 0, 0, 0};
+    if (b < nb) { /* an odd last block */
+        for (int m = 0; m < mt; m++) {
+            const int8_t *qb = q + m * K + b * 32;
+            const uint8_t *ub = qs + b * (bits == 4 ? 16 : 32);
+            int32_t dot = 0;
+            if (bits == 4) {
+                for (int j = 0; j < 16; j++)
+                    dot += (int32_t)(ub[j] & 15) * qb[j] + (int32_t)(ub[j] >> 4) * qb[j + 16];
+            } else {
+                for (int j = 0; j < 32; j++) dot += (int32_t)ub[j] * qb[j];
+            }
+            tail[m] = half_to_float(d[b]) * a2[(m * nb + b) * 8] * (float)dot;
+        }
+    }
+    /* the offsets: sum over blocks of c * (a * sum(q)), sixteen blocks a step */
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int64_t left = nb - b0;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 cv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b0));
+        for (int m = 0; m < mt; m++)
+            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * nb + b0), sum[m]);
+    }
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_reduce_add_ps(sum[m]) + tail[m];
+}
+#endif
+
+/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the qb32 weight^T (+ bias).
+ * bits: 4 or 8. scalar: 1 forces the portable path. */
+void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
+                 const uint16_t *d, const uint16_t *c, int64_t N, int64_t bits,
+                 const float *bias, float *out, int64_t ldo, int64_t scalar) {
+    int64_t nb = K / 32;
+    int8_t *q = malloc((size_t)(M * K + 64));
+    float *a = malloc(sizeof(float) * (size_t)(M * nb));
+    float *a2 = malloc(sizeof(float) * (size_t)(M * nb * 8 + 16));
+    float *s = malloc(sizeof(float) * (size_t)(M * nb));
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row(x + m * ldx, K, q + m * K, a + m * nb, s + m * nb);
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < 8; i++) a2[(m * nb + b) * 8 + i] = a[m * nb + b];
+    }
+    int use_vnni = HAVE_VNNI512 && !scalar;
+    int64_t bb = bits == 4 ? 16 : 32;
+    int64_t work = N * M * K;
+#pragma omp parallel for schedule(static) if (work > (1 << 16))
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qn = qs + n * nb * bb;
+        const uint16_t *dn = d + n * nb, *cn = c + n * nb;
+        float bn = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int mt = M - m0 < 4 ? (int)(M - m0) : 4;
+            float acc[4];
+            const int8_t *qm = q + m0 * K;
+#if HAVE_VNNI512
+            if (use_vnni) {
+                const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * nb;
+                switch (mt) {
+                case 1: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 1, acc); break;
+                case 2: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 2, acc); break;
+                case 3: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 3, acc); break;
+                default: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 4, acc); break;
+                }
+            } else
+#endif
+            {
+                row_scalar(qn, dn, cn, nb, (int)bits, qm, a + m0 * nb, s + m0 * nb, K, mt,
+                           acc);
+            }
+            for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n] = acc[m] + bn;
+        }
+    }
+    (void)use_vnni;
+    free(q);
+    free(a);
+    free(a2);
+    free(s);
+}

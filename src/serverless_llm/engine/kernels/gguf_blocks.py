@@ -1,0 +1,255 @@
+"""GGUF block-quantized weights kept quantized on CPU: our layout, its repack from the file's
+blocks, the native linear on it (gguf_blocks.c) and the torch references it is tested against.
+
+The layout (`QB32`, described in docs/quantization.md and gguf_blocks.c): a weight [N, K] in
+blocks of 32 inputs of one output row, each block's values w = d * u + c with u an unsigned
+code (4 bits, two a byte, or 8 bits) and d, c float16 per block. Q4_0, Q4_1 and Q8_0 map onto
+it exactly (Q4_0: c = -8d; Q8_0: u = q + 128, c = -128d), so one kernel serves all three.
+
+The native linear quantizes each row of x per block of 32 to int8 (scale max|x| / 127,
+round half to even) and sums integer products, as the Q8 formats intend:
+`reference_linear(..., quantize_x=True)` is that computation in float64 (what the kernel must
+equal up to float32 rounding), `quantize_x=False` the plain dequantize-then-matmul (what it
+approximates).
+
+The build is cpu_native's (same compiler, flags and cache directory, its own key), once per
+machine; `load()` returns None with a warning line where it cannot build or its self-check
+fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cpu_native import _build_flags, _compiler, cache_dir, cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_blocks.c")
+BLOCK = 32
+
+# GGUF type name -> (bytes per block in the file, bits of our codes)
+FILE_TYPES = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+
+
+@dataclass
+class QB32:
+    """A [N, K] weight in our blocked layout: qs uint8 [N, K/32, 16 or 32], d and c float16
+    [N, K/32]."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    c: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] * BLOCK
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.c))
+
+    def rows(self, index: torch.Tensor) -> QB32:
+        """The weight's rows in the order `index` gives."""
+        return QB32(self.qs[index].contiguous(), self.d[index].contiguous(),
+                    self.c[index].contiguous(), self.bits)  # fmt: skip
+
+    @staticmethod
+    def cat(parts: list[QB32]) -> QB32:
+        """Weights stacked along N (all of one bit width and K)."""
+        if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("stacking qb32 weights of different bit widths or inputs")
+        return QB32(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "c")),
+                    parts[0].bits)  # fmt: skip
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str, k: int) -> QB32:
+    """Our layout from a GGUF tensor's raw blocks: `raw` uint8 [N, K/32 * block bytes] (the
+    `gguf` package's GGUFReader `.data` of a quantized tensor), `type_name` its type."""
+    if type_name not in FILE_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no qb32 layout")
+    if k % BLOCK:
+        raise ValueError(f"{k} inputs are not whole blocks of {BLOCK}")
+    size, bits = FILE_TYPES[type_name]
+    nb = k // BLOCK
+    fields = {"Q4_0": [("d", "<f2"), ("qs", "u1", 16)],
+              "Q4_1": [("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)],
+              "Q8_0": [("d", "<f2"), ("qs", "i1", 32)]}[type_name]  # fmt: skip
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(np.dtype(fields))
+    blocks = blocks.reshape(-1, nb)
+    d = torch.from_numpy(np.ascontiguousarray(blocks["d"]))
+    if type_name == "Q4_1":
+        c = torch.from_numpy(np.ascontiguousarray(blocks["m"]))
+    else:  # -8d or -128d: exact, a power-of-two multiple of a float16
+        c = d * (-8 if type_name == "Q4_0" else -128)
+    if type_name == "Q8_0":
+        qs = torch.from_numpy((blocks["qs"].astype(np.int16) + 128).astype(np.uint8))
+    else:
+        qs = torch.from_numpy(np.ascontiguousarray(blocks["qs"]))
+    return QB32(qs.contiguous(), d.contiguous(), c.contiguous(), bits)
+
+
+def codes(w: QB32) -> torch.Tensor:
+    """The unsigned codes u [N, K] as int16."""
+    n, k = w.shape
+    if w.bits == 8:
+        return w.qs.reshape(n, k).to(torch.int16)
+    lo, hi = (w.qs & 15).to(torch.int16), (w.qs >> 4).to(torch.int16)
+    return torch.cat([lo, hi], dim=-1).reshape(n, k)
+
+
+def dequantize(w: QB32, dtype=torch.float32) -> torch.Tensor:
+    """The weight as floats: d * u + c per block (float64 arithmetic, then `dtype`)."""
+    n, k = w.shape
+    u = codes(w).to(torch.float64).view(n, k // BLOCK, BLOCK)
+    full = u * w.d.double()[..., None] + w.c.double()[..., None]
+    return full.reshape(n, k).to(dtype)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 per block of 32 as the kernel quantizes it: (codes [M, K] float64,
+    scales [M, K/32] float32)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    scale = xb.abs().amax(-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.reshape(m, k).double(), scale
+
+
+def reference_linear(x, w: QB32, bias=None, quantize_x: bool = True) -> torch.Tensor:
+    """The native linear's contract in float64: x [M, K] times dequantize(w)^T (+ bias), x
+    quantized per block to int8 first when `quantize_x` (as the kernel does)."""
+    if quantize_x:
+        q, scale = quantize_rows_reference(x)
+        m, k = x.shape
+        xd = (q.view(m, k // BLOCK, BLOCK) * scale.double()[..., None]).reshape(m, k)
+    else:
+        xd = x.double()
+    out = xd @ dequantize(w, torch.float64).T
+    return out if bias is None else out + bias.double()
+
+
+# -- build and load ----------------------------------------------------------------------------
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """The compiled library for this machine (cached by a key of the source, compiler, CPU
+    flags and build flags, like cpu_native's)."""
+    cc = _compiler()
+    version = subprocess.run(
+        [cc, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), version, cpu_flags(), *_build_flags()]).encode()
+    ).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"gguf_blocks-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *_build_flags(), str(SOURCE), "-o", tmp, "-lm"],
+            capture_output=True, text=True, check=True, timeout=300,
+        )  # fmt: skip
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class BlockKernels:
+    """The loaded library, its functions typed."""
+
+    def __init__(self, path: Path) -> None:
+        torch.get_num_threads()  # torch's libgomp first, as cpu_native does
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        self.vnni = bool(self.lib.qb32_has_vnni())
+        f = self.lib.qb32_linear
+        f.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
+        f.restype = None
+        self._linear = f
+
+    def linear(self, x: torch.Tensor, w: QB32, bias=None, scalar: bool = False) -> torch.Tensor:
+        """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32."""
+        m, k = x.shape
+        n, wk = w.shape
+        if wk != k:
+            raise ValueError(f"x has {k} inputs, the weight {wk}")
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._linear(
+            x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(),
+            n, w.bits, None if bias is None else bias.data_ptr(), out.data_ptr(), n, int(scalar),
+        )  # fmt: skip
+        return out
+
+
+def self_check(kernels: BlockKernels) -> str | None:
+    """The linear against `reference_linear` on probes of each bit width (an odd block count,
+    rows off the kernel's tile of 4), both paths: None, or what disagreed."""
+    g = torch.Generator().manual_seed(0)
+    for size, name in ((20, "Q4_1"), (34, "Q8_0"), (18, "Q4_0")):
+        n, k = 19, 3 * BLOCK
+        raw = torch.randint(0, 256, (n, k // BLOCK, size), generator=g, dtype=torch.uint8)
+        raw[..., 0:2] = torch.rand(n, k // BLOCK, generator=g).mul(0.1).half().view(
+            torch.uint8).view(n, k // BLOCK, 2)  # fmt: skip
+        if name == "Q4_1":
+            raw[..., 2:4] = (torch.randn(n, k // BLOCK, generator=g) * 0.1).half().view(
+                torch.uint8).view(n, k // BLOCK, 2)  # fmt: skip
+        w = from_gguf_blocks(raw.reshape(n, -1).numpy(), name, k)
+        b = torch.randn(n, generator=g)
+        for m in (1, 5):
+            x = torch.randn(m, k, generator=g)
+            want = reference_linear(x, w, b).float()
+            for scalar in (False, True):
+                got = kernels.linear(x, w, b, scalar=scalar)
+                err = (got - want).abs().max().item()
+                if not err <= 1e-3 * (1 + want.abs().max().item()):
+                    return f"qb32 linear ({name}, {m} rows, scalar {scalar}): differs by {err:.3g}"
+    return None
+
+
+_lock = threading.Lock()
+_loaded: dict[str, BlockKernels | None] = {}
+
+
+def load() -> BlockKernels | None:
+    """The block kernels, built, loaded and self-checked once per process; None (with a
+    warning line saying why) where they cannot be."""
+    with _lock:
+        if "lib" in _loaded:
+            return _loaded["lib"]
+        kernels = None
+        try:
+            kernels = BlockKernels(build())
+            problem = self_check(kernels)
+            if problem:
+                logger.warning("GGUF block kernels off: self-check failed: %s", problem)
+                kernels = None
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            logger.warning("GGUF block kernels off: could not build %s: %s", SOURCE.name,
+                           detail.strip()[-500:])  # fmt: skip
+        _loaded["lib"] = kernels
+        return kernels

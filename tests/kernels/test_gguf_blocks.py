@@ -1,0 +1,124 @@
+"""GGUF blocks kept quantized on CPU (kernels/gguf_blocks.py and .c): the file's Q4_0, Q4_1 and
+Q8_0 blocks, written by the `gguf` package's own quantizer, read into our layout equal the
+package's dequantization; the native linear (AVX-512 VNNI where the CPU has it, and the portable
+path on every machine) equals its float64 reference with int8 activations, rows 1 to 37, shapes
+off the kernel's two-block step and four-row tile; and its distance from the plain
+dequantize-then-matmul is the int8 activations' (bounded here, documented in
+docs/quantization.md). Also the q/k row order llama.cpp's converter writes, undone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants  # noqa: E402
+
+from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
+from serverless_llm.engine.layers.gguf_linear import _unpermute_rows  # noqa: E402
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = gb.load()
+    assert k is not None, "the GGUF block kernels did not build (is a C compiler installed?)"
+    return k
+
+
+def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0):
+    """A float [n, k] weight and its blocks as the `gguf` package quantizes them."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01).astype(np.float32)
+    raw = quants.quantize(w, getattr(gguf.GGMLQuantizationType, type_name))
+    return raw, getattr(gguf.GGMLQuantizationType, type_name)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_layout_equals_the_gguf_package_dequantization(type_name):
+    raw, qtype = gguf_tensor(type_name, 7, 5 * 32)
+    w = gb.from_gguf_blocks(raw, type_name, 5 * 32)
+    assert w.shape == (7, 160) and w.bits == (8 if type_name == "Q8_0" else 4)
+    want = torch.from_numpy(quants.dequantize(raw, qtype))
+    assert torch.equal(gb.dequantize(w), want)
+    # the file's bytes, plus c (a float16 per block) where the file derives it from d
+    extra = 0 if type_name == "Q4_1" else 7 * 5 * 2
+    assert w.nbytes() == raw.nbytes + extra
+
+
+def test_layout_refuses_what_it_cannot_hold():
+    raw, _ = gguf_tensor("Q4_1", 2, 64)
+    with pytest.raises(ValueError, match="no qb32 layout"):
+        gb.from_gguf_blocks(raw, "Q5_K", 64)
+    with pytest.raises(ValueError, match="whole blocks"):
+        gb.from_gguf_blocks(raw, "Q4_1", 60)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("scalar", [False, True])
+def test_kernel_equals_its_reference(kernels, type_name, scalar):
+    if not scalar and not kernels.vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
+    for n, blocks in ((1, 1), (19, 3), (33, 18), (64, 48)):
+        k = blocks * 32
+        raw, _ = gguf_tensor(type_name, n, k, seed=n)
+        w = gb.from_gguf_blocks(raw, type_name, k)
+        g = torch.Generator().manual_seed(n)
+        bias = torch.randn(n, generator=g)
+        for m in (1, 2, 3, 4, 5, 8, 13, 37):
+            x = torch.randn(m, k, generator=g) * 3
+            x[0, :5] = 0.0  # a zero run in a block
+            if blocks > 1:
+                x[-1, 32:64] = 0.0  # a whole block of zeros: scale 0
+            got = kernels.linear(x, w, bias, scalar=scalar)
+            want = gb.reference_linear(x, w, bias)
+            err = (got.double() - want).abs().max().item()
+            assert err <= 1e-5 * (1 + want.abs().max().item()), (n, k, m, err)
+
+
+def test_int8_activations_cost_is_bounded(kernels):
+    """Against the plain dequantize-then-matmul: each block of x rounded to 1/254 of its
+    largest value, so an output moves by at most sum |w| * scale / 2."""
+    raw, _ = gguf_tensor("Q4_1", 48, 576, seed=3)
+    w = gb.from_gguf_blocks(raw, "Q4_1", 576)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(1))
+    got = kernels.linear(x, w).double()
+    plain = gb.reference_linear(x, w, quantize_x=False)
+    _, scale = gb.quantize_rows_reference(x)
+    wd = gb.dequantize(w, torch.float64).abs().view(48, 18, 32).sum(-1)  # [N, blocks]
+    bound = (scale.double() / 2) @ wd.T + 1e-5
+    assert ((got - plain).abs() <= bound).all()
+    assert (got - plain).abs().max() > 0  # the activations really are quantized
+
+
+def test_a_strided_input_and_no_bias(kernels):
+    raw, _ = gguf_tensor("Q8_0", 9, 64)
+    w = gb.from_gguf_blocks(raw, "Q8_0", 64)
+    x = torch.randn(3, 100)[:, 10:74]
+    got = kernels.linear(x, w)
+    assert torch.allclose(got.double(), gb.reference_linear(x, w), atol=1e-5)
+    with pytest.raises(ValueError, match="inputs"):
+        kernels.linear(torch.randn(1, 32), w)
+
+
+def test_rows_and_stacking_follow_the_weight():
+    raw, _ = gguf_tensor("Q4_1", 6, 64)
+    w = gb.from_gguf_blocks(raw, "Q4_1", 64)
+    order = torch.tensor([5, 0, 3, 1, 2, 4])
+    assert torch.equal(gb.dequantize(w.rows(order)), gb.dequantize(w)[order])
+    both = gb.QB32.cat([w, w.rows(order)])
+    assert torch.equal(gb.dequantize(both), torch.cat([gb.dequantize(w), gb.dequantize(w)[order]]))
+    raw8, _ = gguf_tensor("Q8_0", 6, 64)
+    with pytest.raises(ValueError, match="bit widths"):
+        gb.QB32.cat([w, gb.from_gguf_blocks(raw8, "Q8_0", 64)])
+
+
+def test_unpermute_undoes_the_converters_rotary_order():
+    """llama.cpp's converter writes each head's rows as (half, pair) -> (pair, half): row
+    h*D + 2i + j of the file is row h*D + j*D/2 + i of the checkpoint."""
+    heads, dim = 3, 8
+    checkpoint = torch.arange(heads * dim)
+    file_rows = checkpoint.view(heads, 2, dim // 2).transpose(1, 2).reshape(-1)
+    assert torch.equal(file_rows[_unpermute_rows(heads * dim, heads)], checkpoint)
