@@ -133,9 +133,10 @@ def test_tool_choice(choice, chat_choice, parallel):
 
 def test_thinking_and_output_config():
     on = body_of(thinking={"type": "enabled", "budget_tokens": 8})
-    assert on["chat_template_kwargs"] == {"enable_thinking": True}
+    assert on["chat_template_kwargs"] == {"enable_thinking": True, "thinking": True}
     assert body_of(thinking={"type": "disabled"})["chat_template_kwargs"] == {
-        "enable_thinking": False
+        "enable_thinking": False,
+        "thinking": False,
     }
     assert "chat_template_kwargs" not in body_of()  # the model's own default
     own = body_of(thinking={"type": "adaptive"}, chat_template_kwargs={"enable_thinking": False})

@@ -206,8 +206,10 @@ def to_chat_body(
             body["parallel_tool_calls"] = False
     kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
     thinking = _thinking(request)
-    if thinking is not None:
-        kwargs.setdefault("enable_thinking", thinking)
+    if thinking is not None and not {"enable_thinking", "thinking"} & kwargs.keys():
+        # Qwen3/GLM templates read `enable_thinking`; DeepSeek V3.1's and Granite's `thinking`.
+        # A request that set either itself keeps its own choice.
+        kwargs.update(enable_thinking=thinking, thinking=thinking)
     if kwargs:
         body["chat_template_kwargs"] = kwargs
     if getattr(request, "chat_template", None) is not None:
