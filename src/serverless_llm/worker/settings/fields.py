@@ -178,8 +178,9 @@ class SettingsFields(BaseSettings):
         description=(
             "Quantization method of an already quantized checkpoint. Unset, the method comes "
             "from the checkpoint's `quantization_config`; set, it must agree with it. GPTQ (4 "
-            "and 8 bits, act-order), AWQ (4 bits, GEMM layout) and FP8 weights (`fp8`, or "
-            "`compressed-tensors` float-quantized) are served (the `*marlin` names read as their "
+            "and 8 bits, act-order), AWQ (4 bits, GEMM layout), FP8 weights (`fp8`, or "
+            "`compressed-tensors` float-quantized), `compressed-tensors` pack-quantized integers "
+            "and MXFP4 experts (`mxfp4`, gpt-oss) are served (the `*marlin` names read as their "
             "base format); the other methods stop start-up for now. See docs/quantization.md."
         ),
         choices=QUANTIZATION_METHODS,

@@ -40,10 +40,10 @@ LIMITS: tuple[Limit, ...] = (
         "QUANTIZATION",
         "error",
         lambda s: s.quantization not in (None, *SERVED_METHODS),
-        "of the quantized formats only GPTQ, AWQ, FP8 and compressed-tensors FP8 checkpoints are "
-        "supported yet (QUANTIZATION awq, gptq, fp8, compressed-tensors, or the marlin names; "
-        "unset, it follows the checkpoint); serve one of those, an unquantized model, or a .gguf "
-        "file (dequantized at load)",
+        "of the quantized formats only GPTQ, AWQ, FP8, compressed-tensors (FP8 or pack-quantized "
+        "integers) and MXFP4 (gpt-oss) checkpoints are supported yet (QUANTIZATION awq, gptq, "
+        "fp8, compressed-tensors, mxfp4, or the marlin names; unset, it follows the checkpoint); "
+        "serve one of those, an unquantized model, or a .gguf file (dequantized at load)",
     ),
     Limit(
         "ENABLE_CHUNKED_PREFILL",
