@@ -626,6 +626,31 @@ SPECIAL_OPENAI: dict[str, st.SearchStrategy] = {
             "include_obfuscation": st.one_of(st.booleans(), JUNK),
         },
     ),
+    # OpenAI's moderation and prompt-cache objects (checked and ignored).
+    "moderation": st.fixed_dictionaries(
+        {"model": st.one_of(TEXT, JUNK)},
+        optional={
+            "policy": st.one_of(
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        side: st.fixed_dictionaries(
+                            {"mode": st.one_of(st.sampled_from(["score", "block"]), JUNK)}
+                        )
+                        for side in ("input", "output")
+                    },
+                ),
+                JUNK,
+            )
+        },
+    ),
+    "prompt_cache_options": st.fixed_dictionaries(
+        {},
+        optional={
+            "mode": st.one_of(st.sampled_from(["implicit", "explicit"]), JUNK),
+            "ttl": st.one_of(st.just("30m"), JUNK),
+        },
+    ),
     "chat_template": CHAT_TEMPLATE,
     "chat_template_kwargs": st.dictionaries(st.one_of(TEMPLATE_KWARG_KEYS, TEXT), JUNK, max_size=2),
     "documents": st.lists(st.dictionaries(TEXT, JUNK, max_size=2), max_size=2),
