@@ -251,6 +251,8 @@ def load_model(
         choice = model.optimize_for_cpu()
         if choice:
             logger.info(choice)
+        if resolved.gguf_path and config.quantized_weights == "packed" and not tp.enabled:
+            logger.info(gguf_blocks_for_cpu(model, resolved.gguf_path, hf_config))
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
         resolved,
@@ -265,6 +267,18 @@ def load_model(
         hybrid_cache=not config.disable_hybrid_kv_cache_manager,
         vision=vision,
     )
+
+
+def gguf_blocks_for_cpu(model, gguf_path: str, hf_config) -> str:
+    """QUANTIZED_WEIGHTS=packed for a GGUF checkpoint on CPU: its linears read the file's
+    quantized blocks for decode steps (layers/gguf_linear.py). Returns the start-up line."""
+    from .kernels import gguf_blocks
+    from .layers.gguf_linear import attach_gguf_blocks
+
+    kernels = gguf_blocks.load()
+    if kernels is None:
+        return "GGUF blocks: off (the block kernels did not build; see the warning above)"
+    return attach_gguf_blocks(model, gguf_path, hf_config, kernels)
 
 
 def load_vision(

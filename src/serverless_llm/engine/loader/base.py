@@ -17,6 +17,7 @@ class ResolvedModel:
     tokenizer_dir: str  # what transformers.AutoTokenizer.from_pretrained loads from
     load_format: str  # "safetensors" | "pt" | "dummy" (a GGUF file arrives here as safetensors)
     source: str  # what the user asked for, for logs; never contains a token
+    gguf_path: str | None = None  # the .gguf file model_dir was converted from, if any
 
 
 def scrub(text: str, token: str | None) -> str:

@@ -107,8 +107,10 @@ def resolve_model(cfg: EngineConfig) -> ResolvedModel:
     must be a hub id, served from the HF cache without a network call when already there.
     """
     model = cfg.model
+    gguf_path = None
     if model is None:
-        model_dir, fmt = _from_gguf(embedded_model_path(), cfg)
+        gguf_path = embedded_model_path()
+        model_dir, fmt = _from_gguf(gguf_path, cfg)
         source = f"embedded {EMBEDDED_GGUF}"
     else:
         source = scrub(model if not cfg.revision else f"{model}@{cfg.revision}", cfg.hf_token)
@@ -121,6 +123,7 @@ def resolve_model(cfg: EngineConfig) -> ResolvedModel:
                     f"{source} is a file; give a model directory, a .gguf file or a hub id"
                 )
             model_dir, fmt = _from_gguf(path, cfg)
+            gguf_path = path
         elif model.lower().endswith(".gguf"):
             raise ModelLoadError(f"GGUF file not found: {source}")
         elif looks_like_hub_id(model):
@@ -144,5 +147,9 @@ def resolve_model(cfg: EngineConfig) -> ResolvedModel:
     tokenizer_dir = _resolve_tokenizer(cfg, model_dir)
     logger.info("model %s: %s weights in %s", source, fmt, model_dir)
     return ResolvedModel(
-        model_dir=model_dir, tokenizer_dir=tokenizer_dir, load_format=fmt, source=source
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        load_format=fmt,
+        source=source,
+        gguf_path=gguf_path,
     )
