@@ -462,3 +462,22 @@ def test_whole_number_floats_meet_the_same_limits_as_integers(http):
     job = {"prompt": PROMPT, "sampling_params": {"n": 1e9}}
     failed = http.post("/runsync", json={"input": job})
     assert "MAX_N" in failed.json()["error"]
+
+
+def test_responses_take_the_same_moderation_and_prompt_cache_shapes(client, http):
+    out = client.responses.create(
+        model=SERVED_MODEL,
+        input="Hello",
+        max_output_tokens=2,
+        moderation={"model": "omni-moderation-latest", "policy": {"output": {"mode": "score"}}},
+        prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+        prompt_cache_retention="in_memory",
+    )
+    assert out.status in ("completed", "incomplete")
+    for extra, param in (
+        ({"prompt_cache_retention": "1y"}, "prompt_cache_retention"),
+        ({"moderation": {"policy": {}}}, "moderation.model"),
+        ({"prompt_cache_options": {"mode": "always"}}, "prompt_cache_options.mode"),
+    ):
+        error = error_of(post(http, "responses", {"input": "Hello", **extra}))
+        assert error["param"] == param, error

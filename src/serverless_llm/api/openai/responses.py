@@ -34,7 +34,15 @@ from pydantic import Field
 
 from ..json_types import WholeInt
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
-from .protocol import Seed, Stop, StreamOptions, TokenId, _Strict
+from .protocol import (
+    Moderation,
+    PromptCacheOptions,
+    Seed,
+    Stop,
+    StreamOptions,
+    TokenId,
+    _Strict,
+)
 
 # A Responses request's own fields are checked here; these are passed to the chat route under
 # the same name (vLLM's extra sampling parameters, accepted on /v1/responses as on chat).
@@ -104,10 +112,10 @@ class ResponsesRequest(_Strict):
     service_tier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     context_management: list[dict[str, Any]] | None = None
-    moderation: dict[str, Any] | None = None
+    moderation: Moderation | None = None  # shapes as chat's (protocol.py)
     image: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
 
