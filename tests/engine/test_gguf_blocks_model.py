@@ -35,7 +35,11 @@ def test_packed_gguf_reads_blocks(engines):
     assert len(blocks) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down; the LM head
     assert isinstance(model.packed_lm_head, GGUFBlockLinear)
     assert model.packed_lm_head.blocks.bits == 8  # token_embd is Q8_0 in the file
-    assert all(layer.native_decode is None for layer in model.layers)
+    # the whole-layer native decode runs on the blocks (cpu_native.c calls the block linear)
+    for layer in model.layers:
+        w = layer.native_decode.weights
+        assert w.qlinear == packed.engine.runner.model.packed_lm_head.kernels.linear_desc_address
+        assert all((w.qkv_q, w.o_q, w.up_q, w.down_q))
     assert not any(isinstance(m, GGUFBlockLinear) for m in float_llm.engine.runner.model.modules())
 
 

@@ -863,7 +863,22 @@ typedef struct {
     float eps;
     const float *in_w, *in_b, *mlp_w, *mlp_b;
     const float *qkv_w, *qkv_b, *o_w, *o_b, *up_w, *up_b, *down_w, *down_b;
+    /* Linears of another library's weight layout (gguf_blocks.c's qb32_linear_desc): where a
+     * linear's descriptor is set, qlinear(x, x_stride, M, descriptor, bias, out, out_stride)
+     * computes it instead of the panels. */
+    void (*qlinear)(const float *, int64_t, int64_t, const void *, const float *, float *,
+                    int64_t);
+    const void *qkv_q, *o_q, *up_q, *down_q;
 } decoder_layer_t;
+
+static void layer_linear(const decoder_layer_t *DL, const void *q, const float *x, int64_t xs,
+                         const float *w, const float *b, float *out, int64_t M, int64_t N,
+                         int64_t K) {
+    if (q && DL->qlinear)
+        DL->qlinear(x, xs, M, q, b, out, N);
+    else
+        linear_panels_f32(x, xs, w, b, out, M, N, K);
+}
 
 /* The layer over M decode rows (the step's every row): with `residual`, the stream is
  * x + residual, else x. Writes the MLP's output to mlp_out [M, hidden] and the stream after the
@@ -879,9 +894,9 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
     float *o = attn + M * qs, *gu = o + M * hd, *act = gu + M * 2 * in, *h2 = act + M * in;
     add_norm_f32(x, residual, DL->in_w, DL->in_b, h, res1, M, hd, hd, DL->eps, DL->norm_kind);
     const float *stream = residual ? res1 : x;
-    linear_panels_f32(h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
+    layer_linear(DL, DL->qkv_q, h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
     attention_step_f32(L, S, qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, attn, qs);
-    linear_panels_f32(attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
+    layer_linear(DL, DL->o_q, attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
     if (DL->parallel) {
         if (DL->mlp_norm)
             add_norm_f32(stream, NULL, DL->mlp_w, DL->mlp_b, h2, NULL, M, hd, hd, DL->eps,
@@ -895,9 +910,9 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
         h2 = h;
     }
     int64_t up_n = DL->gated ? 2 * in : in;
-    linear_panels_f32(h2, hd, DL->up_w, DL->up_b, gu, M, up_n, hd);
+    layer_linear(DL, DL->up_q, h2, hd, DL->up_w, DL->up_b, gu, M, up_n, hd);
     activation_f32(gu, up_n, act, M, in, DL->act, DL->gated);
-    linear_panels_f32(act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
+    layer_linear(DL, DL->down_q, act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
     if (DL->parallel) /* attention + MLP, as the torch path adds them */
         for (int64_t i = 0; i < M * hd; i++) mlp_out[i] = o[i] + mlp_out[i];
 }

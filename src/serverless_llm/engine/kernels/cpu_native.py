@@ -135,6 +135,9 @@ class DecoderLayerWeights(ctypes.Structure):
         *((name, _P) for name in ("in_w", "in_b", "mlp_w", "mlp_b")),
         *((name, _P) for name in ("qkv_w", "qkv_b", "o_w", "o_b")),
         *((name, _P) for name in ("up_w", "up_b", "down_w", "down_b")),
+        # another layout's linear (gguf_blocks' qb32_linear_desc) and each linear's descriptor
+        # for it; NULL: the panels above
+        *((name, _P) for name in ("qlinear", "qkv_q", "o_q", "up_q", "down_q")),
     ]
 
 

@@ -212,3 +212,17 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
     free(a2);
     free(s);
 }
+
+/* A qb32 weight as one pointer, for callers in other libraries (cpu_native.c's whole decoder
+ * layer calls qb32_linear_desc through its decoder_layer_t.qlinear). */
+typedef struct {
+    const uint8_t *qs;
+    const uint16_t *d, *c;
+    int64_t N, K, bits;
+} qb32_t;
+
+void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
+                      const float *bias, float *out, int64_t ldo) {
+    const qb32_t *w = desc;
+    qb32_linear(x, ldx, M, w->K, w->qs, w->d, w->c, w->N, w->bits, bias, out, ldo, 0);
+}

@@ -176,6 +176,17 @@ def build(out_dir: Path | None = None) -> Path:
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
+class QB32Desc(ctypes.Structure):
+    """A QB32 weight as gguf_blocks.c's qb32_t (its tensors must outlive it)."""
+
+    _fields_ = [("qs", _P), ("d", _P), ("c", _P), ("N", _I), ("K", _I), ("bits", _I)]
+
+    @staticmethod
+    def of(w: QB32) -> QB32Desc:
+        n, k = w.shape
+        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits)
+
+
 class BlockKernels:
     """The loaded library, its functions typed."""
 
@@ -188,6 +199,8 @@ class BlockKernels:
         f.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
         f.restype = None
         self._linear = f
+        # the address cpu_native's whole-layer decode calls (decoder_layer_t.qlinear)
+        self.linear_desc_address = ctypes.cast(self.lib.qb32_linear_desc, ctypes.c_void_p).value
 
     def linear(self, x: torch.Tensor, w: QB32, bias=None, scalar: bool = False) -> torch.Tensor:
         """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32."""

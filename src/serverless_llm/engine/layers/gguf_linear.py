@@ -12,12 +12,13 @@ oneDNN's float weight, which this first slice still holds.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
 from torch import nn
 
-from ..kernels.gguf_blocks import FILE_TYPES, QB32, BlockKernels, from_gguf_blocks
+from ..kernels.gguf_blocks import FILE_TYPES, QB32, BlockKernels, QB32Desc, from_gguf_blocks
 from .linear import PackedLinear, packed_linear
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class GGUFBlockLinear(PackedLinear):
         self.packed, self.bias = base.packed, base.bias
         self.panels, self.native, self.native_rows = None, None, 0
         self.blocks, self.kernels, self.block_rows = blocks, kernels, BLOCK_ROWS
+        self.desc = QB32Desc.of(blocks)  # for the whole-layer native decode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.block_rows and x.dtype == torch.float32:
@@ -91,6 +93,24 @@ def _agrees(lin: PackedLinear, blocks: QB32, kernels: BlockKernels) -> bool:
     return bool((got - want).abs().max() <= 0.05 * want.abs().max())
 
 
+def _whole_layer(layer, kernels: BlockKernels):
+    """The layer's whole-layer native decode (models/decoder.py's NativeDecodeLayer) rebuilt on
+    its block linears (cpu_native.c calls the block linear through decoder_layer_t.qlinear),
+    for steps of <= BLOCK_ROWS rows; None (the per-op path) unless all four linears have
+    blocks."""
+    from ..models.decoder import NativeDecodeLayer
+
+    old = layer.native_decode
+    linears = NativeDecodeLayer.linears_of(layer)
+    if not all(isinstance(lin, GGUFBlockLinear) for lin in linears):
+        return None
+    whole = NativeDecodeLayer(layer, old.native, BLOCK_ROWS)
+    w = whole.weights
+    w.qlinear = kernels.linear_desc_address
+    w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.desc) for lin in linears)
+    return whole
+
+
 def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: BlockKernels) -> str:
     """Swaps the model's packed linears (and a tied LM head) for GGUFBlockLinear where the file
     has their tensors in a qb32 type and they check out; turns the whole-layer native decode off
@@ -115,7 +135,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
             setattr(parent, name, GGUFBlockLinear(lin, blocks, kernels))
             done, swapped, held = done + 1, True, held + blocks.nbytes()
         if swapped and getattr(layer, "native_decode", None) is not None:
-            layer.native_decode = None  # it reads float panels; the per-op path reads blocks
+            layer.native_decode = _whole_layer(layer, kernels)
     head = getattr(model, "packed_lm_head", None)
     emb = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if isinstance(head, PackedLinear) and emb is not None and emb.tensor_type.name in FILE_TYPES:
