@@ -46,9 +46,11 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class LoRAUpdateError(Exception):
-    """A load or unload refused: `status` (400, 404) and a message for the client."""
+    """A load or unload refused: a message for the client, the field it names and the HTTP
+    `status` (400, or 404 for an unknown adapter or runtime updates off). The message comes first,
+    as in every request error of the package."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
@@ -89,13 +91,12 @@ class LoRAAdapters(Mapping[str, LoRARequest]):
         self.check_allowed()
         if name in set(reserved):
             raise LoRAUpdateError(
-                400, f"the name {name!r} is the served model's; choose another", "lora_name"
+                f"the name {name!r} is the served model's; choose another", "lora_name"
             )
         async with self._lock:
             old = self._by_name.get(name)
             if old is not None and not replace:
                 raise LoRAUpdateError(
-                    400,
                     f"the LoRA adapter {name!r} has already been loaded (unload it first, or "
                     'set "load_inplace": true to replace it)',
                     "lora_name",
@@ -105,7 +106,7 @@ class LoRAAdapters(Mapping[str, LoRARequest]):
             try:
                 await asyncio.to_thread(engine.load_lora, req)
             except InvalidRequestError as e:  # LoRAError: the adapter cannot be served
-                raise LoRAUpdateError(400, str(e), e.param or "lora_path") from None
+                raise LoRAUpdateError(str(e), e.param or "lora_path") from None
             self._by_name[name] = req
             if old is not None:
                 engine.remove_lora(old)
@@ -118,11 +119,11 @@ class LoRAAdapters(Mapping[str, LoRARequest]):
             req = self._by_name.pop(name, None)
             if req is None:
                 raise LoRAUpdateError(
-                    404, f"the LoRA adapter {name!r} cannot be found", "lora_name"
+                    f"the LoRA adapter {name!r} cannot be found", "lora_name", status=404
                 )
             engine.remove_lora(req)
             return req
 
     def check_allowed(self) -> None:
         if not self.runtime_updates:
-            raise LoRAUpdateError(404, RUNTIME_UPDATES_OFF)
+            raise LoRAUpdateError(RUNTIME_UPDATES_OFF, status=404)
