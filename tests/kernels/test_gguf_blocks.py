@@ -61,7 +61,7 @@ def test_layout_refuses_what_it_cannot_hold():
 def test_kernel_equals_its_reference(kernels, type_name, scalar):
     if not scalar and not kernels.vnni:
         pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
-    for n, blocks in ((1, 1), (19, 3), (33, 18), (64, 48)):
+    for n, blocks in ((1, 1), (19, 3), (7, 5), (33, 18), (64, 48)):
         k = blocks * 32
         raw, _ = gguf_tensor(type_name, n, k, seed=n)
         w = gb.from_gguf_blocks(raw, type_name, k)

@@ -105,12 +105,36 @@ static void row_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *c, 
 /* The same with VPDPBUSD, two blocks per step; mt (1..4) constant after inlining. */
 static inline __attribute__((always_inline)) void row_vnni(
     const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb, int bits,
-    const int8_t *q, const float *a2, const float *s, int64_t K, int mt, float *acc) {
+    const int8_t *q, const float *a2, const float *s, int64_t K, int mt, float *acc,
+    const int8_t *x4, const float *a4) {
     __m512 sum[4];
     for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
     const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     int64_t b = 0;
+    if (bits == 4) {
+        /* four blocks a step: x4 holds each group of four blocks' codes as the low nibbles of
+         * 64 weight bytes line up (inputs 0-15 of each block, then inputs 16-31 of each) */
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        for (; b + 4 <= nb; b += 4) {
+            __m512i raw = _mm512_loadu_si512((const void *)(qs + b * 16));
+            __m512i lo = _mm512_and_si512(raw, low);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            uint64_t dq;
+            memcpy(&dq, d + b, 8);
+            __m512 wd = _mm512_permutexvar_ps(
+                quads, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)dq))));
+            for (int m = 0; m < mt; m++) {
+                const int8_t *xm = x4 + m * K + b * 32;
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                  _mm512_loadu_si512((const void *)xm));
+                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xm + 64)));
+                __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(a4 + m * nb * 4 + b * 4));
+                sum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[m]);
+            }
+        }
+    }
     for (; b + 2 <= nb; b += 2) {
         __m512i u;
         if (bits == 4) {
@@ -171,10 +195,23 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
     float *a = malloc(sizeof(float) * (size_t)(M * nb));
     float *a2 = malloc(sizeof(float) * (size_t)(M * nb * 8 + 16));
     float *s = malloc(sizeof(float) * (size_t)(M * nb));
+    /* x4, a4: the 4-bit VNNI path's codes, each group of four blocks as its weight bytes
+     * line up (see row_vnni), and each block's scale four times */
+    int8_t *x4 = malloc((size_t)(M * K + 64));
+    float *a4 = malloc(sizeof(float) * (size_t)(M * nb * 4 + 16));
     for (int64_t m = 0; m < M; m++) {
         quantize_row(x + m * ldx, K, q + m * K, a + m * nb, s + m * nb);
-        for (int64_t b = 0; b < nb; b++)
+        for (int64_t b = 0; b < nb; b++) {
             for (int i = 0; i < 8; i++) a2[(m * nb + b) * 8 + i] = a[m * nb + b];
+            for (int i = 0; i < 4; i++) a4[(m * nb + b) * 4 + i] = a[m * nb + b];
+        }
+        const int8_t *qm = q + m * K;
+        int8_t *xm = x4 + m * K;
+        memcpy(xm, qm, (size_t)K);
+        for (int64_t b = 0; b + 4 <= nb; b += 4)
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++)
+                    memcpy(xm + b * 32 + h * 64 + j * 16, qm + (b + j) * 32 + h * 16, 16);
     }
     int use_vnni = HAVE_VNNI512 && !scalar;
     int64_t bb = bits == 4 ? 16 : 32;
@@ -190,12 +227,13 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
             const int8_t *qm = q + m0 * K;
 #if HAVE_VNNI512
             if (use_vnni) {
-                const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * nb;
+                const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * nb, *a4m = a4 + m0 * nb * 4;
+                const int8_t *x4m = x4 + m0 * K;
                 switch (mt) {
-                case 1: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 1, acc); break;
-                case 2: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 2, acc); break;
-                case 3: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 3, acc); break;
-                default: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 4, acc); break;
+                case 1: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 1, acc, x4m, a4m); break;
+                case 2: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 2, acc, x4m, a4m); break;
+                case 3: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 3, acc, x4m, a4m); break;
+                default: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 4, acc, x4m, a4m); break;
                 }
             } else
 #endif
@@ -211,6 +249,8 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
     free(a);
     free(a2);
     free(s);
+    free(x4);
+    free(a4);
 }
 
 /* A qb32 weight as one pointer, for callers in other libraries (cpu_native.c's whole decoder
