@@ -57,10 +57,12 @@ def test_layout_refuses_what_it_cannot_hold():
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("scalar", [False, True])
-def test_kernel_equals_its_reference(kernels, type_name, scalar):
-    if not scalar and not kernels.vnni:
-        pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
+@pytest.mark.parametrize("path", ["vnni", "avx2", "portable"])
+def test_kernel_equals_its_reference(kernels, type_name, path):
+    if path == "vnni" and not kernels.vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 or portable path is what it runs")
+    if path == "avx2" and not kernels.avx2:
+        pytest.skip("this CPU (or build) has no AVX2: the portable path is what it runs")
     for n, blocks in ((1, 1), (19, 3), (7, 5), (33, 18), (64, 48)):
         k = blocks * 32
         raw, _ = gguf_tensor(type_name, n, k, seed=n)
@@ -72,7 +74,7 @@ def test_kernel_equals_its_reference(kernels, type_name, scalar):
             x[0, :5] = 0.0  # a zero run in a block
             if blocks > 1:
                 x[-1, 32:64] = 0.0  # a whole block of zeros: scale 0
-            got = kernels.linear(x, w, bias, scalar=scalar)
+            got = kernels.linear(x, w, bias, path="best" if path == "vnni" else path)
             want = gb.reference_linear(x, w, bias)
             err = (got.double() - want).abs().max().item()
             assert err <= 1e-5 * (1 + want.abs().max().item()), (n, k, m, err)

@@ -30,7 +30,15 @@
 #define HAVE_VNNI512 0
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
 int qb32_has_vnni(void) { return HAVE_VNNI512; }
+int qb32_has_avx2(void) { return HAVE_AVX2; }
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -100,6 +108,50 @@ static void row_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *c, 
         acc[m] = total;
     }
 }
+
+#if HAVE_AVX2
+/* The same with AVX2, one block a step: VPMADDUBSW (unsigned 4-bit codes times signed input
+ * bytes; for Q8_0, |q| times the input with q's sign, so no pair sum saturates), VPMADDWD to
+ * int32, a float FMA by the block's two scales. */
+static void row_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb,
+                     int bits, const int8_t *q, const float *a, const float *s, int64_t K,
+                     int mt, float *acc) {
+    __m256 sum[4];
+    for (int m = 0; m < mt; m++) sum[m] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i u;
+        if (bits == 4) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
+            __m128i lo = _mm_and_si128(raw, low);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+            u = _mm256_set_m128i(hi, lo);
+        } else {
+            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + b * 32)), flip);
+        }
+        float wd = _cvtsh_ss(d[b]);
+        for (int m = 0; m < mt; m++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(q + m * K + b * 32));
+            __m256i p = bits == 4 ? _mm256_maddubs_epi16(u, x)
+                                  : _mm256_maddubs_epi16(_mm256_abs_epi8(u),
+                                                         _mm256_sign_epi8(x, u));
+            __m256i dot = _mm256_madd_epi16(p, ones);
+            sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wd * a[m * nb + b]),
+                                     sum[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum[m]), _mm256_extractf128_ps(sum[m], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        float total = _mm_cvtss_f32(h);
+        if (bits == 4) /* Q8_0 summed q itself, not u = q + 128: c = -128d is already in */
+            for (int64_t b = 0; b < nb; b++) total += _cvtsh_ss(c[b]) * s[m * nb + b];
+        acc[m] = total;
+    }
+}
+#endif
 
 #if HAVE_VNNI512
 /* The same with VPDPBUSD, two blocks per step; mt (1..4) constant after inlining. */
@@ -186,10 +238,10 @@ static inline __attribute__((always_inline)) void row_vnni(
 #endif
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the qb32 weight^T (+ bias).
- * bits: 4 or 8. scalar: 1 forces the portable path. */
+ * bits: 4 or 8. path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built). */
 void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
                  const uint16_t *d, const uint16_t *c, int64_t N, int64_t bits,
-                 const float *bias, float *out, int64_t ldo, int64_t scalar) {
+                 const float *bias, float *out, int64_t ldo, int64_t path) {
     int64_t nb = K / 32;
     int8_t *q = malloc((size_t)(M * K + 64));
     float *a = malloc(sizeof(float) * (size_t)(M * nb));
@@ -213,7 +265,7 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
                 for (int h = 0; h < 2; h++)
                     memcpy(xm + b * 32 + h * 64 + j * 16, qm + (b + j) * 32 + h * 16, 16);
     }
-    int use_vnni = HAVE_VNNI512 && !scalar;
+    int use_vnni = HAVE_VNNI512 && path == 0, use_avx2 = HAVE_AVX2 && (path == 0 || path == 2);
     int64_t bb = bits == 4 ? 16 : 32;
     int64_t work = N * M * K;
 #pragma omp parallel for schedule(static) if (work > (1 << 16))
@@ -237,6 +289,11 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
                 }
             } else
 #endif
+#if HAVE_AVX2
+                if (use_avx2) {
+                row_avx2(qn, dn, cn, nb, (int)bits, qm, a + m0 * nb, s + m0 * nb, K, mt, acc);
+            } else
+#endif
             {
                 row_scalar(qn, dn, cn, nb, (int)bits, qm, a + m0 * nb, s + m0 * nb, K, mt,
                            acc);
@@ -245,6 +302,7 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
         }
     }
     (void)use_vnni;
+    (void)use_avx2;
     free(q);
     free(a);
     free(a2);

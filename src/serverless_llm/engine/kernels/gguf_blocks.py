@@ -195,6 +195,7 @@ class BlockKernels:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.vnni = bool(self.lib.qb32_has_vnni())
+        self.avx2 = bool(self.lib.qb32_has_avx2())
         f = self.lib.qb32_linear
         f.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
         f.restype = None
@@ -202,8 +203,10 @@ class BlockKernels:
         # the address cpu_native's whole-layer decode calls (decoder_layer_t.qlinear)
         self.linear_desc_address = ctypes.cast(self.lib.qb32_linear_desc, ctypes.c_void_p).value
 
-    def linear(self, x: torch.Tensor, w: QB32, bias=None, scalar: bool = False) -> torch.Tensor:
-        """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32."""
+    def linear(self, x: torch.Tensor, w: QB32, bias=None, path: str = "best") -> torch.Tensor:
+        """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32. `path`:
+        "best" (AVX-512 VNNI, else AVX2, else portable), "portable" or "avx2" (tests)."""
+        code = {"best": 0, "portable": 1, "avx2": 2}[path]
         m, k = x.shape
         n, wk = w.shape
         if wk != k:
@@ -213,7 +216,7 @@ class BlockKernels:
         out = torch.empty(m, n, dtype=torch.float32)
         self._linear(
             x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(),
-            n, w.bits, None if bias is None else bias.data_ptr(), out.data_ptr(), n, int(scalar),
+            n, w.bits, None if bias is None else bias.data_ptr(), out.data_ptr(), n, code,
         )  # fmt: skip
         return out
 
@@ -235,11 +238,11 @@ def self_check(kernels: BlockKernels) -> str | None:
         for m in (1, 5):
             x = torch.randn(m, k, generator=g)
             want = reference_linear(x, w, b).float()
-            for scalar in (False, True):
-                got = kernels.linear(x, w, b, scalar=scalar)
+            for path in ("best", "portable", "avx2"):
+                got = kernels.linear(x, w, b, path=path)
                 err = (got - want).abs().max().item()
                 if not err <= 1e-3 * (1 + want.abs().max().item()):
-                    return f"qb32 linear ({name}, {m} rows, scalar {scalar}): differs by {err:.3g}"
+                    return f"qb32 linear ({name}, {m} rows, {path}): differs by {err:.3g}"
     return None
 
 
