@@ -65,14 +65,14 @@ def _parts(hf_config, i: int) -> dict[str, list[tuple[str, int | None]]]:
     }  # fmt: skip
 
 
-def _blocks_of(tensors: dict, parts) -> QB32 | None:
+def _blocks_of(tensors: dict, parts, unpermute: bool = True) -> QB32 | None:
     got = []
     for name, heads in parts:
         t = tensors.get(name)
         if t is None or t.tensor_type.name not in FILE_TYPES:
             return None
         w = from_gguf_blocks(t.data, t.tensor_type.name, int(t.shape[0]))
-        if heads is not None:
+        if heads is not None and unpermute:
             w = w.rows(_unpermute_rows(w.shape[0], heads))
         got.append(w)
     try:
@@ -129,6 +129,9 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
             if not isinstance(lin, PackedLinear):
                 continue
             blocks = _blocks_of(tensors, parts)
+            if blocks is not None and not _agrees(lin, blocks, kernels) and parts[0][1]:
+                # the converter reorders q/k rows for llama's rotary layout only; others as is
+                blocks = _blocks_of(tensors, parts, unpermute=False)
             if blocks is None or not _agrees(lin, blocks, kernels):
                 kept.append(f"{i}.{path}")
                 continue

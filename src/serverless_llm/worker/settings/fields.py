@@ -220,7 +220,8 @@ class SettingsFields(BaseSettings):
             "How GPTQ/AWQ/pack-quantized weights are held: `packed` (at their bit width, "
             "dequantized inside the matmul; MoE experts too), `dequantize` (float once at "
             "load: faster on CPU, 4x the memory), or `auto`: packed on CUDA, dequantized "
-            "elsewhere."
+            "elsewhere. For a GGUF model on CPU, `packed` also makes decode steps read the "
+            "file's Q4_0/Q4_1/Q8_0 blocks (docs/quantization.md); `auto` keeps float32."
         ),
         choices=QUANTIZED_WEIGHTS_MODES,
     )
