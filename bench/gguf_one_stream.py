@@ -1,0 +1,132 @@
+"""One stream's decode on the embedded SmolLM2 Q4_1 GGUF: its GGUF blocks (QUANTIZED_WEIGHTS=packed)
+against today's float32 copy (QUANTIZED_WEIGHTS=auto), in one run, each in its own process,
+alternating, best of --rounds.
+
+Decode tokens/s = (M - 1) / (time of M tokens - time of 1 token), one greedy request alone
+(EOS ignored). Also prints the CPU flags that matter, each mode's resident memory after load,
+and whether the modes' greedy tokens agree on a few chat prompts (and how many tokens do).
+No llama.cpp here: no bench in bench/ runs it yet (issue 39's bench/llamacpp.py is to come).
+
+    .venv/bin/python bench/gguf_one_stream.py                 # 64 tokens, 3 rounds
+    .venv/bin/python bench/gguf_one_stream.py --tokens 128 --rounds 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+]
+MODES = {"float32": "auto", "gguf-blocks": "packed"}
+
+
+def child(mode: str, tokens: int, repeats: int) -> dict:
+    from serverless_llm import LLM, SamplingParams
+    from serverless_llm.engine import resident_bytes
+
+    llm = LLM(None, dtype="float32", quantized_weights=MODES[mode], max_model_len=1024)
+    tok = llm.get_tokenizer()
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in PROMPTS
+    ]
+
+    def params(n):
+        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+
+    llm.generate(prompts[:1], params(8))  # warm
+    best1 = bestm = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        llm.generate(prompts[:1], params(1))
+        best1 = min(best1, time.perf_counter() - t)
+        t = time.perf_counter()
+        llm.generate(prompts[:1], params(tokens))
+        bestm = min(bestm, time.perf_counter() - t)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, params(32))]
+    return {
+        "mode": mode,
+        "decode_tok_s": (tokens - 1) / (bestm - best1),
+        "first_token_s": best1,
+        "resident_mib": resident_bytes() / 2**20,
+        "greedy": [list(g) for g in greedy],
+    }
+
+
+def cpu_flags_line() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                want = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+                        "avx512_bf16", "amx_tile")  # fmt: skip
+                return " ".join(f for f in want if f in have)
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed generations per round")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.tokens, a.repeats)))
+        return 0
+    print(f"CPU flags: {cpu_flags_line()}; cores: {os.cpu_count()}", flush=True)
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    for r in range(a.rounds):
+        for mode in MODES:
+            cmd = [sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens),
+                   "--repeats", str(a.repeats)]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            results[mode].append(res)
+            print(f"round {r + 1} {mode:12s} decode {res['decode_tok_s']:7.1f} tok/s  "
+                  f"first token {res['first_token_s'] * 1e3:6.1f} ms  "
+                  f"resident {res['resident_mib']:6.0f} MiB", flush=True)  # fmt: skip
+    best = {m: max(rs, key=lambda x: x["decode_tok_s"]) for m, rs in results.items()}
+    fl, gb = best["float32"], best["gguf-blocks"]
+    same = sum(x == y for x, y in zip(fl["greedy"], gb["greedy"]))
+    toks = sum(len(x) for x in fl["greedy"])
+    agree = sum(a_ == b_ for x, y in zip(fl["greedy"], gb["greedy"]) for a_, b_ in zip(x, y))
+    first_diff = []
+    for x, y in zip(fl["greedy"], gb["greedy"]):
+        first_diff.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None))
+    print(
+        f"best decode: float32 {fl['decode_tok_s']:.1f} tok/s, gguf-blocks "
+        f"{gb['decode_tok_s']:.1f} tok/s ({gb['decode_tok_s'] / fl['decode_tok_s']:.2f}x)"
+    )
+    print(
+        f"resident: float32 {fl['resident_mib']:.0f} MiB, gguf-blocks {gb['resident_mib']:.0f} MiB"
+    )
+    print(
+        f"greedy (32 tokens x {len(PROMPTS)} prompts): {same}/{len(PROMPTS)} prompts equal, "
+        f"{agree}/{toks} positions equal; first difference at {first_diff}"
+    )
+    if a.json:
+        Path(a.json).write_text(json.dumps({"cpu_flags": cpu_flags_line(), "runs": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
