@@ -17,6 +17,10 @@ alternating rounds expose both systems to the same swings.
 ENABLE_METRICS on and one off, the same streamed chats on each, alternating rounds (on, off,
 on, ...; the other idles meanwhile); /metrics is scraped after each metrics-on round and its
 request count checked. The bar: the best metrics-on throughput >= 98% of the best off.
+
+`--burst` measures whether the endpoint's event loop stays free instead (issue 38 item 11):
+`/health`'s p99 answer time while 500 `/run` jobs are posted at once and while 4 MB bodies are
+parsed, <= 0.2 s each; see `bench/endpoint_burst.py`.
 """
 
 from __future__ import annotations
@@ -335,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="metrics on against off (ENABLE_METRICS), no offline engine",
     )
+    ap.add_argument(
+        "--burst",
+        action="store_true",
+        help="/health answer times under a burst of /run posts and 4 MB bodies "
+        "(bench/endpoint_burst.py)",
+    )
+    ap.add_argument("--burst-jobs", type=int, default=500, help="/run posts in the burst")
     args = ap.parse_args(argv)
     if args.tiny:
         args.num_prompts, args.max_tokens, args.rounds = 4, 8, 1
@@ -364,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.metrics_ab:
         return metrics_ab(args, model_dir, settings)
+    if args.burst:
+        from bench.endpoint_burst import burst_main
+
+        return burst_main(args, model_dir, settings, start_server, free_port)
 
     whole = CpuCompetition().__enter__()
     log("offline engine: load and warm up")

@@ -58,3 +58,33 @@ def test_an_openai_job_nested_too_deep_is_refused_in_openai_shape():
     assert error["message"] == f"the openai_input is nested more than {MAX_JSON_DEPTH} levels deep"
     body["metadata"] = nested(MAX_JSON_DEPTH - 1)  # with the body's own object: at the limit
     assert isinstance(parse_job(job, SIZES), OpenAIJob)
+
+
+def test_native_limits_are_checked_before_the_schema(monkeypatch):
+    """With the worker's limits, a native job over MAX_MESSAGES or MAX_PROMPT_CHARS is refused
+    before NativeRequest's schema validates it (as the OpenAI routes check the body as sent)."""
+    from serverless_llm.api import native as native_module
+    from serverless_llm.api.limits import RequestLimits
+
+    limits = RequestLimits(max_messages=3, max_prompt_chars=10)
+    validated = []
+    parse = native_module.NativeRequest.parse
+    monkeypatch.setattr(
+        native_module.NativeRequest,
+        "parse",
+        staticmethod(lambda d: validated.append(d) or parse(d)),
+    )
+    many = {"id": "j", "input": {"messages": [{"role": "user", "content": "hi"}] * 4}}
+    with pytest.raises(JobError) as info:
+        parse_job(many, SIZES, limits)
+    assert info.value.payload == {
+        "error": "'messages' has 4 entries, over this endpoint's limit of 3 (MAX_MESSAGES)"
+    }
+    long = {"id": "j", "input": {"prompt": "x" * 11}}
+    with pytest.raises(JobError, match="MAX_PROMPT_CHARS"):
+        parse_job(long, SIZES, limits)
+    assert validated == []
+    assert isinstance(
+        parse_job({"id": "j", "input": {"prompt": "x" * 10}}, SIZES, limits), NativeJob
+    )
+    assert isinstance(parse_job(many, SIZES), NativeJob)  # no limits given: the schema's only

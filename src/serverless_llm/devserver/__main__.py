@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 import uvicorn
 
 from ..worker.handler import LOAD_ERRORS, Worker
+from ..worker.heap import freeze_start_up_objects
 from ..worker.settings import load_settings_or_exit
 from .app import MAX_BODY_BYTES, create_app
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         sock.close()
         return 1
+    freeze_start_up_objects()  # full collections then skip the model (see worker.heap)
     api_key = os.environ.get("DEVSERVER_API_KEY") or None
     app = create_app(
         worker,

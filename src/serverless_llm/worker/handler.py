@@ -47,6 +47,7 @@ from ..engine import (
     UnsupportedModelError,
 )
 from .baked import BakedModelError, apply_baked_model
+from .heap import freeze_start_up_objects
 from .job_input import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
 from .shutdown import GracefulShutdown, serve
@@ -180,7 +181,10 @@ class Worker:
         try:
             try:
                 # Off the event loop: checking and validating a large input takes a while.
-                parsed = await prepare(parse_job, job, self.settings.batch_sizes)
+                settings = self.settings
+                parsed = await prepare(
+                    parse_job, job, settings.batch_sizes, settings.request_limits
+                )
             except JobError as e:
                 yield e.payload
                 return
@@ -371,6 +375,7 @@ def main() -> None:
     except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    freeze_start_up_objects()  # full collections then skip the model (see worker.heap)
     logger.info("%s", ready_line(worker))
 
     import runpod
