@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +92,11 @@ def start_server(model_dir: str, port: int, env_settings: dict[str, str]) -> sub
             raise RuntimeError(f"the endpoint exited with {proc.returncode}:\n{proc.stdout.read()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                # Its output (an access-log line per request) is read all along: a full pipe
+                # (~800 requests) would stop the server at its next log line. The last lines
+                # stay on `proc.tail` for error reports.
+                proc.tail = collections.deque(maxlen=50)
+                threading.Thread(target=proc.tail.extend, args=(proc.stdout,), daemon=True).start()
                 return proc
         except httpx.HTTPError:
             pass

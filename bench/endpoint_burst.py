@@ -24,9 +24,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import sys
-import threading
 import time
-from collections import deque
 from typing import Any
 
 BURST_JOBS = 500
@@ -235,10 +233,7 @@ def burst_main(args: Any, model_dir: str, settings: dict[str, str], start_server
     port = free_port()
     load = load_average()
     server = start_server(model_dir, port, settings)
-    # Its output (an access-log line per request) is read all along: a full pipe would stop
-    # the server at its next log line.
-    tail: deque[str] = deque(maxlen=50)
-    threading.Thread(target=lambda: tail.extend(server.stdout), daemon=True).start()
+    # start_server reads its output all along (a full pipe would stop the server).
     try:
         model = httpx.get(f"http://127.0.0.1:{port}/openai/v1/models", timeout=60).json()
         results = run_burst(port, model["data"][0]["id"], args.burst_jobs)
