@@ -40,7 +40,7 @@ from serverless_llm.engine import sequence_params
 from .batching import BatchSizes
 from .offload import prepare
 from .openai.errors import ErrorDict, OpenAIServingError, http_status, is_error
-from .openai.protocol import Seed, TokenId, _Strict
+from .openai.protocol import CHAT_ROUTE_EXTRAS, ChatRouteExtras, _Strict
 from .openai.sse import sse_events
 
 if TYPE_CHECKING:
@@ -55,25 +55,9 @@ __all__ = [
     "to_chat_body",
 ]
 
-# vLLM's extra sampling parameters, taken at the top level of a Messages body too (the
+# vLLM's extra sampling parameters are taken at the top level of a Messages body too (the
 # `anthropic` client sends them with `extra_body`) and passed to the chat route as they are.
-PASSTHROUGH = (
-    "seed",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "skip_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "guided_decoding_backend",
-    "structured_outputs",
-    "priority",
-)
+PASSTHROUGH = CHAT_ROUTE_EXTRAS
 
 # Anthropic's error types by HTTP status.
 _ERROR_TYPES = {
@@ -115,7 +99,7 @@ class _MessagesBase(_Strict):
     diagnostics: dict[str, Any] | None = None
 
 
-class MessagesRequest(_MessagesBase):
+class MessagesRequest(_MessagesBase, ChatRouteExtras):
     """The body of POST /v1/messages: Anthropic's fields, then vLLM's extra sampling
     parameters."""
 
@@ -128,22 +112,6 @@ class MessagesRequest(_MessagesBase):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
-    # vLLM's extras, checked again by the chat route.
-    seed: Seed | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    guided_decoding_backend: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    priority: int | None = None
 
 
 class CountTokensRequest(_MessagesBase):

@@ -140,6 +140,31 @@ class PromptCacheOptions(_Strict):
     ttl: Literal["30m"] | None = None
 
 
+class ChatRouteExtras(_Strict):
+    """vLLM's extra sampling parameters, taken at the top level of a request of another shape
+    (Responses, Anthropic's Messages) and passed to the chat route under the same names, which
+    checks them again."""
+
+    seed: Seed | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: WholeInt | None = None
+    skip_special_tokens: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    priority: WholeInt | None = None
+
+
+CHAT_ROUTE_EXTRAS = tuple(ChatRouteExtras.model_fields)
+
+
 class _SamplingRequest(_Strict):
     """Fields chat and completions share: OpenAI's, then vLLM's extra sampling parameters.
     A sampling parameter's default is the engine's (SAMPLING_DEFAULTS)."""

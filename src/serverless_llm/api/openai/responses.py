@@ -35,36 +35,17 @@ from pydantic import Field
 from ..json_types import WholeInt
 from .errors import INVALID_REQUEST, OpenAIServingError, openai_error
 from .protocol import (
+    CHAT_ROUTE_EXTRAS,
+    ChatRouteExtras,
     Moderation,
     PromptCacheOptions,
-    Seed,
     Stop,
     StreamOptions,
-    TokenId,
-    _Strict,
 )
 
 # A Responses request's own fields are checked here; these are passed to the chat route under
 # the same name (vLLM's extra sampling parameters, accepted on /v1/responses as on chat).
-PASSTHROUGH = (
-    "seed",
-    "stop",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "skip_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "guided_decoding_backend",
-    "structured_outputs",
-    "priority",
-)
+PASSTHROUGH = ("stop", "top_k", *CHAT_ROUTE_EXTRAS)
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -79,7 +60,7 @@ _DELTAS = frozenset(
 _EFFORTS = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium"}
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(ChatRouteExtras):
     """The body of POST /v1/responses: OpenAI's fields (every one the official client can send,
     so none is an unknown-field error), then vLLM's extra sampling parameters."""
 
@@ -119,24 +100,9 @@ class ResponsesRequest(_Strict):
     image: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
 
-    # vLLM's extras, checked again by the chat route.
-    seed: Seed | None = None
+    # vLLM's extras beyond ChatRouteExtras', checked again by the chat route.
     stop: Stop = None
     top_k: WholeInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: WholeInt | None = None
-    skip_special_tokens: bool | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    guided_decoding_backend: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    priority: WholeInt | None = None
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> OpenAIServingError:
