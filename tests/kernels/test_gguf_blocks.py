@@ -124,3 +124,49 @@ def test_unpermute_undoes_the_converters_rotary_order():
     checkpoint = torch.arange(heads * dim)
     file_rows = checkpoint.view(heads, 2, dim // 2).transpose(1, 2).reshape(-1)
     assert torch.equal(file_rows[_unpermute_rows(heads * dim, heads)], checkpoint)
+
+
+def written_file(path, alignment=None):
+    """A GGUF file written by the `gguf` package: metadata with a long string array (as a
+    tokenizer's), float and quantized tensors."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if alignment:
+        writer.add_custom_alignment(alignment)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(3000)])
+    writer.add_array("some.numbers", list(range(50)))
+    writer.add_uint32("some.count", 7)
+    writer.add_string("some.text", "héllo")
+    for i, type_name in enumerate(TYPES):
+        raw, qtype = gguf_tensor(type_name, 5 + i, 64, seed=i)
+        writer.add_tensor(f"blk.0.t{i}.weight", raw, raw_dtype=qtype)
+    writer.add_tensor("norm.weight", np.arange(11, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_tensor_table_equals_the_gguf_reader(tmp_path, alignment):
+    path = tmp_path / "m.gguf"
+    written_file(path, alignment)
+    ours = gb.read_tensors(str(path))
+    theirs = gguf.GGUFReader(str(path)).tensors
+    assert sorted(ours) == sorted(t.name for t in theirs)
+    for t in theirs:
+        got = ours[t.name]
+        assert got.type_name == t.tensor_type.name
+        assert got.shape == tuple(int(v) for v in t.shape)
+        if got.type_name in gb.FILE_TYPES:
+            assert np.array_equal(got.data, t.data)
+    assert np.array_equal(ours["norm.weight"].data.view(np.float32).ravel(), np.arange(11))
+
+
+def test_tensor_table_refuses_other_files(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gb.read_tensors(str(path))
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(4))
+    with pytest.raises(ValueError, match="ends early"):
+        gb.read_tensors(str(path))

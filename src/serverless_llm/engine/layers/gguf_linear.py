@@ -2,7 +2,7 @@
 
 A decode step on a CPU is bound by the bytes of weight it reads: the float32 copy of a Q4_1
 model is ~6.7x the file's blocks. After the model is loaded from its converted float copy and
-packed for oneDNN, `attach_gguf_blocks` reads the .gguf file again with the `gguf` package and
+packed for oneDNN, `attach_gguf_blocks` maps the .gguf file's tensors again (`read_tensors`) and
 gives each linear whose tensor is of a type with a qb32 layout (kernels/gguf_blocks.py: Q4_0,
 Q4_1, Q8_0) that weight in the layout, checked against the float weight it replaces (a probe
 through both must agree, else the linear stays float with a warning line). Steps of at most
@@ -18,7 +18,14 @@ import logging
 import torch
 from torch import nn
 
-from ..kernels.gguf_blocks import FILE_TYPES, QB32, BlockKernels, QB32Desc, from_gguf_blocks
+from ..kernels.gguf_blocks import (
+    FILE_TYPES,
+    QB32,
+    BlockKernels,
+    QB32Desc,
+    from_gguf_blocks,
+    read_tensors,
+)
 from .linear import PackedLinear, packed_linear
 
 logger = logging.getLogger(__name__)
@@ -69,9 +76,9 @@ def _blocks_of(tensors: dict, parts, unpermute: bool = True) -> QB32 | None:
     got = []
     for name, heads in parts:
         t = tensors.get(name)
-        if t is None or t.tensor_type.name not in FILE_TYPES:
+        if t is None or t.type_name not in FILE_TYPES:
             return None
-        w = from_gguf_blocks(t.data, t.tensor_type.name, int(t.shape[0]))
+        w = from_gguf_blocks(t.data, t.type_name, t.shape[0])
         if heads is not None and unpermute:
             w = w.rows(_unpermute_rows(w.shape[0], heads))
         got.append(w)
@@ -115,10 +122,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
     """Swaps the model's packed linears (and a tied LM head) for GGUFBlockLinear where the file
     has their tensors in a qb32 type and they check out; turns the whole-layer native decode off
     for layers that got one. Returns the start-up line."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = read_tensors(gguf_path)
     done, kept, held = 0, [], 0
     for i, layer in enumerate(getattr(model, "layers", [])):
         swapped = False
@@ -129,10 +133,12 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
             if not isinstance(lin, PackedLinear):
                 continue
             blocks = _blocks_of(tensors, parts)
-            if blocks is not None and not _agrees(lin, blocks, kernels) and parts[0][1]:
+            ok = blocks is not None and _agrees(lin, blocks, kernels)
+            if blocks is not None and not ok and parts[0][1]:
                 # the converter reorders q/k rows for llama's rotary layout only; others as is
                 blocks = _blocks_of(tensors, parts, unpermute=False)
-            if blocks is None or not _agrees(lin, blocks, kernels):
+                ok = blocks is not None and _agrees(lin, blocks, kernels)
+            if not ok:
                 kept.append(f"{i}.{path}")
                 continue
             setattr(parent, name, GGUFBlockLinear(lin, blocks, kernels))
@@ -141,8 +147,8 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
             layer.native_decode = _whole_layer(layer, kernels)
     head = getattr(model, "packed_lm_head", None)
     emb = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if isinstance(head, PackedLinear) and emb is not None and emb.tensor_type.name in FILE_TYPES:
-        blocks = from_gguf_blocks(emb.data, emb.tensor_type.name, int(emb.shape[0]))
+    if isinstance(head, PackedLinear) and emb is not None and emb.type_name in FILE_TYPES:
+        blocks = from_gguf_blocks(emb.data, emb.type_name, emb.shape[0])
         if _agrees(head, blocks, kernels):
             model.packed_lm_head = GGUFBlockLinear(head, blocks, kernels)
             done, held = done + 1, held + blocks.nbytes()
