@@ -9,6 +9,7 @@ No llama.cpp here: no bench in bench/ runs it yet (issue 39's bench/llamacpp.py 
 
     .venv/bin/python bench/gguf_one_stream.py                 # 64 tokens, 3 rounds
     .venv/bin/python bench/gguf_one_stream.py --tokens 128 --rounds 5 --json out.json
+    .venv/bin/python bench/gguf_one_stream.py --agreement 32 --tokens 64   # greedy agreement
 """
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ PROMPTS = [
     "List three prime numbers.",
 ]
 MODES = {"float32": "auto", "gguf-blocks": "packed"}
+
+
+def agreement_child(mode: str, n_prompts: int, tokens: int) -> dict:
+    """Greedy tokens of bench/common.py's chat prompts, each generated alone (so a decode is
+    one row: the block path), EOS ignored."""
+    from serverless_llm import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.common import chat_prompt_ids
+
+    llm = LLM(None, dtype="float32", quantized_weights=MODES[mode], max_model_len=1024)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    out = []
+    for ids in chat_prompt_ids(llm.get_tokenizer(), n_prompts):
+        got = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+        out.append(list(got))
+    return {"mode": mode, "greedy": out}
 
 
 def child(mode: str, tokens: int, repeats: int) -> dict:
@@ -87,11 +105,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="timed generations per round")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--agreement",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of timing: greedy agreement over N chat prompts x --tokens, each alone",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.tokens, a.repeats)))
+        if a.agreement:
+            print(json.dumps(agreement_child(a.child, a.agreement, a.tokens)))
+        else:
+            print(json.dumps(child(a.child, a.tokens, a.repeats)))
         return 0
+    if a.agreement:
+        return agreement(a)
     print(f"CPU flags: {cpu_flags_line()}; cores: {os.cpu_count()}", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(a.rounds):
@@ -125,6 +155,28 @@ def main() -> int:
     )
     if a.json:
         Path(a.json).write_text(json.dumps({"cpu_flags": cpu_flags_line(), "runs": results}))
+    return 0
+
+
+def agreement(a) -> int:
+    got = {}
+    for mode in MODES:
+        cmd = [sys.executable, __file__, "--child", mode, "--agreement", str(a.agreement),
+               "--tokens", str(a.tokens)]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        got[mode] = json.loads(out.stdout.strip().splitlines()[-1])["greedy"]
+    fl, gb = got["float32"], got["gguf-blocks"]
+    total = sum(map(len, fl))
+    equal = sum(x == y for f, g in zip(fl, gb) for x, y in zip(f, g))
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(f, g)) if x != y), len(f)) for f, g in zip(fl, gb)
+    ]
+    print(f"greedy agreement, {len(fl)} prompts x {a.tokens} tokens, each alone: "
+          f"{sum(f == g for f, g in zip(fl, gb))} prompts equal; {equal}/{total} positions equal "
+          f"({100 * equal / total:.1f}%); tokens before the first difference: "
+          f"{sum(prefix)}/{total} ({100 * sum(prefix) / total:.1f}%)")  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps(got))
     return 0
 
 
