@@ -9,6 +9,7 @@ Beam search runs either way vLLM has offered it: `generate` with
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .engine.config import EngineConfig
@@ -22,6 +23,7 @@ from .engine.outputs import (
     RequestOutput,
     position_logprobs,
 )
+from .engine.pooling import embed_params
 from .engine.request import Request
 from .engine.sampling.beam_search import BeamSearchParams
 from .engine.sampling.params import SamplingParams, choose_sequences, sequence_params
@@ -50,6 +52,21 @@ def _engine_prompt(prompt):
     if "prompt_token_ids" in prompt:
         return list(prompt["prompt_token_ids"])
     return prompt["prompt"]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's result of `LLM.embed` (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
 
 
 class LLM:
@@ -117,6 +134,7 @@ class LLM:
                 f"{len(prompts)} prompts but {len(priorities)} priorities: give one each"
             )
         engine = self.engine
+        engine.check_generates()
         for value in priorities:
             engine.check_priority(value)
         # Validate everything before scheduling anything, so a bad prompt leaves nothing behind.
@@ -150,6 +168,43 @@ class LLM:
             # result: the failure.
             raise RuntimeError(f"a request failed in output processing: {exc}") from exc
         return [self._result(group, p) for group, p in zip(groups, params)]
+
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` (a model loaded with task="embed"): each prompt's pooled final
+        hidden state, as `out.outputs.embedding`, all prompts prefilled together."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        engine = self.engine
+        requests = []
+        for prompt in prompts:  # validated before scheduling anything
+            params = embed_params(truncate_prompt_tokens)
+            prepared = engine.inputs.prepare(prompt, params)
+            requests.append(
+                engine.build_embed_request(prepared, f"llm-embed-{self._counter}", dimensions)
+            )
+            self._counter += 1
+        for req in requests:
+            engine.add(req)
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException:
+            for req in requests:
+                engine.abort_request(req.request_id)
+            raise
+        return [
+            EmbeddingRequestOutput(
+                req.request_id, list(req.prompt_token_ids), EmbeddingOutput(req.embedding), True
+            )
+            for req in requests
+        ]
 
     def beam_search(
         self,

@@ -263,7 +263,7 @@ CASES = [
     ("model-not-string", CHAT, chat(model=5), 400, "model", None),
     ("unknown-model", CHAT, chat(model="gpt-4"), 404, "model", "model_not_found"),
     ("unknown-model-completions", COMPLETIONS, completion(model="x"), 404, "model", None),
-    ("unknown-route", "/v1/embeddings", chat(), 404, None, "unknown_url"),
+    ("unknown-route", "/v1/audio/speech", chat(), 404, None, "unknown_url"),
     ("route-none", None, chat(), 404, None, "unknown_url"),
 ]
 

@@ -4,8 +4,8 @@ Every route builds the same job the platform would hand the worker and drives th
 `Worker.handle`, so what works here works deployed:
 
 - `/openai/v1/chat/completions`, `/openai/v1/completions`, `/openai/v1/responses`,
-  `/openai/v1/models` (and `/v2/{endpoint_id}/openai/v1/...`): OpenAI requests relayed as
-  `openai_route` jobs. Streams are
+  `/openai/v1/embeddings` (TASK=embed), `/openai/v1/models` (and
+  `/v2/{endpoint_id}/openai/v1/...`): OpenAI requests relayed as `openai_route` jobs. Streams are
   real server-sent events, one write per item the handler yields. A client that goes away
   mid-request closes the handler's generator, which aborts the engine request and frees its KV
   blocks.
@@ -412,6 +412,10 @@ def create_app(
     @router.post("/openai/v1/completions")
     async def completions(request: Request) -> Response:
         return await relay(request, "/v1/completions", await read_openai_body(request))
+
+    @router.post("/openai/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await relay(request, "/v1/embeddings", await read_openai_body(request))
 
     @router.post("/openai/v1/responses")
     async def responses(request: Request) -> Response:

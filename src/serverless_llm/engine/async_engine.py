@@ -32,6 +32,7 @@ from .lora_adapters import LoRARequest
 from .multimodal import MultiModalInput
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import TensorParallelError
+from .pooling import embed_params
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar
 from .sampling.structured.spec import StructuredOutputSpec
@@ -224,6 +225,7 @@ class AsyncEngine:
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        self.core.check_generates()
         self.core.check_priority(priority)
         prepared = await self.prepare(prompt, params, lora_request)
         if request_id in self._queues:
@@ -246,6 +248,61 @@ class AsyncEngine:
                 yield item
                 if finished:
                     return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._pending_aborts.append(request_id)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+
+    @property
+    def task(self) -> str:
+        """The task served: "generate" or "embed" (EngineConfig.task)."""
+        return self.core.task
+
+    def prepare_embed_prompt(
+        self, prompt: str | list[int], truncate_prompt_tokens: int | None = None
+    ) -> PreparedPrompt:
+        """A pooling request's prompt tokenized or checked and fitted (up to max_model_len - 1
+        tokens; ContextLengthError beyond). Blocking (the tokenizer)."""
+        return self.core.inputs.prepare(prompt, embed_params(truncate_prompt_tokens))
+
+    async def embed(
+        self,
+        prompt: str | list[int] | PreparedPrompt,
+        request_id: str | None = None,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> EngineOutput:
+        """One prompt's embedding (TASK=embed): a prefill-only request whose final hidden
+        states are pooled (engine/pooling.py); the finished EngineOutput has `embedding`.
+        InvalidRequestError before anything is queued: a generating engine, bad `dimensions`,
+        a prompt that does not fit."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        if request_id is None:
+            request_id = f"embed-{next(self._ids)}"
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare_embed_prompt(prompt, truncate_prompt_tokens)
+        req = self.core.build_embed_request(prompt, request_id, dimensions)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending_adds.append(req)
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                    return item
         finally:
             self._queues.pop(request_id, None)
             if not finished:

@@ -50,6 +50,9 @@ class ConfigError(ValueError):
     """A setting has a value the engine cannot use; the message names it."""
 
 
+TASKS = ("generate", "embed")
+
+
 @dataclass
 class EngineConfig:
     # What to load.
@@ -124,8 +127,19 @@ class EngineConfig:
     # `max_parallel_loading_workers` ranks read their weights at once (None: all).
     tensor_parallel_size: int = 1
     max_parallel_loading_workers: int | None = None
+    # What the model serves (vLLM's --task / --runner): "generate", or "embed" (pooling
+    # requests only: engine/pooling.py). `pooling_type` ("last" | "mean") and `normalize`:
+    # None reads them from a sentence-transformers layout (modules.json, 1_Pooling/), else
+    # last-token pooling, normalised.
+    task: str = "generate"
+    pooling_type: str | None = None
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task={self.task!r}: allowed {', '.join(TASKS)}")
+        if self.pooling_type is not None and self.pooling_type not in ("last", "mean"):
+            raise ConfigError(f"pooling_type={self.pooling_type!r}: allowed last, mean")
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype={self.dtype!r}: allowed {', '.join(DTYPE_CHOICES)}")
         if self.load_format not in LOAD_FORMATS:

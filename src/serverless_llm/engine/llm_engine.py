@@ -43,6 +43,7 @@ from .output_processor import make_output, process_token
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import COLLECTIVE_TIMEOUT_S, SINGLE, TensorParallel, TensorParallelError
 from .parallel.workers import RankProcesses, backend_for, threads_per_rank
+from .pooling import PoolingParams, embed_params, embedding_output, sentence_transformers_pooling
 from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
@@ -144,6 +145,8 @@ class LLMEngine:
             self.resolved.model_dir, config.generation_config, config.override_generation_config
         )
         self.vocab_size = self.hf_config.vocab_size
+        self.task = config.task
+        self.pooling = self._pooling_defaults(config)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -280,6 +283,21 @@ class LLMEngine:
             self._images_line(config, loaded),
         )
 
+    def _pooling_defaults(self, config: EngineConfig) -> PoolingParams:
+        """The model's pooling: the config's, else a sentence-transformers layout's, else
+        last-token pooling, normalised (causal embedders: Qwen3-Embedding, e5-mistral)."""
+        try:
+            st_type, st_norm = sentence_transformers_pooling(self.resolved.model_dir)
+        except ValueError as e:
+            if config.task == "embed" and config.pooling_type is None:
+                raise ConfigError(str(e)) from e
+            st_type, st_norm = None, None
+        pooling_type = config.pooling_type or st_type or "last"
+        normalize = config.normalize
+        if normalize is None:
+            normalize = st_norm if st_norm is not None else True
+        return PoolingParams(pooling_type, normalize)
+
     def _images_line(self, config: EngineConfig, loaded) -> str:
         """The start-up line's image side: the vision family, its tower's size (on every rank)
         and the encoder cache's ('' for a model that takes no images)."""
@@ -396,12 +414,57 @@ class LLMEngine:
         priority: int = 0,
     ) -> Request:
         params = params or SamplingParams()
+        self.check_generates()
         self.check_priority(priority)
         prepared = self.prepare(prompt, params, lora_request)
         req = self.inputs.build_request(prepared, params, request_id)
         req.priority = priority
         self.add(req)
         return req
+
+    def build_embed_request(
+        self, prepared, request_id: str, dimensions: int | None = None
+    ) -> Request:
+        """A pooling request for a prompt prepared with `embed_params()`: the model's pooling,
+        `dimensions` (Matryoshka truncation before the normalisation) its own."""
+        if self.task != "embed":
+            raise InvalidRequestError(
+                "this model serves generation (TASK=generate): embeddings need TASK=embed"
+            )
+        if dimensions is not None:
+            hidden = self.hf_config.hidden_size
+            if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+                raise InvalidRequestError(
+                    f"dimensions must be an integer >= 1, got {dimensions!r}", "dimensions"
+                )
+            if dimensions > hidden:
+                raise InvalidRequestError(
+                    f"dimensions={dimensions} is larger than the model's {hidden}", "dimensions"
+                )
+        req = self.inputs.build_request(prepared, embed_params(prepared.truncate), request_id)
+        req.pooling = dataclasses.replace(self.pooling, dimensions=dimensions)
+        return req
+
+    def add_embed_request(
+        self,
+        prompt: str | list[int],
+        request_id: str,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> Request:
+        params = embed_params(truncate_prompt_tokens)
+        prepared = self.inputs.prepare(prompt, params)
+        req = self.build_embed_request(prepared, request_id, dimensions)
+        self.add(req)
+        return req
+
+    def check_generates(self) -> None:
+        """InvalidRequestError unless this engine serves generation (TASK=embed does not)."""
+        if self.task != "generate":
+            raise InvalidRequestError(
+                f"this model is served for embeddings (TASK={self.task}): generation is off; "
+                "use /v1/embeddings, or restart with TASK=generate"
+            )
 
     def check_priority(self, priority: int) -> None:
         """InvalidRequestError naming `priority` unless this engine can honour it: an integer,
@@ -531,6 +594,7 @@ class LLMEngine:
                     beams.append((req, lp))
                 else:
                     sampled.append(Sampled(req, [tok], [lp]))
+        pooled = self.runner.pooled
         updates = self.scheduler.update(batch, sampled, process_token)
         outputs = []
         now = time.monotonic()
@@ -547,6 +611,10 @@ class LLMEngine:
             if up.token_ids:
                 req.times.mark_tokens(now)
             outputs.append(make_output(req, up.token_ids, up.text, up.logprobs or None))
+        for req in pooled:  # prompt computed: the request ends, its blocks freed at once
+            self.scheduler.finish(req, FinishReason.STOP)
+            self.requests.pop(req.request_id, None)
+            outputs.append(embedding_output(req))
         for req, lp in beams:
             try:
                 out = self.beams.on_top_tokens(req, lp)

@@ -19,6 +19,7 @@ from .kv_cache import copy_blocks
 from .kv_cache_manager import CacheLayout, KVCacheManager
 from .layers.attention import AttentionBackend, AttentionMetadata
 from .multimodal import EncoderCache, ImageItem
+from .pooling import PoolState
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
 from .scheduler import ScheduledBatch
@@ -71,11 +72,13 @@ class HostBatch:
     # Bidirectional image spans (Gemma 3): per request, None or its tokens' key limits
     # (AttentionMetadata.key_limits_host); None when no request of the step has one.
     key_limits: list[list[int] | None] | None = None
+    # Pooling requests (engine/pooling.py): (request, its first flat row, rows, prompt done).
+    pool_work: list[tuple[Request, int, int, bool]] = field(default_factory=list)
 
     def for_peers(self) -> HostBatch:
         """What the other tensor-parallel ranks need to run the same step: no requests."""
         work = dataclasses.replace(self.prompt_work, requests=[], counts=[])
-        return dataclasses.replace(self, sample_reqs=[], prompt_work=work)
+        return dataclasses.replace(self, sample_reqs=[], prompt_work=work, pool_work=[])
 
 
 class ModelRunner:
@@ -108,6 +111,8 @@ class ModelRunner:
         self.bidirectional_images = False  # an image's tokens attend to each other both ways
         self._limited_groups: tuple[bool, ...] | None = None  # "sliding": the groups that do
         self._pending_copies: list[tuple[int, int]] = []
+        # The pooling requests whose prompt the last step completed (their `embedding` set).
+        self.pooled: list[Request] = []
 
     def attach_vision(self, tower, cache_bytes: int, bidirectional: str) -> bool:
         """A vision-language model's tower and an encoder cache of `cache_bytes` (every
@@ -153,6 +158,7 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         sample_idx: list[int] = []
         prompt_work = PromptLogprobWork()
+        pool_work: list[tuple[Request, int, int, bool]] = []
         lora_rows: list[tuple[int, int, int]] = []
         mm_rows: list[int] = []
         mm_parts: list[tuple[ImageItem, int, int]] = []
@@ -201,7 +207,9 @@ class ModelRunner:
                 prompt_rows.extend([True] * k + [False] * (n - k))
             query_lens.append(n)
             seq_lens.append(end)
-            if end == req.num_tokens:
+            if req.pooling is not None:
+                pool_work.append((req, len(input_ids) - n, n, end == req.num_tokens))
+            elif end == req.num_tokens:
                 sample_reqs.append(req)
                 sample_idx.append(len(input_ids) - 1)
         if prompt_work.requests:
@@ -222,6 +230,7 @@ class ModelRunner:
             prompt_rows,
         )
         h.mm_rows, h.mm_parts, h.mrope_runs = mm_rows, mm_parts, mrope_runs
+        h.pool_work = pool_work
         if any(limits is not None for limits in key_limits):
             h.key_limits = key_limits
         return h
@@ -322,6 +331,7 @@ class ModelRunner:
         """Runs one step; returns the requests that sample and their logits [N, vocab]. Prompt
         logprobs of the step are appended to their requests. The step's adapters are in the
         slots `lora_slots` names (set by the engine before the step)."""
+        self.pooled = []
         h = self.host_inputs(batch)
         if self.peers is not None:
             h.block_copies, self._pending_copies = self._pending_copies, []
@@ -379,12 +389,32 @@ class ModelRunner:
             idx = torch.tensor(work.positions, dtype=torch.int64, device=hidden.device)
             rows = hidden.index_select(0, idx)
             entries = prompt_logprobs(self.model.compute_logits, rows, work.targets, work.k)
+        if h.pool_work:
+            self._pool(hidden, h.pool_work)
         if not h.sample_idx:
             return None, entries
         if len(h.sample_idx) == hidden.shape[0]:  # every row samples, in order (decodes)
             return self.model.compute_logits(hidden), entries
         idx = torch.tensor(h.sample_idx, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, idx)), entries
+
+    def _pool(self, hidden: torch.Tensor, work: list[tuple[Request, int, int, bool]]) -> None:
+        """Adds each pooling request's rows of the step to its pool; a request whose prompt
+        is now computed gets its embedding and joins `pooled`. A chunk that starts the prompt
+        (again, after a preemption) starts a fresh pool."""
+        for req, first, n, done in work:
+            params = req.pooling
+            assert params is not None
+            start = req.num_computed_tokens  # not advanced yet: the step's update does that
+            if req.pool is None or start == 0:
+                req.pool = PoolState()
+            mean = params.pooling_type == "mean"
+            rows = hidden[first : first + n] if mean else hidden[first + n - 1 : first + n]
+            req.pool.add(rows, mean)
+            if done:
+                req.embedding = req.pool.result(params).cpu().tolist()
+                req.pool = None
+                self.pooled.append(req)
 
     def _image_embeds(self, h: HostBatch):
         """(flat rows, their image embeddings, deepstack embeddings or None) of the step: each

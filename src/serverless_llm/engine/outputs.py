@@ -52,6 +52,8 @@ class EngineOutput:
     sequences: list[EngineOutput] | None = None
     # The request's times (shared with the engine, see RequestTimes); None where not tracked.
     times: RequestTimes | None = None
+    # A pooling request's embedding (engine/pooling.py), with its one, finished output.
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True)

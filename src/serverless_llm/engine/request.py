@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .beam_runner import BeamGroup
     from .lora_adapters import LoRAAdapter, LoRARequest
     from .multimodal import MultiModalPrompt
+    from .pooling import PoolingParams, PoolState
     from .sampling.logits_processors import RequestSamplingState
     from .sampling.logprobs import TokenLogprob
     from .sampling.structured.grammar import GrammarMatcher
@@ -66,6 +67,10 @@ class Request:
     mm: MultiModalPrompt | None = None
     # For metrics: arrival (reset when the engine takes it), first scheduled, token steps.
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    # A pooling (embedding) request (pooling.py): prefill only, its rows pooled, no sampling.
+    pooling: PoolingParams | None = None
+    pool: PoolState | None = None
+    embedding: list[float] | None = None  # the pooled vector, once its prompt is computed
 
     @property
     def lora_id(self) -> int:

@@ -71,6 +71,7 @@ from .chat import (
     template_messages,
 )
 from .completions import CompletionFormatter, tokenize_prompts
+from .embeddings import create_embedding
 from .errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -124,7 +125,13 @@ from .tool_parsers.default_prompt import DEFAULT_TOOL_PARSER, template_renders_t
 
 logger = logging.getLogger(__name__)
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/models",
+)
 # vLLM's utility routes (served at the root by vLLM; here under either prefix too).
 UTILITY_ROUTES = ("tokenize", "detokenize", "version", "metrics")
 # vLLM's runtime LoRA routes (ALLOW_RUNTIME_LORA_UPDATING; api/lora.py).
@@ -150,6 +157,8 @@ def parse_route(route: Any) -> tuple[str, str | None]:
             return "count_tokens", None
         if path == "completions":
             return "completions", None
+        if path == "embeddings":
+            return "embeddings", None
         if path == "responses":
             return "responses", None
         if path.startswith("responses/"):  # a stored response, or its input items
@@ -476,6 +485,16 @@ class OpenAIServing:
             if kind in ("response", "response_items"):
                 yield await self._stored_response(kind, arg or "", method, route)
                 return
+            if kind == "embeddings":
+                yield await create_embedding(self, body)
+                return
+            if kind in ("chat", "completions", "responses") and self._embeds_only():
+                raise OpenAIServingError.bad_request(
+                    "This model is served for embeddings (TASK=embed): generation routes are "
+                    "off; use /v1/embeddings, or start the worker with TASK=generate.",
+                    None,
+                    "model_not_generative",
+                )
             if kind == "models":
                 yield list_models(
                     self.model_names, self.created, self.max_model_len, self._adapter_cards()
@@ -583,6 +602,9 @@ class OpenAIServing:
             return model_cls.model_validate(body)
         except ValidationError as e:
             raise OpenAIServingError(validation_error(e)) from e
+
+    def _embeds_only(self) -> bool:
+        return getattr(self.engine, "task", "generate") == "embed"
 
     def _check_model(self, model: str | None) -> str:
         """The name to put in responses; a name this worker does not serve is OpenAI's 404.

@@ -25,7 +25,10 @@ _SPECULATIVE = (
 )
 _DATA_PARALLEL = "one worker is one replica: scale out with more workers, not in-process ranks"
 _EXPERTS = "MoE experts are split by tensor parallelism only"
-_ONLY_GENERATION = "only text generation is served (no pooling, embedding or scoring runners)"
+_ONLY_GENERATION = (
+    "pooling is TASK=embed with POOLING_TYPE and NORMALIZE; no converted, scoring or "
+    "classifying runners"
+)
 _MULTIMODAL = "images are processed with the model's own processor defaults"
 _LEGACY = "an older vLLM option with no counterpart in this engine"
 _NO_TRACING = "tracing and hidden metrics are not provided"
@@ -44,9 +47,8 @@ IGNORED: dict[str, str] = {
     "CODE_REVISION": _OWN_MODELS + "; remote model code is never run",
     "CONFIG_FORMAT": "configs are read in Hugging Face's format",
     "MODEL_IMPL": _OWN_MODELS,
-    "RUNNER": _ONLY_GENERATION,
+    "RUNNER": "the task is set by TASK (generate or embed)",
     "CONVERT": _ONLY_GENERATION,
-    "TASK": _ONLY_GENERATION,
     "POOLER_CONFIG": _ONLY_GENERATION,
     "OVERRIDE_POOLER_CONFIG": _ONLY_GENERATION,
     "SKIP_TOKENIZER_INIT": (
@@ -245,6 +247,7 @@ HONOURED: tuple[str, ...] = (
     "BLOCK_SIZE",
     "GPU_MEMORY_UTILIZATION",
     "SWAP_SPACE",
+    "TASK",
     "KV_CACHE_DTYPE",
     "NUM_GPU_BLOCKS_OVERRIDE",
     "ENABLE_PREFIX_CACHING",

@@ -38,9 +38,11 @@ from ...engine.config import (
     LOAD_FORMATS,
     QUANTIZED_WEIGHTS_MODES,
     SCHEDULING_POLICIES,
+    TASKS,
 )
 from ...engine.generation_defaults import DEFAULTABLE, GENERATION_CONFIG_FILE, check_value
 from ...engine.loader.quantization import QUANTIZATION_METHODS
+from ...engine.pooling import POOLING_TYPES
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_BASE_PATH = "/runpod-volume"
@@ -184,6 +186,41 @@ class SettingsFields(BaseSettings):
             "base format); the other methods stop start-up for now. See docs/quantization.md."
         ),
         choices=QUANTIZATION_METHODS,
+    )
+    task: str = _llm(
+        "generate",
+        "TASK",
+        title="Task",
+        description=(
+            "What the model serves (vLLM's `--task` / `--runner pooling`). `generate`: the "
+            "generation routes. `embed`: `/v1/embeddings` only, from a decoder model's final "
+            "hidden states (after its final norm), pooled per `POOLING_TYPE` and normalised per "
+            "`NORMALIZE`; the generation routes answer a 400 saying so. With `generate`, "
+            "`/v1/embeddings` answers a 400 saying to set `TASK=embed`."
+        ),
+        choices=TASKS,
+    )
+    pooling_type: str | None = _llm(
+        None,
+        "POOLING_TYPE",
+        title="Pooling Type",
+        description=(
+            "With `TASK=embed`: `last` (the last token's hidden state: causal embedders such as "
+            "Qwen3-Embedding, e5-mistral, gte-Qwen2) or `mean` (the mean over the input's "
+            "tokens). Unset: what the model's sentence-transformers files say "
+            "(`modules.json`, `1_Pooling/config.json`), else `last`."
+        ),
+        choices=POOLING_TYPES,
+    )
+    normalize: bool | None = _llm(
+        None,
+        "NORMALIZE",
+        title="Normalize Embeddings",
+        description=(
+            "With `TASK=embed`: L2-normalise each embedding (after `dimensions` truncation). "
+            "Unset: as the model's sentence-transformers files say (a `Normalize` module in "
+            "`modules.json`), else on."
+        ),
     )
     trust_remote_code: bool = _llm(
         False,
