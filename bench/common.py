@@ -202,7 +202,7 @@ class CpuCompetition:
         self.own_cores: float | None = None
 
     def _own(self) -> float:
-        return _own_cpu_seconds() + sum(_process_cpu_seconds(p) for p in self.pids)
+        return _own_cpu_seconds() + sum(process_cpu_seconds(p) for p in self.pids)
 
     def __enter__(self) -> CpuCompetition:
         self.other_cores = self.own_cores = None
@@ -291,7 +291,7 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-def _process_cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of another process, all its threads (0 where unreadable)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
