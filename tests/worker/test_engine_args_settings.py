@@ -41,7 +41,7 @@ def test_every_engine_argument_is_honoured_or_has_a_reason():
 def test_ignored_ones_are_named_in_one_warning_line(make_worker, caplog):
     worker = make_worker(
         CPU_OFFLOAD_GB="4",
-        SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 3}',
+        SPECULATIVE_MODEL="ngram",
         PIPELINE_PARALLEL_SIZE="2",
         SEED="3",  # honoured: not named
         MAX_NUM_PARTIAL_PREFILLS="2",  # honoured: not named
@@ -49,7 +49,7 @@ def test_ignored_ones_are_named_in_one_warning_line(make_worker, caplog):
     )
     line = worker.settings.ignored_engine_args_warning()
     assert line is not None and "\n" not in line
-    for name in ("CPU_OFFLOAD_GB", "SPECULATIVE_CONFIG", "PIPELINE_PARALLEL_SIZE"):
+    for name in ("CPU_OFFLOAD_GB", "SPECULATIVE_MODEL", "PIPELINE_PARALLEL_SIZE"):
         assert f"{name} (" in line
         assert IGNORED[name] in line  # with its reason
     for name in ("SEED", "MAX_NUM_PARTIAL_PREFILLS", "ENABLE_CHUNKED_PREFILL", "MODEL_NAME"):
@@ -189,3 +189,29 @@ def test_partial_prefills_reach_the_scheduler(make_worker):
         return w.engine.core.scheduler.max_num_partial_prefills
 
     assert run(make_worker(MAX_NUM_PARTIAL_PREFILLS="4"), scenario) == 4
+
+
+def test_speculative_config_reaches_the_engine_for_ngram_only(caplog):
+    ngram = (
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}'
+    )
+    s = Settings.from_env({"SPECULATIVE_CONFIG": ngram})
+    assert s.ignored_engine_args_warning() is None
+    assert s.engine_config().speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    assert Settings.from_env({}).engine_config().speculative_config is None
+    # A method not implemented here: named in a warning, served without speculation.
+    eagle = '{"method": "eagle", "model": "some/head", "num_speculative_tokens": 3}'
+    with caplog.at_level(logging.WARNING):
+        config = Settings.from_env({"SPECULATIVE_CONFIG": eagle}).engine_config()
+    assert config.speculative_config is None
+    assert any("method='eagle' is not implemented" in r.getMessage() for r in caplog.records)
+    # A malformed ngram config fails the start, naming what is wrong.
+    bad = '{"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}'
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        Settings.from_env({"SPECULATIVE_CONFIG": bad}).engine_config()

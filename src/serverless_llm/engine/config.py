@@ -127,6 +127,10 @@ class EngineConfig:
     # `max_parallel_loading_workers` ranks read their weights at once (None: all).
     tensor_parallel_size: int = 1
     max_parallel_loading_workers: int | None = None
+    # Speculative decoding (vLLM's speculative_config, a dict or its JSON): only
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m} runs (speculative.py); None: off.
+    speculative_config: dict | str | None = None
     # What the model serves (vLLM's --task / --runner): "generate", or "embed" (pooling
     # requests only: engine/pooling.py). `pooling_type` ("last" | "mean") and `normalize`:
     # None reads them from a sentence-transformers layout (modules.json, 1_Pooling/), else
@@ -209,6 +213,9 @@ class EngineConfig:
             raise ConfigError(
                 f"max_parallel_loading_workers={self.max_parallel_loading_workers}: must be >= 1"
             )
+        from .speculative import parse_speculative_config  # it imports ConfigError from here
+
+        parse_speculative_config(self.speculative_config)  # ConfigError naming what is wrong
         if self.kv_cache_space_gib <= 0:
             raise ConfigError(f"kv_cache_space_gib={self.kv_cache_space_gib}: must be > 0")
 

@@ -49,6 +49,7 @@ from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
 from .sampling.structured.bitmask import allocate_bitmask, fill_bitmasks
 from .scheduler import Sampled, Scheduler
+from .speculative import accept_greedy, can_speculate, parse_speculative_config, propose_ngram
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -242,6 +243,11 @@ class LLMEngine:
                 self.inputs.images = None
             self.scheduler.whole_images = mode != "none"
         self.scheduler.copy_blocks = self.runner.copy_blocks
+        self.spec = self._speculation(config, layout)
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        if self.spec is not None:
+            self.scheduler.propose = self._propose
         if self.lora is not None:
             self.runner.lora_step = self.lora.step
             if self.ranks is not None:
@@ -297,6 +303,53 @@ class LLMEngine:
         if normalize is None:
             normalize = st_norm if st_norm is not None else True
         return PoolingParams(pooling_type, normalize)
+
+    def _speculation(self, config: EngineConfig, layout):
+        """The speculative config to run (speculative.py), or None: off, or on where this slice
+        cannot run it (said in the log)."""
+        spec = parse_speculative_config(config.speculative_config)
+        if spec is None:
+            return None
+        why = None
+        if layout.has_state:
+            why = "the model's recurrent layers keep a state that cannot be rolled back"
+        elif self.ranks is not None:
+            why = "not yet with tensor parallelism"
+        if why is not None:
+            logger.warning("speculative decoding off: %s", why)
+            return None
+        logger.info(
+            "speculative decoding: ngram, %d tokens a step, prompt lookup %d..%d (greedy "
+            "requests only)",
+            spec.num_speculative_tokens,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+        )
+        return spec
+
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Draft tokens for `req`'s next decode (at most `room`), [] when it does not
+        speculate: never past its max_tokens or max_model_len."""
+        spec = self.spec
+        k = self.draft_room(req, room)
+        if k < 1:
+            return []
+        tokens = req.prompt_token_ids + req.output_token_ids
+        return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+
+    def draft_room(self, req: Request, room: int) -> int:
+        """How many drafts `req` may verify this step (0: it decodes one token): at most
+        num_speculative_tokens and `room`, never past its max_tokens or max_model_len, and
+        none unless its next tokens are plain argmaxes (speculative.can_speculate)."""
+        if not can_speculate(req):
+            return 0
+        n = req.num_tokens
+        return min(
+            self.spec.num_speculative_tokens,
+            room,
+            req.max_total_tokens - n - 1,  # the drafts and the model's own next token
+            self.max_model_len - n,  # the drafts' positions n .. n + k - 1
+        )
 
     def _images_line(self, config: EngineConfig, loaded) -> str:
         """The start-up line's image side: the vision family, its tower's size (on every rank)
@@ -552,6 +605,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=pool.queries,
             prefix_cache_hits=pool.hits,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
             ranks=self.rank_state() if self.ranks is not None else [],
         )
 
@@ -595,6 +650,12 @@ class LLMEngine:
                 else:
                     sampled.append(Sampled(req, [tok], [lp]))
         pooled = self.runner.pooled
+        for req, targets in self.runner.verified:
+            drafts = batch.drafts[req.request_id]
+            tokens = accept_greedy(drafts, targets)
+            self.spec_draft_tokens += len(drafts)
+            self.spec_accepted_tokens += len(tokens) - 1
+            sampled.append(Sampled(req, tokens, rollback=len(drafts) + 1 - len(tokens)))
         updates = self.scheduler.update(batch, sampled, process_token)
         outputs = []
         now = time.monotonic()

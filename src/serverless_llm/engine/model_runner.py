@@ -22,6 +22,7 @@ from .multimodal import EncoderCache, ImageItem
 from .pooling import PoolState
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
+from .sampling.ops import block_argmax
 from .scheduler import ScheduledBatch
 
 
@@ -72,13 +73,17 @@ class HostBatch:
     # Bidirectional image spans (Gemma 3): per request, None or its tokens' key limits
     # (AttentionMetadata.key_limits_host); None when no request of the step has one.
     key_limits: list[list[int] | None] | None = None
+    # Speculative decoding: flat rows whose logits verify drafts (after the sampled rows'),
+    # and per verifying request (request, its row count: 1 + its drafts).
+    verify_idx: list[int] = field(default_factory=list)
+    verify: list[tuple[Request, int]] = field(default_factory=list)
     # Pooling requests (engine/pooling.py): (request, its first flat row, rows, prompt done).
     pool_work: list[tuple[Request, int, int, bool]] = field(default_factory=list)
 
     def for_peers(self) -> HostBatch:
         """What the other tensor-parallel ranks need to run the same step: no requests."""
         work = dataclasses.replace(self.prompt_work, requests=[], counts=[])
-        return dataclasses.replace(self, sample_reqs=[], prompt_work=work, pool_work=[])
+        return dataclasses.replace(self, sample_reqs=[], verify=[], prompt_work=work, pool_work=[])
 
 
 class ModelRunner:
@@ -111,6 +116,9 @@ class ModelRunner:
         self.bidirectional_images = False  # an image's tokens attend to each other both ways
         self._limited_groups: tuple[bool, ...] | None = None  # "sliding": the groups that do
         self._pending_copies: list[tuple[int, int]] = []
+        # Speculative decoding: the last step's verifying requests, each with the argmax token
+        # at each of its 1 + k rows (speculative.py).
+        self.verified: list[tuple[Request, list[int]]] = []
         # The pooling requests whose prompt the last step completed (their `embedding` set).
         self.pooled: list[Request] = []
 
@@ -167,10 +175,13 @@ class ModelRunner:
         state_slots: list[int] | None = [] if self.layout.has_state else None
         prompt_rows: list[bool] | None = [] if self.layout.has_state else None
         num_decodes = 0
+        verify_idx: list[int] = []
+        verify: list[tuple[Request, int]] = []
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
             start = req.num_computed_tokens
             end = start + n
+            drafts = batch.drafts.get(req.request_id) if batch.drafts else None
             if n == 1:
                 num_decodes += 1
             if req.needs_prompt_logprobs:
@@ -189,7 +200,11 @@ class ModelRunner:
                 self._image_rows(req, start, end, len(input_ids), mm_rows, mm_parts, mrope_runs)
             if self.bidirectional_images:
                 key_limits.append(_key_limits(req, start, end))
-            input_ids.extend(req.token_slice(start, end))
+            if drafts:
+                input_ids.extend(req.token_slice(start, end - len(drafts)))
+                input_ids.extend(drafts)
+            else:
+                input_ids.extend(req.token_slice(start, end))
             delta = req.mrope_delta
             if n == 1:
                 positions.append(start + delta)
@@ -209,6 +224,9 @@ class ModelRunner:
             seq_lens.append(end)
             if req.pooling is not None:
                 pool_work.append((req, len(input_ids) - n, n, end == req.num_tokens))
+            elif drafts:
+                verify.append((req, len(drafts) + 1))
+                verify_idx.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
             elif end == req.num_tokens:
                 sample_reqs.append(req)
                 sample_idx.append(len(input_ids) - 1)
@@ -231,6 +249,7 @@ class ModelRunner:
         )
         h.mm_rows, h.mm_parts, h.mrope_runs = mm_rows, mm_parts, mrope_runs
         h.pool_work = pool_work
+        h.verify_idx, h.verify = verify_idx, verify
         if any(limits is not None for limits in key_limits):
             h.key_limits = key_limits
         return h
@@ -343,6 +362,15 @@ class ModelRunner:
         logits, entries = self.run(h)
         if entries:
             self._give_prompt_logprobs(entries, h.prompt_work)
+        self.verified = []
+        if h.verify:
+            ns = len(h.sample_idx)
+            tokens = block_argmax(logits[ns:].contiguous()).tolist()
+            first = 0
+            for req, count in h.verify:
+                self.verified.append((req, tokens[first : first + count]))
+                first += count
+            logits = logits[:ns] if ns else None
         return (h.sample_reqs, logits) if h.sample_reqs else ([], None)
 
     def run(self, h: HostBatch) -> tuple[torch.Tensor | None, list]:
@@ -391,11 +419,12 @@ class ModelRunner:
             entries = prompt_logprobs(self.model.compute_logits, rows, work.targets, work.k)
         if h.pool_work:
             self._pool(hidden, h.pool_work)
-        if not h.sample_idx:
+        rows = h.sample_idx + h.verify_idx if h.verify_idx else h.sample_idx
+        if not rows:
             return None, entries
-        if len(h.sample_idx) == hidden.shape[0]:  # every row samples, in order (decodes)
+        if not h.verify_idx and len(rows) == hidden.shape[0]:  # every row samples (decodes)
             return self.model.compute_logits(hidden), entries
-        idx = torch.tensor(h.sample_idx, dtype=torch.int64, device=hidden.device)
+        idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, idx)), entries
 
     def _pool(self, hidden: torch.Tensor, work: list[tuple[Request, int, int, bool]]) -> None:

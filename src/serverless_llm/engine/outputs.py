@@ -68,6 +68,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Speculative decoding: draft tokens verified and accepted so far (0 when it is off).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # Tensor parallelism: each rank's state (rank, alive, device, param_bytes); empty without.
     ranks: list[dict] = field(default_factory=list)
 

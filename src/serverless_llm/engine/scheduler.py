@@ -69,6 +69,9 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding: request id -> the draft tokens its grant verifies after its last
+    # token (its grant is 1 + len(drafts)); speculative.py.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -107,6 +110,9 @@ class Scheduler:
         self.whole_images = False
         # KV blocks (src, dst) to copy in every layer (the model runner's; set by the engine).
         self.copy_blocks: Callable[[list[tuple[int, int]]], None] = _no_copies
+        # Speculative decoding (set by the engine when on): (request, the most drafts this
+        # step's budget leaves room for) -> draft tokens to verify after its next token.
+        self.propose: Callable[[Request, int], list[int]] | None = None
 
     # -- queue management -------------------------------------------------------------------
 
@@ -191,7 +197,15 @@ class Scheduler:
             if num_new <= 0:
                 continue
             partial += cap is not None and num_new < left
+            drafts = None
+            if self.propose is not None and left == 1 and budget > 1:
+                drafts = self.propose(req, budget - 1) or None
+                if drafts:
+                    num_new += len(drafts)
             while not self._grow(req, req.num_computed_tokens + num_new):
+                if drafts:  # no room for the drafts' KV: decode one token before preempting
+                    num_new, drafts = 1, None
+                    continue
                 victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -201,8 +215,11 @@ class Scheduler:
                     i = out.requests.index(victim)
                     budget += out.num_new_tokens[i]
                     del out.requests[i], out.num_new_tokens[i]
+                    out.drafts.pop(victim.request_id, None)
             if req.status is not RequestStatus.RUNNING:
                 continue
+            if drafts:
+                out.drafts[req.request_id] = drafts
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
             budget -= num_new
@@ -269,6 +286,10 @@ class Scheduler:
                     up.text += text
                     if stop is not None:
                         ended.append((req, stop))
+                        if req.num_computed_tokens >= req.num_tokens:
+                            # A verified speculative run cut short: the KV of the tokens
+                            # after the stop goes, so no block is keyed with them.
+                            self.rollback(req, req.num_tokens - 1)
                         break
             except Exception as exc:  # this request's own fault: it fails, the others go on
                 up.error = exc

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from .fields import ENV_TO_FIELD
 
 _SPECULATIVE = (
-    "speculative decoding is not implemented: every token comes from the model itself (the "
-    "same outputs, without the speed-up)"
+    "an older speculative decoding flag: speculative decoding is set by SPECULATIVE_CONFIG "
+    "(ngram only)"
 )
 _DATA_PARALLEL = "one worker is one replica: scale out with more workers, not in-process ranks"
 _EXPERTS = "MoE experts are split by tensor parallelism only"
@@ -191,7 +191,6 @@ IGNORED: dict[str, str] = {
     "OTLP_TRACES_ENDPOINT": _NO_TRACING,
     "COLLECT_DETAILED_TRACES": _NO_TRACING,
     # Speculative decoding.
-    "SPECULATIVE_CONFIG": _SPECULATIVE,
     "SPECULATIVE_MODEL": _SPECULATIVE,
     "SPECULATIVE_MODEL_QUANTIZATION": _SPECULATIVE,
     "NUM_SPECULATIVE_TOKENS": _SPECULATIVE,
@@ -266,6 +265,7 @@ HONOURED: tuple[str, ...] = (
     "DISABLE_HYBRID_KV_CACHE_MANAGER",
     "DISABLE_LOG_STATS",
     "DISABLE_LOG_REQUESTS",
+    "SPECULATIVE_CONFIG",
 )
 
 # The engine arguments whose value vLLM reads as JSON.

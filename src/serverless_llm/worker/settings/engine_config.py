@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ...engine import LoRARequest
 from ...engine.config import EngineConfig
 from .fields import DEFAULT_BASE_PATH, SettingsFields, parse_json_object, parse_lora_modules
+
+logger = logging.getLogger(__name__)
 
 
 def download_dir(base_path: str) -> str | None:
@@ -76,7 +79,28 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         lora_dtype=s.lora_dtype,
         tensor_parallel_size=s.tensor_parallel_size,
         max_parallel_loading_workers=s.max_parallel_loading_workers,
+        speculative_config=speculative_config(s),
     )
+
+
+def speculative_config(settings: SettingsFields) -> dict | None:
+    """SPECULATIVE_CONFIG for the engine: None when unset, or (with a warning) when it names a
+    method this engine does not run, so the worker serves without speculation rather than not
+    at all; an ngram config the engine refuses (bad numbers) fails the start."""
+    if not settings.speculative_config:
+        return None
+    value = parse_json_object(settings.speculative_config)
+    method = value.get("method")
+    if method is None and value.get("model") in ("ngram", "[ngram]"):
+        method = "ngram"
+    if method != "ngram":
+        logger.warning(
+            "SPECULATIVE_CONFIG method=%r is not implemented (only ngram, prompt lookup): "
+            "serving without speculative decoding",
+            method,
+        )
+        return None
+    return value
 
 
 def hf_overrides(settings: SettingsFields) -> dict | None:

@@ -400,6 +400,23 @@ class SettingsFields(BaseSettings):
         allowed="a JSON object",
         json_object=True,
     )
+    speculative_config: str | None = _llm(
+        None,
+        "SPECULATIVE_CONFIG",
+        title="Speculative Decoding",
+        description=(
+            "vLLM's `--speculative-config`: a JSON object. Only prompt lookup runs: "
+            '`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2}` proposes up to `num_speculative_tokens` tokens a step '
+            "from the request's own prompt and output and verifies them in the same pass, "
+            "for greedy (temperature 0) requests; their output is the same as without it. "
+            "Sampled requests decode one token a step. Other methods (draft_model, eagle, "
+            "mtp...) are not implemented: named in a warning and served without speculation. "
+            "Unset: off."
+        ),
+        allowed="a JSON object",
+        json_object=True,
+    )
 
     # -- Tokenizer Settings -----------------------------------------------------------------
     tokenizer_name: str | None = _tokenizer(

@@ -1,0 +1,143 @@
+"""Speculative decoding, first slice: the `ngram` proposer (prompt lookup) with greedy
+verification.
+
+Each step, a greedy request whose next token is a decode gets up to k draft tokens from its own
+prompt and output: the longest n-gram (n from `prompt_lookup_max` down to `prompt_lookup_min`)
+ending its sequence that also occurs earlier proposes the tokens that followed its most recent
+earlier occurrence. The scheduler grants it 1 + k query tokens (its last token and the drafts),
+the model scores them in the same ragged pass as everything else, and the argmax at each row is
+what plain greedy decoding would have produced there: drafts are accepted while they equal it,
+and the first row that disagrees (or the row after the last draft) gives one more token of the
+model's own. The KV of rejected drafts is rolled back (Scheduler.rollback), so only computed,
+accepted tokens stay in the cache or get a prefix-cache key.
+
+Only requests whose next token is a plain argmax speculate (`can_speculate`): temperature 0 with
+no logits processor, logprobs, grammar, beam search or images; the others decode one token a
+step in the same batch. Sampled requests keep their meaning by not speculating (rejection
+sampling is a later slice of issue 40).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ConfigError
+from .request import Request
+
+METHODS = ("ngram",)
+# Methods vLLM knows that this engine does not run yet (refused by name, not as a typo).
+LATER_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """vLLM's speculative config (a dict, or its JSON text) checked; None when empty. Only
+    `ngram` runs here; any other method is refused with a ConfigError that says so."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative_config is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    method = value.get("method")
+    model = value.get("model")
+    if method is None and model in ("ngram", "[ngram]"):
+        method = "ngram"  # vLLM's older spelling: the proposer named as the model
+    if method is None:
+        raise ConfigError(
+            "speculative_config needs a method: only 'ngram' (prompt lookup) is implemented"
+        )
+    if method not in METHODS:
+        known = "a method not implemented here" if method in LATER_METHODS else "unknown"
+        raise ConfigError(
+            f"speculative_config method={method!r}: {known}; only 'ngram' (prompt lookup, no "
+            "draft model) is implemented in this engine"
+        )
+    k = _int(value, "num_speculative_tokens", None)
+    if k is None or k < 1:
+        raise ConfigError(f"speculative_config num_speculative_tokens={k!r}: must be >= 1")
+    hi = _int(value, "prompt_lookup_max", None)
+    lo = _int(value, "prompt_lookup_min", None)
+    if hi is None and lo is None:
+        raise ConfigError(
+            "speculative_config method 'ngram' needs prompt_lookup_max (and optionally "
+            "prompt_lookup_min)"
+        )
+    hi = lo if hi is None else hi
+    lo = hi if lo is None else lo
+    if lo < 1 or hi < lo:
+        raise ConfigError(
+            f"speculative_config prompt_lookup_min={lo}, prompt_lookup_max={hi}: need "
+            "1 <= prompt_lookup_min <= prompt_lookup_max"
+        )
+    return SpeculativeConfig(method, k, lo, hi)
+
+
+def _int(d: dict, key: str, default):
+    v = d.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"speculative_config {key}={v!r}: must be an integer")
+    return v
+
+
+def propose_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the longest n-gram
+    (lo <= n <= hi) ending `tokens`; [] when none of them occurs earlier."""
+    length = len(tokens)
+    if k < 1 or length < lo + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(hi, length - 1), lo - 1, -1):
+        suffix = arr[length - n :]
+        # Windows starting at 0 .. length - n - 1: every occurrence but the suffix itself.
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+def can_speculate(req: Request) -> bool:
+    """Whether `req`'s next tokens are each the plain argmax of the model's logits, so greedy
+    verification yields exactly what decoding one token at a time would."""
+    s = req.sampling
+    if s is None or s.mode != "greedy" or req.beam is not None or req.mm is not None:
+        return False
+    if req.grammar is not None or getattr(req, "pooling", None) is not None:
+        return False
+    if s.allowed_ids is not None or s.bias_ids is not None:
+        return False
+    if s.min_tokens_ids is not None and len(req.output_token_ids) < req.params.min_tokens:
+        return False
+    p = req.params
+    if p.logprobs is not None or p.repetition_penalty != 1.0:
+        return False
+    return p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """The tokens a verified run yields: the drafts up to the first that differs from the
+    model's argmax at its row, then the model's own token at that row (len(targets) is
+    len(drafts) + 1)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return targets[: a + 1]

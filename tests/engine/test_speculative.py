@@ -1,0 +1,313 @@
+"""Speculative decoding, ngram (speculative.py): greedy output token for token what decoding
+without it gives, drafts accepted, runs cut by max_tokens and stop strings where plain decoding
+cuts them, preemption and prefix caching, no KV block left behind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine.config import ConfigError, EngineConfig
+from serverless_llm.engine.speculative import (
+    accept_greedy,
+    parse_speculative_config,
+    propose_ngram,
+)
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
+
+
+def repeating_prompts(vocab: int, n: int) -> list[list[int]]:
+    rng = random.Random(40)
+    out = []
+    for i in range(n):
+        motif = [rng.randrange(5, vocab) for _ in range(rng.randint(5, 11))]
+        out.append(motif * (3 + i % 3) + motif[: i % 4])
+    return out
+
+
+def random_prompts(vocab: int, n: int) -> list[list[int]]:
+    rng = random.Random(41)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(4, 30))] for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def engines(model: str, **kw) -> tuple[LLM, LLM]:
+    base = dict(block_size=8, max_model_len=256, dtype="float32")
+    base.update(kw)
+    return LLM(model, **base), LLM(model, speculative_config=NGRAM, **base)
+
+
+def test_propose_ngram_takes_the_longest_most_recent_match():
+    seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" last occurred at 6..7 (followed by 7 8 5); "5 2 3" never did.
+    assert propose_ngram(seq, 2, 4, 3) == [7, 8, 5]
+    assert propose_ngram(seq, 2, 4, 10) == [7, 8, 5, 2, 3]
+    assert propose_ngram([1, 2, 3, 4], 2, 4, 3) == []
+    # A longer match wins over a more recent shorter one.
+    seq = [4, 1, 2, 6, 0, 1, 2, 7, 4, 1, 2]
+    assert propose_ngram(seq, 2, 3, 1) == [6]
+    assert propose_ngram(seq, 2, 2, 1) == [7]
+
+
+def test_accept_greedy_keeps_the_matching_prefix_and_one_more():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accept_greedy([5, 6, 7], [1, 6, 7, 8]) == [1]
+
+
+def test_config_parses_ngram_and_refuses_other_methods():
+    spec = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    )
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        3,
+        5,
+        5,
+    )
+    assert parse_speculative_config(None) is None
+    for bad, says in [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "only 'ngram'"),
+        ({"model": "some/draft", "num_speculative_tokens": 3}, "needs a method"),
+        ({"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}, ">= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2}, "prompt_lookup_max"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 3,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ("{not json", "not valid JSON"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            EngineConfig(speculative_config=bad)
+
+
+def with_k(k: int) -> dict:
+    return dict(NGRAM, num_speculative_tokens=k)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_16_prompts_by_64_tokens_identical_under_chunked_prefill(tiny_llama, k):
+    # A 24-token step budget: prompts are chunked, and drafts share what a step has left.
+    kw = dict(block_size=8, max_model_len=256, dtype="float32", max_num_batched_tokens=24)
+    plain = LLM(tiny_llama, **kw)
+    spec = LLM(tiny_llama, speculative_config=with_k(k), **kw)
+    vocab = plain.engine.vocab_size
+    prompts = repeating_prompts(vocab, 10) + random_prompts(vocab, 6)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    assert tokens(spec.generate(prompts, params)) == tokens(plain.generate(prompts, params))
+    stats = spec.engine.stats()
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_greedy_output_is_identical_and_drafts_are_accepted(tiny_llama):
+    plain, spec = engines(tiny_llama)
+    vocab = plain.engine.vocab_size
+    prompts = repeating_prompts(vocab, 6) + random_prompts(vocab, 4)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = tokens(plain.generate(prompts, params))
+    got = tokens(spec.generate(prompts, params))
+    assert got == want
+    stats = spec.engine.stats()
+    assert stats.spec_draft_tokens > 0
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert plain.engine.stats().spec_draft_tokens == 0
+    # One at a time as well as batched.
+    for p in prompts[:3]:
+        assert tokens(spec.generate([p], params)) == tokens(plain.generate([p], params))
+
+
+def test_max_tokens_and_stop_strings_cut_where_plain_decoding_does(tiny_llama):
+    plain, spec = engines(tiny_llama)
+    vocab = plain.engine.vocab_size
+    prompts = repeating_prompts(vocab, 6)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = tokens(plain.generate(prompts, free))
+    for max_tokens in (1, 2, 3, 5, 7, 13):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        got = tokens(spec.generate(prompts, params))
+        assert got == [t[:max_tokens] for t in full]
+    # A stop string and a stop token taken from inside each output's accepted runs.
+    tok = plain.get_tokenizer()
+    for i, p in enumerate(prompts):
+        text = tok.decode(full[i])
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        if not stop.strip():
+            continue
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+        a = plain.generate([p], params)[0].outputs[0]
+        b = spec.generate([p], params)[0].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        stop_id = full[i][len(full[i]) // 2]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]
+        )
+        a = plain.generate([p], params)[0].outputs[0]
+        b = spec.generate([p], params)[0].outputs[0]
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+    stats = spec.engine.stats()
+    assert stats.spec_accepted_tokens > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_preemption_and_prefix_caching(tiny_llama):
+    # A small cache: the batch preempts; the prompts share blocks through the prefix cache.
+    plain, spec = engines(tiny_llama, num_kv_blocks=24, max_model_len=96)
+    vocab = plain.engine.vocab_size
+    prompts = repeating_prompts(vocab, 8)
+    prompts = [p[:40] for p in prompts] + [prompts[0][:40]] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = tokens(plain.generate(prompts, params))
+    got = tokens(spec.generate(prompts, params))
+    assert got == want
+    again = tokens(spec.generate(prompts, params))  # now from cached prefixes
+    assert again == want
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert stats.spec_accepted_tokens > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_sampled_requests_decode_beside_speculating_ones(tiny_llama):
+    plain, spec = engines(tiny_llama)
+    vocab = plain.engine.vocab_size
+    prompts = repeating_prompts(vocab, 6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    mixed = [sampled, greedy] * 3
+    assert tokens(spec.generate(prompts, mixed)) == tokens(plain.generate(prompts, mixed))
+    stats = spec.engine.stats()
+    assert stats.spec_accepted_tokens > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_a_run_cut_by_a_stop_keeps_no_kv_past_it(tiny_llama):
+    """A stop inside an accepted run leaves the request as plain decoding would: the KV of
+    every token but the last computed, nothing after it (so no block is keyed with it)."""
+    plain, spec = engines(tiny_llama)
+    vocab = plain.engine.vocab_size
+    prompts = repeating_prompts(vocab, 6)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = tokens(plain.generate(prompts, free))
+    engine = spec.engine
+    reqs = []
+    for p, out in zip(prompts, full):
+        for cut in (3, 9, 17):
+            params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[out[cut]])
+            reqs.append((engine.add_request(p, params), out[: out.index(out[cut]) + 1]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for req, want in reqs:
+        assert req.output_token_ids == want
+        assert req.num_computed_tokens == req.num_tokens - 1
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+# The tiny random model rarely repeats itself, so ngram drafts are seldom right. To drive long
+# accepted runs through verification, roll-back and stops, these tests swap in a proposer
+# that knows plain greedy decoding's output (and spoils one draft in a few, so runs are also
+# cut short): whatever the drafts, the output must stay what plain decoding gives.
+
+
+def oracle(llm: LLM, prompts: list[list[int]], full: list[list[int]]):
+    known = {tuple(p): out for p, out in zip(prompts, full)}
+    engine = llm.engine
+    vocab = engine.vocab_size
+
+    def propose(req, room):
+        k = engine.draft_room(req, room)
+        out = known.get(tuple(req.prompt_token_ids))
+        if k < 1 or out is None:
+            return []
+        n = len(req.output_token_ids)
+        drafts = list(out[n : n + k])
+        bad = n % (k + 3)  # spoil one draft in some steps
+        if bad < len(drafts):
+            drafts[bad] = (drafts[bad] + 1) % vocab
+        return drafts
+
+    engine.scheduler.propose = propose
+
+
+def test_known_drafts_long_runs_identical_with_preemption_and_prefix_cache(tiny_llama):
+    kw = dict(num_kv_blocks=30, max_model_len=128, max_num_batched_tokens=32)
+    plain, spec = engines(tiny_llama, **kw)
+    vocab = plain.engine.vocab_size
+    prompts = random_prompts(vocab, 8)
+    prompts = prompts + [prompts[0], prompts[1] + prompts[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    full = tokens(plain.generate(prompts, params))
+    oracle(spec, prompts, full)
+    assert tokens(spec.generate(prompts, params)) == full
+    assert tokens(spec.generate(prompts, params)) == full  # again, from cached prefixes
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_accepted_tokens > stats.spec_draft_tokens // 4
+    assert stats.spec_accepted_tokens < stats.spec_draft_tokens  # some were rejected
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_known_drafts_cut_by_stops_and_max_tokens_where_plain_decoding_does(tiny_llama):
+    plain, spec = engines(tiny_llama)
+    vocab = plain.engine.vocab_size
+    prompts = random_prompts(vocab, 6)
+    free = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    full = tokens(plain.generate(prompts, free))
+    oracle(spec, prompts, full)
+    tok = plain.get_tokenizer()
+    cases = []
+    for i, out in enumerate(full):
+        for cut in (2, 7, 13, 22):
+            cases.append((i, SamplingParams(temperature=0.0, max_tokens=cut, ignore_eos=True)))
+            cases.append(
+                (i, SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[out[cut]]))
+            )
+        text = tok.decode(out)
+        for at in (len(text) // 3, len(text) // 2):
+            stop = text[at : at + 3]
+            if stop.strip():
+                for include in (False, True):
+                    params = SamplingParams(
+                        temperature=0.0,
+                        max_tokens=48,
+                        ignore_eos=True,
+                        stop=[stop],
+                        include_stop_str_in_output=include,
+                    )
+                    cases.append((i, params))
+    engine = spec.engine
+    reqs = [(engine.add_request(prompts[i], p), i, p) for i, p in cases]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for req, i, p in reqs:
+        want = plain.generate([prompts[i]], p)[0].outputs[0]
+        assert req.output_token_ids[: len(want.token_ids)] == want.token_ids
+        assert req.finish_reason.value == want.finish_reason
+        assert req.num_computed_tokens == req.num_tokens - 1  # nothing kept past the stop
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > stats.spec_draft_tokens // 4
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    # Through the offline API, text and token ids equal.
+    for i, p in cases[:12]:
+        a = plain.generate([prompts[i]], p)[0].outputs[0]
+        b = spec.generate([prompts[i]], p)[0].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
