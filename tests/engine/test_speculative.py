@@ -311,3 +311,38 @@ def test_known_drafts_cut_by_stops_and_max_tokens_where_plain_decoding_does(tiny
         a = plain.generate([prompts[i]], p)[0].outputs[0]
         b = spec.generate([prompts[i]], p)[0].outputs[0]
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+
+
+def test_streams_carry_accepted_runs(tiny_llama):
+    """Through AsyncEngine, a stream's pieces of accepted runs add up to the offline output."""
+    import asyncio
+
+    from serverless_llm.engine.async_engine import AsyncEngine
+
+    plain, spec = engines(tiny_llama)
+    vocab = plain.engine.vocab_size
+    prompts = random_prompts(vocab, 4)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=[])
+    full = tokens(plain.generate(prompts, params))
+    oracle(spec, prompts, full)
+    want = plain.generate(prompts, params)
+    aengine = AsyncEngine(spec.engine)
+
+    async def collect(prompt):
+        ids, text = [], ""
+        async for out in aengine.generate(prompt, params):
+            ids += out.new_token_ids
+            text += out.new_text
+        return ids, text
+
+    async def main():
+        try:
+            return await asyncio.gather(*(collect(p) for p in prompts))
+        finally:
+            await aengine.shutdown()
+
+    results = asyncio.run(main())
+    for (ids, text), exp in zip(results, want):
+        assert ids == exp.outputs[0].token_ids and text == exp.outputs[0].text
+    assert spec.engine.stats().spec_accepted_tokens > 0
+    assert spec.engine.block_pool.num_free == spec.engine.block_pool.num_blocks
