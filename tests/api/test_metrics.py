@@ -126,3 +126,18 @@ def test_times_marked_by_steps():
     assert (t.first_token, t.last_token, t.token_interval) == (11.0, 11.0, None)
     t.mark_tokens(11.5)
     assert (t.first_token, t.last_token, t.token_interval) == (11.0, 11.5, 0.5)
+
+
+def test_speculative_decoding_counters_only_when_it_is_on():
+    import dataclasses
+
+    engine = StatsEngine()
+    metrics = EngineMetrics(engine, "m")
+    assert not any(k.startswith("spec_decode") for k in samples(metrics))
+    engine.now = dataclasses.replace(
+        engine.now, speculative=True, spec_drafts=7, spec_draft_tokens=25, spec_accepted_tokens=11
+    )
+    got = samples(metrics)
+    assert got["spec_decode_num_drafts_total"] == 7
+    assert got["spec_decode_num_draft_tokens_total"] == 25
+    assert got["spec_decode_num_accepted_tokens_total"] == 11

@@ -124,10 +124,11 @@ def test_greedy_output_is_identical_and_drafts_are_accepted(tiny_llama):
     got = tokens(spec.generate(prompts, params))
     assert got == want
     stats = spec.engine.stats()
-    assert stats.spec_draft_tokens > 0
+    assert stats.speculative and 0 < stats.spec_drafts <= stats.spec_draft_tokens
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    assert plain.engine.stats().spec_draft_tokens == 0
+    off = plain.engine.stats()
+    assert not off.speculative and off.spec_draft_tokens == 0
     # One at a time as well as batched.
     for p in prompts[:3]:
         assert tokens(spec.generate([p], params)) == tokens(plain.generate([p], params))

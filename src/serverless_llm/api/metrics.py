@@ -198,3 +198,19 @@ class _EngineStatsCollector:
             "Prompt tokens found in the prefix cache (whole blocks).",
             s.prefix_cache_hits * self.block_size if s is not None else 0,
         )
+        if s is not None and s.speculative:  # only where speculative decoding is on
+            yield counter(
+                "spec_decode_num_drafts",
+                "Speculative verification runs (a request's drafts in one step).",
+                s.spec_drafts,
+            )
+            yield counter(
+                "spec_decode_num_draft_tokens",
+                "Draft tokens proposed and verified.",
+                s.spec_draft_tokens,
+            )
+            yield counter(
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                s.spec_accepted_tokens,
+            )

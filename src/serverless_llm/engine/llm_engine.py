@@ -244,6 +244,7 @@ class LLMEngine:
             self.scheduler.whole_images = mode != "none"
         self.scheduler.copy_blocks = self.runner.copy_blocks
         self.spec = self._speculation(config, layout)
+        self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         if self.spec is not None:
@@ -605,6 +606,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=pool.queries,
             prefix_cache_hits=pool.hits,
+            speculative=self.spec is not None,
+            spec_drafts=self.spec_drafts,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             ranks=self.rank_state() if self.ranks is not None else [],
@@ -653,6 +656,7 @@ class LLMEngine:
         for req, targets in self.runner.verified:
             drafts = batch.drafts[req.request_id]
             tokens = accept_greedy(drafts, targets)
+            self.spec_drafts += 1
             self.spec_draft_tokens += len(drafts)
             self.spec_accepted_tokens += len(tokens) - 1
             sampled.append(Sampled(req, tokens, rollback=len(drafts) + 1 - len(tokens)))

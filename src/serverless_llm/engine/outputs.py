@@ -68,7 +68,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    # Speculative decoding: draft tokens verified and accepted so far (0 when it is off).
+    # Speculative decoding: on or not; verification runs (one per request and step that had
+    # drafts), draft tokens verified and accepted so far (0 when it is off).
+    speculative: bool = False
+    spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     # Tensor parallelism: each rank's state (rank, alive, device, param_bytes); empty without.
