@@ -215,3 +215,27 @@ def test_speculative_config_reaches_the_engine_for_ngram_only(caplog):
     bad = '{"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}'
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         Settings.from_env({"SPECULATIVE_CONFIG": bad}).engine_config()
+
+
+def test_a_worker_with_speculative_config_serves_the_same_greedy_text(make_worker):
+    from tests.worker.conftest import joined, run_job, wait_blocks_free
+
+    ngram = (
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+        '"prompt_lookup_min": 1}'
+    )
+    job = {
+        "prompt": "one two three four one two three four one two three four one two",
+        "sampling_params": {"temperature": 0, "max_tokens": 24, "ignore_eos": True},
+    }
+
+    async def scenario(w):
+        items = await run_job(w, job)
+        return joined(items), w.engine.stats(), await wait_blocks_free(w)
+
+    plain_text, plain_stats, _ = run(make_worker(), scenario)
+    text, stats, free = run(make_worker(SPECULATIVE_CONFIG=ngram), scenario)
+    assert text == plain_text and text
+    assert stats.speculative and stats.spec_draft_tokens > 0
+    assert not plain_stats.speculative
+    assert free
