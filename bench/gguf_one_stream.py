@@ -1,6 +1,6 @@
-"""One stream's decode on the embedded SmolLM2 Q4_1 GGUF: its GGUF blocks (QUANTIZED_WEIGHTS=packed)
-against today's float32 copy (QUANTIZED_WEIGHTS=auto), in one run, each in its own process,
-alternating, best of --rounds.
+"""One stream's decode on the embedded SmolLM2 Q4_1 GGUF: its GGUF blocks (QUANTIZED_WEIGHTS=packed;
+`gguf-blocks` with float inputs, `gguf-int8` with GGUF_BLOCK_INPUTS=int8) against today's float32
+copy (QUANTIZED_WEIGHTS=auto), in one run, each in its own process, alternating, best of --rounds.
 
 Decode tokens/s = (M - 1) / (time of M tokens - time of 1 token), one greedy request alone
 (EOS ignored). Also prints the CPU flags that matter, each mode's resident memory after load,
@@ -31,7 +31,8 @@ PROMPTS = [
     "Explain photosynthesis in one sentence.",
     "List three prime numbers.",
 ]
-MODES = {"float32": "auto", "gguf-blocks": "packed"}
+MODES = {"float32": "auto", "gguf-blocks": "packed", "gguf-int8": "packed"}
+INPUTS = {"gguf-blocks": "float", "gguf-int8": "int8"}  # GGUF_BLOCK_INPUTS of each mode
 
 
 def agreement_child(mode: str, n_prompts: int, tokens: int) -> dict:
@@ -42,6 +43,8 @@ def agreement_child(mode: str, n_prompts: int, tokens: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.common import chat_prompt_ids
 
+    if mode in INPUTS:
+        os.environ["GGUF_BLOCK_INPUTS"] = INPUTS[mode]
     llm = LLM(None, dtype="float32", quantized_weights=MODES[mode], max_model_len=1024)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
     out = []
@@ -55,6 +58,8 @@ def child(mode: str, tokens: int, repeats: int) -> dict:
     from serverless_llm import LLM, SamplingParams
     from serverless_llm.engine import resident_bytes
 
+    if mode in INPUTS:
+        os.environ["GGUF_BLOCK_INPUTS"] = INPUTS[mode]
     llm = LLM(None, dtype="float32", quantized_weights=MODES[mode], max_model_len=1024)
     tok = llm.get_tokenizer()
     prompts = [
@@ -135,24 +140,16 @@ def main() -> int:
                   f"first token {res['first_token_s'] * 1e3:6.1f} ms  "
                   f"resident {res['resident_mib']:6.0f} MiB", flush=True)  # fmt: skip
     best = {m: max(rs, key=lambda x: x["decode_tok_s"]) for m, rs in results.items()}
-    fl, gb = best["float32"], best["gguf-blocks"]
-    same = sum(x == y for x, y in zip(fl["greedy"], gb["greedy"]))
-    toks = sum(len(x) for x in fl["greedy"])
-    agree = sum(a_ == b_ for x, y in zip(fl["greedy"], gb["greedy"]) for a_, b_ in zip(x, y))
-    first_diff = []
-    for x, y in zip(fl["greedy"], gb["greedy"]):
-        first_diff.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None))
-    print(
-        f"best decode: float32 {fl['decode_tok_s']:.1f} tok/s, gguf-blocks "
-        f"{gb['decode_tok_s']:.1f} tok/s ({gb['decode_tok_s'] / fl['decode_tok_s']:.2f}x)"
-    )
-    print(
-        f"resident: float32 {fl['resident_mib']:.0f} MiB, gguf-blocks {gb['resident_mib']:.0f} MiB"
-    )
-    print(
-        f"greedy (32 tokens x {len(PROMPTS)} prompts): {same}/{len(PROMPTS)} prompts equal, "
-        f"{agree}/{toks} positions equal; first difference at {first_diff}"
-    )
+    fl = best["float32"]
+    for mode in MODES:
+        b = best[mode]
+        same = sum(x == y for x, y in zip(fl["greedy"], b["greedy"]))
+        toks = sum(len(x) for x in fl["greedy"])
+        agree = sum(p == q for x, y in zip(fl["greedy"], b["greedy"]) for p, q in zip(x, y))
+        print(f"best {mode:12s} decode {b['decode_tok_s']:7.1f} tok/s "
+              f"({b['decode_tok_s'] / fl['decode_tok_s']:.2f}x float32), resident "
+              f"{b['resident_mib']:.0f} MiB, greedy vs float32 ({len(PROMPTS)} prompts x 32): "
+              f"{same} prompts, {agree}/{toks} positions equal")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({"cpu_flags": cpu_flags_line(), "runs": results}))
     return 0
@@ -165,16 +162,19 @@ def agreement(a) -> int:
                "--tokens", str(a.tokens)]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         got[mode] = json.loads(out.stdout.strip().splitlines()[-1])["greedy"]
-    fl, gb = got["float32"], got["gguf-blocks"]
+    fl = got["float32"]
     total = sum(map(len, fl))
-    equal = sum(x == y for f, g in zip(fl, gb) for x, y in zip(f, g))
-    prefix = [
-        next((i for i, (x, y) in enumerate(zip(f, g)) if x != y), len(f)) for f, g in zip(fl, gb)
-    ]
-    print(f"greedy agreement, {len(fl)} prompts x {a.tokens} tokens, each alone: "
-          f"{sum(f == g for f, g in zip(fl, gb))} prompts equal; {equal}/{total} positions equal "
-          f"({100 * equal / total:.1f}%); tokens before the first difference: "
-          f"{sum(prefix)}/{total} ({100 * sum(prefix) / total:.1f}%)")  # fmt: skip
+    for mode in INPUTS:
+        gb = got[mode]
+        equal = sum(x == y for f, g in zip(fl, gb) for x, y in zip(f, g))
+        prefix = [
+            next((i for i, (x, y) in enumerate(zip(f, g)) if x != y), len(f))
+            for f, g in zip(fl, gb)
+        ]
+        print(f"{mode}: greedy agreement with float32, {len(fl)} prompts x {a.tokens} tokens, "
+              f"each alone: {sum(f == g for f, g in zip(fl, gb))} prompts equal; {equal}/{total} "
+              f"positions equal ({100 * equal / total:.1f}%); tokens before the first "
+              f"difference: {sum(prefix)}/{total} ({100 * sum(prefix) / total:.1f}%)")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(got))
     return 0

@@ -1,11 +1,13 @@
 """The embedded SmolLM2 Q4_1 GGUF with QUANTIZED_WEIGHTS=packed: every linear and the tied LM
-head read the file's blocks for decode steps (layers/gguf_linear.py), and greedy decoding
-follows the float32 path's (QUANTIZED_WEIGHTS=auto: the same weights dequantized once) up to
-near ties: the block path quantizes activations to int8 per block, so where the float path's
-two best tokens are within a small logprob margin the pick may flip; before that the tokens
-and their logprobs agree closely."""
+head read the file's blocks for decode steps (layers/gguf_linear.py). With float inputs (the
+default on AVX-512) greedy tokens equal the float32 path's (QUANTIZED_WEIGHTS=auto: the same
+weights dequantized once). With GGUF_BLOCK_INPUTS=int8 they follow it up to near ties: x is
+quantized to int8 per block, so where the float path's two best tokens are within a small
+logprob margin the pick may flip; before that tokens and logprobs agree closely."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -21,10 +23,21 @@ TIE = 0.25  # logprob margin under which the two paths may pick different tokens
 CLOSE = 0.15  # largest logprob difference of an agreed token
 
 
+KW = dict(max_model_len=512, dtype="float32")
+
+
 @pytest.fixture(scope="module")
 def engines(model_cache_dir):
-    kw = dict(download_dir=model_cache_dir, max_model_len=512, dtype="float32")
-    return LLM(None, quantized_weights="auto", **kw), LLM(None, quantized_weights="packed", **kw)
+    return (
+        LLM(None, quantized_weights="auto", download_dir=model_cache_dir, **KW),
+        LLM(None, quantized_weights="packed", download_dir=model_cache_dir, **KW),
+    )
+
+
+def chat(llm, text):
+    return llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 @pytest.mark.slow
@@ -44,15 +57,33 @@ def test_packed_gguf_reads_blocks(engines):
 
 
 @pytest.mark.slow
-def test_packed_gguf_follows_the_float_path_up_to_near_ties(engines):
+def test_float_inputs_give_the_float_paths_tokens(engines):
     float_llm, packed = engines
-    tok = packed.get_tokenizer()
+    if packed.engine.runner.model.packed_lm_head.path != "float":
+        pytest.skip("no AVX-512 here: the blocks take int8 inputs (the test below)")
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for p in PROMPTS:
+        want = float_llm.generate(chat(float_llm, p), params)[0].outputs[0].token_ids
+        assert packed.generate(chat(packed, p), params)[0].outputs[0].token_ids == want, p
+
+
+@pytest.mark.slow
+def test_int8_inputs_follow_the_float_path_up_to_near_ties(engines, model_cache_dir):
+    float_llm, _ = engines
+    old = os.environ.get("GGUF_BLOCK_INPUTS")
+    os.environ["GGUF_BLOCK_INPUTS"] = "int8"
+    try:
+        packed = LLM(None, quantized_weights="packed", download_dir=model_cache_dir, **KW)
+    finally:
+        if old is None:
+            del os.environ["GGUF_BLOCK_INPUTS"]
+        else:
+            os.environ["GGUF_BLOCK_INPUTS"] = old
+    assert packed.engine.runner.model.packed_lm_head.path == "best"
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)
     agreed = 0
     for p in PROMPTS:
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
+        prompt = chat(packed, p)
         want = float_llm.generate(prompt, params)[0].outputs[0]
         got = packed.generate(prompt, params)[0].outputs[0]
         for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)):

@@ -76,19 +76,25 @@ def kernels():
     return k
 
 
+@pytest.mark.parametrize("inputs", ["float", "int8"])
 @pytest.mark.parametrize("permuted", [True, False])
-def test_every_linear_takes_its_blocks(kernels, monkeypatch, permuted):
+def test_every_linear_takes_its_blocks(kernels, monkeypatch, permuted, inputs):
+    monkeypatch.setenv("GGUF_BLOCK_INPUTS", inputs)
     model, tensors, config = build(permuted)
     monkeypatch.setattr(gguf_linear, "read_tensors", lambda path: tensors)
     line = gguf_linear.attach_gguf_blocks(model, "x.gguf", config, kernels)
     assert line.startswith("GGUF blocks: 5 linears")
+    want_path = "float" if inputs == "float" and kernels.has_float else "best"
+    assert f"({'float' if want_path == 'float' else 'int8'} inputs;" in line
     layer = model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj, model.packed_lm_head):  # fmt: skip
-        assert isinstance(lin, GGUFBlockLinear)
+        assert isinstance(lin, GGUFBlockLinear) and lin.path == want_path
+        assert lin.desc.path == gb.PATHS[want_path]
         x = torch.randn(3, lin.in_features)
         small = lin(x)  # the block linear
-        assert torch.allclose(small.double(), gb.reference_linear(x, lin.blocks), atol=1e-4)
+        want = gb.reference_linear(x, lin.blocks, quantize_x=lin.path != "float")
+        assert torch.allclose(small.double(), want, atol=1e-4)
         big = lin(torch.cat([x] * 7))  # 21 rows: oneDNN's float weight
         assert torch.allclose(big[:3], small, atol=0.05)
 
@@ -102,3 +108,11 @@ def test_a_mismatch_stays_float(kernels, monkeypatch, caplog):
     down = model.layers[0].mlp.down_proj
     assert type(down) is PackedLinear
     assert "0.mlp.down_proj" in caplog.text
+
+
+def test_a_bad_inputs_setting_is_named(kernels, monkeypatch):
+    model, tensors, config = build(True)
+    monkeypatch.setattr(gguf_linear, "read_tensors", lambda path: tensors)
+    monkeypatch.setenv("GGUF_BLOCK_INPUTS", "int4")
+    with pytest.raises(ValueError, match="GGUF_BLOCK_INPUTS='int4'"):
+        gguf_linear.attach_gguf_blocks(model, "x.gguf", config, kernels)

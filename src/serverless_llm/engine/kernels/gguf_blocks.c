@@ -39,6 +39,7 @@
 
 int qb32_has_vnni(void) { return HAVE_VNNI512; }
 int qb32_has_avx2(void) { return HAVE_AVX2; }
+int qb32_has_float(void) { return HAVE_VNNI512; }
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -154,6 +155,45 @@ static void row_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *c, in
 #endif
 
 #if HAVE_VNNI512
+/* Float inputs (path 3): the codes widened to float32 in registers and multiplied with x as
+ * it is, d * sum(u * x) + c * sum(x) per block (s holds each block's sum(x)): the dequantized
+ * weight's product up to float32 rounding, no int8 rounding of x. */
+static void row_float(const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb,
+                      int bits, const float *x, int64_t ldx, const float *s, int mt,
+                      float *acc) {
+    __m512 sum[4];
+    for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i u0, u1;
+        if (bits == 4) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
+            u0 = _mm_and_si128(raw, low);
+            u1 = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        } else {
+            u0 = _mm_loadu_si128((const __m128i *)(qs + b * 32));
+            u1 = _mm_loadu_si128((const __m128i *)(qs + b * 32 + 16));
+        }
+        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u0));
+        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u1));
+        __m512 wd = _mm512_set1_ps(_cvtsh_ss(d[b]));
+        for (int m = 0; m < mt; m++) {
+            const float *xb = x + m * ldx + b * 32;
+            __m512 t = _mm512_mul_ps(f0, _mm512_loadu_ps(xb));
+            t = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), t);
+            sum[m] = _mm512_fmadd_ps(t, wd, sum[m]);
+        }
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int64_t left = nb - b0;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 cv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b0));
+        for (int m = 0; m < mt; m++)
+            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * nb + b0), sum[m]);
+    }
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_reduce_add_ps(sum[m]);
+}
+
 /* The same with VPDPBUSD, two blocks per step; mt (1..4) constant after inlining. */
 static inline __attribute__((always_inline)) void row_vnni(
     const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb, int bits,
@@ -238,7 +278,8 @@ static inline __attribute__((always_inline)) void row_vnni(
 #endif
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the qb32 weight^T (+ bias).
- * bits: 4 or 8. path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built). */
+ * bits: 4 or 8. path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built),
+ * 3 float inputs (AVX-512 builds; else the best int8 path). */
 void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
                  const uint16_t *d, const uint16_t *c, int64_t N, int64_t bits,
                  const float *bias, float *out, int64_t ldo, int64_t path) {
@@ -265,6 +306,16 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
                 for (int h = 0; h < 2; h++)
                     memcpy(xm + b * 32 + h * 64 + j * 16, qm + (b + j) * 32 + h * 16, 16);
     }
+    int use_float = HAVE_VNNI512 && path == 3;
+    float *xs = use_float ? malloc(sizeof(float) * (size_t)(M * nb)) : NULL;
+    if (use_float) /* each block's sum of x, for the c term */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                float t = 0.0f;
+                for (int i = 0; i < 32; i++) t += x[m * ldx + b * 32 + i];
+                xs[m * nb + b] = t;
+            }
+    if (path == 3 && !HAVE_VNNI512) path = 0;
     int use_vnni = HAVE_VNNI512 && path == 0, use_avx2 = HAVE_AVX2 && (path == 0 || path == 2);
     int64_t bb = bits == 4 ? 16 : 32;
     int64_t work = N * M * K;
@@ -278,7 +329,9 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
             float acc[4];
             const int8_t *qm = q + m0 * K;
 #if HAVE_VNNI512
-            if (use_vnni) {
+            if (use_float) {
+                row_float(qn, dn, cn, nb, (int)bits, x + m0 * ldx, ldx, xs + m0 * nb, mt, acc);
+            } else if (use_vnni) {
                 const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * nb, *a4m = a4 + m0 * nb * 4;
                 const int8_t *x4m = x4 + m0 * K;
                 switch (mt) {
@@ -309,6 +362,7 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
     free(s);
     free(x4);
     free(a4);
+    free(xs);
 }
 
 /* A qb32 weight as one pointer, for callers in other libraries (cpu_native.c's whole decoder
@@ -317,10 +371,11 @@ typedef struct {
     const uint8_t *qs;
     const uint16_t *d, *c;
     int64_t N, K, bits;
+    int64_t path; /* qb32_linear's */
 } qb32_t;
 
 void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
                       const float *bias, float *out, int64_t ldo) {
     const qb32_t *w = desc;
-    qb32_linear(x, ldx, M, w->K, w->qs, w->d, w->c, w->N, w->bits, bias, out, ldo, 0);
+    qb32_linear(x, ldx, M, w->K, w->qs, w->d, w->c, w->N, w->bits, bias, out, ldo, w->path);
 }

@@ -180,11 +180,17 @@ class QB32Desc(ctypes.Structure):
     """A QB32 weight as gguf_blocks.c's qb32_t (its tensors must outlive it)."""
 
     _fields_ = [("qs", _P), ("d", _P), ("c", _P), ("N", _I), ("K", _I), ("bits", _I)]
+    _fields_ += [("path", _I)]
 
     @staticmethod
-    def of(w: QB32) -> QB32Desc:
+    def of(w: QB32, path: str = "best") -> QB32Desc:
         n, k = w.shape
-        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits)
+        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits, PATHS[path])
+
+
+# BlockKernels.linear's paths: "best" (int8 inputs: AVX-512 VNNI, else AVX2, else portable),
+# "portable", "avx2" (int8 inputs, tests), "float" (float inputs, AVX-512 only: `has_float`).
+PATHS = {"best": 0, "portable": 1, "avx2": 2, "float": 3}
 
 
 class BlockKernels:
@@ -196,6 +202,7 @@ class BlockKernels:
         self.lib = ctypes.CDLL(str(path))
         self.vnni = bool(self.lib.qb32_has_vnni())
         self.avx2 = bool(self.lib.qb32_has_avx2())
+        self.has_float = bool(self.lib.qb32_has_float())
         f = self.lib.qb32_linear
         f.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
         f.restype = None
@@ -205,8 +212,8 @@ class BlockKernels:
 
     def linear(self, x: torch.Tensor, w: QB32, bias=None, path: str = "best") -> torch.Tensor:
         """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32. `path`:
-        "best" (AVX-512 VNNI, else AVX2, else portable), "portable" or "avx2" (tests)."""
-        code = {"best": 0, "portable": 1, "avx2": 2}[path]
+        one of PATHS ("float": x unquantized, `reference_linear(..., quantize_x=False)`)."""
+        code = PATHS[path]
         m, k = x.shape
         n, wk = w.shape
         if wk != k:
@@ -238,7 +245,9 @@ def self_check(kernels: BlockKernels) -> str | None:
         for m in (1, 5):
             x = torch.randn(m, k, generator=g)
             want = reference_linear(x, w, b).float()
-            for path in ("best", "portable", "avx2"):
+            for path in ("best", "portable", "avx2", "float"):
+                if path == "float":
+                    want = reference_linear(x, w, b, quantize_x=not kernels.has_float).float()
                 got = kernels.linear(x, w, b, path=path)
                 err = (got - want).abs().max().item()
                 if not err <= 1e-3 * (1 + want.abs().max().item()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 from torch import nn
@@ -36,17 +37,20 @@ BLOCK_ROWS = 16  # steps of at most this many rows read the blocks
 class GGUFBlockLinear(PackedLinear):
     """A PackedLinear that also holds its weight as qb32 blocks, used for small steps."""
 
-    def __init__(self, base: PackedLinear, blocks: QB32, kernels: BlockKernels) -> None:
+    def __init__(
+        self, base: PackedLinear, blocks: QB32, kernels: BlockKernels, path: str = "best"
+    ) -> None:
         nn.Module.__init__(self)
         self.out_features, self.in_features = base.out_features, base.in_features
         self.packed, self.bias = base.packed, base.bias
         self.panels, self.native, self.native_rows = None, None, 0
         self.blocks, self.kernels, self.block_rows = blocks, kernels, BLOCK_ROWS
-        self.desc = QB32Desc.of(blocks)  # for the whole-layer native decode
+        self.path = path  # the kernel's: "best" (int8 inputs) or "float"
+        self.desc = QB32Desc.of(blocks, path)  # for the whole-layer native decode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.block_rows and x.dtype == torch.float32:
-            return self.kernels.linear(x, self.blocks, self.bias)
+            return self.kernels.linear(x, self.blocks, self.bias, self.path)
         return packed_linear(x, self.packed, self.bias)
 
 
@@ -118,11 +122,26 @@ def _whole_layer(layer, kernels: BlockKernels):
     return whole
 
 
+def block_inputs() -> str:
+    """GGUF_BLOCK_INPUTS: "float" (default where the CPU has AVX-512: x multiplies the codes
+    as float32, the dequantized weight's product up to rounding) or "int8" (x quantized per
+    block to int8 and integer dots, as llama.cpp does: faster, but tokens part from the float
+    path's at near ties)."""
+    raw = os.environ.get("GGUF_BLOCK_INPUTS", "").strip().lower() or "float"
+    if raw not in ("float", "int8"):
+        raise ValueError(f"GGUF_BLOCK_INPUTS={raw!r}: expected float or int8")
+    return raw
+
+
 def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: BlockKernels) -> str:
     """Swaps the model's packed linears (and a tied LM head) for GGUFBlockLinear where the file
     has their tensors in a qb32 type and they check out; turns the whole-layer native decode off
     for layers that got one. Returns the start-up line."""
     tensors = read_tensors(gguf_path)
+    inputs = block_inputs()
+    if inputs == "float" and not kernels.has_float:
+        inputs = "int8"  # float inputs are built for AVX-512 only
+    kernel_path = "float" if inputs == "float" else "best"
     done, kept, held = 0, [], 0
     for i, layer in enumerate(getattr(model, "layers", [])):
         swapped = False
@@ -141,7 +160,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
             if not ok:
                 kept.append(f"{i}.{path}")
                 continue
-            setattr(parent, name, GGUFBlockLinear(lin, blocks, kernels))
+            setattr(parent, name, GGUFBlockLinear(lin, blocks, kernels, kernel_path))
             done, swapped, held = done + 1, True, held + blocks.nbytes()
         if swapped and getattr(layer, "native_decode", None) is not None:
             layer.native_decode = _whole_layer(layer, kernels)
@@ -150,7 +169,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
     if isinstance(head, PackedLinear) and emb is not None and emb.type_name in FILE_TYPES:
         blocks = from_gguf_blocks(emb.data, emb.type_name, emb.shape[0])
         if _agrees(head, blocks, kernels):
-            model.packed_lm_head = GGUFBlockLinear(head, blocks, kernels)
+            model.packed_lm_head = GGUFBlockLinear(head, blocks, kernels, kernel_path)
             done, held = done + 1, held + blocks.nbytes()
         else:
             kept.append("lm_head")
@@ -159,5 +178,6 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
                        ", ".join(kept[:8]))  # fmt: skip
     return (
         f"GGUF blocks: {done} linears read their quantized blocks ({held / 2**20:.0f} MiB) for "
-        f"steps of <= {BLOCK_ROWS} rows ({'AVX-512 VNNI' if kernels.vnni else 'portable C'})"
+        f"steps of <= {BLOCK_ROWS} rows ({inputs} inputs; "
+        f"{'AVX-512' if kernels.vnni else 'AVX2' if kernels.avx2 else 'portable C'})"
     )
