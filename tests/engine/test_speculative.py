@@ -347,3 +347,28 @@ def test_streams_carry_accepted_runs(tiny_llama):
         assert ids == exp.outputs[0].token_ids and text == exp.outputs[0].text
     assert spec.engine.stats().spec_accepted_tokens > 0
     assert spec.engine.block_pool.num_free == spec.engine.block_pool.num_blocks
+
+
+def test_drafts_never_put_off_another_requests_decode(tiny_llama):
+    """With a step budget barely above the batch, every running request still gets its token
+    each step; drafts take only what is left."""
+    plain, spec = engines(tiny_llama, max_num_batched_tokens=10)
+    vocab = plain.engine.vocab_size
+    prompts = [p[:2] for p in random_prompts(vocab, 8)]  # all prefilled in the first steps
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = tokens(plain.generate(prompts, params))
+    oracle(spec, prompts, full)
+    engine = spec.engine
+    execute = engine.runner.execute
+    starved = []
+
+    def watching(batch):
+        decoding = [r for r in engine.scheduler.running if r.num_computed_tokens > 0]
+        starved.extend(r for r in decoding if r not in batch.requests)
+        assert batch.total_tokens <= 10
+        return execute(batch)
+
+    engine.runner.execute = watching
+    assert tokens(spec.generate(prompts, params)) == full
+    assert not starved
+    assert engine.stats().spec_accepted_tokens > 0

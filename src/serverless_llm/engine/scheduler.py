@@ -187,7 +187,8 @@ class Scheduler:
 
         # Running requests, oldest first. A preempted request leaves `running`, so iterate over
         # a snapshot and skip those already gone.
-        for req in list(self.running):
+        running = list(self.running)
+        for i, req in enumerate(running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -198,8 +199,11 @@ class Scheduler:
                 continue
             partial += cap is not None and num_new < left
             drafts = None
-            if self.propose is not None and left == 1 and budget > 1:
-                drafts = self.propose(req, budget - 1) or None
+            # Drafts take only budget that leaves a token for each running request after this
+            # one (a decode is never put off for another request's drafts).
+            room = budget - 1 - (len(running) - i - 1)
+            if self.propose is not None and left == 1 and room > 0:
+                drafts = self.propose(req, room) or None
                 if drafts:
                     num_new += len(drafts)
             while not self._grow(req, req.num_computed_tokens + num_new):
