@@ -104,21 +104,31 @@ def _agrees(lin: PackedLinear, blocks: QB32, kernels: BlockKernels) -> bool:
     return bool((got - want).abs().max() <= 0.05 * want.abs().max())
 
 
-def _whole_layer(layer, kernels: BlockKernels):
-    """The layer's whole-layer native decode (models/decoder.py's NativeDecodeLayer) rebuilt on
-    its block linears (cpu_native.c calls the block linear through decoder_layer_t.qlinear),
-    for steps of <= BLOCK_ROWS rows; None (the per-op path) unless all four linears have
-    blocks."""
+def _whole_layer(layer, kernels: BlockKernels, native):
+    """The layer's whole-layer native decode (models/decoder.py's NativeDecodeLayer) on its
+    block linears (cpu_native.c calls the block linear through decoder_layer_t.qlinear), for
+    steps of <= BLOCK_ROWS rows, where the layer's shape fits it; None (the per-op path)
+    otherwise, or unless all four linears have blocks. Whether the float panels won at this
+    machine's measurement does not matter here: the blocks replace them."""
     from ..models.decoder import NativeDecodeLayer
 
-    old = layer.native_decode
     linears = NativeDecodeLayer.linears_of(layer)
     if not all(isinstance(lin, GGUFBlockLinear) for lin in linears):
         return None
-    whole = NativeDecodeLayer(layer, old.native, BLOCK_ROWS)
-    w = whole.weights
-    w.qlinear = kernels.linear_desc_address
-    w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.desc) for lin in linears)
+    # attach() asks for panels and native rows; the blocks stand in for both
+    for lin in linears:
+        lin.panels, lin.native_rows = torch.empty(0), BLOCK_ROWS
+    try:
+        NativeDecodeLayer.attach(layer, native, False)
+    finally:
+        for lin in linears:
+            lin.panels, lin.native_rows = None, 0
+    whole = layer.native_decode
+    if whole is not None:
+        w = whole.weights
+        w.qkv_w = w.o_w = w.up_w = w.down_w = None
+        w.qlinear = kernels.linear_desc_address
+        w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.desc) for lin in linears)
     return whole
 
 
@@ -162,8 +172,9 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: Blo
                 continue
             setattr(parent, name, GGUFBlockLinear(lin, blocks, kernels, kernel_path))
             done, swapped, held = done + 1, True, held + blocks.nbytes()
-        if swapped and getattr(layer, "native_decode", None) is not None:
-            layer.native_decode = _whole_layer(layer, kernels)
+        if swapped and hasattr(layer, "native_decode"):
+            native = getattr(model, "native", None)
+            layer.native_decode = None if native is None else _whole_layer(layer, kernels, native)
     head = getattr(model, "packed_lm_head", None)
     emb = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if isinstance(head, PackedLinear) and emb is not None and emb.type_name in FILE_TYPES:
