@@ -27,6 +27,11 @@ def settings_metadata() -> list[dict[str, Any]]:
         extra = field_extra(field)
         kind = field_kind(field)
         default = field.default
+        choices = list(extra.get("choices", []))
+        if kind == "bool" and default is None and not choices:
+            # Unset means "as the model says": a form toggle cannot leave it unset (it would
+            # write false), so the form offers unset / true / false.
+            choices = ["true", "false"]
         rows.append(
             {
                 "field": name,
@@ -38,11 +43,11 @@ def settings_metadata() -> list[dict[str, Any]]:
                 "type": {"SecretStr": "secret", "str": "str"}.get(kind, kind),
                 "form_type": (
                     "select"
-                    if "choices" in extra
+                    if choices
                     else {"bool": "toggle", "int": "number", "float": "number"}.get(kind, "text")
                 ),
                 "default": default,
-                "choices": list(extra.get("choices", [])),
+                "choices": choices,
                 "allowed": allowed_values(field),
             }
         )
