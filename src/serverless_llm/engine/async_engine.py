@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from .client import ModelInfo
 from .config import EngineConfig
@@ -33,6 +34,7 @@ from .multimodal import MultiModalInput
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import TensorParallelError
 from .pooling import embed_params
+from .request import Request
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar
 from .sampling.structured.spec import StructuredOutputSpec
@@ -232,6 +234,14 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = self.core.inputs.build_request(prepared, params, request_id)
         req.priority = priority
+        async with aclosing(self._outputs(req)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _outputs(self, req: Request) -> AsyncIterator[EngineOutput]:
+        """Queues `req` for the loop and yields its outputs up to the finished one; a caller
+        that stops early (closes this) aborts the request."""
+        request_id = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append(req)
@@ -289,26 +299,11 @@ class AsyncEngine:
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare_embed_prompt(prompt, truncate_prompt_tokens)
         req = self.core.build_embed_request(prompt, request_id, dimensions)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._pending_adds.append(req)
-        self._ensure_loop()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
+        async with aclosing(self._outputs(req)) as outputs:
+            async for item in outputs:
                 if item.finished:
-                    finished = True
                     return item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._pending_aborts.append(request_id)
-                if self._wakeup is not None:
-                    self._wakeup.set()
+        raise AssertionError("a request's outputs end with its finished one")
 
     async def abort(self, request_id: str) -> None:
         self._pending_aborts.append(request_id)
