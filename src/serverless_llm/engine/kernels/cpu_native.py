@@ -189,18 +189,20 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "serverless_llm" / "cpu_native"
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """The compiled library for this machine, built if its key is not cached yet. Raises
-    OSError or subprocess.CalledProcessError when it cannot be built."""
+def build(out_dir: Path | None = None, source: Path = SOURCE) -> Path:
+    """The compiled library of `source` (this module's C file, or another kernel module's, such
+    as gguf_blocks.c) for this machine, built if its key (source, compiler, CPU flags, build
+    flags) is not cached yet. Raises OSError or subprocess.CalledProcessError when it cannot be
+    built."""
     cc = _compiler()
     version = subprocess.run(
         [cc, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, cpu_flags(), *_build_flags()]).encode()
+        "\0".join([source.read_text(), version, cpu_flags(), *_build_flags()]).encode()
     ).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    lib = out_dir / f"cpu_native-{key}.so"
+    lib = out_dir / f"{source.stem}-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +212,7 @@ def build(out_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *_build_flags(), str(SOURCE), "-o", tmp, "-lm"],
+            [cc, *_build_flags(), str(source), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             check=True,

@@ -20,11 +20,8 @@ fails.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cpu_native import _build_flags, _compiler, cache_dir, cpu_flags
+from . import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -145,32 +142,9 @@ def reference_linear(x, w: QB32, bias=None, quantize_x: bool = True) -> torch.Te
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """The compiled library for this machine (cached by a key of the source, compiler, CPU
-    flags and build flags, like cpu_native's)."""
-    cc = _compiler()
-    version = subprocess.run(
-        [cc, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, cpu_flags(), *_build_flags()]).encode()
-    ).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    lib = out_dir / f"gguf_blocks-{key}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *_build_flags(), str(SOURCE), "-o", tmp, "-lm"],
-            capture_output=True, text=True, check=True, timeout=300,
-        )  # fmt: skip
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    """The compiled library for this machine, built and cached as cpu_native's (its key: the
+    source, compiler, CPU flags and build flags)."""
+    return cpu_native.build(out_dir, SOURCE)
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
