@@ -153,6 +153,18 @@ class LLM:
             self._counter += 1
             groups.append(group)
         requests = [req for group in groups for req in group]
+        self._run(requests)
+        failed = [engine.failed.pop(req.request_id, None) for req in requests]
+        if exc := next((e for e in failed if e is not None), None):
+            # The others finished (the engine isolates a failure), but a batch call has one
+            # result: the failure.
+            raise RuntimeError(f"a request failed in output processing: {exc}") from exc
+        return [self._result(group, p) for group, p in zip(groups, params)]
+
+    def _run(self, requests: list) -> None:
+        """Adds `requests` and steps the engine until nothing is left; an error or interrupt on
+        the way aborts them (their KV blocks are freed) and is raised."""
+        engine = self.engine
         for req in requests:
             engine.add(req)
         try:
@@ -162,12 +174,6 @@ class LLM:
             for req in requests:
                 engine.abort_request(req.request_id)
             raise
-        failed = [engine.failed.pop(req.request_id, None) for req in requests]
-        if exc := next((e for e in failed if e is not None), None):
-            # The others finished (the engine isolates a failure), but a batch call has one
-            # result: the failure.
-            raise RuntimeError(f"a request failed in output processing: {exc}") from exc
-        return [self._result(group, p) for group, p in zip(groups, params)]
 
     def embed(
         self,
@@ -190,15 +196,7 @@ class LLM:
                 engine.build_embed_request(prepared, f"llm-embed-{self._counter}", dimensions)
             )
             self._counter += 1
-        for req in requests:
-            engine.add(req)
-        try:
-            while engine.has_unfinished_requests():
-                engine.step()
-        except BaseException:
-            for req in requests:
-                engine.abort_request(req.request_id)
-            raise
+        self._run(requests)
         return [
             EmbeddingRequestOutput(
                 req.request_id, list(req.prompt_token_ids), EmbeddingOutput(req.embedding), True
