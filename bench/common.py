@@ -222,6 +222,17 @@ class CpuCompetition:
         self.other_cores = max(0.0, ((busy1 - busy0) - own) / wall)
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """Ends a server the bench started: SIGTERM (its graceful shutdown), then SIGKILL if it
+    is still there after `grace` seconds. Nothing happens to one that has exited already."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
 def wait_for_quiet(max_wait: float, threshold: float = 0.1, sample: float = 2.0) -> float | None:
     """Waits, up to `max_wait` seconds, until other processes keep fewer than `threshold` cores
     busy over a `sample`-second window; returns the last reading (None: not measurable)."""

@@ -49,6 +49,7 @@ from bench.common import (  # noqa: E402
     machine_info,
     process_cpu_seconds,
     set_threads,
+    stop_process,
 )
 from bench.throughput import BATCH_TOKENS, PAGE_SIZE, engine_llm  # noqa: E402
 
@@ -255,11 +256,7 @@ def metrics_ab(args: argparse.Namespace, model_dir: str, settings: dict[str, str
                 times[on].append((seconds, comp.other_cores))
     finally:
         for _, proc in servers.values():
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
     total = args.num_prompts * args.max_tokens
     rows = [
         [
@@ -448,11 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the endpoint produced {tokens} tokens, not {total}")
             results.append((off_s, c_off.other_cores, ep_s, c_ep.other_cores, c_ep.own_cores))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)
     whole.__exit__(None, None, None)
 
     rows = []

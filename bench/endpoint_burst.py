@@ -224,11 +224,10 @@ def report(results: dict[str, dict[str, Any]], info: dict[str, Any], load: Any) 
 
 def burst_main(args: Any, model_dir: str, settings: dict[str, str], start_server, free_port) -> int:
     """`bench/endpoint.py --burst`: one endpoint, the three windows, the table and the bar."""
-    import subprocess
 
     import httpx
 
-    from bench.common import load_average, machine_info
+    from bench.common import load_average, machine_info, stop_process
 
     port = free_port()
     load = load_average()
@@ -238,11 +237,7 @@ def burst_main(args: Any, model_dir: str, settings: dict[str, str], start_server
         model = httpx.get(f"http://127.0.0.1:{port}/openai/v1/models", timeout=60).json()
         results = run_burst(port, model["data"][0]["id"], args.burst_jobs)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)
     ok = report(results, machine_info(), load)
     if args.json:
         from pathlib import Path

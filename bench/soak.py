@@ -53,6 +53,7 @@ from bench.common import (  # noqa: E402
     default_model_dir,
     format_table,
     machine_info,
+    stop_process,
 )
 from bench.endpoint import free_port, log, start_server  # noqa: E402
 from bench.throughput import BATCH_TOKENS, PAGE_SIZE  # noqa: E402
@@ -950,12 +951,7 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(soak(args, server, port, model))
         report = build_report(args, res, server)
     finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        stop_process(server)
     output.join(10)
     report["server_error_log_lines"] = output.error_lines + output.tracebacks
     if report["worker_deaths"] or report["server_error_log_lines"]:
