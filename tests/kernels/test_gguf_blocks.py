@@ -51,7 +51,7 @@ def test_layout_equals_the_gguf_package_dequantization(type_name):
 def test_layout_refuses_what_it_cannot_hold():
     raw, _ = gguf_tensor("Q4_1", 2, 64)
     with pytest.raises(ValueError, match="no qb32 layout"):
-        gb.from_gguf_blocks(raw, "Q5_K", 64)
+        gb.from_gguf_blocks(raw, "Q3_K", 64)
     with pytest.raises(ValueError, match="whole blocks"):
         gb.from_gguf_blocks(raw, "Q4_1", 60)
 
@@ -115,8 +115,12 @@ def test_rows_and_stacking_follow_the_weight():
     both = gb.QB32.cat([w, w.rows(order)])
     assert torch.equal(gb.dequantize(both), torch.cat([gb.dequantize(w), gb.dequantize(w)[order]]))
     raw8, _ = gguf_tensor("Q8_0", 6, 64)
-    with pytest.raises(ValueError, match="bit widths"):
-        gb.QB32.cat([w, gb.from_gguf_blocks(raw8, "Q8_0", 64)])
+    w8 = gb.from_gguf_blocks(raw8, "Q8_0", 64)
+    mixed = gb.QB32.cat([w, w8])  # widened to one code a byte, exactly
+    assert mixed.bits == 8 and torch.equal(gb.dequantize(mixed),
+                                           torch.cat([gb.dequantize(w), gb.dequantize(w8)]))  # fmt: skip
+    with pytest.raises(ValueError, match="different inputs"):
+        gb.QB32.cat([w, gb.from_gguf_blocks(gguf_tensor("Q8_0", 6, 96)[0], "Q8_0", 96)])
 
 
 def test_unpermute_undoes_the_converters_rotary_order():

@@ -3,18 +3,22 @@
  * torch references it is tested against).
  *
  * The layout ("qb32"): a weight [N, K] with K a multiple of 32, in blocks of 32 consecutive
- * inputs of one output row; every block's values are w = d * u + c with u an unsigned code:
- *   - 4-bit (Q4_0, Q4_1): qs [N, K/32, 16] bytes, byte j of a block holding u of input j in
- *     its low nibble and of input j + 16 in its high nibble (the file's own order);
- *   - 8-bit (Q8_0): qs [N, K/32, 32] bytes, u = q + 128 (the signed code moved to unsigned);
- *   - d [N, K/32] and c [N, K/32] float16: Q4_1's scale and min; Q4_0's scale and -8 * scale;
- *     Q8_0's scale and -128 * scale.
+ * inputs of one output row; every value is w = d * u + c with u an unsigned code and (d, c) the
+ * scale and offset of its group of `group` inputs (32, or 16 for Q6_K):
+ *   - 4-bit codes (Q4_0, Q4_1, Q4_K): qs [N, K/32, 16] bytes, byte j of a block holding u of
+ *     input j in its low nibble and of input j + 16 in its high nibble;
+ *   - 5-, 6- and 8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K; Q8_0): qs [N, K/32, 32], one code a
+ *     byte (Q8_0: u = q + 128);
+ *   - d [N, K/group] and c [N, K/group], float16 (scale_bytes 2) where every value is exact in
+ *     it, else float32 (4): the K-quants' sub-block scales d * sc are exact only in float32.
+ * gguf_blocks.py maps each file type onto this and docs/quantization.md lists the mappings.
  *
- * The product: each row of x is quantized per block of 32 to int8 (scale a = max|x| / 127,
- * codes round-half-even(x / a)), so a block's contribution to out is
+ * The product, int8 inputs: each row of x is quantized per block of 32 to int8 (scale
+ * a = max|x| / 127, codes round-half-even(x / a)), so a group's contribution to out is
  *   d * a * sum(u * q) + c * (a * sum(q)),
- * the sum over 32 products of unsigned and signed bytes: one VPDPBUSD per two blocks on
- * AVX-512 VNNI. Elsewhere (and with `scalar`) a plain C loop computes the same integers.
+ * the sum over products of unsigned and signed bytes: VPDPBUSD on AVX-512 VNNI. Elsewhere (and
+ * with the portable path) a plain C loop computes the same integers. Float inputs (AVX-512):
+ * d * sum(u * x) + c * sum(x), x as it is.
  */
 #include <math.h>
 #include <omp.h>
@@ -41,6 +45,17 @@ int qb32_has_vnni(void) { return HAVE_VNNI512; }
 int qb32_has_avx2(void) { return HAVE_AVX2; }
 int qb32_has_float(void) { return HAVE_VNNI512; }
 
+/* A qb32 weight as one pointer (gguf_blocks.py's QB32Desc; cpu_native.c's whole decoder layer
+ * calls qb32_linear_desc with it through its decoder_layer_t.qlinear). */
+typedef struct {
+    const uint8_t *qs;
+    const void *d, *c;   /* float16 or float32, [N, K / group] */
+    int64_t N, K, bits;  /* bits: 4 (nibbles), 5, 6 or 8 (a byte each) */
+    int64_t path;        /* qb32_linear's */
+    int64_t group;       /* inputs per (d, c): 32 or 16 (byte codes only) */
+    int64_t scale_bytes; /* 2: float16 d and c; 4: float32 */
+} qb32_t;
+
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
@@ -64,63 +79,111 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* One row of x into int8 codes q[K], per-block scales a[nb] and a * sum(q) s[nb]. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *a, float *s) {
+/* Scale or offset i of a row's d or c (float32 where f32, else float16). */
+static inline float scale_at(const void *p, int f32, int64_t i) {
+    return f32 ? ((const float *)p)[i] : half_to_float(((const uint16_t *)p)[i]);
+}
+
+/* One row of x into int8 codes q[K], per-block scales a[K/32] and a * sum(q) per group of
+ * `group` inputs s[K/group]. */
+static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *a, float *s) {
     int64_t nb = K / 32;
+    int per = 32 / group;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float scale = amax / 127.0f;
         float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0;
+        int sum[2] = {0, 0};
         for (int i = 0; i < 32; i++) {
             int v = (int)nearbyintf(xb[i] * inv);
             v = v > 127 ? 127 : (v < -127 ? -127 : v);
             q[b * 32 + i] = (int8_t)v;
-            sum += v;
+            sum[i / group] += v;
         }
         a[b] = scale;
-        s[b] = scale * (float)sum;
+        for (int h = 0; h < per; h++) s[b * per + h] = scale * (float)sum[h];
     }
 }
 
-/* out[m] for the rows m < mt of one output row n: the portable path. */
-static void row_scalar(const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb,
-                       int bits, const int8_t *q, const float *a, const float *s, int64_t K,
-                       int mt, float *acc) {
-    int64_t bb = bits == 4 ? 16 : 32;
+/* Integer dots of one block's codes u with input codes qb: dot[0] over the block (group 32) or
+ * its first 16 inputs, dot[1] over its second 16 inputs (group 16). */
+static inline void block_dots(const uint8_t *u, int bits, int group, const int8_t *qb,
+                              int32_t dot[2]) {
+    int hi = group == 16;
+    dot[0] = dot[1] = 0;
+    if (bits == 4) {
+        for (int j = 0; j < 16; j++) {
+            dot[0] += (int32_t)(u[j] & 15) * qb[j];
+            dot[hi] += (int32_t)(u[j] >> 4) * qb[j + 16];
+        }
+    } else {
+        for (int j = 0; j < 16; j++) dot[0] += (int32_t)u[j] * qb[j];
+        for (int j = 16; j < 32; j++) dot[hi] += (int32_t)u[j] * qb[j];
+    }
+}
+
+/* Block b's sum of d * dot over its groups. */
+static inline float block_scaled(const void *d, int f32, int group, int64_t b,
+                                 const int32_t dot[2]) {
+    if (group == 16)
+        return scale_at(d, f32, 2 * b) * (float)dot[0] + scale_at(d, f32, 2 * b + 1) * (float)dot[1];
+    return scale_at(d, f32, b) * (float)dot[0];
+}
+
+/* out[m] for the rows m < mt of one output row: the portable path. */
+static void row_scalar(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
+                       int group, int f32, const int8_t *q, const float *a, const float *s,
+                       int64_t K, int mt, float *acc) {
+    int64_t bb = bits == 4 ? 16 : 32, ng = K / group;
     for (int m = 0; m < mt; m++) {
         const int8_t *qm = q + m * K;
-        const float *am = a + m * nb, *sm = s + m * nb;
+        const float *am = a + m * nb, *sm = s + m * ng;
         float total = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *u = qs + b * bb;
-            const int8_t *qb = qm + b * 32;
-            int32_t dot = 0;
-            if (bits == 4) {
-                for (int j = 0; j < 16; j++)
-                    dot += (int32_t)(u[j] & 15) * qb[j] + (int32_t)(u[j] >> 4) * qb[j + 16];
-            } else {
-                for (int j = 0; j < 32; j++) dot += (int32_t)u[j] * qb[j];
-            }
-            total += half_to_float(d[b]) * am[b] * (float)dot + half_to_float(c[b]) * sm[b];
+            int32_t dot[2];
+            block_dots(qs + b * bb, bits, group, qm + b * 32, dot);
+            total += am[b] * block_scaled(d, f32, group, b, dot);
         }
+        for (int64_t g = 0; g < ng; g++) total += scale_at(c, f32, g) * sm[g];
         acc[m] = total;
     }
 }
 
+#if HAVE_AVX2 || HAVE_VNNI512
+/* The SIMD paths' scale read: F16C's conversion for float16. */
+static inline float scale_fast(const void *p, int f32, int64_t i) {
+    return f32 ? ((const float *)p)[i] : _cvtsh_ss(((const uint16_t *)p)[i]);
+}
+
+/* n (2 or 4, constant after inlining) scales from i into the low lanes. */
+static inline __attribute__((always_inline)) __m128 scales_n(const void *p, int f32, int64_t i,
+                                                             int n) {
+    if (f32) {
+        float t[4] = {0, 0, 0, 0};
+        memcpy(t, (const float *)p + i, (size_t)n * 4);
+        return _mm_loadu_ps(t);
+    }
+    uint64_t h = 0;
+    memcpy(&h, (const uint16_t *)p + i, (size_t)n * 2);
+    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h));
+}
+#endif
+
 #if HAVE_AVX2
-/* The same with AVX2, one block a step: VPMADDUBSW (unsigned 4-bit codes times signed input
- * bytes; for Q8_0, |q| times the input with q's sign, so no pair sum saturates), VPMADDWD to
- * int32, a float FMA by the block's two scales. */
-static void row_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb,
-                     int bits, const int8_t *q, const float *a, const float *s, int64_t K,
-                     int mt, float *acc) {
+/* The same with AVX2, one block a step: VPMADDUBSW (unsigned codes of 6 bits or fewer times
+ * signed input bytes; for 8-bit codes, |u - 128| times the input with u - 128's sign, so no pair
+ * sum saturates, and the 128 * d moves to the offsets), VPMADDWD to int32, a float FMA by the
+ * group's two scales. */
+static void row_avx2(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
+                     int group, int f32, const int8_t *q, const float *a, const float *s,
+                     int64_t K, int mt, float *acc) {
     __m256 sum[4];
     for (int m = 0; m < mt; m++) sum[m] = _mm256_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    int64_t ng = K / group;
     for (int64_t b = 0; b < nb; b++) {
         __m256i u;
         if (bits == 4) {
@@ -129,17 +192,21 @@ static void row_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *c, in
             __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
             u = _mm256_set_m128i(hi, lo);
         } else {
-            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + b * 32)), flip);
+            u = _mm256_loadu_si256((const __m256i *)(qs + b * 32));
+            if (bits == 8) u = _mm256_xor_si256(u, flip);
         }
-        float wd = _cvtsh_ss(d[b]);
+        /* lanes 0-3 of the int32 dot hold inputs 0-15, lanes 4-7 inputs 16-31 */
+        float w0 = scale_fast(d, f32, group == 16 ? 2 * b : b);
+        float w1 = group == 16 ? scale_fast(d, f32, 2 * b + 1) : w0;
         for (int m = 0; m < mt; m++) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(q + m * K + b * 32));
-            __m256i p = bits == 4 ? _mm256_maddubs_epi16(u, x)
-                                  : _mm256_maddubs_epi16(_mm256_abs_epi8(u),
-                                                         _mm256_sign_epi8(x, u));
+            __m256i p = bits == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(u),
+                                                         _mm256_sign_epi8(x, u))
+                                  : _mm256_maddubs_epi16(u, x);
             __m256i dot = _mm256_madd_epi16(p, ones);
-            sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wd * a[m * nb + b]),
-                                     sum[m]);
+            float am = a[m * nb + b];
+            __m256 scale = _mm256_set_m128(_mm_set1_ps(w1 * am), _mm_set1_ps(w0 * am));
+            sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, sum[m]);
         }
     }
     for (int m = 0; m < mt; m++) {
@@ -147,23 +214,37 @@ static void row_avx2(const uint8_t *qs, const uint16_t *d, const uint16_t *c, in
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         float total = _mm_cvtss_f32(h);
-        if (bits == 4) /* Q8_0 summed q itself, not u = q + 128: c = -128d is already in */
-            for (int64_t b = 0; b < nb; b++) total += _cvtsh_ss(c[b]) * s[m * nb + b];
+        /* 8-bit codes summed (u - 128) * q: the offset is c + 128 d (0 for Q8_0's c = -128 d) */
+        if (bits == 8) {
+            for (int64_t g = 0; g < ng; g++) {
+                float cg = scale_fast(c, f32, g) + 128.0f * scale_fast(d, f32, g);
+                if (cg != 0.0f) total += cg * s[m * ng + g];
+            }
+        } else {
+            for (int64_t g = 0; g < ng; g++) total += scale_fast(c, f32, g) * s[m * ng + g];
+        }
         acc[m] = total;
     }
 }
 #endif
 
 #if HAVE_VNNI512
+/* Sixteen offsets from g0 (masked past ng). */
+static inline __m512 offsets16(const void *c, int f32, int64_t g0, __mmask16 mask) {
+    if (f32) return _mm512_maskz_loadu_ps(mask, (const float *)c + g0);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)c + g0));
+}
+
 /* Float inputs (path 3): the codes widened to float32 in registers and multiplied with x as
- * it is, d * sum(u * x) + c * sum(x) per block (s holds each block's sum(x)): the dequantized
+ * it is, d * sum(u * x) + c * sum(x) per group (s holds each group's sum(x)): the dequantized
  * weight's product up to float32 rounding, no int8 rounding of x. */
-static void row_float(const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb,
-                      int bits, const float *x, int64_t ldx, const float *s, int mt,
+static void row_float(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
+                      int group, int f32, const float *x, int64_t ldx, const float *s, int mt,
                       float *acc) {
     __m512 sum[4];
     for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0f);
+    int64_t ng = nb * 32 / group;
     for (int64_t b = 0; b < nb; b++) {
         __m128i u0, u1;
         if (bits == 4) {
@@ -176,47 +257,54 @@ static void row_float(const uint8_t *qs, const uint16_t *d, const uint16_t *c, i
         }
         __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u0));
         __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u1));
-        __m512 wd = _mm512_set1_ps(_cvtsh_ss(d[b]));
-        for (int m = 0; m < mt; m++) {
-            const float *xb = x + m * ldx + b * 32;
-            __m512 t = _mm512_mul_ps(f0, _mm512_loadu_ps(xb));
-            t = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), t);
-            sum[m] = _mm512_fmadd_ps(t, wd, sum[m]);
+        if (group == 16) {
+            __m512 d0 = _mm512_set1_ps(scale_fast(d, f32, 2 * b));
+            __m512 d1 = _mm512_set1_ps(scale_fast(d, f32, 2 * b + 1));
+            for (int m = 0; m < mt; m++) {
+                const float *xb = x + m * ldx + b * 32;
+                sum[m] = _mm512_fmadd_ps(_mm512_mul_ps(f0, _mm512_loadu_ps(xb)), d0, sum[m]);
+                sum[m] = _mm512_fmadd_ps(_mm512_mul_ps(f1, _mm512_loadu_ps(xb + 16)), d1, sum[m]);
+            }
+        } else {
+            __m512 wd = _mm512_set1_ps(scale_fast(d, f32, b));
+            for (int m = 0; m < mt; m++) {
+                const float *xb = x + m * ldx + b * 32;
+                __m512 t = _mm512_mul_ps(f0, _mm512_loadu_ps(xb));
+                t = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), t);
+                sum[m] = _mm512_fmadd_ps(t, wd, sum[m]);
+            }
         }
     }
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        int64_t left = nb - b0;
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        int64_t left = ng - g0;
         __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 cv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b0));
+        __m512 cv = offsets16(c, f32, g0, mask);
         for (int m = 0; m < mt; m++)
-            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * nb + b0), sum[m]);
+            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * ng + g0), sum[m]);
     }
     for (int m = 0; m < mt; m++) acc[m] = _mm512_reduce_add_ps(sum[m]);
 }
 
 /* The same with VPDPBUSD, two blocks per step; mt (1..4) constant after inlining. */
 static inline __attribute__((always_inline)) void row_vnni(
-    const uint8_t *qs, const uint16_t *d, const uint16_t *c, int64_t nb, int bits,
+    const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits, int group, int f32,
     const int8_t *q, const float *a2, const float *s, int64_t K, int mt, float *acc,
     const int8_t *x4, const float *a4) {
     __m512 sum[4];
     for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
     const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    int64_t b = 0;
+    int64_t b = 0, ng = K / group;
     if (bits == 4) {
         /* four blocks a step: x4 holds each group of four blocks' codes as the low nibbles of
          * 64 weight bytes line up (inputs 0-15 of each block, then inputs 16-31 of each) */
         const __m512i low = _mm512_set1_epi8(0x0f);
-        const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         for (; b + 4 <= nb; b += 4) {
             __m512i raw = _mm512_loadu_si512((const void *)(qs + b * 16));
             __m512i lo = _mm512_and_si512(raw, low);
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            uint64_t dq;
-            memcpy(&dq, d + b, 8);
-            __m512 wd = _mm512_permutexvar_ps(
-                quads, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)dq))));
+            __m512 wd = _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(scales_n(d, f32, b, 4)));
             for (int m = 0; m < mt; m++) {
                 const int8_t *xm = x4 + m * K + b * 32;
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
@@ -239,10 +327,13 @@ static inline __attribute__((always_inline)) void row_vnni(
         } else {
             u = _mm512_loadu_si512((const void *)(qs + b * 32));
         }
-        uint32_t dd;
-        memcpy(&dd, d + b, 4);
-        __m512 wd = _mm512_permutexvar_ps(
-            lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd))));
+        /* int32 lane i of the dot covers inputs 4i..4i+3 of the two blocks: groups of 32 take
+         * one scale per 8 lanes, groups of 16 one per 4 */
+        __m512 wd = group == 16
+                        ? _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(
+                                                           scales_n(d, f32, 2 * b, 4)))
+                        : _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(
+                                                           scales_n(d, f32, b, 2)));
         for (int m = 0; m < mt; m++) {
             __m512i x = _mm512_loadu_si512((const void *)(q + m * K + b * 32));
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
@@ -253,47 +344,41 @@ static inline __attribute__((always_inline)) void row_vnni(
     float tail[4] = {0, 0, 0, 0};
     if (b < nb) { /* an odd last block */
         for (int m = 0; m < mt; m++) {
-            const int8_t *qb = q + m * K + b * 32;
-            const uint8_t *ub = qs + b * (bits == 4 ? 16 : 32);
-            int32_t dot = 0;
-            if (bits == 4) {
-                for (int j = 0; j < 16; j++)
-                    dot += (int32_t)(ub[j] & 15) * qb[j] + (int32_t)(ub[j] >> 4) * qb[j + 16];
-            } else {
-                for (int j = 0; j < 32; j++) dot += (int32_t)ub[j] * qb[j];
-            }
-            tail[m] = half_to_float(d[b]) * a2[(m * nb + b) * 8] * (float)dot;
+            int32_t dot[2];
+            block_dots(qs + b * (bits == 4 ? 16 : 32), bits, group, q + m * K + b * 32, dot);
+            tail[m] = a2[(m * nb + b) * 8] * block_scaled(d, f32, group, b, dot);
         }
     }
-    /* the offsets: sum over blocks of c * (a * sum(q)), sixteen blocks a step */
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        int64_t left = nb - b0;
+    /* the offsets: sum over groups of c * (a * sum(q)), sixteen groups a step */
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        int64_t left = ng - g0;
         __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 cv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b0));
+        __m512 cv = offsets16(c, f32, g0, mask);
         for (int m = 0; m < mt; m++)
-            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * nb + b0), sum[m]);
+            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * ng + g0), sum[m]);
     }
     for (int m = 0; m < mt; m++) acc[m] = _mm512_reduce_add_ps(sum[m]) + tail[m];
 }
 #endif
 
-/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the qb32 weight^T (+ bias).
- * bits: 4 or 8. path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built),
- * 3 float inputs (AVX-512 builds; else the best int8 path). */
-void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
-                 const uint16_t *d, const uint16_t *c, int64_t N, int64_t bits,
-                 const float *bias, float *out, int64_t ldo, int64_t path) {
-    int64_t nb = K / 32;
+/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias).
+ * w->path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built), 3 float
+ * inputs (AVX-512 builds; else the best int8 path). */
+static void qb32_run(const float *x, int64_t ldx, int64_t M, const qb32_t *w, const float *bias,
+                     float *out, int64_t ldo) {
+    int64_t K = w->K, N = w->N, path = w->path, nb = K / 32;
+    int bits = (int)w->bits, group = (int)w->group, f32 = w->scale_bytes == 4;
+    int64_t ng = K / group, sb = f32 ? 4 : 2;
     int8_t *q = malloc((size_t)(M * K + 64));
     float *a = malloc(sizeof(float) * (size_t)(M * nb));
     float *a2 = malloc(sizeof(float) * (size_t)(M * nb * 8 + 16));
-    float *s = malloc(sizeof(float) * (size_t)(M * nb));
+    float *s = malloc(sizeof(float) * (size_t)(M * ng));
     /* x4, a4: the 4-bit VNNI path's codes, each group of four blocks as its weight bytes
      * line up (see row_vnni), and each block's scale four times */
     int8_t *x4 = malloc((size_t)(M * K + 64));
     float *a4 = malloc(sizeof(float) * (size_t)(M * nb * 4 + 16));
     for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * ldx, K, q + m * K, a + m * nb, s + m * nb);
+        quantize_row(x + m * ldx, K, group, q + m * K, a + m * nb, s + m * ng);
         for (int64_t b = 0; b < nb; b++) {
             for (int i = 0; i < 8; i++) a2[(m * nb + b) * 8 + i] = a[m * nb + b];
             for (int i = 0; i < 4; i++) a4[(m * nb + b) * 4 + i] = a[m * nb + b];
@@ -307,13 +392,13 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
                     memcpy(xm + b * 32 + h * 64 + j * 16, qm + (b + j) * 32 + h * 16, 16);
     }
     int use_float = HAVE_VNNI512 && path == 3;
-    float *xs = use_float ? malloc(sizeof(float) * (size_t)(M * nb)) : NULL;
-    if (use_float) /* each block's sum of x, for the c term */
+    float *xs = use_float ? malloc(sizeof(float) * (size_t)(M * ng)) : NULL;
+    if (use_float) /* each group's sum of x, for the c term */
         for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++) {
+            for (int64_t g = 0; g < ng; g++) {
                 float t = 0.0f;
-                for (int i = 0; i < 32; i++) t += x[m * ldx + b * 32 + i];
-                xs[m * nb + b] = t;
+                for (int i = 0; i < group; i++) t += x[m * ldx + g * group + i];
+                xs[m * ng + g] = t;
             }
     if (path == 3 && !HAVE_VNNI512) path = 0;
     int use_vnni = HAVE_VNNI512 && path == 0, use_avx2 = HAVE_AVX2 && (path == 0 || path == 2);
@@ -321,8 +406,8 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
     int64_t work = N * M * K;
 #pragma omp parallel for schedule(static) if (work > (1 << 16))
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qn = qs + n * nb * bb;
-        const uint16_t *dn = d + n * nb, *cn = c + n * nb;
+        const uint8_t *qn = w->qs + n * nb * bb;
+        const void *dn = (const char *)w->d + n * ng * sb, *cn = (const char *)w->c + n * ng * sb;
         float bn = bias ? bias[n] : 0.0f;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             int mt = M - m0 < 4 ? (int)(M - m0) : 4;
@@ -330,25 +415,30 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
             const int8_t *qm = q + m0 * K;
 #if HAVE_VNNI512
             if (use_float) {
-                row_float(qn, dn, cn, nb, (int)bits, x + m0 * ldx, ldx, xs + m0 * nb, mt, acc);
+                row_float(qn, dn, cn, nb, bits, group, f32, x + m0 * ldx, ldx, xs + m0 * ng, mt,
+                          acc);
             } else if (use_vnni) {
-                const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * nb, *a4m = a4 + m0 * nb * 4;
+                const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * ng, *a4m = a4 + m0 * nb * 4;
                 const int8_t *x4m = x4 + m0 * K;
+#define VNNI_ROWS(T)                                                                              \
+    row_vnni(qn, dn, cn, nb, bits, group, f32, qm, a2m, sm, K, T, acc, x4m, a4m)
                 switch (mt) {
-                case 1: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 1, acc, x4m, a4m); break;
-                case 2: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 2, acc, x4m, a4m); break;
-                case 3: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 3, acc, x4m, a4m); break;
-                default: row_vnni(qn, dn, cn, nb, (int)bits, qm, a2m, sm, K, 4, acc, x4m, a4m); break;
+                case 1: VNNI_ROWS(1); break;
+                case 2: VNNI_ROWS(2); break;
+                case 3: VNNI_ROWS(3); break;
+                default: VNNI_ROWS(4); break;
                 }
+#undef VNNI_ROWS
             } else
 #endif
 #if HAVE_AVX2
                 if (use_avx2) {
-                row_avx2(qn, dn, cn, nb, (int)bits, qm, a + m0 * nb, s + m0 * nb, K, mt, acc);
+                row_avx2(qn, dn, cn, nb, bits, group, f32, qm, a + m0 * nb, s + m0 * ng, K, mt,
+                         acc);
             } else
 #endif
             {
-                row_scalar(qn, dn, cn, nb, (int)bits, qm, a + m0 * nb, s + m0 * nb, K, mt,
+                row_scalar(qn, dn, cn, nb, bits, group, f32, qm, a + m0 * nb, s + m0 * ng, K, mt,
                            acc);
             }
             for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n] = acc[m] + bn;
@@ -365,17 +455,16 @@ void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_
     free(xs);
 }
 
-/* A qb32 weight as one pointer, for callers in other libraries (cpu_native.c's whole decoder
- * layer calls qb32_linear_desc through its decoder_layer_t.qlinear). */
-typedef struct {
-    const uint8_t *qs;
-    const uint16_t *d, *c;
-    int64_t N, K, bits;
-    int64_t path; /* qb32_linear's */
-} qb32_t;
+/* qb32_run for a layout of 32-input groups and float16 scales (Q4_0, Q4_1, Q8_0), its weight
+ * as separate pointers. bits: 4 or 8. */
+void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
+                 const uint16_t *d, const uint16_t *c, int64_t N, int64_t bits,
+                 const float *bias, float *out, int64_t ldo, int64_t path) {
+    qb32_t w = {qs, d, c, N, K, bits, path, 32, 2};
+    qb32_run(x, ldx, M, &w, bias, out, ldo);
+}
 
 void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
                       const float *bias, float *out, int64_t ldo) {
-    const qb32_t *w = desc;
-    qb32_linear(x, ldx, M, w->K, w->qs, w->d, w->c, w->N, w->bits, bias, out, ldo, w->path);
+    qb32_run(x, ldx, M, (const qb32_t *)desc, bias, out, ldo);
 }

@@ -2,9 +2,13 @@
 blocks, the native linear on it (gguf_blocks.c) and the torch references it is tested against.
 
 The layout (`QB32`, described in docs/quantization.md and gguf_blocks.c): a weight [N, K] in
-blocks of 32 inputs of one output row, each block's values w = d * u + c with u an unsigned
-code (4 bits, two a byte, or 8 bits) and d, c float16 per block. Q4_0, Q4_1 and Q8_0 map onto
-it exactly (Q4_0: c = -8d; Q8_0: u = q + 128, c = -128d), so one kernel serves all three.
+blocks of 32 inputs of one output row, each value w = d * u + c with u an unsigned code (4
+bits, two a byte; 5, 6 or 8 bits, one a byte) and d, c per group of 32 inputs (16 for Q6_K),
+float16 where every value is exact in it, else float32. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K map onto it exactly (`from_gguf_blocks`; e.g. Q4_0: c = -8d; Q8_0: u = q + 128,
+c = -128d; Q4_K: d = super-scale * 6-bit sub-scale, c = -(super-min * 6-bit sub-min), both
+exact in float32), so one kernel serves all of them. Other types are read as floats
+(`tensor_to_float`).
 
 The native linear quantizes each row of x per block of 32 to int8 (scale max|x| / 127,
 round half to even) and sums integer products, as the Q8 formats intend:
@@ -36,19 +40,27 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 BLOCK = 32
 
-# GGUF type name -> (bytes per block in the file, bits of our codes)
-FILE_TYPES = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+# GGUF type name -> (bytes per block in the file, bits of our codes). A block is 32 inputs for
+# Q4_0..Q8_0 and a super-block of 256 for the K-quants (QK_K).
+FILE_TYPES = {
+    "Q4_0": (18, 4), "Q4_1": (20, 4), "Q5_0": (22, 5), "Q5_1": (24, 5), "Q8_0": (34, 8),
+    "Q4_K": (144, 4), "Q5_K": (176, 5), "Q6_K": (210, 6),
+}  # fmt: skip
+SUPER = 256  # inputs of a K-quant super-block
+FLOAT_TYPES = ("F32", "F16", "BF16")  # read as float tensors, exactly
 
 
 @dataclass
 class QB32:
-    """A [N, K] weight in our blocked layout: qs uint8 [N, K/32, 16 or 32], d and c float16
-    [N, K/32]."""
+    """A [N, K] weight in our blocked layout: qs uint8 [N, K/32, 16] (4-bit codes, two a byte)
+    or [N, K/32, 32] (5-, 6- and 8-bit codes, one a byte); d and c [N, K/group], float16 where
+    every value is exact in it, else float32. `group`: inputs per (d, c), 32 or 16 (Q6_K)."""
 
     qs: torch.Tensor
     d: torch.Tensor
     c: torch.Tensor
     bits: int
+    group: int = BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,57 +72,178 @@ class QB32:
     def rows(self, index: torch.Tensor) -> QB32:
         """The weight's rows in the order `index` gives."""
         return QB32(self.qs[index].contiguous(), self.d[index].contiguous(),
-                    self.c[index].contiguous(), self.bits)  # fmt: skip
+                    self.c[index].contiguous(), self.bits, self.group)  # fmt: skip
 
     @staticmethod
     def cat(parts: list[QB32]) -> QB32:
-        """Weights stacked along N (all of one bit width and K)."""
-        if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
-            raise ValueError("stacking qb32 weights of different bit widths or inputs")
+        """Weights stacked along N (all of one K). Parts of different layouts (a Q4_K q with a
+        Q6_K v) are first widened to a common one, exactly: codes to one a byte, scales to
+        float32 and to groups of 16 (a 32-input scale repeated)."""
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("stacking qb32 weights of different inputs")
+        kinds = {(p.bits, p.group, p.d.dtype) for p in parts}
+        if len(kinds) > 1:
+            bits = max(p.bits for p in parts)
+            group = min(p.group for p in parts)
+            parts = [widen(p, bits, group) for p in parts]
         return QB32(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "c")),
-                    parts[0].bits)  # fmt: skip
+                    parts[0].bits, parts[0].group)  # fmt: skip
+
+
+def widen(w: QB32, bits: int, group: int) -> QB32:
+    """The same values in a wider layout, exactly: codes one a byte where `bits` is 5, 6 or 8
+    (4 keeps the nibbles; the codes and c stay as they are, the kernels take any c), float32
+    scales, `group` inputs per scale (<= w.group, each scale repeated)."""
+    n, k = w.shape
+    u = codes(w)
+    d, c = w.d.float(), w.c.float()
+    if group != w.group:
+        rep = w.group // group
+        d, c = d.repeat_interleave(rep, dim=1), c.repeat_interleave(rep, dim=1)
+    qs = w.qs if bits == 4 else u.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
+    return QB32(qs.contiguous(), d.contiguous(), c.contiguous(), bits, group)
+
+
+def _compact(d: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d, c (float32) as float16 where every value of both survives it exactly, else as is."""
+    dh, ch = d.half(), c.half()
+    if torch.equal(dh.float(), d) and torch.equal(ch.float(), c):
+        return dh.contiguous(), ch.contiguous()
+    return d.contiguous(), c.contiguous()
+
+
+def _nibbles(u: np.ndarray) -> np.ndarray:
+    """Codes [..., 32] (0..15) as our 4-bit bytes [..., 16]: input j low, input j + 16 high."""
+    return (u[..., :16] | (u[..., 16:] << 4)).astype(np.uint8)
+
+
+def _bits_of(packed: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of little-endian bytes `packed` [..., count / 8], as [..., count] 0/1 uint8."""
+    return np.unpackbits(packed, axis=-1, bitorder="little")[..., :count]
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's 12 bytes of 6-bit sub-scales and sub-mins (Q4_K, Q5_K) as two
+    [..., 8] arrays. Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scale) and 4-7 (min);
+    sub-blocks 4-7: the low and high nibbles of bytes 8-11, with the top two bits of bytes 0-3
+    (scale) and 4-7 (min) above them."""
+    s = s.astype(np.uint8)
+    lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scale = np.concatenate([lo & 63, (top & 15) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scale, mins
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] little-endian as float16 -> float32 [...]."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, k: int) -> QB32:
-    """Our layout from a GGUF tensor's raw blocks: `raw` uint8 [N, K/32 * block bytes] (the
-    `gguf` package's GGUFReader `.data` of a quantized tensor), `type_name` its type."""
+    """Our layout from a GGUF tensor's raw blocks: `raw` uint8 [N, row bytes] (the `gguf`
+    package's GGUFReader `.data` of a quantized tensor), `type_name` its type, `k` its inputs.
+    Exact: `dequantize` of the result equals the `gguf` package's dequantization bit for bit."""
     if type_name not in FILE_TYPES:
         raise ValueError(f"GGUF type {type_name} has no qb32 layout")
-    if k % BLOCK:
-        raise ValueError(f"{k} inputs are not whole blocks of {BLOCK}")
     size, bits = FILE_TYPES[type_name]
+    per = SUPER if type_name.endswith("_K") else BLOCK
+    if k % per:
+        raise ValueError(f"{k} inputs are not whole blocks of {per}")
     nb = k // BLOCK
-    fields = {"Q4_0": [("d", "<f2"), ("qs", "u1", 16)],
-              "Q4_1": [("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)],
-              "Q8_0": [("d", "<f2"), ("qs", "i1", 32)]}[type_name]  # fmt: skip
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(np.dtype(fields))
-    blocks = blocks.reshape(-1, nb)
-    d = torch.from_numpy(np.ascontiguousarray(blocks["d"]))
-    if type_name == "Q4_1":
-        c = torch.from_numpy(np.ascontiguousarray(blocks["m"]))
-    else:  # -8d or -128d: exact, a power-of-two multiple of a float16
-        c = d * (-8 if type_name == "Q4_0" else -128)
-    if type_name == "Q8_0":
-        qs = torch.from_numpy((blocks["qs"].astype(np.int16) + 128).astype(np.uint8))
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        fields = {"Q4_0": [("d", "<f2"), ("qs", "u1", 16)],
+                  "Q4_1": [("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)],
+                  "Q8_0": [("d", "<f2"), ("qs", "i1", 32)]}[type_name]  # fmt: skip
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(np.dtype(fields))
+        blocks = blocks.reshape(-1, nb)
+        d = torch.from_numpy(np.ascontiguousarray(blocks["d"]))
+        if type_name == "Q4_1":
+            c = torch.from_numpy(np.ascontiguousarray(blocks["m"]))
+        else:  # -8d or -128d: a power-of-two multiple, exact unless it leaves float16's range
+            d, c = _compact(d.float(), d.float() * (-8 if type_name == "Q4_0" else -128))
+        if type_name == "Q8_0":
+            qs = torch.from_numpy((blocks["qs"].astype(np.int16) + 128).astype(np.uint8))
+        else:
+            qs = torch.from_numpy(np.ascontiguousarray(blocks["qs"]))
+        return QB32(qs.contiguous(), d.contiguous(), c.contiguous(), bits)
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size)  # one file block a row
+    n = b.shape[0] // (k // per)
+    if type_name in ("Q5_0", "Q5_1"):
+        at = 2 if type_name == "Q5_0" else 4
+        d = _half(b[:, 0:2])
+        c = -16.0 * d if type_name == "Q5_0" else _half(b[:, 2:4])
+        high = _bits_of(b[:, at : at + 4], 32)  # the fifth bit of code j: bit j of a uint32
+        low = b[:, at + 4 : at + 20]
+        u = np.concatenate([low & 15, low >> 4], axis=-1) | (high << 4)
+        group = BLOCK
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+        scale, mins = _k_scales(b[:, 4:16])
+        # the sub-block scale and min are d * scale and dmin * min: 11 x 6 bits, exact
+        d = d[:, None] * scale.astype(np.float32)
+        c = -(dmin[:, None] * mins.astype(np.float32))
+        low = b[:, -128:].reshape(-1, 4, 32)  # per 64 inputs: 32 bytes, two sub-blocks
+        u = np.stack([low & 15, low >> 4], axis=2).reshape(-1, 8, 32)
+        if type_name == "Q5_K":  # bit i of high byte l: the fifth bit of sub-block i's input l
+            high = _bits_of(b[:, 16:48].reshape(-1, 32, 1), 8)  # [blocks, 32 inputs, 8 subs]
+            u = u | (high.transpose(0, 2, 1) << 4)
+        group = BLOCK
+    else:  # Q6_K: 128 low-nibble bytes, 64 high-bit-pair bytes, 16 int8 scales, d
+        low = b[:, 0:128].reshape(-1, 2, 2, 32)  # [half, 32-byte run, input]
+        low = np.stack([low & 15, low >> 4], axis=2).reshape(-1, 2, 4, 32)  # [half, quarter, l]
+        high = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        u = (low | ((high & 3) << 4)).reshape(-1, 8, 32)  # codes q + 32, 0..63
+        scale = b[:, 192:208].view(np.int8).astype(np.float32)
+        d = _half(b[:, 208:210])[:, None] * scale  # 11 x 8 bits: exact
+        c = -32.0 * d
+        group = 16
+    u = u.reshape(n, nb, BLOCK).astype(np.uint8)
+    qs = _nibbles(u) if bits == 4 else u
+    d32 = torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // group))
+    c32 = torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32).reshape(n, k // group))
+    d16, c16 = _compact(d32, c32)
+    return QB32(torch.from_numpy(np.ascontiguousarray(qs)), d16, c16, bits, group)
+
+
+def tensor_to_float(t: FileTensor) -> torch.Tensor:
+    """A file tensor as float32 [rows, inputs]: F32, F16 and BF16 read as they are (exact),
+    every other type through the `gguf` package's dequantization (for the types without a qb32
+    layout: Q2_K, Q3_K, IQ*, TQ*, ...). Raises ValueError for a type the package cannot read."""
+    import gguf
+
+    k = t.shape[0]
+    data = np.ascontiguousarray(t.data).view(np.uint8)
+    if t.type_name == "F32":
+        out = torch.from_numpy(data.view("<f4").copy())
+    elif t.type_name == "F16":
+        out = torch.from_numpy(data.view("<f2").astype(np.float32))
+    elif t.type_name == "BF16":  # the top half of a float32
+        out = torch.from_numpy((data.view("<u2").astype(np.uint32) << 16).view(np.float32))
     else:
-        qs = torch.from_numpy(np.ascontiguousarray(blocks["qs"]))
-    return QB32(qs.contiguous(), d.contiguous(), c.contiguous(), bits)
+        try:
+            qtype = gguf.GGMLQuantizationType[t.type_name]
+            out = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), np.float32))
+        except (KeyError, NotImplementedError) as e:
+            raise ValueError(f"GGUF type {t.type_name} cannot be read: {e}") from e
+    return out.reshape(-1, k)
 
 
 def codes(w: QB32) -> torch.Tensor:
     """The unsigned codes u [N, K] as int16."""
     n, k = w.shape
-    if w.bits == 8:
+    if w.bits != 4:
         return w.qs.reshape(n, k).to(torch.int16)
     lo, hi = (w.qs & 15).to(torch.int16), (w.qs >> 4).to(torch.int16)
     return torch.cat([lo, hi], dim=-1).reshape(n, k)
 
 
 def dequantize(w: QB32, dtype=torch.float32) -> torch.Tensor:
-    """The weight as floats: d * u + c per block (float64 arithmetic, then `dtype`)."""
+    """The weight as floats: d * u + c per group, in float32 arithmetic as the `gguf` package
+    computes (d * u is exact in float32 for every layout, so one rounding at most), then
+    `dtype`."""
     n, k = w.shape
-    u = codes(w).to(torch.float64).view(n, k // BLOCK, BLOCK)
-    full = u * w.d.double()[..., None] + w.c.double()[..., None]
+    u = codes(w).to(torch.float32).view(n, k // w.group, w.group)
+    full = u * w.d.float()[..., None] + w.c.float()[..., None]
     return full.reshape(n, k).to(dtype)
 
 
@@ -154,12 +287,20 @@ class QB32Desc(ctypes.Structure):
     """A QB32 weight as gguf_blocks.c's qb32_t (its tensors must outlive it)."""
 
     _fields_ = [("qs", _P), ("d", _P), ("c", _P), ("N", _I), ("K", _I), ("bits", _I)]
-    _fields_ += [("path", _I)]
+    _fields_ += [("path", _I), ("group", _I), ("scale_bytes", _I)]
 
     @staticmethod
     def of(w: QB32, path: str = "best") -> QB32Desc:
         n, k = w.shape
-        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits, PATHS[path])
+        if w.group not in (BLOCK, 16) or (w.group == 16 and w.bits == 4):
+            raise ValueError(f"no kernel for groups of {w.group} with {w.bits}-bit codes")
+        if w.d.dtype != w.c.dtype or w.d.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"scales of {w.d.dtype} and {w.c.dtype}: expected one of float16/32")
+        for t in (w.qs, w.d, w.c):
+            if not t.is_contiguous():
+                raise ValueError("qb32 tensors must be contiguous")
+        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits,
+                        PATHS[path], w.group, w.d.element_size())  # fmt: skip
 
 
 # BlockKernels.linear's paths: "best" (int8 inputs: AVX-512 VNNI, else AVX2, else portable),
@@ -177,8 +318,8 @@ class BlockKernels:
         self.vnni = bool(self.lib.qb32_has_vnni())
         self.avx2 = bool(self.lib.qb32_has_avx2())
         self.has_float = bool(self.lib.qb32_has_float())
-        f = self.lib.qb32_linear
-        f.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
+        f = self.lib.qb32_linear_desc
+        f.argtypes = [_P, _I, _I, _P, _P, _P, _I]
         f.restype = None
         self._linear = f
         # the address cpu_native's whole-layer decode calls (decoder_layer_t.qlinear)
@@ -187,7 +328,6 @@ class BlockKernels:
     def linear(self, x: torch.Tensor, w: QB32, bias=None, path: str = "best") -> torch.Tensor:
         """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32. `path`:
         one of PATHS ("float": x unquantized, `reference_linear(..., quantize_x=False)`)."""
-        code = PATHS[path]
         m, k = x.shape
         n, wk = w.shape
         if wk != k:
@@ -195,26 +335,36 @@ class BlockKernels:
         if x.dtype != torch.float32 or x.stride(-1) != 1:
             x = x.float().contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
-        self._linear(
-            x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(),
-            n, w.bits, None if bias is None else bias.data_ptr(), out.data_ptr(), n, code,
-        )  # fmt: skip
+        desc = QB32Desc.of(w, path)
+        self._linear(x.data_ptr(), x.stride(0), m, ctypes.byref(desc),
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), n)  # fmt: skip
         return out
 
 
+# where each type's float16 fields sit in its file block (the probes set them to sane values)
+_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+                "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
+
+
+def probe_blocks(type_name: str, n: int, k: int, g: torch.Generator) -> QB32:
+    """A random weight of `type_name` in our layout: random file bytes, float16 fields small."""
+    size, _ = FILE_TYPES[type_name]
+    per = SUPER if type_name.endswith("_K") else BLOCK
+    raw = torch.randint(0, 256, (n, k // per, size), generator=g, dtype=torch.uint8)
+    for at in _HALF_FIELDS[type_name]:
+        half = (torch.rand(n, k // per, generator=g) * 0.1).half()
+        raw[..., at : at + 2] = half.view(torch.uint8).view(n, k // per, 2)
+    return from_gguf_blocks(raw.reshape(n, -1).numpy(), type_name, k)
+
+
 def self_check(kernels: BlockKernels) -> str | None:
-    """The linear against `reference_linear` on probes of each bit width (an odd block count,
-    rows off the kernel's tile of 4), both paths: None, or what disagreed."""
+    """The linear against `reference_linear` on probes of each file type (an odd block count
+    where the type allows, rows off the kernel's tile of 4), every path: None, or what
+    disagreed."""
     g = torch.Generator().manual_seed(0)
-    for size, name in ((20, "Q4_1"), (34, "Q8_0"), (18, "Q4_0")):
-        n, k = 19, 3 * BLOCK
-        raw = torch.randint(0, 256, (n, k // BLOCK, size), generator=g, dtype=torch.uint8)
-        raw[..., 0:2] = torch.rand(n, k // BLOCK, generator=g).mul(0.1).half().view(
-            torch.uint8).view(n, k // BLOCK, 2)  # fmt: skip
-        if name == "Q4_1":
-            raw[..., 2:4] = (torch.randn(n, k // BLOCK, generator=g) * 0.1).half().view(
-                torch.uint8).view(n, k // BLOCK, 2)  # fmt: skip
-        w = from_gguf_blocks(raw.reshape(n, -1).numpy(), name, k)
+    for name in FILE_TYPES:
+        n, k = 19, (SUPER if name.endswith("_K") else 3 * BLOCK)
+        w = probe_blocks(name, n, k, g)
         b = torch.randn(n, generator=g)
         for m in (1, 5):
             x = torch.randn(m, k, generator=g)
