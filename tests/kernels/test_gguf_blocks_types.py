@@ -163,7 +163,9 @@ def test_mixed_stack_widens_exactly(kernels, path):
         want = gb.reference_linear(x, both, quantize_x=path != "float")
         assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max()), types
     # all 4-bit: the nibbles stay, only the scales widen
-    four = gb.QB32.cat([parts[2], gb.from_gguf_blocks(quantize(weight(3, k, 9), "Q4_K"), "Q4_K", k)])
+    four = gb.QB32.cat(
+        [parts[2], gb.from_gguf_blocks(quantize(weight(3, k, 9), "Q4_K"), "Q4_K", k)]
+    )
     assert four.bits == 4 and four.qs.shape[-1] == 16 and four.d.dtype == torch.float32
 
 
@@ -198,3 +200,13 @@ def test_other_types_dequantize_as_the_package_does(type_name):
 def test_an_unknown_type_is_named():
     with pytest.raises(ValueError, match="NOPE"):
         gb.tensor_to_float(file_tensor("t", "NOPE", np.zeros((1, 4), np.uint8), 4))
+
+
+def test_the_start_up_line_names_the_types_without_a_layout():
+    raw = np.zeros((1, 84), np.uint8)
+    tensors = {"a": file_tensor("a", "Q2_K", raw, 256), "b": file_tensor("b", "Q2_K", raw, 256),
+               "c": file_tensor("c", "IQ4_XS", raw, 256), "d": file_tensor("d", "Q4_K", raw, 256),
+               "e": file_tensor("e", "F16", raw, 256)}  # fmt: skip
+    line = gb.dequantized_types_line(tensors)
+    assert line.endswith("dequantized to float at load: IQ4_XS (1 tensors), Q2_K (2 tensors)")
+    assert gb.dequantized_types_line({"d": tensors["d"], "e": tensors["e"]}) is None

@@ -205,6 +205,19 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, k: int) -> QB32:
     return QB32(torch.from_numpy(np.ascontiguousarray(qs)), d16, c16, bits, group)
 
 
+def dequantized_types_line(tensors: dict[str, FileTensor]) -> str | None:
+    """The start-up line naming the file's quantized types that have no qb32 layout (Q2_K,
+    Q3_K, IQ*, TQ*, ...: their tensors are dequantized to float at load), or None."""
+    other: dict[str, int] = {}
+    for t in tensors.values():
+        if t.type_name not in FILE_TYPES and t.type_name not in FLOAT_TYPES:
+            other[t.type_name] = other.get(t.type_name, 0) + 1
+    if not other:
+        return None
+    named = ", ".join(f"{name} ({count} tensors)" for name, count in sorted(other.items()))
+    return f"GGUF types without a block layout, dequantized to float at load: {named}"
+
+
 def tensor_to_float(t: FileTensor) -> torch.Tensor:
     """A file tensor as float32 [rows, inputs]: F32, F16 and BF16 read as they are (exact),
     every other type through the `gguf` package's dequantization (for the types without a qb32
