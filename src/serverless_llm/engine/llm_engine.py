@@ -20,6 +20,7 @@ from .beam_runner import BeamSearchRunner
 from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
+from .draft_model import DraftModel, check_same_tokenizer, split_blocks
 from .generation_defaults import sampling_defaults
 from .input_processor import (
     ImageInputs,
@@ -30,6 +31,7 @@ from .input_processor import (
 )
 from .kv_cache import BlockPool
 from .kv_cache_manager import KVCacheManager, StatePool, blocks_for_one_request
+from .loader import ModelLoadError
 from .lora_adapters import LoRAManager, LoRARequest
 from .model_builder import (
     cache_capacity,
@@ -167,8 +169,13 @@ class LLMEngine:
                 # (chat_template.json / .jinja), not in the tokenizer's config.
                 self.tokenizer.chat_template = template
         self.block_size = config.block_size
+        draft = self._load_draft(config, loaded)  # before the cache is sized: its weights count
         capacity = cache_capacity(config, loaded, self.block_size, self.max_num_batched_tokens)
         num_blocks, num_slots = capacity.num_blocks, capacity.num_slots
+        if draft is not None and config.num_kv_blocks is None:
+            num_blocks = split_blocks(
+                num_blocks, loaded.kv_bytes_per_token(), draft.kv_bytes_per_token()
+            )
         if self.ranks is not None:  # every rank's cache holds the same blocks: the fewest
             try:
                 num_blocks = self.tp.min_int(num_blocks, self.device)
@@ -243,6 +250,12 @@ class LLMEngine:
                 self.inputs.images = None
             self.scheduler.whole_images = mode != "none"
         self.scheduler.copy_blocks = self.runner.copy_blocks
+        self.drafter: DraftModel | None = None
+        if draft is not None:
+            self.drafter = DraftModel(
+                draft, num_blocks, self.block_size, self.max_num_batched_tokens
+            )
+            self.scheduler.on_free = self.drafter.free
         self.spec = self._speculation(config, layout)
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
@@ -305,20 +318,84 @@ class LLMEngine:
             normalize = st_norm if st_norm is not None else True
         return PoolingParams(pooling_type, normalize)
 
+    def _speculation_off(self, layout) -> str | None:
+        """Why speculative decoding cannot run with this model and engine (None: it can)."""
+        if layout.has_state:
+            return "the model's recurrent layers keep a state that cannot be rolled back"
+        if self.ranks is not None:
+            return "not yet with tensor parallelism"
+        return None
+
+    def _load_draft(self, config: EngineConfig, loaded):
+        """The draft model of a `draft_model` speculative config, loaded on the target's device
+        with the target's dtype setting and context length (LoadedModel), its vocabulary
+        checked against the target's; None without one, or where speculation is off."""
+        spec = parse_speculative_config(config.speculative_config)
+        if spec is None or spec.method != "draft_model":
+            return None
+        if self._speculation_off(loaded.cache_layout()) is not None:
+            return None  # _speculation says why
+        draft_config = dataclasses.replace(
+            config,
+            model=spec.model,
+            revision=spec.revision,
+            tokenizer=None,
+            tokenizer_revision=None,
+            quantization=None,
+            hf_overrides=None,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=None,
+            enable_lora=False,
+            tensor_parallel_size=1,
+            speculative_config=None,
+            task="generate",
+        )
+        try:
+            draft = load_model(draft_config)
+        except (ConfigError, ModelLoadError) as e:  # the same error, naming the draft
+            raise type(e)(f"speculative_config draft model {spec.model!r}: {e}") from e
+        try:
+            draft_tok = load_tokenizer(
+                draft.resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
+            )
+        except Exception as e:  # no tokenizer files of its own: the vocabulary size decides
+            logger.info("draft model %s: no tokenizer of its own (%s)", spec.model, e)
+            draft_tok = None
+        check_same_tokenizer(
+            self.tokenizer, self.vocab_size, draft_tok, draft.hf_config.vocab_size, spec.model
+        )
+        return draft
+
     def _speculation(self, config: EngineConfig, layout):
         """The speculative config to run (speculative.py), or None: off, or on where this slice
         cannot run it (said in the log)."""
         spec = parse_speculative_config(config.speculative_config)
         if spec is None:
             return None
-        why = None
-        if layout.has_state:
-            why = "the model's recurrent layers keep a state that cannot be rolled back"
-        elif self.ranks is not None:
-            why = "not yet with tensor parallelism"
+        why = self._speculation_off(layout)
         if why is not None:
             logger.warning("speculative decoding off: %s", why)
             return None
+        if spec.method == "draft_model":
+            d = self.drafter
+            tokens_mib = self.block_size * self.block_pool.num_blocks / 2**20
+            draft_mib = self.block_size * d.num_blocks / 2**20
+            logger.info(
+                "speculative decoding: draft_model %s (%.1f MiB of weights), %d tokens a step "
+                "(greedy drafts); KV cache split: target %d blocks (%.1f MiB, %d B a token), "
+                "draft %d blocks (%.1f MiB, %d B a token)%s",
+                d.source,
+                d.loaded.param_bytes / 2**20,
+                spec.num_speculative_tokens,
+                self.block_pool.num_blocks,
+                tokens_mib * self.kv_bytes_per_token,
+                self.kv_bytes_per_token,
+                d.num_blocks,
+                draft_mib * d.kv_bytes_per_token,
+                d.kv_bytes_per_token,
+                " (num_kv_blocks: each the same count)" if config.num_kv_blocks else "",
+            )
+            return spec
         logger.info(
             "speculative decoding: ngram, %d tokens a step, prompt lookup %d..%d (greedy "
             "requests only)",
@@ -335,8 +412,22 @@ class LLMEngine:
         k = self.draft_room(req, room)
         if k < 1:
             return []
+        if self.drafter is not None:
+            return self.drafter.take(req, k)
         tokens = req.prompt_token_ids + req.output_token_ids
         return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+
+    def _draft(self) -> None:
+        """The draft model's proposals for this step (draft_model.py): for each running
+        request whose next grant is a decode, as many drafts as it may verify."""
+        room = self.max_num_batched_tokens - len(self.scheduler.running)
+        wanted = []
+        for req in self.scheduler.running:
+            if req.num_tokens - req.num_computed_tokens == 1:
+                k = self.draft_room(req, room)
+                if k > 0:
+                    wanted.append((req, k))
+        self.drafter.propose_for(wanted)
 
     def draft_room(self, req: Request, room: int) -> int:
         """How many drafts `req` may verify this step (0: it decodes one token): at most
@@ -620,6 +711,8 @@ class LLMEngine:
             raise self.ranks.failed
         if self._threads is not None:
             self._threads.update()
+        if self.drafter is not None:
+            self._draft()
         batch = self.scheduler.schedule()
         if not batch.requests and self.beams.drop_waiting_blocks():
             batch = self.scheduler.schedule()

@@ -108,11 +108,17 @@ class Scheduler:
         # Gemma 3: an image's tokens attend to each other both ways, so a chunk never ends
         # inside an image's span (set by the engine for such models).
         self.whole_images = False
+        # Encoders: a request's tokens attend to each other both ways, so its prompt is
+        # computed in one step, never in chunks (set by the engine for such models).
+        self.whole_prompts = False
         # KV blocks (src, dst) to copy in every layer (the model runner's; set by the engine).
         self.copy_blocks: Callable[[list[tuple[int, int]]], None] = _no_copies
         # Speculative decoding (set by the engine when on): (request, the most drafts this
         # step's budget leaves room for) -> draft tokens to verify after its next token.
         self.propose: Callable[[Request, int], list[int]] | None = None
+        # Called whenever a request's blocks are freed (its end, abort, preemption): a draft
+        # model's cache frees its blocks too (set by the engine; draft_model.py).
+        self.on_free: Callable[[Request], None] | None = None
 
     # -- queue management -------------------------------------------------------------------
 
@@ -345,7 +351,10 @@ class Scheduler:
 
     def _chunk(self, req: Request, num_new: int) -> int:
         """`num_new`, shortened so the chunk does not end inside an image's span when images
-        attend both ways (0: the next image needs more budget than this step has left)."""
+        attend both ways (0: the next image needs more budget than this step has left); with
+        `whole_prompts`, the whole prompt or nothing."""
+        if self.whole_prompts:
+            return num_new if num_new >= req.num_tokens - req.num_computed_tokens else 0
         if not self.whole_images or req.mm is None:
             return num_new
         start = req.num_computed_tokens
@@ -393,6 +402,8 @@ class Scheduler:
 
     def _free_blocks(self, req: Request) -> None:
         self.kv.free(req)
+        if self.on_free is not None:
+            self.on_free(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -15,6 +15,9 @@ Only requests whose next token is a plain argmax speculate (`can_speculate`): te
 no logits processor, logprobs, grammar, beam search or images; the others decode one token a
 step in the same batch. Sampled requests keep their meaning by not speculating (rejection
 sampling is a later slice of issue 40).
+
+The `draft_model` proposer (draft_model.py) proposes the same way for the same requests: a
+smaller model of the same tokenizer, with its own paged KV cache, run for k greedy steps.
 """
 
 from __future__ import annotations
@@ -27,22 +30,41 @@ import numpy as np
 from .config import ConfigError
 from .request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Methods vLLM knows that this engine does not run yet (refused by name, not as a typo).
-LATER_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+LATER_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+IMPLEMENTED = (
+    "only 'ngram' (prompt lookup) and 'draft_model' (a smaller model of the same tokenizer, "
+    "named by `model`) are implemented in this engine"
+)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0  # ngram's
+    prompt_lookup_max: int = 0
+    model: str | None = None  # draft_model's: a local directory, .gguf file or hub id
+    revision: str | None = None  # the draft's hub revision
+
+
+def speculative_method(value: dict) -> str | None:
+    """The method a speculative config dict names, vLLM's older spellings read: `model` alone
+    is "ngram" when it says so, else a draft model's path or hub id (None: neither given)."""
+    method = value.get("method")
+    model = value.get("model")
+    if method is None and model in ("ngram", "[ngram]"):
+        return "ngram"  # vLLM's older spelling: the proposer named as the model
+    if method is None and model is not None:
+        return "draft_model"
+    return method
 
 
 def parse_speculative_config(value) -> SpeculativeConfig | None:
-    """vLLM's speculative config (a dict, or its JSON text) checked; None when empty. Only
-    `ngram` runs here; any other method is refused with a ConfigError that says so."""
+    """vLLM's speculative config (a dict, or its JSON text) checked; None when empty. `ngram`
+    and `draft_model` run here; any other method is refused with a ConfigError that says so.
+    The draft model itself is checked when the engine loads it (llm_engine.py)."""
     if value is None or value == "" or value == {}:
         return None
     if isinstance(value, SpeculativeConfig):
@@ -54,23 +76,17 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
             raise ConfigError(f"speculative_config is not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-    method = value.get("method")
-    model = value.get("model")
-    if method is None and model in ("ngram", "[ngram]"):
-        method = "ngram"  # vLLM's older spelling: the proposer named as the model
+    method = speculative_method(value)
     if method is None:
-        raise ConfigError(
-            "speculative_config needs a method: only 'ngram' (prompt lookup) is implemented"
-        )
+        raise ConfigError(f"speculative_config needs a method (or a draft `model`): {IMPLEMENTED}")
     if method not in METHODS:
         known = "a method not implemented here" if method in LATER_METHODS else "unknown"
-        raise ConfigError(
-            f"speculative_config method={method!r}: {known}; only 'ngram' (prompt lookup, no "
-            "draft model) is implemented in this engine"
-        )
+        raise ConfigError(f"speculative_config method={method!r}: {known}; {IMPLEMENTED}")
     k = _int(value, "num_speculative_tokens", None)
     if k is None or k < 1:
         raise ConfigError(f"speculative_config num_speculative_tokens={k!r}: must be >= 1")
+    if method == "draft_model":
+        return _draft_model_config(value, k)
     hi = _int(value, "prompt_lookup_max", None)
     lo = _int(value, "prompt_lookup_min", None)
     if hi is None and lo is None:
@@ -86,6 +102,25 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
             "1 <= prompt_lookup_min <= prompt_lookup_max"
         )
     return SpeculativeConfig(method, k, lo, hi)
+
+
+def _draft_model_config(value: dict, k: int) -> SpeculativeConfig:
+    model = value.get("model")
+    if not isinstance(model, str) or not model.strip() or model in ("ngram", "[ngram]"):
+        raise ConfigError(
+            f"speculative_config method 'draft_model' needs `model`: the draft's local "
+            f"directory, .gguf file or hub id (got {model!r})"
+        )
+    tp = _int(value, "draft_tensor_parallel_size", 1)
+    if tp != 1:
+        raise ConfigError(
+            f"speculative_config draft_tensor_parallel_size={tp}: the draft model runs on one "
+            "device here (1 only)"
+        )
+    revision = value.get("revision")
+    if revision is not None and not isinstance(revision, str):
+        raise ConfigError(f"speculative_config revision={revision!r}: must be a string")
+    return SpeculativeConfig("draft_model", k, model=model.strip(), revision=revision)
 
 
 def _int(d: dict, key: str, default):

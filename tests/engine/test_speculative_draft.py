@@ -1,0 +1,227 @@
+"""Speculative decoding with a draft model (draft_model.py): greedy output token for token what
+decoding without it gives (16 prompts x 64 tokens, k = 1, 3, 7, chunked prefill, preemption),
+the draft's KV in step with the accepted tokens (a draft that is the target itself has every
+draft accepted), no block of either cache left behind after finished and aborted requests, and
+a draft of another vocabulary or tokenizer refused at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+import transformers
+
+from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine.config import ConfigError, EngineConfig
+from serverless_llm.engine.loader import ModelLoadError
+from serverless_llm.engine.speculative import parse_speculative_config
+from tests.tiny_models import build_tokenizer, make_config
+
+
+def _save(model, tok, path: str) -> str:
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """A 4-layer target whose last two layers add little (their output projections scaled
+    down), and drafts: its first two layers plus its norm and head (a high acceptance rate);
+    one of another vocabulary size; one whose tokenizer maps ids differently."""
+    root = tmp_path_factory.mktemp("draft-models")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    target = transformers.AutoModelForCausalLM.from_config(
+        make_config("llama", tok, num_hidden_layers=4), dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+            if ("layers.2." in name or "layers.3." in name) and name.endswith(
+                ("o_proj.weight", "down_proj.weight")
+            ):
+                p.mul_(0.15)
+    out = {"target": _save(target, tok, str(root / "target"))}
+    draft = transformers.AutoModelForCausalLM.from_config(
+        make_config("llama", tok, num_hidden_layers=2), dtype=torch.float32
+    )
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    assert not missing
+    out["draft"] = _save(draft, tok, str(root / "draft"))
+    wide = transformers.AutoModelForCausalLM.from_config(
+        make_config("llama", tok, num_hidden_layers=1, vocab_size=len(tok) + 16),
+        dtype=torch.float32,
+    )
+    out["wide"] = _save(wide, tok, str(root / "wide"))
+    other = _save(draft, tok, str(root / "other"))
+    path = os.path.join(other, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(t for t, i in vocab.items() if i > 300)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: same size, other ids
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    out["other"] = other
+    return out
+
+
+def draft(path: str, k: int) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def prompts(n: int, seed: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 380) for _ in range(rng.randint(4, 40))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+BASE = dict(block_size=8, max_model_len=256, dtype="float32")
+
+
+def no_blocks_held(llm: LLM) -> None:
+    engine = llm.engine
+    stats = engine.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    drafter = engine.drafter
+    assert drafter.pool.num_free == drafter.num_blocks
+    assert not drafter.fed and not drafter.kv.owners()
+    drafter.check()
+
+
+@pytest.fixture(scope="module")
+def plain_chunked(models) -> list[list[int]]:
+    llm = LLM(models["target"], max_num_batched_tokens=24, **BASE)
+    return tokens(llm.generate(prompts(16), GREEDY))
+
+
+def test_config_parses_draft_model_and_vllm_spellings():
+    spec = parse_speculative_config(
+        '{"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3}'
+    )
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == (
+        "draft_model",
+        "some/draft",
+        3,
+    )
+    # vLLM's spelling: a model without a method is a draft model; tensor parallel size 1 is fine.
+    spec = parse_speculative_config(
+        {"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    )
+    assert (spec.method, spec.model) == ("draft_model", "/d")
+    for bad, says in [
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "needs `model`"),
+        ({"method": "draft_model", "model": "/d"}, "num_speculative_tokens=None"),
+        (
+            {"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size=2",
+        ),
+        ({"method": "eagle", "model": "/d", "num_speculative_tokens": 3}, "'draft_model'"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            EngineConfig(speculative_config=bad)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_16_prompts_by_64_tokens_identical_under_chunked_prefill(models, plain_chunked, k):
+    # A 24-token step budget: prompts are chunked in the target and caught up by the draft over
+    # several steps, and drafts share what a step has left.
+    spec = LLM(
+        models["target"],
+        max_num_batched_tokens=24,
+        speculative_config=draft(models["draft"], k),
+        **BASE,
+    )
+    assert tokens(spec.generate(prompts(16), GREEDY)) == plain_chunked
+    stats = spec.engine.stats()
+    assert stats.spec_drafts > 0
+    # The first two layers of this target agree with it most of the time: at least half the
+    # single drafts accepted, at least one draft a step on average with longer runs.
+    assert stats.spec_accepted_tokens >= stats.spec_drafts * min(k, 2) / 2
+    no_blocks_held(spec)
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(models):
+    """The draft's KV is the request's true prefix at every step (caught up, rolled back), so
+    a draft that is the target itself proposes exactly what the target then picks."""
+    spec = LLM(
+        models["target"],
+        max_num_batched_tokens=32,
+        num_kv_blocks=40,
+        max_model_len=128,
+        block_size=8,
+        dtype="float32",
+        speculative_config=draft(models["target"], 3),
+    )
+    plain = LLM(models["target"], max_model_len=128, block_size=8, dtype="float32")
+    ps = prompts(10, seed=7)
+    want = tokens(plain.generate(ps, GREEDY))
+    assert tokens(spec.generate(ps, GREEDY)) == want
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0  # preempted requests' draft caches are rebuilt too
+    assert stats.spec_draft_tokens > 100
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    no_blocks_held(spec)
+
+
+def test_preemption_identical_and_no_blocks_left(models):
+    kw = dict(num_kv_blocks=24, max_model_len=96, block_size=8, dtype="float32")
+    plain = LLM(models["target"], **kw)
+    spec = LLM(models["target"], speculative_config=draft(models["draft"], 3), **kw)
+    ps = [p[:40] for p in prompts(10, seed=3)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = tokens(plain.generate(ps, params))
+    assert tokens(spec.generate(ps, params)) == want
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_accepted_tokens > 0
+    no_blocks_held(spec)
+    # The split: with num_kv_blocks each cache holds that many blocks.
+    assert spec.engine.drafter.num_blocks == stats.num_kv_blocks == 24
+
+
+def test_aborted_finished_and_stopped_requests_free_the_draft_blocks(models):
+    plain = LLM(models["target"], **BASE)
+    spec = LLM(models["target"], speculative_config=draft(models["draft"], 4), **BASE)
+    engine = spec.engine
+    ps = prompts(8, seed=11)
+    full = tokens(plain.generate(ps, GREEDY))
+    reqs = []
+    for i, p in enumerate(ps):
+        if i % 3 == 2:  # a stop token from inside the output: a run cut short
+            params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[full[i][20]])
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=10 + 7 * i, ignore_eos=True)
+        reqs.append((engine.add_request(p, params, request_id=str(i)), i))
+    for _ in range(4):
+        engine.step()
+    assert engine.drafter.kv.owners()  # drafting is under way
+    engine.abort_request("0")
+    engine.abort_request("4")
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.drafter.check()
+    for req, i in reqs:
+        if i in (0, 4):
+            continue
+        n = len(req.output_token_ids)
+        assert req.output_token_ids == full[i][:n]
+    no_blocks_held(spec)
+
+
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start(models):
+    with pytest.raises(ConfigError, match=r"vocabulary of 400 tokens, the target 384"):
+        LLM(models["target"], speculative_config=draft(models["wide"], 3), **BASE)
+    with pytest.raises(ConfigError, match="tokenizer differs from the target's"):
+        LLM(models["target"], speculative_config=draft(models["other"], 3), **BASE)
+    with pytest.raises(ModelLoadError, match="draft model '/nonexistent/draft'.* not exist"):
+        LLM(models["target"], speculative_config=draft("/nonexistent/draft", 3), **BASE)
