@@ -4,6 +4,7 @@ and the number of KV cache blocks the memory left can hold."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
 from .loader.multimodal import text_weights
 from .loader.quantization import check_quantization, read_side_config
 from .models import DecoderModel, DecoderSpec, describe_model
+from .models.encoder import EncoderModel, EncoderSpec
+from .models.families_encoder import describe_encoder
 from .models.sharding import check_shardable
 from .multimodal import VisionFamily, vision_family_of
 from .parallel.group import SINGLE, TensorParallel
@@ -78,6 +81,9 @@ class LoadedModel:
         """The model's cache groups: its attention layers by the kind of cache each keeps, and
         its recurrent layers (the state group)."""
         m = self.model
+        if getattr(m, "is_encoder", False):  # no layer keeps KV: no block group
+            n = m.num_layers
+            return CacheLayout((), 1, (0,) * n, (0,) * n)
         windows = getattr(m.spec, "windows", None) or (None,) * m.num_layers
         if not self.hybrid_cache:
             windows = (None,) * m.num_layers
@@ -170,8 +176,12 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
         getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
         device,
     )
-    max_model_len = max_model_len_of(hf_config, config.max_model_len)
-    spec = describe_model(hf_config)
+    spec = describe_encoder(hf_config)
+    if spec is not None:  # a bidirectional encoder (models/encoder.py)
+        max_model_len = encoder_max_len(spec, resolved.model_dir, config.max_model_len)
+    else:
+        max_model_len = max_model_len_of(hf_config, config.max_model_len)
+        spec = describe_model(hf_config)
     if config.kv_cache_dtype in KV_CACHE_DTYPES and device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 0):  # Triton's FP8 conversions need sm80 (compile-checked)
@@ -181,6 +191,8 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
                 f"{major}.{minor}); use auto"
             )
     n = config.tensor_parallel_size
+    if n > 1 and isinstance(spec, EncoderSpec):
+        raise ConfigError(f"{spec.arch}: encoders are not split (tensor_parallel_size=1)")
     if n > 1:
         if device.type == "cuda" and torch.cuda.device_count() < n:
             raise ConfigError(
@@ -214,12 +226,18 @@ def load_model(
     torch.manual_seed(config.seed)
     backend = make_attention_backend(config.attention_backend, device)
     with torch.device("meta"):
-        model = DecoderModel(spec, hf_config, backend, max_position=max_model_len, tp=tp)
+        if isinstance(spec, EncoderSpec):
+            model = EncoderModel(spec, hf_config, backend)
+        else:
+            model = DecoderModel(spec, hf_config, backend, max_position=max_model_len, tp=tp)
         if scheme is not None:
             mode = config.quantized_weights
             if mode == "auto":
                 mode = "packed" if device.type == "cuda" else "dequantize"
             model.quantize(scheme, mode)
+    gguf_tensors, gguf_kernels, gguf_taken = None, None, set()
+    if resolved.load_format == "gguf":  # served from the file's blocks (no float copy)
+        gguf_tensors, gguf_kernels, gguf_taken = gguf_blocks_on_meta(model, resolved, hf_config)
     # In the model's dtype before any storage exists: materialized in float32 and converted
     # after loading, a 7B float16 model would need 28 GB on the device for a moment.
     model = model.to(dtype).materialize(device)
@@ -228,7 +246,12 @@ def load_model(
     if resolved.load_format == "dummy":
         model.init_dummy_weights(config.seed)
     else:
-        weights = iter_weights(resolved, show_progress=config.show_progress, lazy=tp.enabled)
+        if gguf_tensors is not None:
+            from .loader.gguf_direct import gguf_weights
+
+            weights = gguf_weights(gguf_tensors, hf_config, gguf_taken)
+        else:
+            weights = iter_weights(resolved, show_progress=config.show_progress, lazy=tp.enabled)
         if getattr(hf_config, "text_part_of", None):  # a multimodal checkpoint's text decoder
             keep = None
             if family is not None:
@@ -247,12 +270,15 @@ def load_model(
         vision.tower.set_use_kernels(backend.use_kernels)
     model = model.to(dtype).eval()  # what settled at load in the checkpoint's dtype (scales)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    held += gguf_blocks_bytes(model)
     if device.type == "cpu":
         choice = model.optimize_for_cpu()
         if choice:
             logger.info(choice)
-        if resolved.gguf_path and config.quantized_weights == "packed" and not tp.enabled:
-            logger.info(gguf_blocks_for_cpu(model, resolved.gguf_path, hf_config))
+        if gguf_kernels is not None:
+            from .layers.gguf_linear import finish_gguf_blocks
+
+            logger.info(finish_gguf_blocks(model, gguf_kernels))
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
         resolved,
@@ -269,16 +295,32 @@ def load_model(
     )
 
 
-def gguf_blocks_for_cpu(model, gguf_path: str, hf_config) -> str:
-    """QUANTIZED_WEIGHTS=packed for a GGUF checkpoint on CPU: its linears read the file's
-    quantized blocks for decode steps (layers/gguf_linear.py). Returns the start-up line."""
+def gguf_blocks_on_meta(model, resolved: ResolvedModel, hf_config):
+    """A GGUF model served from its blocks (resolve chose it: QUANTIZED_WEIGHTS=packed on CPU):
+    on the model still on meta, the linears, token embedding and LM head whose tensors have a
+    block layout take them (layers/gguf_linear.py). Returns (the file's tensors, the block
+    kernels or None, the names taken); without kernels every tensor loads as float."""
     from .kernels import gguf_blocks
-    from .layers.gguf_linear import attach_gguf_blocks
+    from .layers.gguf_linear import take_gguf_blocks
 
+    tensors = gguf_blocks.read_tensors(resolved.gguf_path)
     kernels = gguf_blocks.load()
     if kernels is None:
-        return "GGUF blocks: off (the block kernels did not build; see the warning above)"
-    return attach_gguf_blocks(model, gguf_path, hf_config, kernels)
+        logger.warning("GGUF blocks: off (the block kernels did not build; see the warning "
+                       "above): every tensor is dequantized to float32 at load")  # fmt: skip
+        return tensors, None, set()
+    return tensors, kernels, take_gguf_blocks(model, tensors, hf_config, kernels)
+
+
+def gguf_blocks_bytes(model) -> int:
+    """Bytes of the GGUF blocks the model holds (not in its state dict)."""
+    seen, total = set(), 0
+    for m in list(model.modules()) + [getattr(model, "packed_lm_head", None)]:
+        blocks = getattr(m, "blocks", None)
+        if blocks is not None and hasattr(blocks, "nbytes") and id(blocks) not in seen:
+            seen.add(id(blocks))
+            total += blocks.nbytes()
+    return total
 
 
 def load_vision(
@@ -381,6 +423,24 @@ def max_model_len_of(hf_config, requested: int | None) -> int:
         return limit
     if limit is not None and requested > limit:
         raise ConfigError(f"max_model_len={requested} exceeds the model's maximum length {limit}")
+    return requested
+
+
+def encoder_max_len(spec: EncoderSpec, model_dir: str | None, requested: int | None) -> int:
+    """An encoder's longest input: what its position table covers (XLM-RoBERTa's starts past
+    the pad id), and no more than a sentence-transformers `max_seq_length`
+    (sentence_bert_config.json), as sentence-transformers itself truncates there."""
+    limit = spec.max_tokens
+    path = os.path.join(model_dir or "", "sentence_bert_config.json")
+    if model_dir and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            st_len = json.load(f).get("max_seq_length")
+        if isinstance(st_len, int) and 0 < st_len < limit:
+            limit = st_len
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ConfigError(f"max_model_len={requested} exceeds the encoder's maximum length {limit}")
     return requested
 
 

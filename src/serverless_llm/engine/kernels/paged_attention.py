@@ -127,6 +127,8 @@ def _paged_attention_kernel(
     KV_E4M3_BYTES: tl.constexpr,
     HAS_LIMITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    DENSE_KV: tl.constexpr = False,
+    BIDIRECTIONAL: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,6 +169,9 @@ def _paged_attention_kernel(
         limit = tl.load(key_limit_ptr + tok, mask=row_valid, other=0)
         reach = tl.maximum(pos, limit)
         hi = seq_len
+    if BIDIRECTIONAL:  # encoders: every row sees all of its request's keys
+        reach = tl.zeros_like(pos) + seq_len - 1
+        hi = seq_len
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx + q0 - window + 1, 0)
@@ -197,7 +202,10 @@ def _paged_attention_kernel(
     for t in range(t_begin, t_end):
         keys = t * BLOCK_N + offs_n
         kmask = keys < hi
-        blk = tl.load(table_row + keys // CACHE_BLOCK, mask=kmask, other=0).to(tl.int64)
+        if DENSE_KV:  # k and v are the step's own [T, KVH, D] rows (one "block" a token)
+            blk = (tok_start + keys).to(tl.int64)
+        else:
+            blk = tl.load(table_row + keys // CACHE_BLOCK, mask=kmask, other=0).to(tl.int64)
         in_blk = keys % CACHE_BLOCK
         kv_mask = kmask[:, None] & dmask[None, :]
         k_tile = _load_kv_tile(
@@ -472,9 +480,12 @@ def _launch(
     num_splits: int | None,
     sms: int,
     fp8: bool,
+    dense: bool = False,
 ) -> None:
     """One launch over requests first..last-1, whose tokens start at `tok_base`; `fp8`: the
-    cache holds 8-bit floats (as bytes when its dtype is uint8: e4m3 through kernels/e4m3.py)."""
+    cache holds 8-bit floats (as bytes when its dtype is uint8: e4m3 through kernels/e4m3.py).
+    `dense`: the "cache" halves are the step's own k and v as [T, 1, KVH, D], attended both
+    ways within each request (`encoder_attention`)."""
     H, D = spec.num_heads, spec.head_dim
     kvh = spec.num_kv_heads
     group = H // kvh
@@ -501,6 +512,7 @@ def _launch(
         slopes = slopes.to(q.device, torch.float32)  # a no-op when the model put them there
     key_cache_block = key_cache.shape[1]
     limits = meta.backend_state.get("key_limits")
+    tables = tile_req if dense else meta.block_tables  # unread when dense
     _paged_attention_kernel[(n_tiles, kvh, num_splits)](
         q,
         key_cache,
@@ -508,7 +520,7 @@ def _launch(
         out3,
         part_acc,
         part_ml,
-        meta.block_tables,
+        tables,
         meta.seq_lens,
         meta.query_start_loc,
         tile_req,
@@ -532,7 +544,7 @@ def _launch(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
-        meta.block_tables.stride(0),
+        tables.stride(0),
         H,
         float(spec.k_scale),
         float(spec.v_scale),
@@ -554,6 +566,8 @@ def _launch(
         KV_E4M3_BYTES=key_cache.dtype == torch.uint8,
         HAS_LIMITS=limits is not None,
         HAS_SINKS=spec.sinks is not None,
+        DENSE_KV=dense,
+        BIDIRECTIONAL=dense,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -577,7 +591,74 @@ def _launch(
         )
 
 
+def encoder_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    spec: AttentionSpec,
+    *,
+    config: TileConfig | None = None,
+    num_splits: int | None = None,
+    sms: int | None = None,
+) -> torch.Tensor:
+    """Bidirectional attention of encoder rows: q [T, H, D], k and v [T, KVH, D], each request's
+    queries over all of its own keys (the step's requests whole: no cache, no context), in the
+    paged kernel with its K/V read straight from k and v (DENSE_KV) and no causal mask
+    (BIDIRECTIONAL). Returns [T, H * D]."""
+    T, H, D = q.shape
+    if H != spec.num_heads or D != spec.head_dim:
+        raise ValueError(f"q is {tuple(q.shape)}, spec says {spec.num_heads} heads x {D}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+    n_req = meta.num_requests
+    if n_req == 0:
+        return out
+    group = H // spec.num_kv_heads
+    cfg = config or prefill_tiles(group, D, max(meta.query_lens_host), q.dtype)
+    sms = sms if sms is not None else num_sms(q.device)
+    _launch(
+        q, k.unsqueeze(1), v.unsqueeze(1), out.view(T, H, D), meta, spec, 0, n_req, 0, cfg,
+        num_splits, sms, False, dense=True,
+    )  # fmt: skip
+    return out
+
+
 # -- torch: the torch backend's attention and the reference --------------------------------
+
+
+def encoder_attention_torch(q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
+    """What `encoder_attention` computes, one request at a time through SDPA (no mask: each
+    request's rows see all of its rows). The torch backend's encoder path."""
+    T = q.shape[0]
+    out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=q.dtype, device=q.device)
+    gqa = spec.num_heads != spec.num_kv_heads
+    s = 0
+    for n in meta.query_lens_host:
+        e = s + n
+        qh, kh, vh = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=spec.scale, enable_gqa=gqa)
+        out[s:e] = o.transpose(0, 1).reshape(n, -1)
+        s = e
+    return out
+
+
+def encoder_attention_reference(q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
+    """Plain float32 per-request softmax(q k^T * scale) v over the request's own rows."""
+    group = spec.num_heads // spec.num_kv_heads
+    out = torch.zeros(q.shape[0], spec.num_heads * spec.head_dim, dtype=q.dtype)
+    s = 0
+    for n in meta.query_lens_host:
+        e = s + n
+        keys = k[s:e].float().repeat_interleave(group, dim=1)  # [n, H, D]
+        values = v[s:e].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", q[s:e].float(), keys) * spec.scale
+        o = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), values)
+        out[s:e] = o.reshape(n, -1).to(q.dtype)
+        s = e
+    return out
 
 
 def key_slots(block_table: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:

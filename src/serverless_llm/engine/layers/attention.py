@@ -25,6 +25,8 @@ from ..kernels.kv_write import kv_write_index, reshape_and_cache, reshape_and_ca
 from ..kernels.metadata import AttentionMetadata, AttentionSpec
 from ..kernels.paged_attention import (
     TileConfig,
+    encoder_attention,
+    encoder_attention_torch,
     num_sms,
     paged_attention,
     paged_attention_torch,
@@ -62,6 +64,11 @@ class AttentionBackend(ABC):
         spec: AttentionSpec,
     ) -> torch.Tensor:  # [T, H * D]
         """Writes k, v into the cache, then attends."""
+
+    def encoder_attention(self, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
+        """Bidirectional attention within each request's own rows (encoders: no cache):
+        q [T, H, D], k and v [T, KVH, D] -> [T, H * D]. The torch path; Triton overrides."""
+        return encoder_attention_torch(q, k, v, meta, spec)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -192,6 +199,14 @@ class TritonAttentionBackend(AttentionBackend):
             decode_config=self.decode_config,
             prefill_config=self.prefill_config,
             sms=sms,
+        )
+
+    def encoder_attention(self, q, k, v, meta, spec):
+        sms = self._sms.get(q.device)
+        if sms is None:
+            sms = self._sms[q.device] = num_sms(q.device)
+        return encoder_attention(
+            q, k, v, meta, spec, config=self.prefill_config, num_splits=self.num_splits, sms=sms
         )
 
 

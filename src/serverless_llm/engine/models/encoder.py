@@ -1,0 +1,296 @@
+"""Bidirectional encoders (BERT, XLM-RoBERTa) and their sequence-classification cross-encoders,
+run on the step's flat ragged batch like the decoder, but with no KV cache and no sampling: each
+request's tokens attend to all of its own tokens, both ways, in one step (the scheduler never
+splits an encoder prompt: `Scheduler.whole_prompts`).
+
+A family (families_encoder.py) is a function from its transformers config to an `EncoderSpec`
+plus the map from its checkpoint's tensor names to this module's (`EncoderNames`). The model is
+post-LayerNorm, as BERT is: embeddings (word + token type + absolute position) -> LayerNorm,
+then per layer x = LN(x + O(attn(x))), x = LN(x + down(act(up(x)))). Its final hidden states are
+what the pooling path (engine/pooling.py) pools; a cross-encoder checkpoint also has its
+classifier head here (`classify`, with `num_labels` and `classifier_pooling`, the members
+pooling.py's classifier-head interface asks for).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from ..layers.norm import LayerNorm
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_python": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class EncoderNames:
+    """Checkpoint tensor names -> this model's: `prefixes` are stripped first (the base model's
+    name inside a ...ForSequenceClassification checkpoint), then `rules` (regex, replacement)
+    apply in order; a name matching `ignore` is skipped."""
+
+    prefixes: tuple[str, ...]
+    rules: list[tuple[str, str]]
+    ignore: tuple[str, ...] = ()
+    qkv: dict[str, str] = field(default_factory=lambda: {"query": "q", "key": "k", "value": "v"})
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int  # rows of the absolute position table
+    eps: float = 1e-12
+    act: str = "gelu"
+    type_vocab_size: int = 2  # 0: no token type embedding
+    # XLM-RoBERTa: positions start at pad_token_id + 1 and a pad token sits at pad_token_id
+    # (fairseq's make_positions); None: positions 0, 1, ... (BERT).
+    position_pad: int | None = None
+    # The classifier of a ...ForSequenceClassification checkpoint: None (a plain encoder),
+    # "bert" (BERT's pooler dense + tanh on the CLS row, then `classifier`) or "roberta" (the
+    # head's dense + tanh on the CLS row, then out_proj).
+    classifier: str | None = None
+    num_labels: int = 0
+    arch: str = ""
+    names: EncoderNames | None = field(default=None, compare=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input the position table covers."""
+        if self.position_pad is None:
+            return self.max_positions
+        return self.max_positions - self.position_pad - 1
+
+    # What the engine's cache planning reads of a decoder's spec: no layer keeps KV.
+    @property
+    def attention_layers(self) -> tuple[bool, ...]:
+        return (False,) * self.num_layers
+
+
+BERT_RULES = [
+    (r"^embeddings\.word_embeddings\.", "embed_tokens."),
+    (r"^embeddings\.position_embeddings\.", "embed_positions."),
+    (r"^embeddings\.token_type_embeddings\.", "embed_types."),
+    (r"^embeddings\.LayerNorm\.", "embed_norm."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.", r"layers.\1.qkv.\2."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"layers.\1.o_proj."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"layers.\1.attn_norm."),
+    (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.up."),
+    (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.down."),
+    (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.mlp_norm."),
+    (r"^pooler\.dense\.", "head_dense."),  # BERT's pooler: the classifier's first half
+    (r"^classifier\.dense\.", "head_dense."),  # RoBERTa's classification head
+    (r"^classifier\.out_proj\.", "classifier."),
+    (r"^classifier\.", "classifier."),
+]
+
+
+HEAD = ("head_dense.", "classifier.")
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, s: EncoderSpec, use_kernels: bool) -> None:
+        super().__init__()
+        h = s.hidden_size
+        self.qkv = nn.Linear(h, 3 * h)
+        self.o_proj = nn.Linear(h, h)
+        self.attn_norm = LayerNorm(h, s.eps, use_kernels=use_kernels)
+        self.up = nn.Linear(h, s.intermediate_size)
+        self.down = nn.Linear(s.intermediate_size, h)
+        self.mlp_norm = LayerNorm(h, s.eps, use_kernels=use_kernels)
+
+
+class EncoderModel(nn.Module):
+    """See the module docstring. Built on the meta device, `materialize`d, then loaded."""
+
+    is_encoder = True
+
+    def __init__(self, spec: EncoderSpec, config, backend: AttentionBackend, **_: object) -> None:
+        super().__init__()
+        s = self.spec = spec
+        self.config = config
+        self.backend = backend
+        self.num_layers = s.num_layers
+        self.num_kv_heads = s.num_heads
+        self.head_dim = s.head_dim
+        self.attn_spec = AttentionSpec(s.num_heads, s.num_heads, s.head_dim, s.head_dim**-0.5)
+        self.act = ACTIVATIONS[s.act]
+        k = backend.use_kernels
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_positions = nn.Embedding(s.max_positions, s.hidden_size)
+        self.embed_types = (
+            nn.Embedding(s.type_vocab_size, s.hidden_size) if s.type_vocab_size else None
+        )
+        self.embed_norm = LayerNorm(s.hidden_size, s.eps, use_kernels=k)
+        self.layers = nn.ModuleList(EncoderLayer(s, k) for _ in range(s.num_layers))
+        # The classifier head (cross-encoders): dense + tanh on the CLS row, then the labels.
+        self.num_labels = s.num_labels if s.classifier else None
+        self.classifier_pooling = "cls"
+        if s.classifier:
+            self.head_dense = nn.Linear(s.hidden_size, s.hidden_size)
+            self.classifier = nn.Linear(s.hidden_size, s.num_labels)
+        # The tokenizer's [SEP] id (set by the engine): with token types, a pair's second text
+        # (after the first [SEP]) is type 1, as the tokenizer marks a (query, document) pair.
+        self.sep_token_id: int | None = None
+        self.quantization = "none"
+
+    # -- building ------------------------------------------------------------------------------
+
+    def materialize(self, device: torch.device) -> EncoderModel:
+        self.to_empty(device=device)
+        return self
+
+    def quantize(self, scheme, mode) -> None:
+        raise ValueError(f"{self.spec.arch}: quantized encoders are not served")
+
+    def init_dummy_weights(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def load_weights(self, weights, names: EncoderNames | None = None) -> None:
+        """Fills every parameter from (name, tensor) pairs; KeyError naming what is missing."""
+        names = names or self.spec.names
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        h = self.spec.hidden_size
+        for name, tensor in weights:
+            target = self.map_name(name, names)
+            if target is None:
+                continue
+            tensor = tensor.full() if hasattr(tensor, "full") else tensor
+            m = re.match(r"^(layers\.\d+\.qkv)\.(query|key|value)\.(weight|bias)$", target)
+            if m:
+                part = ("query", "key", "value").index(m.group(2))
+                p = params[f"{m.group(1)}.{m.group(3)}"]
+                with torch.no_grad():
+                    p[part * h : (part + 1) * h].copy_(tensor)
+                filled.add(target)
+                continue
+            if target not in params and self.num_labels is None and target.startswith(HEAD):
+                continue  # a base model's pooler: the engine pools by itself
+            if target not in params:
+                raise KeyError(f"{self.spec.arch}: checkpoint tensor {name!r} has no place")
+            with torch.no_grad():
+                params[target].copy_(tensor)
+            filled.add(target)
+        missing = []
+        for pname in params:
+            m = re.match(r"^(layers\.\d+\.qkv)\.(weight|bias)$", pname)
+            if m:
+                parts = [f"{m.group(1)}.{p}.{m.group(2)}" for p in ("query", "key", "value")]
+                missing += [p for p in parts if p not in filled]
+            elif pname not in filled:
+                missing.append(pname)
+        if missing:
+            raise KeyError(f"{self.spec.arch}: the checkpoint has no tensor for {missing[:6]}")
+
+    @staticmethod
+    def map_name(name: str, names: EncoderNames) -> str | None:
+        if any(x in name for x in names.ignore):
+            return None
+        for prefix in names.prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        name = name.replace(".gamma", ".weight").replace(".beta", ".bias")  # old LayerNorm names
+        for pattern, repl in names.rules:
+            new, n = re.subn(pattern, repl, name)
+            if n:
+                return new
+        return None
+
+    def optimize_for_cpu(self) -> str | None:
+        return None
+
+    # -- running -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: AttentionMetadata | list[AttentionMetadata],
+        images=None,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's requests, each whole (positions from
+        0: an encoder prompt is never split)."""
+        if isinstance(meta, list):
+            meta = meta[0]
+        s = self.spec
+        x = self.embed_tokens(input_ids)
+        pos = positions
+        if s.position_pad is not None:
+            pos = self._padded_positions(input_ids, meta)
+        x = x + self.embed_positions(pos)
+        if self.embed_types is not None:
+            x = x + self.embed_types(self._token_types(input_ids, meta))
+        x = self.embed_norm(x)
+        H, D = s.num_heads, s.head_dim
+        for layer in self.layers:
+            q, k, v = layer.qkv(x).view(-1, 3, H, D).unbind(1)
+            attn = self.backend.encoder_attention(q, k, v, meta, self.attn_spec)
+            x = layer.attn_norm(layer.o_proj(attn), x)[0]
+            x = layer.mlp_norm(layer.down(self.act(layer.up(x))), x)[0]
+        return x
+
+    def _request_index(self, meta: AttentionMetadata, device) -> torch.Tensor:
+        lens = torch.tensor(meta.query_lens_host, device=device)
+        return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+
+    def _segment_cumsum(self, flags: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Inclusive cumulative sums of `flags` [T] restarting at each request."""
+        c = flags.cumsum(0)
+        starts = meta.query_start_loc[:-1].long()
+        before = torch.cat([c.new_zeros(1), c])[starts]  # the sum before each request
+        return c - before[self._request_index(meta, flags.device)]
+
+    def _padded_positions(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """XLM-RoBERTa's positions: pad + the count of non-pad tokens so far (pad tokens sit at
+        `pad`), per request."""
+        pad = self.spec.position_pad
+        mask = (ids != pad).long()
+        return self._segment_cumsum(mask, meta) * mask + pad
+
+    def _token_types(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """0 up to and including a request's first [SEP], 1 after it (a text pair's second
+        text, as the tokenizer's token_type_ids); all 0 without a known [SEP] id."""
+        if self.sep_token_id is None or self.spec.type_vocab_size < 2:
+            return torch.zeros_like(ids)
+        sep = (ids == self.sep_token_id).long()
+        before = self._segment_cumsum(sep, meta) - sep  # [SEP]s strictly before each token
+        return before.clamp(max=1)
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's logits [N, num_labels] from pooled CLS rows [N, hidden]."""
+        if self.num_labels is None:
+            raise ValueError(f"{self.spec.arch} has no classifier head")
+        return self.classifier(torch.tanh(self.head_dense(rows)))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """An encoder has no LM head: its classifier's logits when it has one, else the rows
+        (what the CUDA memory profile runs after the forward)."""
+        return hidden if self.num_labels is None else self.classify(hidden)
