@@ -23,7 +23,7 @@ from .engine.outputs import (
     RequestOutput,
     position_logprobs,
 )
-from .engine.pooling import embed_params
+from .engine.pooling import embed_params, score_pairs
 from .engine.request import Request
 from .engine.sampling.beam_search import BeamSearchParams
 from .engine.sampling.params import SamplingParams, choose_sequences, sequence_params
@@ -66,6 +66,40 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's result of `LLM.classify` (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's result of `LLM.score` (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool
 
 
@@ -203,6 +237,65 @@ class LLM:
             )
             for req in requests
         ]
+
+    def classify(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify` (a ...ForSequenceClassification model): each prompt's
+        probabilities per label (`out.outputs.probs`; the labels: `engine.labels`)."""
+        reqs = self._pool(self._prompt_list(prompts), "classify", truncate_prompt_tokens)
+        return [
+            ClassificationRequestOutput(
+                r.request_id, list(r.prompt_token_ids), ClassificationOutput(r.embedding), True
+            )
+            for r in reqs
+        ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        instruction: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: one text_1 against each text_2, or pairs one-to-one; each pair's
+        relevance in [0, 1] (`out.outputs.score`) from a one-label cross-encoder head or a
+        causal LM reranker served with task="score" (Qwen3-Reranker's yes/no recipe, with
+        `instruction` as its task line)."""
+        engine = self.engine
+        engine.check_pooling_task("score")
+        pairs = score_pairs(text_1, text_2)
+        prompts = [engine.score_prompt(q, d, instruction) for q, d in pairs]
+        reqs = self._pool(prompts, "score", truncate_prompt_tokens)
+        return [
+            ScoringRequestOutput(
+                r.request_id, list(r.prompt_token_ids), ScoringOutput(r.embedding[0]), True
+            )
+            for r in reqs
+        ]
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]
+        return list(prompts)
+
+    def _pool(self, prompts: list, task: str, truncate_prompt_tokens: int | None) -> list:
+        """Pooling requests of `task` for `prompts`, all validated before any is scheduled,
+        run to the end; the finished requests (their `embedding` holds the result)."""
+        engine = self.engine
+        requests = []
+        for prompt in prompts:
+            prepared = engine.inputs.prepare(prompt, embed_params(truncate_prompt_tokens))
+            rid = f"llm-{task}-{self._counter}"
+            requests.append(engine.build_embed_request(prepared, rid, task=task))
+            self._counter += 1
+        self._run(requests)
+        return requests
 
     def beam_search(
         self,

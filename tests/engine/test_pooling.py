@@ -86,6 +86,6 @@ def test_cls_pooling_is_refused_naming_it(tiny_llama, tmp_path):
 
 def test_bad_task_and_pooling_type_are_config_errors(tiny_llama):
     with pytest.raises(ConfigError, match="task="):
-        LLM(tiny_llama, task="classify")
+        LLM(tiny_llama, task="bogus")
     with pytest.raises(ConfigError, match="pooling_type="):
         LLM(tiny_llama, task="embed", pooling_type="cls")

@@ -50,7 +50,7 @@ class ConfigError(ValueError):
     """A setting has a value the engine cannot use; the message names it."""
 
 
-TASKS = ("generate", "embed")
+TASKS = ("auto", "generate", "embed", "classify", "score")
 
 
 @dataclass
@@ -131,11 +131,12 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
     # "prompt_lookup_min": m} runs (speculative.py); None: off.
     speculative_config: dict | str | None = None
-    # What the model serves (vLLM's --task / --runner): "generate", or "embed" (pooling
-    # requests only: engine/pooling.py). `pooling_type` ("last" | "mean") and `normalize`:
-    # None reads them from a sentence-transformers layout (modules.json, 1_Pooling/), else
-    # last-token pooling, normalised.
-    task: str = "generate"
+    # What the model serves (vLLM's --task / --runner): "generate"; "embed", "classify" or
+    # "score" (pooling requests only: engine/pooling.py); "auto": "classify" for a
+    # ...ForSequenceClassification checkpoint, else "generate". `pooling_type` ("last" |
+    # "mean") and `normalize`: None reads them from a sentence-transformers layout
+    # (modules.json, 1_Pooling/), else last-token pooling, normalised.
+    task: str = "auto"
     pooling_type: str | None = None
     normalize: bool | None = None
 

@@ -45,7 +45,16 @@ from .output_processor import make_output, process_token
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import COLLECTIVE_TIMEOUT_S, SINGLE, TensorParallel, TensorParallelError
 from .parallel.workers import RankProcesses, backend_for, threads_per_rank
-from .pooling import PoolingParams, embed_params, embedding_output, sentence_transformers_pooling
+from .pooling import (
+    PoolingParams,
+    TokenPairHead,
+    embed_params,
+    embedding_output,
+    instructed_text,
+    reranker_prompt_ids,
+    sentence_transformers_pooling,
+    sentence_transformers_prompts,
+)
 from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
@@ -148,8 +157,10 @@ class LLMEngine:
             self.resolved.model_dir, config.generation_config, config.override_generation_config
         )
         self.vocab_size = self.hf_config.vocab_size
-        self.task = config.task
+        self.task = self._resolve_task(config)
         self.pooling = self._pooling_defaults(config)
+        self.pooling_head = self._pooling_head(config)
+        self.prompts = sentence_transformers_prompts(self.resolved.model_dir)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -236,6 +247,7 @@ class LLMEngine:
             self.model, self.kv_caches, self.backend, self.block_size, self.device, layout
         )
         self.runner.kv = self.kv
+        self.runner.pooling_head = self.pooling_head
         if self.vision is not None:
             mode = self.vision.bidirectional
             if not self.runner.attach_vision(
@@ -302,6 +314,54 @@ class LLMEngine:
             self.tp.size,
             self._images_line(config, loaded),
         )
+
+    def _resolve_task(self, config: EngineConfig) -> str:
+        """TASK as served: "auto" is "classify" for a classifier checkpoint, else "generate";
+        a classifier cannot generate, and classify/score need a head (ConfigError)."""
+        labels = getattr(self.model, "num_labels", None)
+        task = config.task
+        if task == "auto":
+            task = "classify" if labels is not None else "generate"
+        if task == "generate" and labels is not None:
+            raise ConfigError(
+                f"{self.hf_config.architectures[0]} is a classifier (a score head of {labels} "
+                "labels, no LM head): it cannot generate; serve it with TASK=classify or score"
+            )
+        if task == "classify" and labels is None:
+            raise ConfigError(
+                "TASK=classify needs a classifier checkpoint (...ForSequenceClassification); "
+                "this model has no classifier head"
+            )
+        if task == "score" and labels not in (None, 1):
+            raise ConfigError(
+                f"TASK=score needs a one-label head; this classifier has {labels} labels "
+                "(serve it with TASK=classify)"
+            )
+        return task
+
+    def _pooling_head(self, config: EngineConfig):
+        """The classifier head classify/score requests read (pooling.py): the checkpoint's own,
+        or with TASK=score on a causal LM the yes/no token scorer (Qwen3-Reranker's recipe:
+        tokens from hf_overrides' `classifier_from_token` [no, yes], else "no" and "yes")."""
+        if getattr(self.model, "num_labels", None) is not None:
+            return self.model
+        if self.task != "score":
+            return None
+        if config.tensor_parallel_size > 1:
+            raise ConfigError(
+                "TASK=score on a causal LM reads two rows of the LM head: tensor_parallel_size "
+                "must be 1"
+            )
+        words = getattr(self.hf_config, "classifier_from_token", None) or ["no", "yes"]
+        if len(words) != 2:
+            raise ConfigError(f"classifier_from_token must name two tokens [no, yes]: {words}")
+        ids = []
+        for word in words:
+            tid = self.tokenizer.convert_tokens_to_ids(word)
+            if tid is None or tid == self.tokenizer.unk_token_id or tid >= self.vocab_size:
+                raise ConfigError(f"TASK=score: the tokenizer has no token {word!r}")
+            ids.append(int(tid))
+        return TokenPairHead(self.model, ids[0], ids[1])
 
     def _pooling_defaults(self, config: EngineConfig) -> PoolingParams:
         """The model's pooling: the config's, else a sentence-transformers layout's, else
@@ -568,14 +628,15 @@ class LLMEngine:
         return req
 
     def build_embed_request(
-        self, prepared, request_id: str, dimensions: int | None = None
+        self, prepared, request_id: str, dimensions: int | None = None, task: str = "embed"
     ) -> Request:
         """A pooling request for a prompt prepared with `embed_params()`: the model's pooling,
-        `dimensions` (Matryoshka truncation before the normalisation) its own."""
-        if self.task != "embed":
-            raise InvalidRequestError(
-                "this model serves generation (TASK=generate): embeddings need TASK=embed"
-            )
+        `dimensions` (Matryoshka truncation before the normalisation) its own. `task`:
+        "embed" (any model, next to generation on a generating one), "classify" (a model with
+        a classifier head), "score" (a one-label head: the prompt is `score_prompt`'s pair)."""
+        self.check_pooling_task(task)
+        if dimensions is not None and task != "embed":
+            raise InvalidRequestError("dimensions applies to embeddings only", "dimensions")
         if dimensions is not None:
             hidden = self.hf_config.hidden_size
             if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
@@ -587,8 +648,45 @@ class LLMEngine:
                     f"dimensions={dimensions} is larger than the model's {hidden}", "dimensions"
                 )
         req = self.inputs.build_request(prepared, embed_params(prepared.truncate), request_id)
-        req.pooling = dataclasses.replace(self.pooling, dimensions=dimensions)
+        req.pooling = dataclasses.replace(self.pooling, task=task, dimensions=dimensions)
         return req
+
+    def check_pooling_task(self, task: str) -> None:
+        """InvalidRequestError unless this model can serve pooling `task`."""
+        head = self.pooling_head
+        if task == "embed":
+            return
+        if task not in ("classify", "score"):
+            raise InvalidRequestError(f"unknown pooling task {task!r}")
+        if head is None:
+            raise InvalidRequestError(
+                f"this model has no classifier head (TASK={self.task}): {task} needs a "
+                "...ForSequenceClassification checkpoint"
+                + (", or a causal LM reranker served with TASK=score" if task == "score" else "")
+            )
+        if task == "score" and head.num_labels != 1:
+            raise InvalidRequestError(
+                f"score needs a one-label head; this classifier has {head.num_labels} labels "
+                "(use classify)"
+            )
+
+    @property
+    def labels(self) -> list[str]:
+        """The classifier head's label names (the config's id2label, else LABEL_i)."""
+        head = self.pooling_head
+        n = head.num_labels if head is not None else 0
+        names = getattr(self.hf_config, "id2label", None) or {}
+        return [str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(n)]
+
+    def score_prompt(self, text_1: str, text_2: str, instruction: str | None = None) -> list[int]:
+        """The token ids of one (query, document) pair for a score request: a causal LM
+        scorer's published reranker prompt (`reranker_prompt_ids`, `instruction` its task
+        line), else the tokenizer's own pair encoding (a cross-encoder's [CLS] q [SEP] d)."""
+        if isinstance(self.pooling_head, TokenPairHead):
+            return reranker_prompt_ids(self.tokenizer, text_1, text_2, instruction)
+        if instruction is not None:
+            text_1 = instructed_text(text_1, instruction)
+        return list(self.tokenizer(text_1, text_2)["input_ids"])
 
     def add_embed_request(
         self,
@@ -604,11 +702,13 @@ class LLMEngine:
         return req
 
     def check_generates(self) -> None:
-        """InvalidRequestError unless this engine serves generation (TASK=embed does not)."""
+        """InvalidRequestError unless this engine serves generation (TASK=embed, classify and
+        score do not)."""
         if self.task != "generate":
+            route = "/v1/embeddings" if self.task == "embed" else f"/{self.task}"
             raise InvalidRequestError(
-                f"this model is served for embeddings (TASK={self.task}): generation is off; "
-                "use /v1/embeddings, or restart with TASK=generate"
+                f"this model is served for {self.task} (TASK={self.task}): generation is off; "
+                f"use {route}, or restart with TASK=generate"
             )
 
     def check_priority(self, priority: int) -> None:

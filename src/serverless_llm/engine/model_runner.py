@@ -19,7 +19,7 @@ from .kv_cache import copy_blocks
 from .kv_cache_manager import CacheLayout, KVCacheManager
 from .layers.attention import AttentionBackend, AttentionMetadata
 from .multimodal import EncoderCache, ImageItem
-from .pooling import PoolState
+from .pooling import PoolState, pooled_result
 from .request import Request
 from .sampling.logprobs import prompt_logprobs
 from .sampling.ops import block_argmax
@@ -121,6 +121,8 @@ class ModelRunner:
         self.verified: list[tuple[Request, list[int]]] = []
         # The pooling requests whose prompt the last step completed (their `embedding` set).
         self.pooled: list[Request] = []
+        # The classifier head classify/score requests read (pooling.py), set by the engine.
+        self.pooling_head = None
 
     def attach_vision(self, tower, cache_bytes: int, bidirectional: str) -> bool:
         """A vision-language model's tower and an encoder cache of `cache_bytes` (every
@@ -437,11 +439,16 @@ class ModelRunner:
             start = req.num_computed_tokens  # not advanced yet: the step's update does that
             if req.pool is None or start == 0:
                 req.pool = PoolState()
-            mean = params.pooling_type == "mean"
+            which = params.pooling_type
+            if params.task != "embed":
+                which = self.pooling_head.classifier_pooling
+            mean = which == "mean"
             rows = hidden[first : first + n] if mean else hidden[first + n - 1 : first + n]
             req.pool.add(rows, mean)
+            if start == 0:
+                req.pool.first = hidden[first].float()
             if done:
-                req.embedding = req.pool.result(params).cpu().tolist()
+                req.embedding = pooled_result(req.pool, params, self.pooling_head)
                 req.pool = None
                 self.pooled.append(req)
 

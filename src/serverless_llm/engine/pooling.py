@@ -1,11 +1,34 @@
-"""Pooling (embedding) requests: a prompt run through the model once, prefill only, whose final
-hidden states (after the model's final norm) are pooled into one vector; no token is sampled and
-the request's KV blocks are freed as soon as its prompt is computed.
+"""Pooling requests: a prompt run through the model once, prefill only, whose final hidden
+states (after the model's final norm) are pooled into one result; no token is sampled and the
+request's KV blocks are freed as soon as its prompt is computed.
 
 A pooling request is a `Request` with `pooling` set: the scheduler grants it prefill chunks like
 any prompt (never from cached prefix blocks: mean pooling needs every row), the model runner
 gathers its rows chunk by chunk (`PoolState`) instead of sampling, and the engine ends it the
-step its last prompt token is computed.
+step its last prompt token is computed, with `embedding` holding the task's vector:
+
+- `embed`: the pooled hidden state (last / mean), Matryoshka-truncated, maybe L2-normalised;
+- `classify`: the model's classifier head over its pooled row, as probabilities per label
+  (softmax; a sigmoid for a one-label head);
+- `score`: a (query, document) pair already joined into one prompt (`score_prompt`), one
+  number: the sigmoid of a one-label head's logit.
+
+The classifier head, as the pooling path sees it (a model, or a wrapper built by the engine):
+
+    head.num_labels: int               # logits per row (1 for a cross-encoder / reranker)
+    head.classifier_pooling: str       # the row the head reads: "last" (decoders, as
+                                       # transformers' ...ForSequenceClassification), "cls"
+                                       # (the first token: BERT-family cross-encoders), "mean"
+    head.classify(rows: Tensor[N, hidden]) -> Tensor[N, num_labels]   # raw logits; rows are
+                                       # the pooled final hidden states (model dtype); the head
+                                       # does everything after that (BERT's pooler dense+tanh,
+                                       # dropout-free classifier, ...)
+
+A decoder `...ForSequenceClassification` checkpoint is the decoder with its `score` linear
+(models/registry.py, `DecoderModel.classify`). A causal LM asked to score (TASK=score, e.g.
+Qwen3-Reranker) is wrapped in `TokenPairHead`: its one logit is l(yes) - l(no) at the last
+position, so sigmoid(logit) = softmax([l(no), l(yes)])[1], the published P(yes). Encoder
+families give their model these three members and the pooling path serves them unchanged.
 """
 
 from __future__ import annotations
@@ -24,17 +47,22 @@ if TYPE_CHECKING:
     from .request import Request
 
 POOLING_TYPES = ("last", "mean")
+POOLING_TASKS = ("embed", "classify", "score")
+HEAD_POOLINGS = ("last", "mean", "cls")  # the rows a classifier head may read
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """How one request's hidden rows become its embedding."""
+    """How one request's hidden rows become its result."""
 
     pooling_type: str = "last"  # "last" (the last prompt token's row) or "mean" (all rows)
     normalize: bool = True  # L2-normalise the pooled vector
     dimensions: int | None = None  # keep the first k dimensions (Matryoshka), then normalise
+    task: str = "embed"  # one of POOLING_TASKS
 
     def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(
                 f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
@@ -50,14 +78,17 @@ class PoolingParams:
 class PoolState:
     """A pooling request's running pool across its prefill chunks (float32)."""
 
-    __slots__ = ("total", "count", "last")
+    __slots__ = ("total", "count", "last", "first")
 
     def __init__(self) -> None:
         self.total: torch.Tensor | None = None
         self.count = 0
         self.last: torch.Tensor | None = None
+        self.first: torch.Tensor | None = None  # the prompt's first row ("cls")
 
     def add(self, rows: torch.Tensor, mean: bool) -> None:
+        """`rows`: the chunk's rows (all of them for a mean, else at least its last); the
+        runner sets `first` from the chunk that starts the prompt."""
         rows = rows.float()
         if mean:
             s = rows.sum(dim=0)
@@ -65,14 +96,53 @@ class PoolState:
             self.count += rows.shape[0]
         self.last = rows[-1]
 
-    def result(self, params: PoolingParams) -> torch.Tensor:
-        if params.pooling_type == "mean":
+    def row(self, which: str) -> torch.Tensor:
+        """The pooled row a classifier head reads (`HEAD_POOLINGS`), float32."""
+        if which == "mean":
             assert self.total is not None and self.count
-            vec = self.total / self.count
-        else:
-            assert self.last is not None
-            vec = self.last
-        return finish_vector(vec, params)
+            return self.total / self.count
+        vec = self.first if which == "cls" else self.last
+        assert vec is not None
+        return vec
+
+    def result(self, params: PoolingParams) -> torch.Tensor:
+        return finish_vector(self.row(params.pooling_type), params)
+
+
+def pooled_result(pool: PoolState, params: PoolingParams, head) -> list[float]:
+    """A finished pooling request's vector: the embedding, or the head's probabilities (one
+    number for `score`). `head` is the classifier head (see the module's docstring)."""
+    if params.task == "embed":
+        return pool.result(params).tolist()
+    row = pool.row(head.classifier_pooling)
+    dtype = next((p.dtype for p in head_parameters(head)), torch.float32)
+    logits = head.classify(row.to(dtype).unsqueeze(0)).float()[0]
+    if params.task == "score" or logits.numel() == 1:
+        return torch.sigmoid(logits).tolist()
+    return torch.softmax(logits, dim=-1).tolist()
+
+
+def head_parameters(head):
+    """The head's parameters (for its dtype); a wrapper names its model's."""
+    model = getattr(head, "model", head)
+    return model.parameters() if isinstance(model, torch.nn.Module) else iter(())
+
+
+class TokenPairHead:
+    """A causal LM as a yes/no scorer (Qwen3-Reranker's recipe): one logit, the LM head's
+    l(yes) - l(no) at the last position; sigmoid of it is softmax([l(no), l(yes)])[1]."""
+
+    num_labels = 1
+    classifier_pooling = "last"
+
+    def __init__(self, model, no_id: int, yes_id: int) -> None:
+        self.model = model
+        self.no_id = no_id
+        self.yes_id = yes_id
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(rows)
+        return (logits[:, self.yes_id] - logits[:, self.no_id]).unsqueeze(-1)
 
 
 def finish_vector(vec: torch.Tensor, params: PoolingParams) -> torch.Tensor:
@@ -119,6 +189,69 @@ def sentence_transformers_pooling(model_dir: str | None) -> tuple[str | None, bo
                     "the last token or the mean (set POOLING_TYPE to override)"
                 )
     return pooling, normalize
+
+
+def sentence_transformers_prompts(model_dir: str | None) -> dict[str, str]:
+    """The named prompts of `config_sentence_transformers.json` ({"query": "Instruct: ...\n
+    Query:", ...}): a request's `prompt_name` puts that text before its input, as
+    sentence-transformers' `encode(prompt_name=...)` does. {} where there are none."""
+    path = os.path.join(model_dir or "", "config_sentence_transformers.json")
+    if not model_dir or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        prompts = json.load(f).get("prompts") or {}
+    return {str(k): str(v) for k, v in prompts.items()} if isinstance(prompts, dict) else {}
+
+
+def instructed_text(text: str, instruction: str) -> str:
+    """Qwen3-Embedding's query form (its model card's `get_detailed_instruct`):
+    "Instruct: <task>\nQuery:<text>"."""
+    return f"Instruct: {instruction}\nQuery:{text}"
+
+
+# Qwen3-Reranker's published prompt: a system turn asking for "yes" or "no", the user turn
+# holding the instruction, query and document, and an empty thinking block before the answer.
+RERANKER_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n"
+)
+RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def reranker_prompt_ids(
+    tokenizer, query: str, document: str, instruction: str | None = None
+) -> list[int]:
+    """One pair's prompt for a causal LM scorer, as Qwen3-Reranker's recipe builds it: the
+    prefix, "<Instruct>: ...\n<Query>: ...\n<Document>: ..." and the suffix, each tokenized
+    without special tokens and joined."""
+    body = (
+        f"<Instruct>: {instruction or RERANKER_INSTRUCTION}\n<Query>: {query}\n"
+        f"<Document>: {document}"
+    )
+    ids: list[int] = []
+    for part in (RERANKER_PREFIX, body, RERANKER_SUFFIX):
+        ids += list(tokenizer.encode(part, add_special_tokens=False))
+    return ids
+
+
+def score_pairs(text_1, text_2) -> list[tuple[str, str]]:
+    """The (query, document) pairs of a score request, as vLLM pairs `text_1` and `text_2`:
+    one with one, one with each of many, or many with as many (one-to-one). ValueError for an
+    empty side or lists of different lengths."""
+    ones = [text_1] if isinstance(text_1, str) else list(text_1)
+    twos = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not ones or not twos:
+        raise ValueError("text_1 and text_2 must each hold at least one text")
+    if len(ones) == 1:
+        return [(ones[0], t) for t in twos]
+    if len(ones) != len(twos):
+        raise ValueError(
+            f"text_1 has {len(ones)} texts and text_2 {len(twos)}: give one text_1, or as many "
+            "as text_2"
+        )
+    return list(zip(ones, twos))
 
 
 def embed_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:

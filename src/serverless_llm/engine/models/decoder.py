@@ -292,6 +292,10 @@ class DecoderSpec:
     final_softcap: float | None = None
     tied: bool = False
     lm_head_bias: bool = False
+    # A `...ForSequenceClassification` checkpoint (registry.py): its `score` linear [labels,
+    # hidden] on the last token's final hidden state replaces the LM head (pooling.py's
+    # classifier head); None: a causal LM.
+    num_labels: int | None = None
     # Token mixers (hybrid models). Per layer: "attention"; "recurrent" (the layer keeps a state
     # instead of KV: `recurrent` describes it, layers/recurrent.py); "parallel" (attention and the
     # recurrent mixer both read the normed input and their outputs are summed: Falcon-H1; the
@@ -1080,7 +1084,11 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             nn.Linear(s.hidden_size, embed_dim, bias=False) if s.project_dim else None
         )
         self.tied = s.tied
-        if not self.tied:
+        self.num_labels = s.num_labels
+        if s.num_labels is not None:  # a classifier: its score head instead of the LM head
+            self.score = nn.Linear(embed_dim, s.num_labels, bias=False)
+            self.tied = True  # no lm_head parameter to load (generation is refused)
+        elif not self.tied:
             self.lm_head = nn.Linear(embed_dim, s.vocab_size, bias=s.lm_head_bias)
         elif s.lm_head_bias:
             self.lm_head_bias = nn.Parameter(torch.zeros(s.vocab_size))
@@ -1299,6 +1307,13 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         x = table(torch.where(mine, local, 0))
         return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
+    classifier_pooling = "last"  # transformers' ...ForSequenceClassification reads the last token
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """A classifier checkpoint's logits [N, num_labels] for pooled final hidden states
+        (pooling.py's classifier head)."""
+        return self.score(rows)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [N, vocab]. With tensor parallelism every rank computes its vocab rows and
         rank 0 gets them all (the other ranks get None)."""
@@ -1342,7 +1357,9 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         for m in self.modules():
             if isinstance(m, Experts) and not m.use_kernels:
                 m.pack_for_cpu()
-        if self.tied:  # the embedding itself stays plain for the lookup
+        if self.num_labels is not None:
+            pass  # a classifier has no LM head to pack
+        elif self.tied:  # the embedding itself stays plain for the lookup
             bias = getattr(self, "lm_head_bias", None)
             self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight, keep_panels=native)
             self.packed_lm_head.bias = None if bias is None else bias.detach().contiguous()

@@ -41,6 +41,10 @@ def describe_model(config) -> DecoderSpec:
         spec.arch = archs[0]
         return spec
     for arch in archs:
+        base = classifier_base(arch)
+        if base is not None and arch not in MODEL_REGISTRY:
+            spec = describe_model(_with_architectures(config, [base]))
+            return as_classifier(spec, arch, config)
         if arch in MODEL_REGISTRY:
             try:
                 spec = MODEL_REGISTRY[arch](config)
@@ -56,6 +60,38 @@ def describe_model(config) -> DecoderSpec:
         "repositories; a model whose code lives only in its repository (trust_remote_code) is "
         "served when its architecture is one of these."
     )
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def classifier_base(arch: str) -> str | None:
+    """The causal LM architecture a decoder `<Family>ForSequenceClassification` is built on
+    (Qwen3ForSequenceClassification -> Qwen3ForCausalLM), when a family serves it."""
+    if not arch.endswith(CLASSIFIER_SUFFIX):
+        return None
+    base = arch[: -len(CLASSIFIER_SUFFIX)] + "ForCausalLM"
+    return base if base in MODEL_REGISTRY else None
+
+
+def as_classifier(spec: DecoderSpec, arch: str, config) -> DecoderSpec:
+    """The causal LM's description with transformers' sequence-classification head: a
+    `score` linear [num_labels, hidden] without bias in place of the LM head."""
+    import dataclasses
+
+    names = spec.names
+    top = {k: v for k, v in names.top.items() if v not in ("lm_head", "lm_head_bias")}
+    top["score"] = "score"
+    num_labels = int(getattr(config, "num_labels", None) or len(config.id2label))
+    spec = dataclasses.replace(
+        spec,
+        names=dataclasses.replace(names, top=top),
+        num_labels=num_labels,
+        tied=False,
+        lm_head_bias=False,
+    )
+    spec.arch = arch
+    return spec
 
 
 def _text_decoder_arch(config) -> str | None:
