@@ -1,0 +1,232 @@
+"""Kernel warm-up: every Triton specialisation the loaded model can launch, listed and compiled
+before the first request, so none compiles on the request path.
+
+Listing (`list_launches`): the model runner runs a sweep of synthetic steps, with every Triton
+launch recorded instead of run (kernels/launch_keys.py). The launchers are the ones that serve
+traffic, so the list is what they launch, not a copy of their choices that could drift: each
+step's shapes pass through the same tile choosers, split heuristics and alignment facts. The
+sweep covers the axes those choices read: decode batches (1, 2, 3, 15, 16, 17 rows and the
+largest, against contexts at every power of two up to max_model_len), prompts of 2, 3, 15, 16,
+17 tokens and every power of two (and one past it) up to the step's token budget, prompt
+chunks over a context, and 0-17 decodes with one to four prompts (or chunks) after them; with LoRA on, the same steps with an
+adapter on every row; each step with block tables of each width class. The rows write no KV (slot -1) and the outputs are never read, so the
+sweep changes nothing in the cache. A launch the sweep missed would still compile at its first
+use; the engine then logs it by name (`watch_request_path`), so the gap is visible.
+
+Compiling (`compile_launches`): each listed specialisation through `launch_keys.compile_spec`,
+the same steps as Triton's own launch, in a pool of threads; the results land in Triton's cache
+directory (TRITON_CACHE_DIR), where the first real launch finds them. Only on CUDA: the CPU
+path runs no Triton, and under the interpreter there is nothing to compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.launch_keys import LaunchSpec, compile_spec, record_launches
+from .model_runner import HostBatch, ModelRunner, PromptLogprobWork
+
+logger = logging.getLogger(__name__)
+
+# A LoRA adapter id no request uses: the sweep's rows take adapter slot 0 under it.
+SWEEP_LORA_ID = -1
+
+
+@dataclass(frozen=True)
+class SweepLimits:
+    """What bounds a step's shapes: tokens a step may compute, requests a step may hold, the
+    longest context."""
+
+    token_budget: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+def _powers(limit: int, start: int = 1) -> list[int]:
+    out, p = [], start
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def sweep_steps(limits: SweepLimits) -> list[tuple[list[int], list[int]]]:
+    """The synthetic steps, each (query lengths, sequence lengths) per request, decodes first."""
+    budget, seqs, max_len = limits.token_budget, limits.max_num_seqs, limits.max_model_len
+    steps: list[tuple[list[int], list[int]]] = []
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+
+    def add(q: list[int], s: list[int]) -> None:
+        if sum(q) > budget or len(q) > seqs or max(s) > max_len:
+            return
+        key = (tuple(q), tuple(s))
+        if key not in seen:
+            seen.add(key)
+            steps.append((q, s))
+
+    rows = sorted({n for n in (1, 2, 3, 15, 16, 17, seqs) if n <= min(seqs, budget)})
+    contexts = sorted({*_powers(max_len, 2), max_len})
+    for n in rows:  # decode-only steps
+        for ctx in contexts:
+            add([1] * n, [ctx] * n)
+    lengths = sorted({2, 3, 15, 16, 17, budget, *_powers(budget, 2)}
+                     | {p + 1 for p in _powers(budget, 2)})  # fmt: skip
+    for t in lengths:  # a prompt from scratch, and a chunk over a context
+        t = min(t, budget, max_len)
+        if t < 2:
+            continue
+        add([t], [t])
+        for ctx in (limits.token_budget, max_len - t):
+            if ctx > 0:
+                add([t], [min(ctx + t, max_len)])
+    # Decodes (none, or a few) with one to four prompts after them: the prompt launch's first
+    # token (an int argument) and its tile list's length (a pointer into a 2-row tensor) take
+    # every alignment class.
+    for nd in (0, 1, 2, 3, 15, 16, 17):
+        for k in (1, 2, 3, 4):
+            for t in (2, 16, 17, (budget - nd) // k):
+                for ctx in (0, max_len - t):  # a first chunk, or a last one (split-KV)
+                    if t >= 2:
+                        add([1] * nd + [t] * k, [max_len] * nd + [ctx + t] * k)
+    return steps
+
+
+def table_widths(needed: int) -> list[int]:
+    """Block-table widths to try for a step whose longest request needs `needed` blocks: the
+    width is an int argument (its row stride), and a step's width is that of its longest
+    request, whatever the rest of the step is; so each class Triton tells apart: 1, a multiple
+    of 16, any other."""
+    widths = {needed, -(-needed // 16) * 16}
+    widths.add(needed + 1 if (needed + 1) % 16 else needed + 2)
+    return sorted(w for w in widths if w >= needed)
+
+
+def _host_batch(
+    runner: ModelRunner, query_lens: list[int], seq_lens: list[int], lora: bool, width: int = 0
+):
+    """A HostBatch of dummy tokens that write no KV (slot -1) and read block 0, its block
+    tables `width` blocks wide (at least what the longest request needs)."""
+    bs = runner.block_size
+    groups = runner.layout.num_groups
+    ids: list[int] = []
+    positions: list[int] = []
+    sample_idx: list[int] = []
+    lora_rows: list[tuple[int, int, int]] = []
+    for q, s in zip(query_lens, seq_lens):
+        if lora:
+            lora_rows.append((SWEEP_LORA_ID, len(ids), q))
+        ids.extend([0] * q)
+        positions.extend(range(s - q, s))
+        sample_idx.append(len(ids) - 1)
+    blocks = max(1, -(-max(seq_lens) // bs), width)
+    table = torch.zeros(len(seq_lens), blocks, dtype=torch.int32)
+    has_state = runner.layout.has_state
+    return HostBatch(
+        input_ids=ids,
+        positions=positions,
+        slots=[[-1] * len(ids) for _ in range(groups)],
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        block_tables=[table for _ in range(groups)],
+        num_decodes=sum(1 for q in query_lens if q == 1),
+        sample_reqs=[],
+        sample_idx=sample_idx,
+        prompt_work=PromptLogprobWork(),
+        lora_rows=lora_rows,
+        state_slots=[1] * len(seq_lens) if has_state else None,
+        prompt_rows=[True] * len(ids) if has_state else None,
+    )
+
+
+@torch.inference_mode()
+def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
+    """Every specialisation the runner's model launches over the sweep (see the module doc)."""
+    variants = [False] + ([True] if runner.lora_step is not None else [])
+    captured, runner.captured = runner.captured, None  # the sweep runs eagerly
+    runner.lora_slots[SWEEP_LORA_ID] = 0
+    try:
+        with record_launches(execute=False) as rec:
+            for lora in variants:
+                for q, s in sweep_steps(limits):
+                    for width in table_widths(max(1, -(-max(s) // runner.block_size))):
+                        runner.run(_host_batch(runner, q, s, lora, width))
+    finally:
+        runner.captured = captured
+        runner.lora_slots.pop(SWEEP_LORA_ID, None)
+    return rec.specs
+
+
+def compile_launches(specs: Iterable[LaunchSpec], target=None, workers: int | None = None) -> int:
+    """Compiles every spec (into Triton's cache) on a pool of threads; returns how many."""
+    specs = list(specs)
+    workers = workers or min(len(specs), os.cpu_count() or 1) or 1
+    with ThreadPoolExecutor(workers, thread_name_prefix="kernel-warmup") as pool:
+        for _ in pool.map(lambda s: compile_spec(s, target), specs):
+            pass
+    return len(specs)
+
+
+@dataclass
+class WarmupResult:
+    specs: int
+    list_seconds: float
+    compile_seconds: float
+    cache_hits: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.specs} kernel specialisations listed in {self.list_seconds:.1f}s, ready in "
+            f"{self.compile_seconds:.1f}s ({self.cache_hits} from the cache, "
+            f"{self.specs - self.cache_hits} compiled)"
+        )
+
+
+def warm_up(runner: ModelRunner, limits: SweepLimits) -> WarmupResult:
+    """Lists and compiles the model's kernels (CUDA); counts Triton's cache hits through its
+    compilation listener."""
+    from triton import knobs
+
+    t0 = time.perf_counter()
+    specs = list_launches(runner, limits)
+    t1 = time.perf_counter()
+    hits = 0
+    previous = knobs.compilation.listener
+
+    def listener(*, cache_hit: bool, **kwargs) -> None:
+        nonlocal hits
+        hits += bool(cache_hit)
+        if previous is not None:
+            previous(cache_hit=cache_hit, **kwargs)
+
+    knobs.compilation.listener = listener
+    try:
+        compile_launches(specs)
+    finally:
+        knobs.compilation.listener = previous
+    return WarmupResult(len(specs), t1 - t0, time.perf_counter() - t1, hits)
+
+
+def watch_request_path() -> None:
+    """From now on, logs every Triton compile (a cache miss): a specialisation the warm-up did
+    not list, compiled on a request's path."""
+    from triton import knobs
+
+    previous = knobs.compilation.listener
+
+    def listener(*, src, cache_hit: bool, **kwargs) -> None:
+        if not cache_hit:
+            logger.warning(
+                "a Triton kernel compiled on the request path (not in the warm-up's list): %s",
+                getattr(src, "name", src),
+            )
+        if previous is not None:
+            previous(src=src, cache_hit=cache_hit, **kwargs)
+
+    knobs.compilation.listener = listener
