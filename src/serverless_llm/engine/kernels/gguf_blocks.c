@@ -88,22 +88,27 @@ static inline float scale_at(const void *p, int f32, int64_t i) {
  * `group` inputs s[K/group]. */
 static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *a, float *s) {
     int64_t nb = K / 32;
-    int per = 32 / group;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float scale = amax / 127.0f;
         float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int sum[2] = {0, 0};
+        int sum = 0, first = 0;
         for (int i = 0; i < 32; i++) {
             int v = (int)nearbyintf(xb[i] * inv);
             v = v > 127 ? 127 : (v < -127 ? -127 : v);
             q[b * 32 + i] = (int8_t)v;
-            sum[i / group] += v;
+            sum += v;
+            if (i == 15) first = sum;
         }
         a[b] = scale;
-        for (int h = 0; h < per; h++) s[b * per + h] = scale * (float)sum[h];
+        if (group == 16) {
+            s[2 * b] = scale * (float)first;
+            s[2 * b + 1] = scale * (float)(sum - first);
+        } else {
+            s[b] = scale * (float)sum;
+        }
     }
 }
 
@@ -133,7 +138,7 @@ static inline float block_scaled(const void *d, int f32, int group, int64_t b,
 }
 
 /* out[m] for the rows m < mt of one output row: the portable path. */
-static void row_scalar(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
+static inline __attribute__((always_inline)) void row_scalar(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
                        int group, int f32, const int8_t *q, const float *a, const float *s,
                        int64_t K, int mt, float *acc) {
     int64_t bb = bits == 4 ? 16 : 32, ng = K / group;
@@ -176,7 +181,7 @@ static inline __attribute__((always_inline)) __m128 scales_n(const void *p, int 
  * signed input bytes; for 8-bit codes, |u - 128| times the input with u - 128's sign, so no pair
  * sum saturates, and the 128 * d moves to the offsets), VPMADDWD to int32, a float FMA by the
  * group's two scales. */
-static void row_avx2(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
+static inline __attribute__((always_inline)) void row_avx2(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
                      int group, int f32, const int8_t *q, const float *a, const float *s,
                      int64_t K, int mt, float *acc) {
     __m256 sum[4];
@@ -238,7 +243,7 @@ static inline __m512 offsets16(const void *c, int f32, int64_t g0, __mmask16 mas
 /* Float inputs (path 3): the codes widened to float32 in registers and multiplied with x as
  * it is, d * sum(u * x) + c * sum(x) per group (s holds each group's sum(x)): the dequantized
  * weight's product up to float32 rounding, no int8 rounding of x. */
-static void row_float(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
+static inline __attribute__((always_inline)) void row_float(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
                       int group, int f32, const float *x, int64_t ldx, const float *s, int mt,
                       float *acc) {
     __m512 sum[4];
@@ -361,14 +366,85 @@ static inline __attribute__((always_inline)) void row_vnni(
 }
 #endif
 
+/* One call's state, shared by its output rows. */
+typedef struct {
+    const qb32_t *w;
+    const float *x, *bias;
+    int64_t ldx, M, K, nb, ng, ldo;
+    const int8_t *q, *x4;
+    const float *a, *a2, *a4, *s, *xs;
+    int use_float, use_vnni, use_avx2;
+    float *out;
+} run_t;
+
+/* Output row n for every row of x; group and f32 are constants in each of the copies below, so
+ * their branches and index arithmetic fold away inside the row functions. */
+static inline __attribute__((always_inline)) void one_row(const run_t *r, int64_t n,
+                                                           const int group, const int f32) {
+    const qb32_t *w = r->w;
+    int64_t nb = r->nb, ng = r->ng, K = r->K, M = r->M, ldx = r->ldx, sb = f32 ? 4 : 2;
+    int bits = (int)w->bits;
+    const uint8_t *qn = w->qs + n * nb * (bits == 4 ? 16 : 32);
+    const void *dn = (const char *)w->d + n * ng * sb, *cn = (const char *)w->c + n * ng * sb;
+    float bn = r->bias ? r->bias[n] : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        int mt = M - m0 < 4 ? (int)(M - m0) : 4;
+        float acc[4];
+        const int8_t *qm = r->q + m0 * K;
+#if HAVE_VNNI512
+        if (r->use_float) {
+            row_float(qn, dn, cn, nb, bits, group, f32, r->x + m0 * ldx, ldx, r->xs + m0 * ng, mt,
+                      acc);
+        } else if (r->use_vnni) {
+            const float *a2m = r->a2 + m0 * nb * 8, *sm = r->s + m0 * ng;
+            const float *a4m = r->a4 + m0 * nb * 4;
+            const int8_t *x4m = r->x4 + m0 * K;
+#define VNNI_ROWS(T)                                                                              \
+    row_vnni(qn, dn, cn, nb, bits, group, f32, qm, a2m, sm, K, T, acc, x4m, a4m)
+            switch (mt) {
+            case 1: VNNI_ROWS(1); break;
+            case 2: VNNI_ROWS(2); break;
+            case 3: VNNI_ROWS(3); break;
+            default: VNNI_ROWS(4); break;
+            }
+#undef VNNI_ROWS
+        } else
+#endif
+#if HAVE_AVX2
+            if (r->use_avx2) {
+            row_avx2(qn, dn, cn, nb, bits, group, f32, qm, r->a + m0 * nb, r->s + m0 * ng, K, mt,
+                     acc);
+        } else
+#endif
+        {
+            row_scalar(qn, dn, cn, nb, bits, group, f32, qm, r->a + m0 * nb, r->s + m0 * ng, K,
+                       mt, acc);
+        }
+        for (int m = 0; m < mt; m++) r->out[(m0 + m) * r->ldo + n] = acc[m] + bn;
+    }
+}
+
+/* Every output row, split across the OpenMP threads; one copy per layout kind. */
+#define ALL_ROWS(NAME, G, F)                                                                      \
+    static void NAME(const run_t *r) {                                                            \
+        int64_t N = r->w->N;                                                                      \
+        _Pragma("omp parallel for schedule(static) if (N * r->M * r->K > (1 << 16))")             \
+        for (int64_t n = 0; n < N; n++) one_row(r, n, G, F);                                      \
+    }
+ALL_ROWS(rows_g32_f16, 32, 0)
+ALL_ROWS(rows_g32_f32, 32, 1)
+ALL_ROWS(rows_g16_f16, 16, 0)
+ALL_ROWS(rows_g16_f32, 16, 1)
+#undef ALL_ROWS
+
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias).
  * w->path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built), 3 float
  * inputs (AVX-512 builds; else the best int8 path). */
 static void qb32_run(const float *x, int64_t ldx, int64_t M, const qb32_t *w, const float *bias,
                      float *out, int64_t ldo) {
-    int64_t K = w->K, N = w->N, path = w->path, nb = K / 32;
-    int bits = (int)w->bits, group = (int)w->group, f32 = w->scale_bytes == 4;
-    int64_t ng = K / group, sb = f32 ? 4 : 2;
+    int64_t K = w->K, path = w->path, nb = K / 32;
+    int group = (int)w->group, f32 = w->scale_bytes == 4;
+    int64_t ng = K / group;
     int8_t *q = malloc((size_t)(M * K + 64));
     float *a = malloc(sizeof(float) * (size_t)(M * nb));
     float *a2 = malloc(sizeof(float) * (size_t)(M * nb * 8 + 16));
@@ -395,57 +471,25 @@ static void qb32_run(const float *x, int64_t ldx, int64_t M, const qb32_t *w, co
     float *xs = use_float ? malloc(sizeof(float) * (size_t)(M * ng)) : NULL;
     if (use_float) /* each group's sum of x, for the c term */
         for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ng; g++) {
-                float t = 0.0f;
-                for (int i = 0; i < group; i++) t += x[m * ldx + g * group + i];
-                xs[m * ng + g] = t;
+            for (int64_t b = 0; b < nb; b++) {
+                const float *xb = x + m * ldx + b * 32;
+                float t0 = 0.0f, t1 = 0.0f;
+                for (int i = 0; i < 16; i++) t0 += xb[i];
+                for (int i = 16; i < 32; i++) t1 += xb[i];
+                if (group == 16) {
+                    xs[m * ng + 2 * b] = t0;
+                    xs[m * ng + 2 * b + 1] = t1;
+                } else {
+                    xs[m * ng + b] = t0 + t1;
+                }
             }
     if (path == 3 && !HAVE_VNNI512) path = 0;
-    int use_vnni = HAVE_VNNI512 && path == 0, use_avx2 = HAVE_AVX2 && (path == 0 || path == 2);
-    int64_t bb = bits == 4 ? 16 : 32;
-    int64_t work = N * M * K;
-#pragma omp parallel for schedule(static) if (work > (1 << 16))
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qn = w->qs + n * nb * bb;
-        const void *dn = (const char *)w->d + n * ng * sb, *cn = (const char *)w->c + n * ng * sb;
-        float bn = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int mt = M - m0 < 4 ? (int)(M - m0) : 4;
-            float acc[4];
-            const int8_t *qm = q + m0 * K;
-#if HAVE_VNNI512
-            if (use_float) {
-                row_float(qn, dn, cn, nb, bits, group, f32, x + m0 * ldx, ldx, xs + m0 * ng, mt,
-                          acc);
-            } else if (use_vnni) {
-                const float *a2m = a2 + m0 * nb * 8, *sm = s + m0 * ng, *a4m = a4 + m0 * nb * 4;
-                const int8_t *x4m = x4 + m0 * K;
-#define VNNI_ROWS(T)                                                                              \
-    row_vnni(qn, dn, cn, nb, bits, group, f32, qm, a2m, sm, K, T, acc, x4m, a4m)
-                switch (mt) {
-                case 1: VNNI_ROWS(1); break;
-                case 2: VNNI_ROWS(2); break;
-                case 3: VNNI_ROWS(3); break;
-                default: VNNI_ROWS(4); break;
-                }
-#undef VNNI_ROWS
-            } else
-#endif
-#if HAVE_AVX2
-                if (use_avx2) {
-                row_avx2(qn, dn, cn, nb, bits, group, f32, qm, a + m0 * nb, s + m0 * ng, K, mt,
-                         acc);
-            } else
-#endif
-            {
-                row_scalar(qn, dn, cn, nb, bits, group, f32, qm, a + m0 * nb, s + m0 * ng, K, mt,
-                           acc);
-            }
-            for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n] = acc[m] + bn;
-        }
-    }
-    (void)use_vnni;
-    (void)use_avx2;
+    run_t r = {w, x, bias, ldx, M, K, nb, ng, ldo, q, x4, a, a2, a4, s, xs,
+               use_float, HAVE_VNNI512 && path == 0, HAVE_AVX2 && (path == 0 || path == 2), out};
+    if (group == 16)
+        (f32 ? rows_g16_f32 : rows_g16_f16)(&r);
+    else
+        (f32 ? rows_g32_f32 : rows_g32_f16)(&r);
     free(q);
     free(a);
     free(a2);
@@ -468,3 +512,4 @@ void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
                       const float *bias, float *out, int64_t ldo) {
     qb32_run(x, ldx, M, (const qb32_t *)desc, bias, out, ldo);
 }
+
