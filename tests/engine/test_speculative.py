@@ -4,7 +4,9 @@ cuts them, preemption and prefix caching, no KV block left behind."""
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -372,3 +374,179 @@ def test_drafts_never_put_off_another_requests_decode(tiny_llama):
     assert tokens(spec.generate(prompts, params)) == full
     assert not starved
     assert engine.stats().spec_accepted_tokens > 0
+
+
+# -- requests that sample: rejection sampling (sampling/verify.py) ---------------------------
+
+MOTIF = [239, 301, 273, 21, 130, 149, 345]
+
+
+@pytest.fixture(scope="module")
+def copying_model(tmp_path_factory) -> str:
+    """A tiny Llama that is a bigram model (its attention and MLP outputs zeroed) in which each
+    token of MOTIF most likely goes on to the next one, less likely to the one after, else
+    anywhere: a prompt repeating MOTIF makes ngram propose, and the drafts are accepted or
+    rejected often, at temperature 0.7 and 1.0 alike."""
+    import torch
+    import transformers
+
+    from tests.tiny_models import build_tokenizer, make_config
+
+    tok = build_tokenizer()
+    config = make_config("llama", tok, tie_word_embeddings=False)
+    torch.manual_seed(40)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    h = config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        embed.normal_(0.0, 1.0)
+        head.normal_(0.0, 0.05)
+        head[:, : len(MOTIF)] = 0.0
+        for i, t in enumerate(MOTIF):
+            # After the final norm, token t's state is sqrt(h) along axis i.
+            embed[t] = 0.0
+            embed[t, i] = 1.0
+            head[MOTIF[(i + 1) % len(MOTIF)], i] = 7.0 / h**0.5
+            head[MOTIF[(i + 2) % len(MOTIF)], i] = 5.5 / h**0.5
+    path = str(tmp_path_factory.mktemp("copying"))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+SAMPLED = [
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=0.9, top_k=20, min_p=0.05),
+    dict(temperature=1.0, repetition_penalty=1.3),
+    dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={7: 2.0}),
+    dict(temperature=0.0, repetition_penalty=1.2),  # greedy, but the penalty changes logits
+    dict(temperature=0.7, min_tokens=20),
+]
+
+
+def test_seeded_sampling_gives_the_plain_seeded_output(copying_model):
+    """A seeded request keeps its output with speculation on: each kept token is the draw plain
+    decoding makes at its position with the same uniform (the rows past the kept run give
+    their uniforms back), whatever was proposed, for every sampling parameter; logprobs of
+    the kept tokens are plain decoding's."""
+    plain, spec = engines(copying_model)
+    prompts = [MOTIF * 3 + MOTIF[: i % 5] for i in range(len(SAMPLED))]
+    params = [
+        SamplingParams(seed=100 + i, max_tokens=40, ignore_eos=True, logprobs=2, **kw)
+        for i, kw in enumerate(SAMPLED)
+    ]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    for a, b in zip(want, got):
+        a, b = a.outputs[0], b.outputs[0]
+        assert b.token_ids == a.token_ids
+        assert len(b.logprobs) == len(a.logprobs)
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert lb[t].logprob == pytest.approx(la[t].logprob, abs=1e-5)
+                assert lb[t].rank == la[t].rank
+    stats = spec.engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def total_variation(a: Counter, b: Counter, n: int) -> float:
+    return 0.5 * sum(abs(a[x] - b[x]) for x in a.keys() | b.keys()) / n
+
+
+# Draws per distribution, compared over the outcomes MOTIF's tokens and "any other" (the rest
+# is a thin near-uniform tail whose per-token counts are all noise). Two independent empirical
+# distributions of n draws from p differ, per outcome, by a difference of variance
+# 2 p(1 - p) / n, so E[TV] <= sum_x sqrt(p_x / (2 n)); one draw moves TV by at most 1 / n, so
+# (McDiarmid) P(TV > E[TV] + t) <= exp(-n t^2): with n = 2000 and t = 0.06, 7e-4. The draws are
+# seeded (the engines' seeds), so the test gives the same verdict on every run.
+DRAWS = 2000
+SLACK = 0.06
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.0),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.0, repetition_penalty=1.3),
+        dict(temperature=0.8, frequency_penalty=0.7),
+    ],
+    ids=["t0.7", "t1.0", "top_p", "repetition", "frequency"],
+)
+def test_sampled_distribution_of_first_and_fifth_token_is_plain_decodings(copying_model, kw):
+    """Unseeded requests (engines seeded differently: independent draws): the first and the
+    fifth token of DRAWS requests are distributed as without speculation, within sampling
+    noise, while most of the fifth tokens went through accepted ngram drafts."""
+    base = dict(block_size=8, max_model_len=64, dtype="float32", max_num_seqs=256)
+    plain = LLM(copying_model, seed=1, **base)
+    spec = LLM(copying_model, seed=2, speculative_config=NGRAM, **base)
+    prompt = MOTIF * 3
+    params = SamplingParams(max_tokens=5, ignore_eos=True, **kw)
+    a = tokens(plain.generate([prompt] * DRAWS, params))
+    b = tokens(spec.generate([prompt] * DRAWS, params))
+    for pos in (0, 4):
+        ca, cb = (Counter(t[pos] if t[pos] in MOTIF else -1 for t in x) for x in (a, b))
+        pooled = {x: (ca[x] + cb[x]) / (2 * DRAWS) for x in ca.keys() | cb.keys()}
+        bound = sum(math.sqrt(p / (2 * DRAWS)) for p in pooled.values()) + SLACK
+        assert total_variation(ca, cb, DRAWS) < bound, (pos, bound)
+    stats = spec.engine.stats()
+    assert stats.spec_accepted_tokens > DRAWS // 8
+    assert stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_sampled_runs_cut_by_stops_max_tokens_and_eos_where_plain_decoding_does(copying_model):
+    """Seeded sampled requests end where plain seeded decoding ends when a stop token, a stop
+    string, max_tokens or EOS (made likely by a logit bias) falls inside an accepted run: same
+    tokens, text and finish reason, nothing kept past the stop."""
+    plain, spec = engines(copying_model)
+    eos = plain.get_tokenizer().eos_token_id
+    tok = plain.get_tokenizer()
+    prompts = [MOTIF * 3 + MOTIF[: i % 4] for i in range(6)]
+    free = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)
+    ]
+    full = tokens(plain.generate(prompts, free))
+    cases = []
+    for i, out in enumerate(full):
+        base = dict(temperature=0.8, seed=i, max_tokens=40)
+        for cut in (2, 5, 11, 23):
+            cases.append((i, SamplingParams(**dict(base, max_tokens=cut), ignore_eos=True)))
+            cases.append((i, SamplingParams(**base, stop_token_ids=[out[cut]], ignore_eos=True)))
+        text = tok.decode(out)
+        for at in (len(text) // 3, len(text) // 2):
+            stop = text[at : at + 3]
+            if stop.strip():
+                cases.append((i, SamplingParams(**base, ignore_eos=True, stop=[stop])))
+        for bias in (2.0, 4.0):
+            cases.append((i, SamplingParams(**base, logit_bias={eos: bias})))
+    engine = spec.engine
+    reqs = [(engine.add_request(prompts[i], p), i, p) for i, p in cases]
+    while engine.has_unfinished_requests():
+        engine.step()
+    reasons = set()
+    for req, i, p in reqs:
+        want = plain.generate([prompts[i]], p)[0].outputs[0]
+        assert req.output_token_ids[: len(want.token_ids)] == want.token_ids
+        assert req.finish_reason.value == want.finish_reason
+        if want.finish_reason == "stop":
+            assert req.num_computed_tokens == req.num_tokens - 1  # nothing kept past the stop
+        got = spec.generate([prompts[i]], p)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+        )
+        reasons.add((want.finish_reason, want.stop_reason == eos or want.token_ids[-1:] == [eos]))
+    assert ("stop", True) in reasons and ("length", False) in reasons  # EOS did cut some
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > stats.spec_draft_tokens // 4
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks

@@ -59,8 +59,15 @@ from .request import FinishReason, Request
 from .sampling.params import SamplingParams
 from .sampling.sampler import Sampler, SamplingBatch
 from .sampling.structured.bitmask import allocate_bitmask, fill_bitmasks
+from .sampling.verify import DraftRun, verify_sampled
 from .scheduler import Sampled, Scheduler
-from .speculative import accept_greedy, can_speculate, parse_speculative_config, propose_ngram
+from .speculative import (
+    accept_greedy,
+    can_speculate,
+    parse_speculative_config,
+    plain_argmax,
+    propose_ngram,
+)
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -457,8 +464,8 @@ class LLMEngine:
             )
             return spec
         logger.info(
-            "speculative decoding: ngram, %d tokens a step, prompt lookup %d..%d (greedy "
-            "requests only)",
+            "speculative decoding: ngram, %d tokens a step, prompt lookup %d..%d (greedy and "
+            "sampled requests; not beam search, images or guided decoding)",
             spec.num_speculative_tokens,
             spec.prompt_lookup_min,
             spec.prompt_lookup_max,
@@ -492,7 +499,7 @@ class LLMEngine:
     def draft_room(self, req: Request, room: int) -> int:
         """How many drafts `req` may verify this step (0: it decodes one token): at most
         num_speculative_tokens and `room`, never past its max_tokens or max_model_len, and
-        none unless its next tokens are plain argmaxes (speculative.can_speculate)."""
+        none for a request that does not speculate (speculative.can_speculate)."""
         if not can_speculate(req):
             return 0
         n = req.num_tokens
@@ -846,13 +853,8 @@ class LLMEngine:
                 else:
                     sampled.append(Sampled(req, [tok], [lp]))
         pooled = self.runner.pooled
-        for req, targets in self.runner.verified:
-            drafts = batch.drafts[req.request_id]
-            tokens = accept_greedy(drafts, targets)
-            self.spec_drafts += 1
-            self.spec_draft_tokens += len(drafts)
-            self.spec_accepted_tokens += len(tokens) - 1
-            sampled.append(Sampled(req, tokens, rollback=len(drafts) + 1 - len(tokens)))
+        if self.runner.verified:
+            sampled.extend(self._verify(batch))
         updates = self.scheduler.update(batch, sampled, process_token)
         outputs = []
         now = time.monotonic()
@@ -886,6 +888,37 @@ class LLMEngine:
         if self._retiring_loras:
             self._drop_retired_loras()
         return outputs
+
+    def _verify(self, batch) -> list[Sampled]:
+        """The outcome of the step's verified drafts: plain-argmax requests keep the drafts
+        matching the argmax (accept_greedy), the others go through rejection sampling with
+        their own sampling parameters (sampling/verify.py); rejected drafts' KV rolls back."""
+        out: list[Sampled] = []
+        runs: list[DraftRun] = []
+        rows: list[int] = []
+        first = 0
+        for req, targets in self.runner.verified:
+            drafts = batch.drafts[req.request_id]
+            if plain_argmax(req):
+                out.append(self._verified(req, drafts, accept_greedy(drafts, targets), None))
+            else:
+                runs.append(DraftRun(req, drafts))
+                rows.extend(range(first, first + len(targets)))
+            first += len(targets)
+        if runs:
+            logits = self.runner.verify_logits
+            if len(rows) < logits.shape[0]:
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            kept = verify_sampled(self.sampler, logits, runs, self.vocab_size, self.device)
+            for run, (tokens, lps) in zip(runs, kept):
+                out.append(self._verified(run.request, run.drafts, tokens, lps))
+        return out
+
+    def _verified(self, req: Request, drafts: list[int], tokens: list[int], lps) -> Sampled:
+        self.spec_drafts += 1
+        self.spec_draft_tokens += len(drafts)
+        self.spec_accepted_tokens += len(tokens) - 1
+        return Sampled(req, tokens, lps, rollback=len(drafts) + 1 - len(tokens))
 
     def _fail_request(self, req: Request, exc: Exception) -> None:
         """Aborts the request that `req` serves (a beam search as a whole) and records why."""

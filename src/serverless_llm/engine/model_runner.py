@@ -119,6 +119,7 @@ class ModelRunner:
         # Speculative decoding: the last step's verifying requests, each with the argmax token
         # at each of its 1 + k rows (speculative.py).
         self.verified: list[tuple[Request, list[int]]] = []
+        self.verify_logits: torch.Tensor | None = None  # their rows' logits, in that order
         # The pooling requests whose prompt the last step completed (their `embedding` set).
         self.pooled: list[Request] = []
         # The classifier head classify/score requests read (pooling.py), set by the engine.
@@ -367,7 +368,8 @@ class ModelRunner:
         self.verified = []
         if h.verify:
             ns = len(h.sample_idx)
-            tokens = block_argmax(logits[ns:].contiguous()).tolist()
+            self.verify_logits = logits[ns:].contiguous()
+            tokens = block_argmax(self.verify_logits).tolist()
             first = 0
             for req, count in h.verify:
                 self.verified.append((req, tokens[first : first + count]))

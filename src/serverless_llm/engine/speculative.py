@@ -1,7 +1,7 @@
 """Speculative decoding, first slice: the `ngram` proposer (prompt lookup) with greedy
 verification.
 
-Each step, a greedy request whose next token is a decode gets up to k draft tokens from its own
+Each step, a request whose next token is a decode gets up to k draft tokens from its own
 prompt and output: the longest n-gram (n from `prompt_lookup_max` down to `prompt_lookup_min`)
 ending its sequence that also occurs earlier proposes the tokens that followed its most recent
 earlier occurrence. The scheduler grants it 1 + k query tokens (its last token and the drafts),
@@ -11,10 +11,14 @@ and the first row that disagrees (or the row after the last draft) gives one mor
 model's own. The KV of rejected drafts is rolled back (Scheduler.rollback), so only computed,
 accepted tokens stay in the cache or get a prefix-cache key.
 
-Only requests whose next token is a plain argmax speculate (`can_speculate`): temperature 0 with
-no logits processor, logprobs, grammar, beam search or images; the others decode one token a
-step in the same batch. Sampled requests keep their meaning by not speculating (rejection
-sampling is a later slice of issue 40).
+Requests whose next token is a plain argmax (`plain_argmax`: temperature 0, nothing changing
+the logits, no logprobs) accept drafts that equal the argmax. Every other request that samples
+one sequence verifies by rejection sampling (sampling/verify.py): each draft row is sampled with
+the request's own parameters and penalties as if the drafts before it were accepted, a draft is
+kept when that row's draw is the draft (probability p(draft)), else the draw is kept (the
+residual), so temperature, top-k/p, min-p, penalties, logit bias, min_tokens, seeds and logprobs
+keep their meaning. Beam search, images, pooling and guided decoding (a grammar) do not
+speculate (`can_speculate`); they decode one token a step in the same batch.
 
 The `draft_model` proposer (draft_model.py) proposes the same way for the same requests: a
 smaller model of the same tokenizer, with its own paged KV cache, run for k greedy steps.
@@ -151,14 +155,21 @@ def propose_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
 
 
 def can_speculate(req: Request) -> bool:
-    """Whether `req`'s next tokens are each the plain argmax of the model's logits, so greedy
-    verification yields exactly what decoding one token at a time would."""
+    """Whether `req` may verify drafts: any request that samples one sequence, whatever its
+    sampling parameters (greedy ones through `accept_greedy`, the others through rejection
+    sampling, sampling/verify.py). Not beam search, images, pooling, nor (yet) a grammar,
+    whose matcher would have to be advanced through the drafts and rolled back."""
+    if req.sampling is None or req.beam is not None or req.mm is not None:
+        return False
+    return req.grammar is None and getattr(req, "pooling", None) is None
+
+
+def plain_argmax(req: Request) -> bool:
+    """Whether `req`'s next token is the plain argmax of the model's logits (greedy, nothing
+    changing the logits, no logprobs), so its drafts are checked against the argmax alone;
+    others go through the sampler (sampling/verify.py)."""
     s = req.sampling
-    if s is None or s.mode != "greedy" or req.beam is not None or req.mm is not None:
-        return False
-    if req.grammar is not None or getattr(req, "pooling", None) is not None:
-        return False
-    if s.allowed_ids is not None or s.bias_ids is not None:
+    if s.mode != "greedy" or s.allowed_ids is not None or s.bias_ids is not None:
         return False
     if s.min_tokens_ids is not None and len(req.output_token_ids) < req.params.min_tokens:
         return False

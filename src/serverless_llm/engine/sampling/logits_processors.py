@@ -10,6 +10,7 @@ token lists.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import TYPE_CHECKING
 
@@ -128,6 +129,22 @@ class RequestSamplingState:
                 self._out_counts.append(1.0)
             else:
                 self._out_counts.add_at(slot, 1.0)
+
+    def ahead(self, tokens: list[int]) -> RequestSamplingState:
+        """This state as it would be once `tokens` are sampled too (speculative drafts taken as
+        accepted), for sampling a draft's row; this one is left as it is. The generator is
+        shared: the caller rewinds it to the tokens it keeps (sampling/verify.py)."""
+        view = copy.copy(self)
+        if self._seen is not None:
+            view._seen = set(self._seen)
+            view._rep_ids = _GrowingArray(self._rep_ids.values)
+        if self._out_slot is not None:
+            view._out_slot = dict(self._out_slot)
+            view._out_ids = _GrowingArray(self._out_ids.values)
+            view._out_counts = _GrowingArray(self._out_counts.values)
+        for tok in tokens:
+            view.on_token(tok)
+        return view
 
     @property
     def repetition_ids(self) -> np.ndarray | None:
