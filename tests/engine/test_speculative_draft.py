@@ -225,3 +225,15 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start(models):
         LLM(models["target"], speculative_config=draft(models["other"], 3), **BASE)
     with pytest.raises(ModelLoadError, match="draft model '/nonexistent/draft'.* not exist"):
         LLM(models["target"], speculative_config=draft("/nonexistent/draft", 3), **BASE)
+
+
+def test_the_worker_passes_a_draft_model_config_to_the_engine():
+    from serverless_llm.worker.settings import Settings
+
+    value = '{"model": "/models/draft", "num_speculative_tokens": 3}'
+    config = Settings.from_env({"SPECULATIVE_CONFIG": value}).engine_config()
+    assert config.speculative_config == {"model": "/models/draft", "num_speculative_tokens": 3}
+    bad = '{"method": "draft_model", "model": "/d", "num_speculative_tokens": 3, '
+    bad += '"draft_tensor_parallel_size": 2}'
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
+        Settings.from_env({"SPECULATIVE_CONFIG": bad}).engine_config()

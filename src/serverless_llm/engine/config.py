@@ -127,9 +127,10 @@ class EngineConfig:
     # `max_parallel_loading_workers` ranks read their weights at once (None: all).
     tensor_parallel_size: int = 1
     max_parallel_loading_workers: int | None = None
-    # Speculative decoding (vLLM's speculative_config, a dict or its JSON): only
+    # Speculative decoding (vLLM's speculative_config, a dict or its JSON):
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
-    # "prompt_lookup_min": m} runs (speculative.py); None: off.
+    # "prompt_lookup_min": m} (speculative.py) or {"method": "draft_model", "model": path,
+    # "num_speculative_tokens": k} (draft_model.py); None: off.
     speculative_config: dict | str | None = None
     # What the model serves (vLLM's --task / --runner): "generate"; "embed", "classify" or
     # "score" (pooling requests only: engine/pooling.py); "auto": "classify" for a

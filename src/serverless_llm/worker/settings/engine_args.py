@@ -21,7 +21,7 @@ from .fields import ENV_TO_FIELD
 
 _SPECULATIVE = (
     "an older speculative decoding flag: speculative decoding is set by SPECULATIVE_CONFIG "
-    "(ngram only)"
+    "(ngram, draft_model)"
 )
 _DATA_PARALLEL = "one worker is one replica: scale out with more workers, not in-process ranks"
 _EXPERTS = "MoE experts are split by tensor parallelism only"

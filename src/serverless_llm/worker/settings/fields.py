@@ -405,14 +405,17 @@ class SettingsFields(BaseSettings):
         "SPECULATIVE_CONFIG",
         title="Speculative Decoding",
         description=(
-            "vLLM's `--speculative-config`: a JSON object. Only prompt lookup runs: "
+            "vLLM's `--speculative-config`: a JSON object. Prompt lookup: "
             '`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
             '"prompt_lookup_min": 2}` proposes up to `num_speculative_tokens` tokens a step '
-            "from the request's own prompt and output and verifies them in the same pass, "
-            "for greedy (temperature 0) requests; their output is the same as without it. "
-            "Sampled requests decode one token a step. Other methods (draft_model, eagle, "
-            "mtp...) are not implemented: named in a warning and served without speculation. "
-            "Unset: off."
+            "from the request's own prompt and output. A draft model: "
+            '`{"method": "draft_model", "model": "<path or hub id>", '
+            '"num_speculative_tokens": 3}` (or `model` alone) runs a smaller model of the '
+            "same tokenizer (refused at start otherwise) for that many greedy steps, with its "
+            "own KV cache taken from the same memory (`draft_tensor_parallel_size` 1 only). "
+            "The target verifies the drafts in one pass; output is the same as without it. "
+            "Other methods (eagle, mtp...) are not implemented: named in a warning and "
+            "served without speculation. Unset: off."
         ),
         allowed="a JSON object",
         json_object=True,
