@@ -304,6 +304,9 @@ def gguf_blocks_on_meta(model, resolved: ResolvedModel, hf_config):
     from .layers.gguf_linear import take_gguf_blocks
 
     tensors = gguf_blocks.read_tensors(resolved.gguf_path)
+    other = gguf_blocks.dequantized_types_line(tensors)  # Q2_K, Q3_K, IQ*, TQ*: floats
+    if other:
+        logger.info(other)
     kernels = gguf_blocks.load()
     if kernels is None:
         logger.warning("GGUF blocks: off (the block kernels did not build; see the warning "
