@@ -22,7 +22,7 @@ from serverless_llm.engine.pooling import (
     score_pairs,
 )
 from serverless_llm.llm import LLM
-from tests.tiny_models import build_tokenizer, tiny_dims
+from tests.tiny_scorers import build_classifier, build_reranker, save_tiny, tiny_config
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -33,46 +33,14 @@ TEXTS = [
 MAX_MODEL_LEN = 96
 
 
-def _save_tiny(path: str, config, model_cls, seed: int = 0, extra_tokens=()) -> str:
-    tokenizer = build_tokenizer()
-    if extra_tokens:
-        tokenizer.add_tokens(list(extra_tokens))
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def _config(kind: str, **overrides):
-    tok = build_tokenizer()
-    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[kind]
-    kw = dict(head_dim=16) if kind == "qwen3" else {}
-    return cls(**tiny_dims(tok, **{"tie_word_embeddings": False, **kw, **overrides}))
-
-
 @pytest.fixture(scope="module")
 def classifiers(tmp_path_factory):
     root = tmp_path_factory.mktemp("classifiers")
-    out = {}
-    for kind, model_cls, labels in (
-        ("qwen3", transformers.Qwen3ForSequenceClassification, 3),
-        ("llama", transformers.LlamaForSequenceClassification, 2),
-    ):
-        config = _config(kind, num_labels=labels)
-        config.id2label = {i: f"class_{i}" for i in range(labels)}
-        config.label2id = {v: k for k, v in config.id2label.items()}
-        out[kind] = _save_tiny(str(root / kind), config, model_cls)
-    config = _config("qwen3", num_labels=1)
-    out["cross"] = _save_tiny(
-        str(root / "cross"), config, transformers.Qwen3ForSequenceClassification
-    )
-    return out
+    return {
+        "qwen3": build_classifier(str(root / "qwen3"), "qwen3", 3),
+        "llama": build_classifier(str(root / "llama"), "llama", 2),
+        "cross": build_classifier(str(root / "cross"), "qwen3", 1),
+    }
 
 
 def _hf_logits(path: str, ids: list[int]) -> torch.Tensor:
@@ -145,10 +113,7 @@ def test_score_pairs():
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory):
     """A tiny Qwen3ForCausalLM whose tokenizer has "yes" and "no" tokens, as Qwen3-Reranker's."""
-    path = str(tmp_path_factory.mktemp("reranker"))
-    return _save_tiny(
-        path, _config("qwen3"), transformers.Qwen3ForCausalLM, extra_tokens=("yes", "no")
-    )
+    return build_reranker(str(tmp_path_factory.mktemp("reranker")))
 
 
 def _recipe_score(model, tok, query: str, doc: str, instruction: str) -> tuple[list[int], float]:
@@ -211,7 +176,7 @@ def test_classifier_refuses_generate_task(classifiers):
 def test_qwen3_embedding_instruction_and_prompt_name(tmp_path):
     """Qwen3-Embedding: "Instruct: <task>\\nQuery:<text>" then the last token's final hidden
     state, normalised; the same through config_sentence_transformers.json's named prompt."""
-    path = _save_tiny(str(tmp_path), _config("qwen3"), transformers.Qwen3ForCausalLM)
+    path = save_tiny(str(tmp_path), tiny_config("qwen3"), transformers.Qwen3ForCausalLM)
     task = "Given a web search query, retrieve relevant passages that answer the query"
     with open(os.path.join(path, "config_sentence_transformers.json"), "w") as f:
         json.dump({"prompts": {"query": f"Instruct: {task}\nQuery:", "document": ""}}, f)

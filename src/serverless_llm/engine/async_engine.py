@@ -33,7 +33,7 @@ from .lora_adapters import LoRARequest
 from .multimodal import MultiModalInput
 from .outputs import EngineOutput, EngineStats
 from .parallel.group import TensorParallelError
-from .pooling import embed_params
+from .pooling import embed_params, instructed_text
 from .request import Request
 from .sampling.params import SamplingParams
 from .sampling.structured.grammar import CompiledGrammar
@@ -267,8 +267,55 @@ class AsyncEngine:
 
     @property
     def task(self) -> str:
-        """The task served: "generate" or "embed" (EngineConfig.task)."""
+        """The task served: "generate", "embed", "classify" or "score" (EngineConfig.task,
+        "auto" resolved by the model)."""
         return self.core.task
+
+    @property
+    def labels(self) -> list[str]:
+        """The classifier head's label names ([] without a head)."""
+        return self.core.labels
+
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The model's named prompts (config_sentence_transformers.json)."""
+        return self.core.prompts
+
+    @property
+    def embedding_size(self) -> int:
+        """The width of an embedding (the model's hidden size)."""
+        return int(self.core.hf_config.hidden_size)
+
+    def check_pooling_task(self, task: str) -> None:
+        """InvalidRequestError unless the model serves pooling `task` (classify and score need
+        a classifier head; score a one-label one)."""
+        self.core.check_pooling_task(task)
+
+    def instructed(
+        self, text: str, instruction: str | None = None, prompt_name: str | None = None
+    ) -> str:
+        """An embedding input with what the request asks before it: the model's named prompt
+        (config_sentence_transformers.json, as sentence-transformers' `prompt_name`), or
+        Qwen3-Embedding's "Instruct: <instruction>\nQuery:" form; InvalidRequestError for a
+        prompt name the model does not have."""
+        if prompt_name is not None:
+            prompts = self.core.prompts
+            if prompt_name not in prompts:
+                have = ", ".join(sorted(prompts)) or "none"
+                raise InvalidRequestError(
+                    f"prompt_name {prompt_name!r} is not one of the model's prompts ({have}: "
+                    "config_sentence_transformers.json)",
+                    "prompt_name",
+                )
+            text = prompts[prompt_name] + text
+        if instruction is not None:
+            text = instructed_text(text, instruction)
+        return text
+
+    def score_prompt(self, text_1: str, text_2: str, instruction: str | None = None) -> list[int]:
+        """One (query, document) pair's token ids for a score request (blocking: the
+        tokenizer); see LLMEngine.score_prompt."""
+        return self.core.score_prompt(text_1, text_2, instruction)
 
     def prepare_embed_prompt(
         self, prompt: str | list[int], truncate_prompt_tokens: int | None = None
@@ -283,11 +330,14 @@ class AsyncEngine:
         request_id: str | None = None,
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
+        task: str = "embed",
     ) -> EngineOutput:
-        """One prompt's embedding (TASK=embed): a prefill-only request whose final hidden
-        states are pooled (engine/pooling.py); the finished EngineOutput has `embedding`.
-        InvalidRequestError before anything is queued: a generating engine, bad `dimensions`,
-        a prompt that does not fit."""
+        """One prompt's pooling result: a prefill-only request whose final hidden states are
+        pooled (engine/pooling.py); the finished EngineOutput has `embedding` (`task` embed:
+        the embedding, next to generation on a generating model too; classify: the label
+        probabilities; score: [relevance] of a pair prompt from `score_prompt`).
+        InvalidRequestError before anything is queued: a task the model has no head for, bad
+        `dimensions`, a prompt that does not fit."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if self.dead is not None:
@@ -298,7 +348,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare_embed_prompt(prompt, truncate_prompt_tokens)
-        req = self.core.build_embed_request(prompt, request_id, dimensions)
+        req = self.core.build_embed_request(prompt, request_id, dimensions, task)
         async with aclosing(self._outputs(req)) as outputs:
             async for item in outputs:
                 if item.finished:

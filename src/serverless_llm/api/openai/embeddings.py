@@ -3,14 +3,18 @@ TASK=embed (the engine's pooling requests: engine/pooling.py).
 
     {"model": "...", "input": "text" | ["text", ...] | [token ids] | [[token ids], ...],
      "encoding_format": "float" | "base64", "dimensions": 256, "user": "...",
-     "truncate_prompt_tokens": 512, "add_special_tokens": true}
+     "truncate_prompt_tokens": 512, "add_special_tokens": true,
+     "instruction": "...", "prompt_name": "query"}
     -> {"object": "list", "model": "...", "usage": {"prompt_tokens": n, "total_tokens": n},
         "data": [{"object": "embedding", "index": 0, "embedding": [...] | "base64..."}]}
 
 `dimensions` keeps the first k dimensions (Matryoshka), renormalised when the model's pooling
 normalises. base64 is the float32 vector's little-endian bytes, as OpenAI sends it. An input
 longer than max_model_len - 1 tokens is a 400 naming the limit unless truncate_prompt_tokens
-keeps its last k tokens. Every bad input is a 400 in OpenAI's error shape.
+keeps its last k tokens. `instruction` puts Qwen3-Embedding's "Instruct: <instruction>\nQuery:"
+before each text input, `prompt_name` one of the model's named prompts
+(config_sentence_transformers.json), as sentence-transformers' encode does. Every bad input is
+a 400 in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class EmbeddingRequest(_Strict):
     user: str | None = None
     truncate_prompt_tokens: Annotated[WholeInt, Field(ge=1)] | None = None
     add_special_tokens: bool = True
+    # Before each text input: Qwen3-Embedding's "Instruct: <instruction>\nQuery:" form, or
+    # one of the model's named prompts (config_sentence_transformers.json's "query", ...).
+    instruction: str | None = None
+    prompt_name: str | None = None
 
 
 def _inputs(request: EmbeddingRequest) -> list[str | list[int]]:
@@ -90,8 +98,21 @@ def _prepare_all(serving: OpenAIServing, body: Any) -> tuple[EmbeddingRequest, s
         if len(item) == 0:
             raise OpenAIServingError.bad_request(f"'{where}' is empty", "input", "invalid_value")
         if isinstance(item, str):
+            if request.instruction is not None or request.prompt_name is not None:
+                try:
+                    item = engine.instructed(item, request.instruction, request.prompt_name)
+                except InvalidRequestError as e:
+                    raise OpenAIServingError.bad_request(
+                        str(e), "prompt_name", "invalid_value"
+                    ) from None
             ids = list(tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
         else:
+            if request.instruction is not None or request.prompt_name is not None:
+                raise OpenAIServingError.bad_request(
+                    "instruction and prompt_name apply to text inputs, not token ids",
+                    "instruction" if request.instruction is not None else "prompt_name",
+                    "invalid_value",
+                )
             ids = item
             try:
                 engine.check_token_ids(ids, "input")

@@ -96,6 +96,7 @@ from .harmony import (
 )
 from .models import list_models, retrieve_model
 from .params import chat_sampling_params, completion_sampling_params, prompt_only
+from .pooling_routes import POOLING_KINDS, create_pooling_response
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import END as REASONING_END
 from .reasoning import REASONING_PARSERS, ReasoningParser, detect_reasoning_parser
@@ -131,6 +132,10 @@ ROUTES = (
     "/v1/responses",
     "/v1/embeddings",
     "/v1/models",
+    "/rerank",
+    "/score",
+    "/classify",
+    "/pooling",
 )
 # vLLM's utility routes (served at the root by vLLM; here under either prefix too).
 UTILITY_ROUTES = ("tokenize", "detokenize", "version", "metrics")
@@ -159,6 +164,10 @@ def parse_route(route: Any) -> tuple[str, str | None]:
             return "completions", None
         if path == "embeddings":
             return "embeddings", None
+        if path == "v2/rerank":  # vLLM's Cohere v2 spelling
+            path = "rerank"
+        if path in POOLING_KINDS:  # vLLM's /rerank, /score, /classify, /pooling
+            return path, None
         if path == "responses":
             return "responses", None
         if path.startswith("responses/"):  # a stored response, or its input items
@@ -488,10 +497,19 @@ class OpenAIServing:
             if kind == "embeddings":
                 yield await create_embedding(self, body)
                 return
+            if kind in POOLING_KINDS:
+                yield await create_pooling_response(self, kind, body)
+                return
             if kind in ("chat", "completions", "responses") and self._embeds_only():
+                task = self.engine.task
+                routes = {
+                    "embed": "/v1/embeddings (and /score, /rerank, /pooling)",
+                    "classify": "/classify (and /pooling; /score, /rerank with one label)",
+                    "score": "/score, /rerank (and /classify, /pooling)",
+                }.get(task, "the pooling routes")
                 raise OpenAIServingError.bad_request(
-                    "This model is served for embeddings (TASK=embed): generation routes are "
-                    "off; use /v1/embeddings, or start the worker with TASK=generate.",
+                    f"This model is served for {task} (TASK={task}): generation routes are "
+                    f"off; use {routes}, or start the worker with TASK=generate.",
                     None,
                     "model_not_generative",
                 )
@@ -604,7 +622,8 @@ class OpenAIServing:
             raise OpenAIServingError(validation_error(e)) from e
 
     def _embeds_only(self) -> bool:
-        return getattr(self.engine, "task", "generate") == "embed"
+        """The model serves pooling only (TASK embed, classify or score): no generation."""
+        return getattr(self.engine, "task", "generate") != "generate"
 
     def _check_model(self, model: str | None) -> str:
         """The name to put in responses; a name this worker does not serve is OpenAI's 404.
