@@ -550,3 +550,31 @@ def test_sampled_runs_cut_by_stops_max_tokens_and_eos_where_plain_decoding_does(
     stats = engine.stats()
     assert stats.spec_accepted_tokens > stats.spec_draft_tokens // 4
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_and_seeded_identical_under_preemption_and_chunked_prefill(copying_model, k):
+    """Greedy and seeded sampled requests side by side, with a cache small enough to preempt
+    and a step budget that chunks prompts and shares what is left among drafts: every output
+    token for token what plain decoding gives, k = 1, 3, 7."""
+    kw = dict(
+        block_size=8,
+        max_model_len=96,
+        dtype="float32",
+        num_kv_blocks=24,
+        max_num_batched_tokens=24,
+    )
+    plain = LLM(copying_model, **kw)
+    spec = LLM(copying_model, speculative_config=with_k(k), **kw)
+    prompts = [[5 + i] + MOTIF * (2 + i % 3) + MOTIF[: i % 5] for i in range(10)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=40, ignore_eos=True)
+        for i in range(10)
+    ]
+    assert tokens(spec.generate(prompts, params)) == tokens(plain.generate(prompts, params))
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
