@@ -104,12 +104,14 @@ def widen(w: QB32, bits: int, group: int) -> QB32:
     return QB32(qs.contiguous(), d.contiguous(), c.contiguous(), bits, group)
 
 
-def _compact(d: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """d, c (float32) as float16 where every value of both survives it exactly, else as is."""
-    dh, ch = d.half(), c.half()
-    if torch.equal(dh.float(), d) and torch.equal(ch.float(), c):
-        return dh.contiguous(), ch.contiguous()
-    return d.contiguous(), c.contiguous()
+def _compact(d: np.ndarray, c: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """d, c (float32 arrays) as float16 tensors where every value of both survives float16
+    exactly, else as float32 ones."""
+    d, c = np.ascontiguousarray(d, np.float32), np.ascontiguousarray(c, np.float32)
+    dh, ch = d.astype(np.float16), c.astype(np.float16)
+    if np.array_equal(dh.astype(np.float32), d) and np.array_equal(ch.astype(np.float32), c):
+        d, c = dh, ch
+    return torch.from_numpy(d), torch.from_numpy(c)
 
 
 def _nibbles(u: np.ndarray) -> np.ndarray:
@@ -160,7 +162,8 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, k: int) -> QB32:
         if type_name == "Q4_1":
             c = torch.from_numpy(np.ascontiguousarray(blocks["m"]))
         else:  # -8d or -128d: a power-of-two multiple, exact unless it leaves float16's range
-            d, c = _compact(d.float(), d.float() * (-8 if type_name == "Q4_0" else -128))
+            d32 = blocks["d"].astype(np.float32)
+            d, c = _compact(d32, d32 * (-8 if type_name == "Q4_0" else -128))
         if type_name == "Q8_0":
             qs = torch.from_numpy((blocks["qs"].astype(np.int16) + 128).astype(np.uint8))
         else:
@@ -199,10 +202,12 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, k: int) -> QB32:
         group = 16
     u = u.reshape(n, nb, BLOCK).astype(np.uint8)
     qs = _nibbles(u) if bits == 4 else u
-    d32 = torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // group))
-    c32 = torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32).reshape(n, k // group))
-    d16, c16 = _compact(d32, c32)
-    return QB32(torch.from_numpy(np.ascontiguousarray(qs)), d16, c16, bits, group)
+    d, c = np.reshape(d, (n, k // group)), np.reshape(c, (n, k // group))
+    if type_name.endswith("_K"):  # sub-block scales: float32 always (rarely exact in float16)
+        d, c = (torch.from_numpy(np.ascontiguousarray(v, np.float32)) for v in (d, c))
+    else:
+        d, c = _compact(d, c)
+    return QB32(torch.from_numpy(np.ascontiguousarray(qs)), d, c, bits, group)
 
 
 def dequantized_types_line(tensors: dict[str, FileTensor]) -> str | None:
