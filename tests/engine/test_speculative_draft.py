@@ -237,3 +237,63 @@ def test_the_worker_passes_a_draft_model_config_to_the_engine():
     bad += '"draft_tensor_parallel_size": 2}'
     with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
         Settings.from_env({"SPECULATIVE_CONFIG": bad}).engine_config()
+
+
+def test_seeded_sampled_requests_keep_their_output_with_a_draft_model(models):
+    """Sampled requests verify the draft's greedy proposals by rejection sampling (a one-hot
+    proposal): a seeded request's output is plain seeded decoding's, beside greedy ones, under
+    preemption and chunked prefill."""
+    kw = dict(block_size=8, max_model_len=96, dtype="float32", num_kv_blocks=24)
+    kw["max_num_batched_tokens"] = 24
+    plain = LLM(models["target"], **kw)
+    spec = LLM(models["target"], speculative_config=draft(models["draft"], 3), **kw)
+    ps = [p[:30] for p in prompts(10, seed=5)]
+    sampled = [
+        dict(temperature=0.7),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=0.9, top_k=20, min_p=0.05),
+        dict(temperature=1.0, repetition_penalty=1.3),
+        dict(temperature=0.0),
+    ]
+    params = [
+        SamplingParams(seed=i, max_tokens=40, ignore_eos=True, **sampled[i % len(sampled)])
+        for i in range(len(ps))
+    ]
+    assert tokens(spec.generate(ps, params)) == tokens(plain.generate(ps, params))
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    no_blocks_held(spec)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.8)], ids=["t0.7", "top_p"]
+)
+def test_sampled_first_and_fifth_token_distribution_is_plain_decodings(models, kw):
+    """Unseeded requests, engines seeded differently: the first and fifth sampled tokens of
+    DRAWS requests are distributed as without speculation (total variation within sampling
+    noise; the bound as in test_speculative.py), drafts accepted on the way."""
+    from collections import Counter
+
+    draws = 1000
+    base = dict(block_size=8, max_model_len=64, dtype="float32", max_num_seqs=256)
+    plain = LLM(models["target"], seed=1, **base)
+    spec = LLM(models["target"], seed=2, speculative_config=draft(models["draft"], 3), **base)
+    prompt = prompts(1, seed=9)[0][:12]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, **kw)
+    a = tokens(plain.generate([prompt] * draws, params))
+    b = tokens(spec.generate([prompt] * draws, params))
+    for pos in (0, 4):
+        ca, cb = Counter(t[pos] for t in a), Counter(t[pos] for t in b)
+        # Outcomes rarer than 1% pooled together: their per-token counts are noise.
+        pooled = {x: (ca[x] + cb[x]) / (2 * draws) for x in ca.keys() | cb.keys()}
+        common = {x for x, p in pooled.items() if p >= 0.01}
+        ca = Counter(x if x in common else -1 for x in ca.elements())
+        cb = Counter(x if x in common else -1 for x in cb.elements())
+        pooled = {x: (ca[x] + cb[x]) / (2 * draws) for x in ca.keys() | cb.keys()}
+        bound = sum((p / (2 * draws)) ** 0.5 for p in pooled.values()) + 0.08
+        tv = 0.5 * sum(abs(ca[x] - cb[x]) for x in pooled) / draws
+        assert tv < bound, (pos, tv, bound)
+    stats = spec.engine.stats()
+    assert stats.spec_accepted_tokens > draws // 4
+    no_blocks_held(spec)
