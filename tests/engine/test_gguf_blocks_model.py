@@ -1,5 +1,6 @@
-"""The embedded SmolLM2 Q4_1 GGUF with QUANTIZED_WEIGHTS=packed: every linear and the tied LM
-head read the file's blocks for decode steps (layers/gguf_linear.py). With float inputs (the
+"""The embedded SmolLM2 Q4_1 GGUF with QUANTIZED_WEIGHTS=packed: every linear, the token
+embedding and the tied LM head are served from the file's blocks, with no float copy converted or
+held (layers/gguf_linear.py). With float inputs (the
 default on AVX-512) greedy tokens equal the float32 path's (QUANTIZED_WEIGHTS=auto: the same
 weights dequantized once). With GGUF_BLOCK_INPUTS=int8 they follow it up to near ties: x is
 quantized to int8 per block, so where the float path's two best tokens are within a small
@@ -8,11 +9,14 @@ logprob margin the pick may flip; before that tokens and logprobs agree closely.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from serverless_llm import LLM, SamplingParams
-from serverless_llm.engine.layers.gguf_linear import GGUFBlockLinear
+from serverless_llm.engine.layers.gguf_linear import GGUFBlockEmbedding, GGUFBlockLinear
+from serverless_llm.engine.layers.linear import PackedLinear
 
 PROMPTS = [
     "What is the capital of France?",
@@ -54,6 +58,12 @@ def test_packed_gguf_reads_blocks(engines):
         assert w.qlinear == packed.engine.runner.model.packed_lm_head.kernels.linear_desc_address
         assert all((w.qkv_q, w.o_q, w.up_q, w.down_q))
     assert not any(isinstance(m, GGUFBlockLinear) for m in float_llm.engine.runner.model.modules())
+    # no float copy: nothing converted for it, no float weight held for a linear or the
+    # embedding (the file's blocks serve them all)
+    assert packed.engine.resolved.load_format == "gguf"
+    assert not list(Path(packed.engine.resolved.model_dir).glob("*.safetensors"))
+    assert isinstance(model.embed_tokens, GGUFBlockEmbedding)
+    assert not [m for m in model.modules() if type(m) in (PackedLinear, torch.nn.Linear)]
 
 
 @pytest.mark.slow

@@ -512,4 +512,224 @@ void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
                       const float *bias, float *out, int64_t ldo) {
     qb32_run(x, ldx, M, (const qb32_t *)desc, bias, out, ldo);
 }
+/* -- many rows (prefill): a GEMM on the blocks --------------------------------------------- */
 
+/* out[M, N] = x[M, K] times the qb32 weight^T (+ bias) for steps of many rows, x as it is (no
+ * int8 rounding): each thread takes GEMM_NB outputs at a time and, per GEMM_KC inputs,
+ * dequantizes that tile of blocks once into a float buffer (d * u + c: d * u is exact in
+ * float32, so the one rounding is the dequantized reference's own) that every row of x then
+ * reuses from cache. The rows of x are transposed once per call (xt [K, MP], MP the rows padded
+ * to whole micro-kernel widths with zeros), so the micro-kernel broadcasts one weight value and
+ * multiplies it into two vectors of rows: GEMM_NR weight rows x 2 vectors of x rows in
+ * registers. Each output is sum over k in order, one accumulator per output: the dequantized
+ * weight's product up to float32 summation order. */
+
+#define GEMM_NB 48  /* weight rows a thread dequantizes at a time (a multiple of GEMM_NR) */
+#define GEMM_KC 128 /* inputs per tile: 4 blocks */
+#if defined(__AVX512F__)
+#define GEMM_NR 12 /* weight rows per micro-kernel: 24 accumulators of AVX-512's 32 registers */
+#else
+#define GEMM_NR 6 /* 12 accumulators of AVX2's 16 */
+#endif
+#define GEMM_MC 256 /* rows of x per pass (bounds the transposed copy and the accumulators) */
+
+#if defined(__AVX512F__)
+#define GV 16
+typedef __m512 gvec;
+#define G_LOAD(p) _mm512_loadu_ps(p)
+#define G_STORE(p, v) _mm512_storeu_ps((p), (v))
+#define G_BCAST(p) _mm512_set1_ps(*(p))
+#define G_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GV 8
+typedef __m256 gvec;
+#define G_LOAD(p) _mm256_loadu_ps(p)
+#define G_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define G_BCAST(p) _mm256_broadcast_ss(p)
+#define G_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#else
+#define GV 8
+typedef float gvec __attribute__((vector_size(32)));
+static inline gvec g_load(const float *p) {
+    gvec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline gvec g_bcast(const float *p) {
+    float s = *p;
+    return (gvec){s, s, s, s, s, s, s, s};
+}
+#define G_LOAD(p) g_load(p)
+#define G_STORE(p, v) memcpy((p), &(v), sizeof(gvec))
+#define G_BCAST(p) g_bcast(p)
+#define G_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* acc[i, 0..2GV) += sum over k < kc of w[i, k] * xt[k, 0..2GV), for i < NR; named registers. */
+#define GM_DECL(i) gvec c##i##0 = G_LOAD(acc + i * lda), c##i##1 = G_LOAD(acc + i * lda + GV);
+#define GM_STEP(i)                                                                                \
+    {                                                                                             \
+        gvec wb = G_BCAST(w + i * ldw + k);                                                       \
+        c##i##0 = G_FMA(wb, x0, c##i##0);                                                         \
+        c##i##1 = G_FMA(wb, x1, c##i##1);                                                         \
+    }
+#define GM_STORE(i)                                                                               \
+    G_STORE(acc + i * lda, c##i##0);                                                              \
+    G_STORE(acc + i * lda + GV, c##i##1);
+#define GM_ROWS1(M) M(0)
+#define GM_ROWS2(M) GM_ROWS1(M) M(1)
+#define GM_ROWS3(M) GM_ROWS2(M) M(2)
+#define GM_ROWS4(M) GM_ROWS3(M) M(3)
+#define GM_ROWS5(M) GM_ROWS4(M) M(4)
+#define GM_ROWS6(M) GM_ROWS5(M) M(5)
+#define GM_ROWS7(M) GM_ROWS6(M) M(6)
+#define GM_ROWS8(M) GM_ROWS7(M) M(7)
+#define GM_ROWS9(M) GM_ROWS8(M) M(8)
+#define GM_ROWS10(M) GM_ROWS9(M) M(9)
+#define GM_ROWS11(M) GM_ROWS10(M) M(10)
+#define GM_ROWS12(M) GM_ROWS11(M) M(11)
+#define GEMM_MICRO(n)                                                                             \
+    static void gemm_micro_##n(const float *w, int64_t ldw, const float *xt, int64_t ldx,        \
+                               int64_t kc, float *acc, int64_t lda) {                             \
+        GM_ROWS##n(GM_DECL) for (int64_t k = 0; k < kc; k++) {                                    \
+            gvec x0 = G_LOAD(xt + k * ldx), x1 = G_LOAD(xt + k * ldx + GV);                       \
+            GM_ROWS##n(GM_STEP)                                                                   \
+        }                                                                                         \
+        GM_ROWS##n(GM_STORE)                                                                      \
+    }
+GEMM_MICRO(1)
+GEMM_MICRO(2)
+GEMM_MICRO(3)
+GEMM_MICRO(4)
+GEMM_MICRO(5)
+GEMM_MICRO(6)
+typedef void (*gemm_micro_t)(const float *, int64_t, const float *, int64_t, int64_t, float *,
+                             int64_t);
+#if GEMM_NR == 12
+GEMM_MICRO(7)
+GEMM_MICRO(8)
+GEMM_MICRO(9)
+GEMM_MICRO(10)
+GEMM_MICRO(11)
+GEMM_MICRO(12)
+static const gemm_micro_t GEMM_MICROS[GEMM_NR + 1] = {
+    NULL,         gemm_micro_1, gemm_micro_2, gemm_micro_3,  gemm_micro_4,  gemm_micro_5,
+    gemm_micro_6, gemm_micro_7, gemm_micro_8, gemm_micro_9, gemm_micro_10, gemm_micro_11,
+    gemm_micro_12,
+};
+#else
+static const gemm_micro_t GEMM_MICROS[GEMM_NR + 1] = {
+    NULL, gemm_micro_1, gemm_micro_2, gemm_micro_3, gemm_micro_4, gemm_micro_5, gemm_micro_6,
+};
+#endif
+
+/* Blocks [b0, b0 + nblk) of 32 inputs of output row n as floats into dst: d * u + c with one
+ * rounding (a fused multiply-add), as `dequantize` rounds its float64 value once. Any layout of
+ * qb32_t: 4-bit nibbles or a byte a code, 32 or 16 inputs per (d, c), float16 or float32. */
+static void dequant_blocks(const qb32_t *w, int64_t n, int64_t b0, int64_t nblk, float *dst) {
+    int64_t nb = w->K / 32, bb = w->bits == 4 ? 16 : 32, group = w->group;
+    int64_t ng = w->K / group, sb = w->scale_bytes, f32 = sb == 4;
+    const uint8_t *qs = w->qs + n * nb * bb;
+    const void *d = (const char *)w->d + n * ng * sb, *c = (const char *)w->c + n * ng * sb;
+    for (int64_t b = b0; b < b0 + nblk; b++) {
+        const uint8_t *u = qs + b * bb;
+        float *o = dst + (b - b0) * 32;
+        int64_t g0 = b * 32 / group, g1 = group == 16 ? g0 + 1 : g0;
+#if defined(__AVX512F__)
+        __m128i u0, u1;
+        if (w->bits == 4) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)u), low = _mm_set1_epi8(0x0f);
+            u0 = _mm_and_si128(raw, low);
+            u1 = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        } else {
+            u0 = _mm_loadu_si128((const __m128i *)u);
+            u1 = _mm_loadu_si128((const __m128i *)(u + 16));
+        }
+        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u0));
+        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u1));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(f0, _mm512_set1_ps(scale_at(d, (int)f32, g0)),
+                                            _mm512_set1_ps(scale_at(c, (int)f32, g0))));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(f1, _mm512_set1_ps(scale_at(d, (int)f32, g1)),
+                                                 _mm512_set1_ps(scale_at(c, (int)f32, g1))));
+#else
+        float d0 = scale_at(d, (int)f32, g0), c0 = scale_at(c, (int)f32, g0);
+        float d1 = scale_at(d, (int)f32, g1), c1 = scale_at(c, (int)f32, g1);
+        for (int j = 0; j < 16; j++) {
+            float lo = w->bits == 4 ? (float)(u[j] & 15) : (float)u[j];
+            float hi = w->bits == 4 ? (float)(u[j] >> 4) : (float)u[j + 16];
+            o[j] = fmaf(d0, lo, c0);
+            o[j + 16] = fmaf(d1, hi, c1);
+        }
+#endif
+    }
+}
+
+/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias), x as it is.
+ * For steps of many rows: gguf_blocks.py measures, per shape, from how many rows it wins. */
+void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, const float *bias,
+                    float *out, int64_t ldo) {
+    const qb32_t *w = desc;
+    int64_t K = w->K, N = w->N;
+    int64_t step = 2 * GV;
+    int64_t mcap = M < GEMM_MC ? M : GEMM_MC;
+    int64_t mpcap = (mcap + step - 1) / step * step;
+    float *xt = malloc(sizeof(float) * (size_t)(K * mpcap + 16));
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) {
+        int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
+        int64_t mp = (mc + step - 1) / step * step;
+        /* eight rows of x at a time: eight sequential reads, eight adjacent writes per k */
+#pragma omp parallel for schedule(static) if (mc * K > (1 << 15))
+        for (int64_t mb = 0; mb < mp; mb += 8) {
+            for (int64_t k = 0; k < K; k++) {
+                float *dst = xt + k * mp + mb;
+                for (int64_t i = 0; i < 8; i++)
+                    dst[i] = mb + i < mc ? x[(m0 + mb + i) * ldx + k] : 0.0f;
+            }
+        }
+        int64_t tiles = (N + GEMM_NB - 1) / GEMM_NB;
+#pragma omp parallel if (mc * N * K > (1 << 18))
+        {
+            float *buf = malloc(sizeof(float) * GEMM_NB * GEMM_KC);
+            float *acc = malloc(sizeof(float) * (size_t)(GEMM_NB * mp));
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t n0 = t * GEMM_NB, nt = N - n0 < GEMM_NB ? N - n0 : GEMM_NB;
+                memset(acc, 0, sizeof(float) * (size_t)(nt * mp));
+                for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+                    int64_t kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
+                    for (int64_t i = 0; i < nt; i++)
+                        dequant_blocks(w, n0 + i, k0 / 32, kc / 32, buf + i * GEMM_KC);
+                    for (int64_t mm = 0; mm < mp; mm += step)
+                        for (int64_t i0 = 0; i0 < nt; i0 += GEMM_NR) {
+                            int nr = nt - i0 < GEMM_NR ? (int)(nt - i0) : GEMM_NR;
+                            GEMM_MICROS[nr](buf + i0 * GEMM_KC, GEMM_KC, xt + k0 * mp + mm, mp,
+                                            kc, acc + i0 * mp + mm, mp);
+                        }
+                }
+                for (int64_t m = 0; m < mc; m++) {
+                    float *o = out + (m0 + m) * ldo + n0;
+                    for (int64_t i = 0; i < nt; i++)
+                        o[i] = acc[i * mp + m] + (bias ? bias[n0 + i] : 0.0f);
+                }
+            }
+            free(buf);
+            free(acc);
+        }
+    }
+    free(xt);
+}
+
+/* out[r, K] = the dequantized rows idx[r] of the weight (the token embedding's lookup). */
+void qb32_rows_desc(const void *desc, const int64_t *idx, int64_t count, float *out) {
+    const qb32_t *w = desc;
+    int64_t K = w->K, nb = K / 32;
+#pragma omp parallel for schedule(static) if (count * K > (1 << 16))
+    for (int64_t r = 0; r < count; r++) {
+        int64_t n = idx[r];
+        if (n < 0 || n >= w->N) { /* the caller checks; never read outside the weight */
+            memset(out + r * K, 0, sizeof(float) * (size_t)K);
+            continue;
+        }
+        dequant_blocks(w, n, 0, nb, out + r * K);
+    }
+}

@@ -342,6 +342,14 @@ class BlockKernels:
         self._linear = f
         # the address cpu_native's whole-layer decode calls (decoder_layer_t.qlinear)
         self.linear_desc_address = ctypes.cast(self.lib.qb32_linear_desc, ctypes.c_void_p).value
+        g = self.lib.qb32_gemm_desc  # the many-row GEMM (prefill)
+        g.argtypes = [_P, _I, _I, _P, _P, _P, _I]
+        g.restype = None
+        self._gemm = g
+        r = self.lib.qb32_rows_desc  # dequantized rows (the embedding lookup)
+        r.argtypes = [_P, _P, _I, _P]
+        r.restype = None
+        self._rows = r
 
     def linear(self, x: torch.Tensor, w: QB32, bias=None, path: str = "best") -> torch.Tensor:
         """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32. `path`:
@@ -357,6 +365,33 @@ class BlockKernels:
         self._linear(x.data_ptr(), x.stride(0), m, ctypes.byref(desc),
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n)  # fmt: skip
         return out
+
+    def gemm(self, x: torch.Tensor, w: QB32, bias=None) -> torch.Tensor:
+        """The many-row GEMM (prefill): x [M, K] float32 times w^T (+ bias), x as it is; equal to
+        `reference_linear(..., quantize_x=False)` up to float32 summation order."""
+        m, k = x.shape
+        n, wk = w.shape
+        if wk != k:
+            raise ValueError(f"x has {k} inputs, the weight {wk}")
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        desc = QB32Desc.of(w)
+        self._gemm(x.data_ptr(), x.stride(0), m, ctypes.byref(desc),
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), n)  # fmt: skip
+        return out
+
+    def rows(self, w: QB32, index: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows `index` of w (an embedding lookup): [*index.shape, K] float32,
+        each equal to `dequantize(w)`'s row. Raises IndexError for an index outside w."""
+        n, k = w.shape
+        flat = index.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+            raise IndexError(f"row index out of range for a weight of {n} rows")
+        out = torch.empty(flat.numel(), k, dtype=torch.float32)
+        desc = QB32Desc.of(w)
+        self._rows(ctypes.byref(desc), flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.view(*index.shape, k)
 
 
 # where each type's float16 fields sit in its file block (the probes set them to sane values)

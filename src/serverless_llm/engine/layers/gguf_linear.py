@@ -1,57 +1,93 @@
-"""A GGUF checkpoint's linears computed from its quantized blocks on CPU (QUANTIZED_WEIGHTS=packed).
+"""A GGUF checkpoint served from its quantized blocks on CPU (QUANTIZED_WEIGHTS=packed): no float
+copy of the weights the blocks hold, on disk or in memory.
 
 A decode step on a CPU is bound by the bytes of weight it reads: the float32 copy of a Q4_1
-model is ~6.7x the file's blocks. After the model is loaded from its converted float copy and
-packed for oneDNN, `attach_gguf_blocks` maps the .gguf file's tensors again (`read_tensors`) and
-gives each linear whose tensor is of a type with a qb32 layout (kernels/gguf_blocks.py: Q4_0,
-Q4_1, Q8_0) that weight in the layout, checked against the float weight it replaces (a probe
-through both must agree, else the linear stays float with a warning line). Steps of at most
-`BLOCK_ROWS` rows (decodes) then run the native block linear; larger steps (prefill) keep
-oneDNN's float weight, which this first slice still holds.
+model is ~6.7x the file's blocks. While the model is still on the meta device (no storage yet),
+`take_gguf_blocks` gives every linear whose tensors are of a type with a qb32 layout
+(kernels/gguf_blocks.py) a GGUFBlockLinear holding the file's blocks in our layout, the token
+embedding a GGUFBlockEmbedding (rows dequantized at lookup) and the LM head (tied: the
+embedding's blocks; else `output.weight`) its blocks too, so `materialize` allocates only what is
+left (norms, biases, any tensor of another type), which the loader reads from the file as float
+(loader/gguf_direct.py). A step of at most `block_rows` rows runs the few-row block linear (int8
+or float inputs, GGUF_BLOCK_INPUTS); larger steps (prefill) the many-row GEMM on the blocks,
+`block_rows` measured per weight shape at the first start on a machine (`choose_block_rows`).
+`finish_gguf_blocks` then attaches the whole-layer native decode on the blocks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
+import json
 import logging
 import os
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..kernels.cpu_native import cache_dir, cpu_flags
 from ..kernels.gguf_blocks import (
     FILE_TYPES,
     QB32,
     BlockKernels,
+    FileTensor,
     QB32Desc,
     from_gguf_blocks,
-    read_tensors,
 )
-from .linear import PackedLinear, packed_linear
+from .linear import PackedLinear
 
 logger = logging.getLogger(__name__)
 
-BLOCK_ROWS = 16  # steps of at most this many rows read the blocks
+BLOCK_ROWS = 16  # steps of at most this many rows take the few-row linear, until measured
+ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class GGUFBlockLinear(PackedLinear):
-    """A PackedLinear that also holds its weight as qb32 blocks, used for small steps."""
+    """A linear on qb32 blocks only: the few-row kernel for steps of <= block_rows rows, the
+    many-row GEMM above. A PackedLinear in name (the whole-layer native decode takes it: see
+    `finish_gguf_blocks`), with no oneDNN or panel weight."""
 
     def __init__(
-        self, base: PackedLinear, blocks: QB32, kernels: BlockKernels, path: str = "best"
+        self,
+        blocks: QB32,
+        kernels: BlockKernels,
+        path: str = "float",
+        bias: torch.Tensor | None = None,
     ) -> None:
         nn.Module.__init__(self)
-        self.out_features, self.in_features = base.out_features, base.in_features
-        self.packed, self.bias = base.packed, base.bias
-        self.panels, self.native, self.native_rows = None, None, 0
+        self.out_features, self.in_features = blocks.shape
+        self.packed, self.panels, self.native, self.native_rows = None, None, None, 0
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.blocks, self.kernels, self.block_rows = blocks, kernels, BLOCK_ROWS
-        self.path = path  # the kernel's: "best" (int8 inputs) or "float"
+        self.path = path  # the few-row kernel's: "best" (int8 inputs) or "float"
         self.desc = QB32Desc.of(blocks, path)  # for the whole-layer native decode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.block_rows and x.dtype == torch.float32:
-            return self.kernels.linear(x, self.blocks, self.bias, self.path)
-        return packed_linear(x, self.packed, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        bias = self.bias
+        if x2.shape[0] <= self.block_rows:
+            out = self.kernels.linear(x2, self.blocks, bias, self.path)
+        else:
+            out = self.kernels.gemm(x2, self.blocks, bias)
+        return out.view(*lead, self.out_features).to(x.dtype)
+
+
+class GGUFBlockEmbedding(nn.Module):
+    """The token embedding on qb32 blocks: a lookup dequantizes the rows it takes. `weight` is
+    an empty float32 tensor (the model reads its dtype and device)."""
+
+    def __init__(self, blocks: QB32, kernels: BlockKernels) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.blocks, self.kernels = blocks, kernels
+        self.weight = torch.empty(0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rows(self.blocks, ids)
 
 
 def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
@@ -59,6 +95,12 @@ def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
     head's two rotary halves): the rows the float checkpoint has, as indices of the file's."""
     half = n_rows // heads // 2
     return torch.arange(n_rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def permutes_qk(hf_config) -> bool:
+    """Whether llama.cpp's converter stored this family's q/k rows permuted (llama-style
+    models, which transformers' GGUF loader reverses too)."""
+    return getattr(hf_config, "model_type", None) in ("llama", "mistral")
 
 
 def _parts(hf_config, i: int) -> dict[str, list[tuple[str, int | None]]]:
@@ -76,13 +118,16 @@ def _parts(hf_config, i: int) -> dict[str, list[tuple[str, int | None]]]:
     }  # fmt: skip
 
 
-def _blocks_of(tensors: dict, parts, unpermute: bool = True) -> QB32 | None:
+def _blocks_of(tensors: dict, parts, unpermute: bool) -> QB32 | None:
     got = []
     for name, heads in parts:
         t = tensors.get(name)
         if t is None or t.type_name not in FILE_TYPES:
             return None
-        w = from_gguf_blocks(t.data, t.type_name, t.shape[0])
+        try:
+            w = from_gguf_blocks(t.data, t.type_name, t.shape[0])
+        except ValueError:  # e.g. inputs that are not whole blocks
+            return None
         if heads is not None and unpermute:
             w = w.rows(_unpermute_rows(w.shape[0], heads))
         got.append(w)
@@ -92,32 +137,163 @@ def _blocks_of(tensors: dict, parts, unpermute: bool = True) -> QB32 | None:
         return None
 
 
-def _agrees(lin: PackedLinear, blocks: QB32, kernels: BlockKernels) -> bool:
-    """Whether the blocks hold the float weight `lin` was packed from: a probe row through both
-    (the block linear's int8 activations cost well under 5% of the output's largest value; a
-    wrong row order or tensor costs about all of it)."""
-    if blocks.shape != (lin.out_features, lin.in_features):
-        return False
-    x = torch.randn(1, lin.in_features, generator=torch.Generator().manual_seed(0))
-    want = packed_linear(x, lin.packed, None)
-    got = kernels.linear(x, blocks)
-    return bool((got - want).abs().max() <= 0.05 * want.abs().max())
+def block_inputs() -> str:
+    """GGUF_BLOCK_INPUTS: "float" (default where the CPU has AVX-512: x multiplies the codes
+    as float32, the dequantized weight's product up to rounding) or "int8" (x quantized per
+    block to int8 and integer dots, as llama.cpp does: faster, but tokens part from the float
+    path's at near ties). Prefill steps (the GEMM) take float inputs either way."""
+    raw = os.environ.get("GGUF_BLOCK_INPUTS", "").strip().lower() or "float"
+    if raw not in ("float", "int8"):
+        raise ValueError(f"GGUF_BLOCK_INPUTS={raw!r}: expected float or int8")
+    return raw
+
+
+def _meta_bias(lin: nn.Module) -> torch.Tensor | None:
+    bias = getattr(lin, "bias", None)
+    return None if bias is None else torch.empty(bias.shape, device="meta")
+
+
+def take_gguf_blocks(
+    model: nn.Module, tensors: dict[str, FileTensor], hf_config, kernels: BlockKernels
+) -> set[str]:
+    """On a model still on the meta device: every decoder linear (and the token embedding and
+    LM head) whose file tensors have a qb32 layout and the right shape becomes a block module
+    holding them. Returns the GGUF names of the tensors taken (the loader skips those); biases
+    stay parameters, loaded as float."""
+    inputs = block_inputs()
+    if inputs == "float" and not kernels.has_float:
+        inputs = "int8"  # float inputs are built for AVX-512 only
+    path = "float" if inputs == "float" else "best"
+    unpermute = permutes_qk(hf_config)
+    taken: set[str] = set()
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        for where, parts in _parts(hf_config, i).items():
+            parent_name, _, name = where.rpartition(".")
+            parent = getattr(layer, parent_name, None)
+            lin = getattr(parent, name, None)
+            if type(lin) is not nn.Linear:
+                continue
+            blocks = _blocks_of(tensors, parts, unpermute)
+            if blocks is None or blocks.shape != (lin.out_features, lin.in_features):
+                continue
+            setattr(parent, name, GGUFBlockLinear(blocks, kernels, path, _meta_bias(lin)))
+            taken.update(n for n, _ in parts)
+    emb_t = tensors.get("token_embd.weight")
+    emb = getattr(model, "embed_tokens", None)
+    emb_blocks = None
+    if isinstance(emb, nn.Embedding) and emb_t is not None and emb_t.type_name in FILE_TYPES:
+        emb_blocks = _blocks_of(tensors, [("token_embd.weight", None)], False)
+        if emb_blocks is not None and emb_blocks.shape == tuple(emb.weight.shape):
+            model.embed_tokens = GGUFBlockEmbedding(emb_blocks, kernels)
+            taken.add("token_embd.weight")
+        else:
+            emb_blocks = None
+    if getattr(model, "num_labels", None) is not None:
+        return taken  # a classifier: no LM head
+    if getattr(model, "tied", False):
+        if emb_blocks is not None and getattr(model, "lm_head_bias", None) is None:
+            model.packed_lm_head = GGUFBlockLinear(emb_blocks, kernels, path)
+    else:
+        head = getattr(model, "lm_head", None)
+        if type(head) is nn.Linear and head.bias is None:
+            blocks = _blocks_of(tensors, [("output.weight", None)], False)
+            if blocks is not None and blocks.shape == (head.out_features, head.in_features):
+                model.lm_head = GGUFBlockLinear(blocks, kernels, path)
+                taken.add("output.weight")
+    return taken
+
+
+# -- after loading: rows per shape, the whole-layer decode ------------------------------------
+
+
+def _time(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def choose_block_rows(lin: GGUFBlockLinear) -> tuple[int, list]:
+    """The most rows (of ROW_CANDIDATES) at which the few-row kernel is at least as fast as the
+    GEMM on this linear's weight, stopping at the first count where it loses. Returns (rows,
+    [(rows, few-row s, GEMM s), ...])."""
+    chosen, timings = 0, []
+    g = torch.Generator().manual_seed(0)
+    for m in ROW_CANDIDATES:
+        x = torch.randn(m, lin.in_features, generator=g)
+        few = functools.partial(lin.kernels.linear, x, lin.blocks, lin.bias, lin.path)
+        gemm = functools.partial(lin.kernels.gemm, x, lin.blocks, lin.bias)
+        few(), gemm()  # warm
+        t_few, t_gemm = _time(few), _time(gemm)
+        timings.append((m, t_few, t_gemm))
+        if t_few > t_gemm:
+            break
+        chosen = m
+    return chosen, timings
+
+
+def _shape_key(lin: GGUFBlockLinear) -> str:
+    b = lin.blocks
+    return f"{lin.out_features}x{lin.in_features}:{b.bits}/{b.group}/{b.d.dtype}:{lin.path}"
+
+
+def block_rows_file(kernels: BlockKernels, keys: list[str]) -> Path:
+    what = (cpu_flags(), torch.get_num_threads(), Path(kernels.path).name, tuple(sorted(keys)))
+    return cache_dir() / f"gguf-rows-{hashlib.sha256(repr(what).encode()).hexdigest()[:16]}.json"
+
+
+def set_block_rows(linears: list[GGUFBlockLinear], kernels: BlockKernels) -> str:
+    """Each linear's few-row/GEMM threshold: GGUF_BLOCK_ROWS=N for all, unmeasured; else the
+    choice cached for this machine and these shapes, or measured (one instance per shape) and
+    cached. Returns the start-up line's part."""
+    raw = os.environ.get("GGUF_BLOCK_ROWS", "").strip()
+    if raw:
+        if not raw.isdigit():
+            raise ValueError(f"GGUF_BLOCK_ROWS={raw!r}: expected a row count")
+        for lin in linears:
+            lin.block_rows = int(raw)
+        return f"few-row kernel for steps of <= {raw} rows (GGUF_BLOCK_ROWS)"
+    groups: dict[str, list[GGUFBlockLinear]] = {}
+    for lin in linears:
+        groups.setdefault(_shape_key(lin), []).append(lin)
+    path = block_rows_file(kernels, list(groups))
+    try:
+        saved = json.loads(path.read_text())
+        rows = {k: int(saved[k]) for k in groups}
+        how = f"cached in {path}"
+    except (OSError, ValueError, KeyError, TypeError):
+        rows = {k: choose_block_rows(group[0])[0] for k, group in groups.items()}
+        how = "measured"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(rows))
+        except OSError:
+            pass  # measured again at the next start
+    for key, group in groups.items():
+        for lin in group:
+            lin.block_rows = rows[key]
+    chosen = ", ".join(f"{k.split(':')[0]}: <= {r}" for k, r in rows.items())
+    return f"few-row kernel up to, GEMM past: {chosen} ({how})"
 
 
 def _whole_layer(layer, kernels: BlockKernels, native):
     """The layer's whole-layer native decode (models/decoder.py's NativeDecodeLayer) on its
     block linears (cpu_native.c calls the block linear through decoder_layer_t.qlinear), for
-    steps of <= BLOCK_ROWS rows, where the layer's shape fits it; None (the per-op path)
-    otherwise, or unless all four linears have blocks. Whether the float panels won at this
-    machine's measurement does not matter here: the blocks replace them."""
+    steps of up to the linears' fewest block rows, where the layer's shape fits it; None (the
+    per-op path) otherwise, or unless all four linears have blocks."""
     from ..models.decoder import NativeDecodeLayer
 
     linears = NativeDecodeLayer.linears_of(layer)
     if not all(isinstance(lin, GGUFBlockLinear) for lin in linears):
         return None
+    rows = min(lin.block_rows for lin in linears)
+    if rows < 1:
+        return None
     # attach() asks for panels and native rows; the blocks stand in for both
     for lin in linears:
-        lin.panels, lin.native_rows = torch.empty(0), BLOCK_ROWS
+        lin.panels, lin.native_rows = torch.empty(0), rows
     try:
         NativeDecodeLayer.attach(layer, native, False)
     finally:
@@ -132,63 +308,33 @@ def _whole_layer(layer, kernels: BlockKernels, native):
     return whole
 
 
-def block_inputs() -> str:
-    """GGUF_BLOCK_INPUTS: "float" (default where the CPU has AVX-512: x multiplies the codes
-    as float32, the dequantized weight's product up to rounding) or "int8" (x quantized per
-    block to int8 and integer dots, as llama.cpp does: faster, but tokens part from the float
-    path's at near ties)."""
-    raw = os.environ.get("GGUF_BLOCK_INPUTS", "").strip().lower() or "float"
-    if raw not in ("float", "int8"):
-        raise ValueError(f"GGUF_BLOCK_INPUTS={raw!r}: expected float or int8")
-    return raw
-
-
-def attach_gguf_blocks(model: nn.Module, gguf_path: str, hf_config, kernels: BlockKernels) -> str:
-    """Swaps the model's packed linears (and a tied LM head) for GGUFBlockLinear where the file
-    has their tensors in a qb32 type and they check out; turns the whole-layer native decode off
-    for layers that got one. Returns the start-up line."""
-    tensors = read_tensors(gguf_path)
-    inputs = block_inputs()
-    if inputs == "float" and not kernels.has_float:
-        inputs = "int8"  # float inputs are built for AVX-512 only
-    kernel_path = "float" if inputs == "float" else "best"
-    done, kept, held = 0, [], 0
-    for i, layer in enumerate(getattr(model, "layers", [])):
-        swapped = False
-        for path, parts in _parts(hf_config, i).items():
-            parent_name, _, name = path.rpartition(".")
-            parent = getattr(layer, parent_name, None)
-            lin = getattr(parent, name, None)
-            if not isinstance(lin, PackedLinear):
-                continue
-            blocks = _blocks_of(tensors, parts)
-            ok = blocks is not None and _agrees(lin, blocks, kernels)
-            if blocks is not None and not ok and parts[0][1]:
-                # the converter reorders q/k rows for llama's rotary layout only; others as is
-                blocks = _blocks_of(tensors, parts, unpermute=False)
-                ok = blocks is not None and _agrees(lin, blocks, kernels)
-            if not ok:
-                kept.append(f"{i}.{path}")
-                continue
-            setattr(parent, name, GGUFBlockLinear(lin, blocks, kernels, kernel_path))
-            done, swapped, held = done + 1, True, held + blocks.nbytes()
-        if swapped and hasattr(layer, "native_decode"):
-            native = getattr(model, "native", None)
-            layer.native_decode = None if native is None else _whole_layer(layer, kernels, native)
+def finish_gguf_blocks(model: nn.Module, kernels: BlockKernels) -> str:
+    """After loading (and `optimize_for_cpu`): each block linear's row threshold, and the
+    whole-layer native decode on the blocks where a layer's four linears have them. Returns the
+    start-up line."""
+    linears = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
     head = getattr(model, "packed_lm_head", None)
-    emb = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if isinstance(head, PackedLinear) and emb is not None and emb.type_name in FILE_TYPES:
-        blocks = from_gguf_blocks(emb.data, emb.type_name, emb.shape[0])
-        if _agrees(head, blocks, kernels):
-            model.packed_lm_head = GGUFBlockLinear(head, blocks, kernels, kernel_path)
-            done, held = done + 1, held + blocks.nbytes()
-        else:
-            kept.append("lm_head")
-    if kept:
-        logger.warning("GGUF blocks do not match the float weights of %s; those stay float",
-                       ", ".join(kept[:8]))  # fmt: skip
+    if isinstance(head, GGUFBlockLinear) and head not in linears:
+        linears.append(head)
+    if not linears:
+        return "GGUF blocks: no tensor of the file has a block layout; all float"
+    rows_line = set_block_rows(linears, kernels)
+    native = getattr(model, "native", None)
+    whole = 0
+    for layer in getattr(model, "layers", []):
+        if hasattr(layer, "native_decode") and native is not None:
+            layer.native_decode = _whole_layer(layer, kernels, native)
+            whole += layer.native_decode is not None
+    held = sum(lin.blocks.nbytes() for lin in linears)
+    emb = getattr(model, "embed_tokens", None)
+    if isinstance(emb, GGUFBlockEmbedding) and not any(lin.blocks is emb.blocks for lin in linears):
+        held += emb.blocks.nbytes()
+    inputs = "float" if linears[0].path == "float" else "int8"
+    isa = "AVX-512" if kernels.vnni else "AVX2" if kernels.avx2 else "portable C"
+    what = f"{len(linears)} linears"
+    if isinstance(emb, GGUFBlockEmbedding):
+        what += " and the token embedding"
     return (
-        f"GGUF blocks: {done} linears read their quantized blocks ({held / 2**20:.0f} MiB) for "
-        f"steps of <= {BLOCK_ROWS} rows ({inputs} inputs; "
-        f"{'AVX-512' if kernels.vnni else 'AVX2' if kernels.avx2 else 'portable C'})"
+        f"GGUF blocks: {what} kept in the file's blocks ({held / 2**20:.0f} MiB, no float copy; "
+        f"{inputs} inputs; {isa}); {rows_line}; whole decode layers on blocks: {whole}"
     )

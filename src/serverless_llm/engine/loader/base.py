@@ -15,7 +15,9 @@ class ResolvedModel:
 
     model_dir: str  # holds config.json (+ weights unless dummy)
     tokenizer_dir: str  # what transformers.AutoTokenizer.from_pretrained loads from
-    load_format: str  # "safetensors" | "pt" | "dummy" (a GGUF file arrives here as safetensors)
+    # "safetensors" | "pt" | "dummy"; "gguf": weights read from gguf_path itself (served from
+    # its blocks on CPU), else a GGUF file arrives here converted, as safetensors
+    load_format: str
     source: str  # what the user asked for, for logs; never contains a token
     gguf_path: str | None = None  # the .gguf file model_dir was converted from, if any
 

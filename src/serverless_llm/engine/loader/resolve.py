@@ -7,7 +7,13 @@ import os
 
 from ..config import EngineConfig
 from .base import ModelLoadError, ResolvedModel, scrub
-from .gguf import EMBEDDED_GGUF, converted_gguf_dir, embedded_model_path, gguf_files_in
+from .gguf import (
+    EMBEDDED_GGUF,
+    converted_gguf_dir,
+    embedded_model_path,
+    gguf_files_in,
+    gguf_metadata_dir,
+)
 from .hub import hub_snapshot, looks_like_hub_id
 from .weights import local_weight_files
 
@@ -21,9 +27,23 @@ def _weights_format(load_format: str) -> str | None:
     return "auto" if load_format in ("auto", "gguf") else load_format
 
 
+def gguf_kept_quantized(cfg: EngineConfig) -> bool:
+    """Whether a GGUF model is served from the file's own blocks (layers/gguf_linear.py: no
+    float copy, on disk or in memory): QUANTIZED_WEIGHTS=packed on a CPU, one process. Anywhere
+    else the file is converted once to a float safetensors copy."""
+    return (
+        cfg.quantized_weights == "packed"
+        and cfg.load_format != "dummy"
+        and cfg.tensor_parallel_size == 1
+        and cfg.resolve_device().type == "cpu"
+    )
+
+
 def _from_gguf(gguf_path: str, cfg: EngineConfig) -> tuple[str, str]:
     if cfg.load_format == "pt":
         raise ModelLoadError(f"load_format=pt cannot read GGUF file {gguf_path}")
+    if gguf_kept_quantized(cfg):  # config and tokenizer only; weights read from the file
+        return gguf_metadata_dir(gguf_path, cfg.download_dir, cfg.show_progress), "gguf"
     model_dir = converted_gguf_dir(gguf_path, cfg.download_dir, cfg.show_progress)
     return model_dir, "dummy" if cfg.load_format == "dummy" else "safetensors"
 
@@ -63,7 +83,7 @@ def _resolve_tokenizer(cfg: EngineConfig, model_dir: str) -> str:
         if os.path.isdir(path):
             return path
         if os.path.isfile(path) and path.lower().endswith(".gguf"):
-            return converted_gguf_dir(path, cfg.download_dir, cfg.show_progress)
+            return gguf_metadata_dir(path, cfg.download_dir, cfg.show_progress)
         if looks_like_hub_id(cfg.tokenizer):
             folder, _ = hub_snapshot(
                 cfg.tokenizer,

@@ -1359,6 +1359,8 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 m.pack_for_cpu()
         if self.num_labels is not None:
             pass  # a classifier has no LM head to pack
+        elif self.packed_lm_head is not None:
+            pass  # given at load: the GGUF file's blocks (layers/gguf_linear.py)
         elif self.tied:  # the embedding itself stays plain for the lookup
             bias = getattr(self, "lm_head_bias", None)
             self.packed_lm_head = PackedLinear(None, self.embed_tokens.weight, keep_panels=native)

@@ -1,0 +1,72 @@
+"""A GGUF file's tensors read straight from the file, under the checkpoint names the model's
+loader knows, without a converted float copy on disk.
+
+The name map is transformers' own (`get_gguf_hf_weights_map`: the `gguf` package's tensor-name
+table applied to the family's parameter names, from a model built on the meta device), and so
+is the per-family fix-up of a tensor's values (`TENSOR_PROCESSORS`: e.g. llama.cpp's converter
+stores llama's q/k rows in another order; the processor puts them back). The tensors a caller
+keeps in their blocks (layers/gguf_linear.py) are skipped; every other one is read as float32
+(F32/F16/BF16 exactly, quantized types dequantized as the `gguf` package does), one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..kernels.gguf_blocks import FileTensor, tensor_to_float
+
+
+def gguf_name_map(hf_config) -> tuple[dict[str, str], object]:
+    """(GGUF tensor name -> checkpoint name, the family's tensor processor) for `hf_config`: the
+    `gguf` package's tensor-name table (checkpoint module name -> GGUF name) applied to the
+    module names our family description reads (models/, `WeightNames`). transformers'
+    `get_gguf_hf_weights_map` does the same from a transformers model built on meta, which
+    costs importing its modeling code (seconds) and walking every submodule's state dict."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from ..models import describe_model
+
+    model_type = hf_config.model_type
+    arch_name = {"cohere": "command-r", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+                 "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}.get(model_type, model_type)  # fmt: skip
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch_name), None)
+    if arch is None:
+        raise ValueError(f"the gguf package has no tensor names for {model_type}")
+    layers = hf_config.num_hidden_layers
+    table = get_tensor_name_map(arch, layers)
+    wn = describe_model(hf_config).names
+    modules = list(wn.top) + [f"{wn.layers_prefix}.{i}.{local}" for i in range(layers)
+                              for local in wn.layer]  # fmt: skip
+    names = {}
+    for module in modules:
+        got = table.get_name(module)
+        if got is not None:
+            for suffix in ("weight", "bias"):
+                names.setdefault(f"{got}.{suffix}", f"{module}.{suffix}")
+    # llama.cpp's converter permutes q/k rows for llama-style models (mistral files included)
+    processor_arch = "llama" if model_type in ("llama", "mistral") else arch_name
+    processor = TENSOR_PROCESSORS.get(processor_arch, TensorProcessor)(config=hf_config.to_dict())
+    return names, processor
+
+
+def gguf_weights(
+    tensors: dict[str, FileTensor], hf_config, skip: set[str] | frozenset = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, float32 tensor) for every tensor of the file the model has a name for,
+    except those in `skip` (GGUF names)."""
+    names, processor = gguf_name_map(hf_config)
+    for gname, t in tensors.items():
+        if gname in skip or gname not in names:
+            continue
+        w = tensor_to_float(t).numpy()
+        shape = tuple(reversed(t.shape))  # the file lists inputs first
+        w = w.reshape(shape)
+        got = processor.process(weights=w, name=gname, tensor_key_mapping=names,
+                                parsed_parameters={"tensors": {}, "config": {}})  # fmt: skip
+        if got is None or got.weights is None or got.name not in names:
+            continue  # a processor that places the tensor itself (MoE experts): not here
+        yield names[got.name], torch.from_numpy(np.ascontiguousarray(got.weights, np.float32))
