@@ -300,3 +300,23 @@ def test_sampled_first_and_fifth_token_distribution_is_plain_decodings(models, k
     stats = spec.engine.stats()
     assert stats.spec_accepted_tokens > draws // 4
     no_blocks_held(spec)
+
+
+def test_the_cache_budget_is_split_between_target_and_draft(models, caplog):
+    import logging
+
+    budget = 1 << 20
+    kw = dict(block_size=8, max_model_len=128, dtype="float32", kv_cache_space_gib=budget / 2**30)
+    alone = LLM(models["target"], **kw)
+    with caplog.at_level(logging.INFO, logger="serverless_llm.engine.llm_engine"):
+        spec = LLM(models["target"], speculative_config=draft(models["draft"], 3), **kw)
+    engine, drafter = spec.engine, spec.engine.drafter
+    target_block = engine.kv_bytes_per_token * 8
+    draft_block = drafter.kv_bytes_per_token * 8
+    assert draft_block * 2 == target_block  # 2 of the target's 4 layers
+    assert drafter.num_blocks == engine.block_pool.num_blocks
+    assert engine.block_pool.num_blocks == budget // (target_block + draft_block)
+    assert alone.engine.block_pool.num_blocks == budget // target_block
+    line = next(r.getMessage() for r in caplog.records if "KV cache split" in r.getMessage())
+    assert f"target {engine.block_pool.num_blocks} blocks" in line
+    assert f"draft {drafter.num_blocks} blocks" in line
