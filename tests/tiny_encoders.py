@@ -22,10 +22,9 @@ def build_wordpiece_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase
     chars = sorted(set(re.sub(r"\s", "", text)))
     vocab = SPECIALS + chars + [f"##{c}" for c in chars] + [w for w in words if len(w) > 1]
     os.makedirs(path, exist_ok=True)
-    vocab_file = os.path.join(path, "vocab.txt")
-    with open(vocab_file, "w", encoding="utf-8") as f:
-        f.write("\n".join(dict.fromkeys(vocab)) + "\n")
-    tok = transformers.BertTokenizer(vocab_file=vocab_file, do_lower_case=True)
+    ids = {w: i for i, w in enumerate(dict.fromkeys(vocab))}
+    tok = transformers.BertTokenizer(vocab=ids, do_lower_case=True)
+    assert len(tok) == len(ids)
     tok.save_pretrained(path)
     return tok
 

@@ -3,14 +3,19 @@ their sequence-classification cross-encoders against transformers, over a ragged
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
-from serverless_llm.engine.config import EngineConfig
+from serverless_llm.engine.config import ConfigError, EngineConfig
+from serverless_llm.engine.errors import InvalidRequestError
 from serverless_llm.engine.kernels.metadata import AttentionMetadata
 from serverless_llm.engine.model_builder import load_model
-from tests.tiny_encoders import build_tiny_encoder
+from serverless_llm.llm import LLM
+from tests.tiny_encoders import build_tiny_encoder, sentence_transformers_files
 from tests.tiny_models import CORPUS
 
 TEXTS = [CORPUS[0], "hello", CORPUS[2] + " " + CORPUS[7], CORPUS[1]]
@@ -85,3 +90,82 @@ def test_cross_encoder_logits_equal_transformers(kind, tmp_path):
         with torch.no_grad():
             want = ref_model(**{k: torch.tensor([v]) for k, v in e.items()}).logits[0]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# -- through the engine (LLM.embed / classify / score) ---------------------------------------
+
+
+def _reference_pooled(path: str, texts, mode: str, normalize: bool) -> list[torch.Tensor]:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.AutoModel.from_pretrained(path).eval()
+    out = []
+    for t in texts:
+        with torch.no_grad():
+            h = ref(**tok(t, return_tensors="pt")).last_hidden_state[0]
+        vec = {"cls": h[0], "mean": h.mean(0), "last": h[-1]}[mode]
+        out.append(F.normalize(vec, dim=-1) if normalize else vec)
+    return out
+
+
+MANY = [CORPUS[i % len(CORPUS)] * (1 + i % 3) for i in range(11)] + ["a", TEXTS[2]]
+
+
+@pytest.mark.parametrize(
+    "layout", [None, ("cls", True), ("mean", True), ("mean", False), ("last", True)]
+)
+def test_llm_embed_equals_transformers_pooled(encoder, tmp_path, layout):
+    """A ragged batch through LLM.embed (several requests a step, whole prompts) equals
+    transformers' last hidden state pooled as the sentence-transformers files say (CLS,
+    normalised, without them); TASK auto serves an encoder for embeddings."""
+    kind, src = encoder
+    path = str(tmp_path / "m")
+    shutil.copytree(src, path)
+    if layout is not None:
+        sentence_transformers_files(path, *layout)
+    mode, normalize = layout or ("cls", True)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=160)
+    assert llm.engine.task == "embed" and llm.engine.pooling.pooling_type == mode
+    outs = llm.embed(MANY)
+    want = _reference_pooled(path, MANY, mode, normalize)
+    for out, w in zip(outs, want):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), w, atol=1e-4, rtol=1e-4)
+    assert not llm.engine.requests and not llm.engine.scheduler.running
+
+
+def test_encoder_refuses_generation(encoder):
+    _, path = encoder
+    with pytest.raises(ConfigError, match="encoder .*cannot generate"):
+        LLM(path, task="generate", dtype="float32")
+    llm = LLM(path, dtype="float32")
+    with pytest.raises(InvalidRequestError, match="generation is off"):
+        llm.generate("hello")
+
+
+def test_encoder_over_long_input_is_refused_or_truncated(encoder):
+    _, path = encoder
+    llm = LLM(path, dtype="float32", max_model_len=32)
+    long_text = " ".join(CORPUS)
+    with pytest.raises(InvalidRequestError, match="32"):
+        llm.embed(long_text)
+    (out,) = llm.embed(long_text, truncate_prompt_tokens=16)
+    assert len(out.prompt_token_ids) == 16
+    with pytest.raises(ConfigError, match="exceeds the encoder's maximum length"):
+        LLM(path, dtype="float32", max_model_len=1000)
+
+
+@pytest.mark.parametrize("kind", ["bert-cls", "xlmr-cls"])
+def test_cross_encoder_score_and_classify_equal_transformers(kind, tmp_path):
+    path = build_tiny_encoder(str(tmp_path / kind), kind)
+    llm = LLM(path, dtype="float32")
+    assert llm.engine.task == "classify"
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    docs = [TEXTS[0], TEXTS[2], "world", TEXTS[3]]
+    outs = llm.score("hello there", docs)
+    for doc, out in zip(docs, outs):
+        enc = tok("hello there", doc, return_tensors="pt")
+        if kind.startswith("xlmr"):
+            enc.pop("token_type_ids", None)
+        with torch.no_grad():
+            logit = ref(**enc).logits[0, 0]
+        assert abs(out.outputs.score - torch.sigmoid(logit).item()) < 1e-5

@@ -75,9 +75,22 @@ def test_lasttoken_layout_and_settings_override(tiny_llama, tmp_path):
     assert llm.engine.pooling == PoolingParams("mean", False)
 
 
-def test_cls_pooling_is_refused_naming_it(tiny_llama, tmp_path):
+def test_cls_layout_pools_the_first_row(tiny_llama, tmp_path):
     d = st_layout(tiny_llama, tmp_path / "c", {"pooling_mode_cls_token": True}, True)
-    with pytest.raises(ConfigError, match="pooling_mode_cls_token"):
+    assert sentence_transformers_pooling(d) == ("cls", True)
+    llm = LLM(d, task="embed", dtype="float32", num_kv_blocks=16, max_model_len=64)
+    assert llm.engine.pooling == PoolingParams("cls", True)
+    (out,) = llm.embed(TEXT)
+    model = transformers.AutoModel.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0, 0]
+    ref = torch.nn.functional.normalize(ref, dim=-1)
+    np.testing.assert_allclose(out.outputs.embedding, ref.numpy(), atol=1e-5)
+
+
+def test_max_pooling_is_refused_naming_it(tiny_llama, tmp_path):
+    d = st_layout(tiny_llama, tmp_path / "x", {"pooling_mode_max_tokens": True}, True)
+    with pytest.raises(ConfigError, match="pooling_mode_max_tokens"):
         LLM(d, task="embed", num_kv_blocks=16, max_model_len=64)
     # POOLING_TYPE set: the layout's mode is not needed
     llm = LLM(d, task="embed", pooling_type="last", num_kv_blocks=16, max_model_len=64)
@@ -88,4 +101,4 @@ def test_bad_task_and_pooling_type_are_config_errors(tiny_llama):
     with pytest.raises(ConfigError, match="task="):
         LLM(tiny_llama, task="bogus")
     with pytest.raises(ConfigError, match="pooling_type="):
-        LLM(tiny_llama, task="embed", pooling_type="cls")
+        LLM(tiny_llama, task="embed", pooling_type="max")

@@ -144,8 +144,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"task={self.task!r}: allowed {', '.join(TASKS)}")
-        if self.pooling_type is not None and self.pooling_type not in ("last", "mean"):
-            raise ConfigError(f"pooling_type={self.pooling_type!r}: allowed last, mean")
+        if self.pooling_type is not None and self.pooling_type not in ("last", "mean", "cls"):
+            raise ConfigError(f"pooling_type={self.pooling_type!r}: allowed last, mean, cls")
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype={self.dtype!r}: allowed {', '.join(DTYPE_CHOICES)}")
         if self.load_format not in LOAD_FORMATS:

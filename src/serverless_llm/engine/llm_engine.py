@@ -166,6 +166,9 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self.task = self._resolve_task(config)
         self.pooling = self._pooling_defaults(config)
+        self.encoder = getattr(self.model, "is_encoder", False)
+        if self.encoder:
+            self._fit_encoder(config)
         self.pooling_head = self._pooling_head(config)
         self.prompts = sentence_transformers_prompts(self.resolved.model_dir)
         self.inputs = InputProcessor(
@@ -269,6 +272,7 @@ class LLMEngine:
                 self.inputs.images = None
             self.scheduler.whole_images = mode != "none"
         self.scheduler.copy_blocks = self.runner.copy_blocks
+        self.scheduler.whole_prompts = self.encoder  # bidirectional: never in chunks
         self.drafter: DraftModel | None = None
         if draft is not None:
             self.drafter = DraftModel(
@@ -369,6 +373,30 @@ class LLMEngine:
                 raise ConfigError(f"TASK=score: the tokenizer has no token {word!r}")
             ids.append(int(tid))
         return TokenPairHead(self.model, ids[0], ids[1])
+
+    def _fit_encoder(self, config: EngineConfig) -> None:
+        """A bidirectional encoder (models/encoder.py) serves pooling only: TASK auto is embed
+        (classify for a cross-encoder, as `_resolve_task` says), generate is refused; CLS
+        pooling unless POOLING_TYPE or its sentence-transformers files say otherwise; each
+        prompt whole in one step, so the step budget must hold the longest."""
+        arch = self.hf_config.architectures[0]
+        if config.task == "generate":
+            raise ConfigError(
+                f"{arch} is an encoder (no LM head): it cannot generate; serve it with "
+                "TASK=embed (or auto), or classify/score for a cross-encoder"
+            )
+        if self.task == "generate":
+            self.task = "embed"
+        if config.pooling_type is None and self.pooling.pooling_type == "last":
+            st_type, _ = sentence_transformers_pooling(self.resolved.model_dir)
+            if st_type is None:
+                self.pooling = dataclasses.replace(self.pooling, pooling_type="cls")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"max_model_len={self.max_model_len}: an encoder computes each input in one step"
+            )
+        self.model.sep_token_id = getattr(self.tokenizer, "sep_token_id", None)
 
     def _pooling_defaults(self, config: EngineConfig) -> PoolingParams:
         """The model's pooling: the config's, else a sentence-transformers layout's, else

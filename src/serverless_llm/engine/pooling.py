@@ -46,7 +46,7 @@ from .sampling.params import SamplingParams
 if TYPE_CHECKING:
     from .request import Request
 
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "cls")  # cls: the first token's row (BERT-family)
 POOLING_TASKS = ("embed", "classify", "score")
 HEAD_POOLINGS = ("last", "mean", "cls")  # the rows a classifier head may read
 
@@ -158,7 +158,7 @@ def sentence_transformers_pooling(model_dir: str | None) -> tuple[str | None, bo
     """(pooling type, normalise) read from a sentence-transformers layout in `model_dir`:
     `modules.json` names a Pooling module (its `1_Pooling/config.json`, or wherever its path
     says) and maybe a Normalize module. (None, None) where there is no such layout; a pooling
-    mode this engine does not serve (CLS, max, weighted mean) raises ValueError naming it."""
+    mode this engine does not serve (max, weighted mean) raises ValueError naming it."""
     if not model_dir or not os.path.isdir(model_dir):
         return None, None
     modules_path = os.path.join(model_dir, "modules.json")
@@ -182,11 +182,13 @@ def sentence_transformers_pooling(model_dir: str | None) -> tuple[str | None, bo
                 pooling = "last"
             elif cfg.get("pooling_mode_mean_tokens"):
                 pooling = "mean"
+            elif cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
             else:
                 modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
                 raise ValueError(
                     f"{cfg_path}: pooling {modes or 'none'} is not served; this engine pools "
-                    "the last token or the mean (set POOLING_TYPE to override)"
+                    "the last token, the mean or the CLS token (set POOLING_TYPE to override)"
                 )
     return pooling, normalize
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from ..layers.linear import pack_linears_for_cpu
 from ..layers.norm import LayerNorm
 
 ACTIVATIONS = {
@@ -224,7 +225,18 @@ class EncoderModel(nn.Module):
         return None
 
     def optimize_for_cpu(self) -> str | None:
-        return None
+        """float32 on CPU: the linears packed for oneDNN, the LayerNorms (residual add fused)
+        on the native kernel when the backend has it. Returns the start-up line, or None."""
+        if self.embed_tokens.weight.dtype != torch.float32:
+            return None
+        native = getattr(self.backend, "kernels", None)
+        if native is not None:
+            for m in self.modules():
+                if isinstance(m, LayerNorm):
+                    m.native = native
+        if not pack_linears_for_cpu(self):
+            return None
+        return "encoder linears packed for oneDNN" + (", native norms" if native else "")
 
     # -- running -------------------------------------------------------------------------------
 

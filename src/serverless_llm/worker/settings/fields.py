@@ -188,12 +188,14 @@ class SettingsFields(BaseSettings):
         choices=QUANTIZATION_METHODS,
     )
     task: str = _llm(
-        "generate",
+        "auto",
         "TASK",
         title="Task",
         description=(
-            "What the model serves (vLLM's `--task` / `--runner pooling`). `generate`: the "
-            "generation routes. `embed`: `/v1/embeddings` only, from a decoder model's final "
+            "What the model serves (vLLM's `--task` / `--runner pooling`). `auto`: from the "
+            "architecture (`embed` for an encoder such as BERT / XLM-RoBERTa, `classify` for a "
+            "`...ForSequenceClassification` checkpoint, else `generate`). `generate`: the "
+            "generation routes. `embed`: `/v1/embeddings` only, from a model's final "
             "hidden states (after its final norm), pooled per `POOLING_TYPE` and normalised per "
             "`NORMALIZE`; the generation routes answer a 400 saying so. With `generate`, "
             "`/v1/embeddings` answers a 400 saying to set `TASK=embed`."
@@ -206,9 +208,10 @@ class SettingsFields(BaseSettings):
         title="Pooling Type",
         description=(
             "With `TASK=embed`: `last` (the last token's hidden state: causal embedders such as "
-            "Qwen3-Embedding, e5-mistral, gte-Qwen2) or `mean` (the mean over the input's "
-            "tokens). Unset: what the model's sentence-transformers files say "
-            "(`modules.json`, `1_Pooling/config.json`), else `last`."
+            "Qwen3-Embedding, e5-mistral, gte-Qwen2), `mean` (the mean over the input's "
+            "tokens) or `cls` (the first token's: BERT-family encoders such as bge). Unset: what "
+            "the model's sentence-transformers files say (`modules.json`, "
+            "`1_Pooling/config.json`), else `cls` for an encoder and `last` otherwise."
         ),
         choices=POOLING_TYPES,
     )
