@@ -135,13 +135,16 @@ def test_moe_with_preemption_and_chunked_prefill(family_models, name):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, NEW_TOKENS)
 
 
-def test_moe_layers_and_router_follow_the_config(family_models):
+def test_moe_layers_and_router_follow_the_config(family_models, monkeypatch):
     """Qwen2-MoE's dense layer is a plain MLP, its sparse ones hold stacked experts; a
     checkpoint missing one expert's tensor names it."""
+    from serverless_llm.engine.layers import linear
     from serverless_llm.engine.models.decoder import MLP, SparseMoE
 
     path = family_models("qwen2_moe")
-    # bfloat16: the stacked weights stay (float32 on CPU packs them per expert for oneDNN)
+    # bfloat16 on a CPU without bfloat16 arithmetic: the stacked weights stay (float32, and
+    # bfloat16 where the CPU has it, are packed per expert for oneDNN)
+    monkeypatch.setattr(linear, "cpu_has_bf16", lambda: False)
     llm = LLM(path, num_kv_blocks=32, max_model_len=128, dtype="bfloat16")
     kinds = [type(layer.mlp) for layer in llm.engine.model.layers]
     assert kinds == [SparseMoE, MLP, SparseMoE]

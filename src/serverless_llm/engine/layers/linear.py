@@ -27,20 +27,32 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 32  # oneDNN chooses a layout for this M; any M works with it
 
 
-def _packed_ops_work() -> bool:
+def _packed_ops_work(dtype: torch.dtype) -> bool:
     try:
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(48, 40, generator=g)
-        b = torch.randn(48, generator=g)
+        w = torch.randn(48, 40, generator=g).to(dtype)
+        b = torch.randn(48, generator=g).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        # bfloat16: both sides round each output once from a float32 sum (oneDNN's and ATen's
+        # orders differ), so one bfloat16 step (2^-8 relative) is the tolerance
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
         for m in (1, 5, 64):
-            x = torch.randn(m, 40, generator=g)
+            x = torch.randn(m, 40, generator=g).to(dtype)
             out = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-            if not torch.allclose(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+            want = F.linear(x.float(), w.float(), b.float())
+            if out.dtype != dtype or not torch.allclose(out.float(), want, rtol=tol, atol=tol):
                 return False
         return True
     except Exception:  # op missing in this torch build, or no oneDNN
         return False
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products in hardware (AVX512_BF16 or AMX-BF16),
+    where oneDNN's bfloat16 GEMM runs at about twice its float32 rate; elsewhere it converts
+    to float32 and gains nothing."""
+    flags = set(cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -53,18 +65,25 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def packed_ops_work() -> bool:
-    """Whether this torch build has oneDNN's packed linear and it agrees with F.linear (probed
-    once per process)."""
-    global _PACKED_OK
-    if _PACKED_OK is None:
-        _PACKED_OK = _packed_ops_work()
-        if not _PACKED_OK:
-            logger.info("oneDNN packed linear unavailable; using F.linear")
-    return _PACKED_OK
+def packed_ops_work(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN's packed linear for `dtype` (float32, or bfloat16)
+    and it agrees with F.linear (probed once per process and dtype)."""
+    if dtype not in _PACKED_OK:
+        _PACKED_OK[dtype] = _packed_ops_work(dtype)
+        if not _PACKED_OK[dtype]:
+            logger.info("oneDNN packed linear unavailable for %s; using F.linear", dtype)
+    return _PACKED_OK[dtype]
 
 
-_PACKED_OK: bool | None = None
+_PACKED_OK: dict[torch.dtype, bool] = {}
+
+
+def packable_dtype(dtype: torch.dtype) -> bool:
+    """The weight dtypes the CPU path packs for oneDNN: float32 always (where the op works),
+    bfloat16 where the CPU has bfloat16 arithmetic (`cpu_has_bf16`)."""
+    if dtype == torch.bfloat16 and not cpu_has_bf16():
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and packed_ops_work(dtype)
 
 
 class PackedLinear(nn.Module):
@@ -109,17 +128,20 @@ class PackedLinear(nn.Module):
             self.panels = None
 
 
-def pack_linears_for_cpu(model: nn.Module, keep_panels: bool = False) -> bool:
-    """Swaps every float32 nn.Linear of `model` for a PackedLinear (with the weights in the
-    native GEMM's panels too with `keep_panels`, for `use_native_linears` to choose); True if it
-    did."""
-    if not packed_ops_work():
+def pack_linears_for_cpu(
+    model: nn.Module, keep_panels: bool = False, dtype: torch.dtype = torch.float32
+) -> bool:
+    """Swaps every nn.Linear of `model` whose weight is `dtype` (float32, or bfloat16 where
+    `packable_dtype` says so) for a PackedLinear (with float32 weights in the native GEMM's
+    panels too with `keep_panels`, for `use_native_linears` to choose); True if it did."""
+    if not packable_dtype(dtype):
         return False
+    keep_panels = keep_panels and dtype == torch.float32
     targets = [
         (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32
+        if type(child) is nn.Linear and child.weight.dtype == dtype
     ]
     # One layer at a time, dropping each plain weight as soon as its packed copies exist: the
     # freed memory is reused by the next layer's instead of faulting in fresh pages.

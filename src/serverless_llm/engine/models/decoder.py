@@ -1336,7 +1336,8 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         return logits
 
     def optimize_for_cpu(self) -> str | None:
-        """Packs the linear layers for oneDNN (after weights are loaded, float32 only), and
+        """Packs the linear layers for oneDNN (after weights are loaded; float32, and bfloat16
+        where the CPU has bfloat16 arithmetic: `packable_dtype`), and
         hands the norms and linears the native CPU kernels when the backend has them (norms
         check their input's dtype at every call; linears take the native kernel for the step
         sizes where it measures faster, `use_native_linears`). Returns the linears' choice for
@@ -1352,7 +1353,8 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
                 layer.self_attn.native_prep for layer in self.layers if layer.self_attn is not None
             )
         native = self.native is not None and float32
-        if not float32 or not pack_linears_for_cpu(self, keep_panels=native):
+        dtype = self.embed_tokens.weight.dtype
+        if not pack_linears_for_cpu(self, keep_panels=native, dtype=dtype):
             return None
         for m in self.modules():
             if isinstance(m, Experts) and not m.use_kernels:
