@@ -58,6 +58,11 @@ def models(tmp_path_factory) -> dict[str, str]:
         dtype=torch.float32,
     )
     out["wide"] = _save(wide, tok, str(root / "wide"))
+    short = transformers.AutoModelForCausalLM.from_config(
+        make_config("llama", tok, num_hidden_layers=1, max_position_embeddings=64),
+        dtype=torch.float32,
+    )
+    out["short"] = _save(short, tok, str(root / "short"))
     other = _save(draft, tok, str(root / "other"))
     path = os.path.join(other, "tokenizer.json")
     with open(path) as f:
@@ -226,6 +231,8 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start(models):
         LLM(models["target"], speculative_config=draft(models["wide"], 3), **BASE)
     with pytest.raises(ConfigError, match="tokenizer differs from the target's"):
         LLM(models["target"], speculative_config=draft(models["other"], 3), **BASE)
+    with pytest.raises(ConfigError, match=r"draft model .*max_model_len=256 exceeds .* 64"):
+        LLM(models["target"], speculative_config=draft(models["short"], 3), **BASE)
     with pytest.raises(ModelLoadError, match="draft model '/nonexistent/draft'.* not exist"):
         LLM(models["target"], speculative_config=draft("/nonexistent/draft", 3), **BASE)
 
