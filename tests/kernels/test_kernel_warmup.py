@@ -155,4 +155,4 @@ def test_sweep_shapes():
     assert all(sum(q) <= 16 and len(q) <= 4 and max(s) <= 96 for q, s in steps)
     assert ([1], [96]) in steps and ([16], [16]) in steps  # a decode at the longest context
     assert any(len(q) == 4 and q[0] == 1 and q[-1] > 1 for q, _ in steps)  # mixed
-    assert table_widths(1) == [1, 2, 16] and table_widths(16) == [16, 17]
+    assert table_widths(1) == [1, 2, 16] and table_widths(16) == [1, 16, 17]

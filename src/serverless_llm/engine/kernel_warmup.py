@@ -99,20 +99,21 @@ def sweep_steps(limits: SweepLimits) -> list[tuple[list[int], list[int]]]:
 
 
 def table_widths(needed: int) -> list[int]:
-    """Block-table widths to try for a step whose longest request needs `needed` blocks: the
-    width is an int argument (its row stride), and a step's width is that of its longest
-    request, whatever the rest of the step is; so each class Triton tells apart: 1, a multiple
-    of 16, any other."""
-    widths = {needed, -(-needed // 16) * 16}
+    """Block-table widths to try for a step whose longest request needs `needed` blocks. The
+    width is an int argument (the tables' row stride) that Triton tells apart as 1, a multiple
+    of 16 or any other, and a step's width follows from its longest request, whatever the rest
+    of the step is. Nothing reads the tables in the sweep, so every step also runs 1 block wide
+    (too narrow for it): a step of short requests has that width with any mix of the rest."""
+    widths = {1, needed, -(-needed // 16) * 16}
     widths.add(needed + 1 if (needed + 1) % 16 else needed + 2)
-    return sorted(w for w in widths if w >= needed)
+    return sorted(widths)
 
 
 def _host_batch(
     runner: ModelRunner, query_lens: list[int], seq_lens: list[int], lora: bool, width: int = 0
 ):
-    """A HostBatch of dummy tokens that write no KV (slot -1) and read block 0, its block
-    tables `width` blocks wide (at least what the longest request needs)."""
+    """A HostBatch of dummy tokens that write no KV (slot -1), its block tables (all block 0)
+    `width` blocks wide (default: what the longest request needs)."""
     bs = runner.block_size
     groups = runner.layout.num_groups
     ids: list[int] = []
@@ -125,7 +126,7 @@ def _host_batch(
         ids.extend([0] * q)
         positions.extend(range(s - q, s))
         sample_idx.append(len(ids) - 1)
-    blocks = max(1, -(-max(seq_lens) // bs), width)
+    blocks = width or max(1, -(-max(seq_lens) // bs))
     table = torch.zeros(len(seq_lens), blocks, dtype=torch.int32)
     has_state = runner.layout.has_state
     return HostBatch(

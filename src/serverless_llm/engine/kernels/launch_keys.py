@@ -212,10 +212,12 @@ def cache_key(spec: LaunchSpec, target) -> str:
     `target`: what `triton.compile` computes before looking in the cache."""
     import hashlib
 
-    from triton.runtime.cache import get_cache_invalidating_env_vars, get_cache_key
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key
 
     src, backend, options = compile_source(spec, target)
-    key = get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
+    # triton.compile's own first steps: the source's options over the launch's, then the key.
+    options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
