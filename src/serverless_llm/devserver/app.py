@@ -9,6 +9,9 @@ Every route builds the same job the platform would hand the worker and drives th
   real server-sent events, one write per item the handler yields. A client that goes away
   mid-request closes the handler's generator, which aborts the engine request and frees its KV
   blocks.
+- `/rerank`, `/v1/rerank`, `/v2/rerank`, `/score`, `/v1/score`, `/classify`, `/pooling` (vLLM's
+  pooling routes, at the root as in vLLM and under `/openai`, `/openai/v1`; TASK=score,
+  classify or embed): relayed as `openai_route` jobs like the OpenAI routes.
 - `/tokenize`, `/detokenize`, `/version`, `/metrics` (vLLM's utility routes, at the root as in
   vLLM and under `/openai/v1` as the platform relays them): `openai_route` jobs answered
   directly, outside the job slots, so a scrape never waits behind generation.
@@ -100,9 +103,29 @@ class ClientGone(Exception):
 LORA_ROUTES = ("load_lora_adapter", "unload_lora_adapter")
 
 
+# vLLM's pooling routes, at the root (and /v1/..., /v2/rerank) as in vLLM.
+POOLING_ROUTES = ("rerank", "score", "classify", "pooling")
+POOLING_PATHS = (
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/score",
+    "/v1/score",
+    "/classify",
+    "/v1/classify",
+    "/pooling",
+    "/v1/pooling",
+)
+
+
 def _is_openai_path(path: str) -> bool:
     last = path.rstrip("/").rsplit("/", 1)[-1]
-    return "/openai/" in path or last in UTILITY_ROUTES or last in LORA_ROUTES
+    return (
+        "/openai/" in path
+        or last in UTILITY_ROUTES
+        or last in LORA_ROUTES
+        or last in POOLING_ROUTES
+    )
 
 
 # Anthropic's Messages routes, as the job's openai_route.
@@ -416,6 +439,18 @@ def create_app(
     @router.post("/openai/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await relay(request, "/v1/embeddings", await read_openai_body(request))
+
+    def pooling_endpoint(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def pool(request: Request) -> Response:
+            return await relay(request, route, await read_openai_body(request))
+
+        return pool
+
+    for path in POOLING_PATHS:
+        for prefix in ("", "/openai", "/openai/v1"):
+            if prefix == "/openai/v1" and path.startswith("/v"):
+                continue  # /openai/v1/v1/... is no one's spelling
+            router.add_api_route(prefix + path, pooling_endpoint(path), methods=["POST"])
 
     @router.post("/openai/v1/responses")
     async def responses(request: Request) -> Response:

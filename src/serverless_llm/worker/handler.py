@@ -188,7 +188,7 @@ class Worker:
             except JobError as e:
                 yield e.payload
                 return
-            openai = isinstance(parsed, OpenAIJob)
+            openai = isinstance(parsed, OpenAIJob) and not parsed.native
             try:
                 await self.start()
             except LOAD_ERRORS as e:
@@ -202,8 +202,11 @@ class Worker:
             else:
                 assert isinstance(parsed, NativeJob)
                 stream = self._native_serving().handle(parsed.request, parsed.batch, job_id)
+            native_pooling = isinstance(parsed, OpenAIJob) and parsed.native
             async with aclosing(stream) as items:
                 async for item in items:
+                    if native_pooling and is_error(item):  # a pooling job's native shape
+                        item = native_error(str(item["error"].get("message")))
                     yield item
         except asyncio.CancelledError:
             raise

@@ -5,6 +5,10 @@ body (and `openai_method`, optional, as the HTTP method where a route has severa
 for `/v1/responses/{id}`); otherwise it is a native job. Both may set the stream batch knobs
 (`max_batch_size`, `min_batch_size`, `batch_size_growth_factor`), which override the env
 defaults for this job.
+A native job with `task` (`embed`, `rerank`, `score`, `classify`, `pooling`) is a pooling job:
+the rest of its input is that route's request body (`{"task": "embed", "input": [...]}` is
+`/v1/embeddings`' `{"input": [...]}`), answered with the route's response object and failed in
+the native shape, `{"error": "..."}`.
 A job that cannot be parsed raises JobError, whose `payload` is the error in the shape of the
 job's route. Every string of the input (keys included) must be Unicode text that UTF-8 can carry:
 JSON's `\\ud800` escapes decode to lone surrogates, which the tokenizer, the templates and the
@@ -35,6 +39,14 @@ MAX_JSON_DEPTH = 128
 
 _OPENAI_KEYS = ("openai_route", "openai_input", "openai_method")
 _BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
+# A native pooling job's `task` -> the OpenAI-layer route that serves it.
+POOLING_JOB_ROUTES = {
+    "embed": "/v1/embeddings",
+    "rerank": "/rerank",
+    "score": "/score",
+    "classify": "/classify",
+    "pooling": "/pooling",
+}
 
 
 class JobError(ValueError):
@@ -53,6 +65,7 @@ class OpenAIJob:
     body: Any
     batch: BatchSizes
     method: str | None = None  # the HTTP method, where the route has several
+    native: bool = False  # a native pooling job: errors in the native shape
 
 
 @dataclass(frozen=True)
@@ -234,6 +247,15 @@ def parse_job(
     for key in ("openai_input", "openai_method"):
         if key in data:
             raise JobError(f"{key} needs openai_route", openai=False)
+    if "task" in rest:
+        task = rest.pop("task")
+        if not isinstance(task, str) or task not in POOLING_JOB_ROUTES:
+            raise JobError(
+                f"task must be one of {', '.join(POOLING_JOB_ROUTES)} (a pooling job), got "
+                f"{task!r}",
+                openai=False,
+            )
+        return OpenAIJob(route=POOLING_JOB_ROUTES[task], body=rest, batch=batch, native=True)
     if limits is not None:
         try:
             if isinstance(rest.get("prompt"), str):

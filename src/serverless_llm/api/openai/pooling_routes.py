@@ -261,9 +261,10 @@ def _prepare_pairs(
         out.pair_rows = [(texts[a], texts[b]) for a, b in pairs]
         return out
     out = _Prepared(model, "score")
-    for (a, b), (wa, _) in zip(pairs, wheres):
+    for (a, b), (wa, wb) in zip(pairs, wheres):
         ids = engine.score_prompt(a, b, instruction)
-        out.prompts.append(_fit(serving, ids, f"{wa} with its pair", params[1], truncate))
+        where = f"{wb} (paired with {wa}, in the model's prompt)"
+        out.prompts.append(_fit(serving, ids, where, params[1], truncate))
     return out
 
 
