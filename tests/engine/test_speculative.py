@@ -378,7 +378,7 @@ def test_drafts_never_put_off_another_requests_decode(tiny_llama):
 
 # -- requests that sample: rejection sampling (sampling/verify.py) ---------------------------
 
-MOTIF = [239, 301, 273, 21, 130, 149, 345]
+MOTIF = [303, 343, 354, 301, 302, 283, 366]  # ' the', 'jum', 'ps', ' you', ' and', 'lo', 'tion'
 
 
 @pytest.fixture(scope="module")
@@ -576,5 +576,36 @@ def test_greedy_and_seeded_identical_under_preemption_and_chunked_prefill(copyin
     assert tokens(spec.generate(prompts, params)) == tokens(plain.generate(prompts, params))
     stats = spec.engine.stats()
     assert stats.num_preemptions > 0
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_guided_requests_speculate_with_the_grammar_at_each_draft(copying_model):
+    """Guided (regex) requests verify drafts with the grammar's mask at each draft row (its
+    matcher advanced through the drafts before, then rolled back): seeded output equal to plain
+    decoding's, through runs the grammar cuts (drafts it refuses once the motif may not repeat,
+    its end forcing EOS), and the matcher left where the kept tokens put it."""
+    pytest.importorskip("xgrammar")
+    import re
+
+    plain, spec = engines(copying_model)
+    text = plain.get_tokenizer().decode(MOTIF)
+    prompts = [MOTIF * 3 + MOTIF[: i % 4] for i in range(6)]
+    params = [
+        SamplingParams(
+            temperature=0.7 + 0.1 * (i % 3),
+            seed=i,
+            max_tokens=40,
+            guided_regex=f"({text}){{1,{1 + i % 3}}}[a-z]{{0,8}}",  # text: letters, spaces
+        )
+        for i in range(6)
+    ]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    for a, b in zip(want, got):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert re.fullmatch(params[0].guided_regex.split("{")[0] + ".*", a.text, re.S)
+    stats = spec.engine.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert stats.num_free_kv_blocks == stats.num_kv_blocks

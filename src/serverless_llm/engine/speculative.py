@@ -157,11 +157,13 @@ def propose_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
 def can_speculate(req: Request) -> bool:
     """Whether `req` may verify drafts: any request that samples one sequence, whatever its
     sampling parameters (greedy ones through `accept_greedy`, the others through rejection
-    sampling, sampling/verify.py). Not beam search, images, pooling, nor (yet) a grammar,
-    whose matcher would have to be advanced through the drafts and rolled back."""
+    sampling, sampling/verify.py, guided ones with their grammar's mask at each draft row).
+    Not beam search, images, pooling, nor a grammar still waiting for `structured_after`."""
     if req.sampling is None or req.beam is not None or req.mm is not None:
         return False
-    return req.grammar is None and getattr(req, "pooling", None) is None
+    if req.grammar is not None and not req.grammar_open:
+        return False
+    return getattr(req, "pooling", None) is None
 
 
 def plain_argmax(req: Request) -> bool:
@@ -170,6 +172,8 @@ def plain_argmax(req: Request) -> bool:
     others go through the sampler (sampling/verify.py)."""
     s = req.sampling
     if s.mode != "greedy" or s.allowed_ids is not None or s.bias_ids is not None:
+        return False
+    if req.grammar is not None:
         return False
     if s.min_tokens_ids is not None and len(req.output_token_ids) < req.params.min_tokens:
         return False

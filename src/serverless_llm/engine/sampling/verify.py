@@ -37,6 +37,7 @@ import torch
 from ..request import Request
 from .logprobs import TokenLogprob
 from .sampler import Sampler, SamplingBatch
+from .structured.bitmask import allocate_bitmask
 
 __all__ = ["DraftRun", "accept_run", "verify_sampled"]
 
@@ -55,8 +56,41 @@ class _DraftRow:
 
     sampling: object  # the RequestSamplingState with the drafts before the row counted
     output_token_ids: range  # only its length is read (min_tokens)
-    grammar: None = None
+    grammar: _GrammarAt | None = None
     grammar_open: bool = False
+
+
+@dataclass
+class _GrammarAt:
+    """A grammar's completeness at a draft row (what SamplingBatch.build asks of it)."""
+
+    completed: bool
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def _grammar_masks(
+    run: DraftRun, rows: list[_DraftRow], masks: torch.Tensor, first: int, mask_rows: list[int]
+) -> None:
+    """Each draft row's grammar mask: the matcher advanced through the drafts before the row,
+    then rolled back to where it was (the step's update advances it by the kept tokens). A
+    draft the grammar refuses ends the masked rows: its row's mask excludes it, so the draws of
+    the rows after it are never kept."""
+    grammar = run.request.grammar
+    advanced = 0
+    try:
+        for j, row in enumerate(rows):
+            grammar.fill_bitmask(masks, first + j)
+            mask_rows.append(first + j)
+            row.grammar, row.grammar_open = _GrammarAt(grammar.is_completed()), True
+            if j == len(run.drafts) or grammar.is_terminated():
+                break
+            if not grammar.accept_token(run.drafts[j]):
+                break
+            advanced += 1
+    finally:
+        grammar.rollback(advanced)
 
 
 def accept_run(drafts: list[int], drawn: list[int]) -> list[int]:
@@ -78,14 +112,23 @@ def verify_sampled(
     """Per run, the tokens it keeps and their logprobs (None where not asked). `logits`:
     [sum(1 + len(drafts)), V], each run's rows in order; modified in place."""
     rows: list[_DraftRow] = []
+    masks = None
+    mask_rows: list[int] = []
     for run in runs:
         state = run.request.sampling
         n = len(run.request.output_token_ids)
+        first = len(rows)
         rows.append(_DraftRow(state, range(n)))
         for j, tok in enumerate(run.drafts):
             state = state.ahead([tok])
             rows.append(_DraftRow(state, range(n + j + 1)))
+        if run.request.grammar is not None:
+            if masks is None:
+                masks = allocate_bitmask(sum(len(r.drafts) + 1 for r in runs), vocab_size)
+            _grammar_masks(run, rows[first:], masks, first, mask_rows)
     batch = SamplingBatch.build(rows, vocab_size, device)
+    if mask_rows:
+        batch.set_grammar(masks, mask_rows)
     generators = [run.request.sampling.generator for run in runs]
     saved = [None if g is None else g.get_state() for g in generators]
     out = sampler(logits, batch)
