@@ -17,8 +17,9 @@ one sequence verifies by rejection sampling (sampling/verify.py): each draft row
 the request's own parameters and penalties as if the drafts before it were accepted, a draft is
 kept when that row's draw is the draft (probability p(draft)), else the draw is kept (the
 residual), so temperature, top-k/p, min-p, penalties, logit bias, min_tokens, seeds and logprobs
-keep their meaning. Beam search, images, pooling and guided decoding (a grammar) do not
-speculate (`can_speculate`); they decode one token a step in the same batch.
+keep their meaning; a guided request's draft rows carry its grammar's mask with the matcher
+advanced through the drafts before each row, then rolled back. Beam search, images and pooling
+do not speculate (`can_speculate`); they decode one token a step in the same batch.
 
 The `draft_model` proposer (draft_model.py) proposes the same way for the same requests: a
 smaller model of the same tokenizer, with its own paged KV cache, run for k greedy steps.

@@ -24,6 +24,11 @@ on what was proposed, nor on the batch: it is the output of plain seeded decodin
 rounding of the verifying pass's logits (several query rows in one pass instead of one per
 step), which can move a draw that lies within rounding of a boundary of the inverse CDF.
 
+Guided decoding: a request with a grammar gets its mask at each draft row from its matcher
+advanced through the drafts before that row, and the matcher is rolled back afterwards (the
+step's update advances it by the tokens kept). A draft the grammar refuses cannot be drawn at
+its row, so the rows after it are left unmasked: their draws are never kept.
+
 Logprobs are the sampler's, per row: the raw logprobs of each kept token at its position, as
 plain decoding reports them.
 """
