@@ -108,6 +108,10 @@ class EngineConfig:
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     decode_capture: str = "auto"
+    # Kernel warm-up (kernel_warmup.py): on CUDA with the Triton backend, every kernel
+    # specialisation the model can launch is listed and compiled (or loaded from Triton's cache)
+    # before the engine is ready, so none compiles on a request's path.
+    kernel_warmup: bool = True
     show_progress: bool = True
     # Structured output: each grammar compiles in a compile process, killed after this many
     # seconds (0: no limit); a schema, regex, grammar or choice list longer than this many

@@ -292,6 +292,7 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.wait_for("ready")
             self.runner.peers = self.ranks
+        self.kernel_warmup = self._warm_up_kernels(config)
         self.runner.captured = self._capture_decodes(config)
         self.sampler = Sampler(config.seed, self.device)
         self.beams = BeamSearchRunner(self.scheduler, self.kv, self.runner.copy_blocks, self.inputs)
@@ -579,6 +580,27 @@ class LLMEngine:
             "load_window": self._load_window,
         }
         return [me] + ([] if self.ranks is None else self.ranks.state())
+
+    def _warm_up_kernels(self, config: EngineConfig):
+        """Lists and compiles the model's Triton kernels before the first request (on CUDA with
+        the Triton backend, unless kernel_warmup is off); a warm-up that fails only logs why,
+        and the kernels compile at their first launch as before."""
+        if not config.kernel_warmup or self.device.type != "cuda" or self.backend.name != "triton":
+            return None
+        if self.ranks is not None:
+            logger.info("kernel warm-up off: tensor parallelism (each rank compiles at first use)")
+            return None
+        from .kernel_warmup import SweepLimits, warm_up, watch_request_path
+
+        limits = SweepLimits(self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        try:
+            result = warm_up(self.runner, limits)
+        except Exception as e:  # noqa: BLE001 - never fail a start over an optimisation
+            logger.warning("kernel warm-up failed, kernels compile at first use: %r", e)
+            return None
+        logger.info("kernel warm-up: %s", result.describe())
+        watch_request_path()
+        return result
 
     def _capture_decodes(self, config: EngineConfig) -> CapturedDecode | None:
         """Captured decode steps (decode_capture.py): CUDA graphs on CUDA unless enforce_eager;

@@ -46,6 +46,7 @@ from ..engine import (
     ModelLoadError,
     UnsupportedModelError,
 )
+from . import triton_cache
 from .baked import BakedModelError, apply_baked_model
 from .heap import freeze_start_up_objects
 from .job_input import JobError, NativeJob, OpenAIJob, parse_job
@@ -107,6 +108,7 @@ class Worker:
         with self._load_lock:
             if self.engine is None:
                 self.settings.log_startup(logger)
+                triton_cache.configure(self.settings.base_path)  # before Triton is imported
                 self.engine = AsyncEngine.from_config(self.settings.engine_config())
                 self.engine.on_fatal = self._engine_stopped
                 self.engine.warm_up_grammars()

@@ -69,6 +69,7 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
         device=s.device,
         attention_backend=s.attention_backend,
         enforce_eager=s.enforce_eager,
+        kernel_warmup=s.kernel_warmup,
         max_seq_len_to_capture=s.max_seq_len_to_capture,
         enable_prefix_caching=s.enable_prefix_caching,
         grammar_compile_timeout=s.grammar_compile_timeout,

@@ -197,13 +197,8 @@ class SettingsFields(BaseSettings):
             "`...ForSequenceClassification` checkpoint, else `generate`). `generate`: the "
             "generation routes. `embed`: `/v1/embeddings` only, from a model's final "
             "hidden states (after its final norm), pooled per `POOLING_TYPE` and normalised per "
-            "`NORMALIZE` (and `/score`, `/rerank` as the embeddings' cosine, `/pooling`); the "
-            "generation routes answer a 400 saying so. `classify`: `/classify` and `/pooling` "
-            "from a classifier head (a `...ForSequenceClassification` checkpoint; with one "
-            "label `/score` and `/rerank` too). `score`: `/score` and `/rerank` from a one-label "
-            "cross-encoder, or from a causal LM as Qwen3-Reranker's recipe (P(yes) over its "
-            '"yes"/"no" tokens). With `generate`, the pooling routes answer a 400 '
-            "naming the `TASK` to set."
+            "`NORMALIZE`; the generation routes answer a 400 saying so. With `generate`, "
+            "`/v1/embeddings` answers a 400 saying to set `TASK=embed`."
         ),
         choices=TASKS,
     )
@@ -507,6 +502,19 @@ class SettingsFields(BaseSettings):
             "decode steps as CUDA graphs at start (batch sizes 1, 2, 4, 8, 16, ... up to "
             "MAX_NUM_SEQS, at most 256) and checks each against the eager forward; steps with a "
             "prefill in them run eagerly. No effect on CPU."
+        ),
+    )
+    kernel_warmup: bool = _system(
+        True,
+        "KERNEL_WARMUP",
+        title="Kernel Warm-up",
+        description=(
+            "GPU workers list every Triton kernel specialisation the model can launch (dtype, "
+            "head sizes, block size, tiles, alignment) and compile them all at start, in "
+            "parallel, before reporting ready, so no request waits for a compile; compiled "
+            "kernels are kept in `<BASE_PATH>/triton-cache/<triton version>/<GPU arch>` when a "
+            "network volume is attached (the next worker compiles nothing), else in the image's "
+            "cache. `0` skips it (kernels then compile at their first launch). No effect on CPU."
         ),
     )
     max_seq_len_to_capture: int = _system(
