@@ -5,6 +5,7 @@ tests/engine/test_engine_args.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -239,3 +240,26 @@ def test_a_worker_with_speculative_config_serves_the_same_greedy_text(make_worke
     assert stats.speculative and stats.spec_draft_tokens > 0
     assert not plain_stats.speculative
     assert free
+
+
+def test_a_worker_with_a_draft_model_serves_the_same_greedy_text(make_worker, tiny_llama):
+    """SPECULATIVE_CONFIG naming a draft model (vLLM's spelling: `model` alone; here the tiny
+    Llama as its own draft, so every draft is accepted): the same text, both caches empty."""
+    from tests.worker.conftest import joined, run_job, wait_blocks_free
+
+    draft = json.dumps({"model": tiny_llama, "num_speculative_tokens": 3})
+    job = {
+        "prompt": "The quick brown fox jumps over the lazy dog.",
+        "sampling_params": {"temperature": 0, "max_tokens": 24, "ignore_eos": True},
+    }
+
+    async def scenario(w):
+        items = await run_job(w, job)
+        drafter = w.engine.core.drafter
+        return joined(items), w.engine.stats(), await wait_blocks_free(w), drafter
+
+    plain_text, _, _, _ = run(make_worker(), scenario)
+    text, stats, free, drafter = run(make_worker(SPECULATIVE_CONFIG=draft), scenario)
+    assert text == plain_text and text
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert free and drafter.pool.num_free == drafter.num_blocks
