@@ -29,7 +29,6 @@ cache (its blocks are never shared, so roll-back never copies).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +38,6 @@ from .kv_cache import BlockPool
 from .kv_cache_manager import KVCacheManager
 from .model_runner import HostBatch, ModelRunner, PromptLogprobWork
 from .request import Request
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,8 +144,9 @@ class DraftModel:
         if not first:
             return
         sampled = {req for req, _ in drafting}
-        tokens = self._run(first, sampled)
-        drafts = {req: [tok] for req, tok in zip([r for r, _, _ in first if r in sampled], tokens)}
+        firsts = self._run(first, sampled)  # in the order of `first`, sampled requests only
+        order = [req for req, _, _ in first if req in sampled]
+        drafts = {req: [tok] for req, tok in zip(order, firsts)}
         step = [(req, k) for req, k in drafting if k > 1]
         for j in range(1, max((k for _, k in drafting), default=1)):
             step = [(req, k) for req, k in step if k > j]
@@ -165,9 +163,7 @@ class DraftModel:
         """Rolls `req`'s draft cache back to its longest prefix that is still the request's own
         (the drafts since accepted stay); returns how many tokens it holds."""
         fed = self.fed.pop(req, None)
-        if fed is None:
-            if self.kv.holds(req):  # pragma: no cover - fed and the blocks go together
-                self.kv.free(req)
+        if fed is None:  # nothing drafted yet (or freed): its blocks went with its record
             return 0
         keep = fed.computed
         n = req.num_tokens
