@@ -55,7 +55,7 @@ def test_packed_gguf_reads_blocks(engines):
     # the whole-layer native decode runs on the blocks (cpu_native.c calls the block linear)
     for layer in model.layers:
         w = layer.native_decode.weights
-        assert w.qlinear == packed.engine.runner.model.packed_lm_head.kernels.linear_desc_address
+        assert w.qlinear == packed.engine.runner.model.packed_lm_head.kernels.steps_desc_address
         assert all((w.qkv_q, w.o_q, w.up_q, w.down_q))
     assert not any(isinstance(m, GGUFBlockLinear) for m in float_llm.engine.runner.model.modules())
     # no float copy: nothing converted for it, no float weight held for a linear or the

@@ -146,6 +146,11 @@ def test_served_from_blocks_without_a_float_copy(tmp_path, no_conversion, monkey
     # no float weight of any linear, embedding or head is held
     assert not [m for m in model.modules() if type(m) in (PackedLinear, torch.nn.Linear)]
     assert all(lin.block_rows == 4 for lin in linears)
+    if getattr(model, "native", None) is not None:  # a 5-row decode: one native call a layer,
+        for layer in model.layers:  # its linears past 4 rows through the GEMM
+            assert layer.native_decode is not None and layer.native_decode.rows >= 5
+            w = layer.native_decode.weights
+            assert w.qlinear == kernels.steps_desc_address
     assert not list(cache.rglob("*.safetensors"))
     float_llm = LLM(str(tmp_path / "float"), **kw)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -733,3 +733,20 @@ void qb32_rows_desc(const void *desc, const int64_t *idx, int64_t count, float *
         dequant_blocks(w, n, 0, nb, out + r * K);
     }
 }
+
+/* A weight with its few-row/GEMM threshold, for the whole-layer decode (decoder_layer_t.qlinear
+ * = qb32_steps_desc): steps of <= few_rows rows take the few-row linear, larger ones the GEMM,
+ * so a batch of decodes stays one native call per layer. */
+typedef struct {
+    qb32_t w;
+    int64_t few_rows;
+} qb32_steps_t;
+
+void qb32_steps_desc(const float *x, int64_t ldx, int64_t M, const void *desc, const float *bias,
+                     float *out, int64_t ldo) {
+    const qb32_steps_t *s = desc;
+    if (M <= s->few_rows)
+        qb32_linear_desc(x, ldx, M, &s->w, bias, out, ldo);
+    else
+        qb32_gemm_desc(x, ldx, M, &s->w, bias, out, ldo);
+}

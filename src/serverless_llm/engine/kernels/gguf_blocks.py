@@ -321,6 +321,12 @@ class QB32Desc(ctypes.Structure):
                         PATHS[path], w.group, w.d.element_size())  # fmt: skip
 
 
+class QB32StepsDesc(ctypes.Structure):
+    """A QB32Desc with its few-row/GEMM threshold (gguf_blocks.c's qb32_steps_t)."""
+
+    _fields_ = [("w", QB32Desc), ("few_rows", _I)]
+
+
 # BlockKernels.linear's paths: "best" (int8 inputs: AVX-512 VNNI, else AVX2, else portable),
 # "portable", "avx2" (int8 inputs, tests), "float" (float inputs, AVX-512 only: `has_float`).
 PATHS = {"best": 0, "portable": 1, "avx2": 2, "float": 3}
@@ -346,6 +352,9 @@ class BlockKernels:
         g.argtypes = [_P, _I, _I, _P, _P, _P, _I]
         g.restype = None
         self._gemm = g
+        # the whole-layer decode's linear when steps may be larger than the few-row kernel's
+        # (QB32StepsDesc: few-row up to its threshold, the GEMM past it)
+        self.steps_desc_address = ctypes.cast(self.lib.qb32_steps_desc, ctypes.c_void_p).value
         r = self.lib.qb32_rows_desc  # dequantized rows (the embedding lookup)
         r.argtypes = [_P, _P, _I, _P]
         r.restype = None

@@ -35,6 +35,7 @@ from ..kernels.gguf_blocks import (
     BlockKernels,
     FileTensor,
     QB32Desc,
+    QB32StepsDesc,
     from_gguf_blocks,
 )
 from .linear import PackedLinear
@@ -42,7 +43,10 @@ from .linear import PackedLinear
 logger = logging.getLogger(__name__)
 
 BLOCK_ROWS = 16  # steps of at most this many rows take the few-row linear, until measured
-ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+# Past 32 rows the GEMM's cost grows with the rows while the few-row kernel re-reads the weight
+# every 4 rows: never measured there.
+ROW_CANDIDATES = (1, 2, 4, 8, 16, 32)
+WHOLE_LAYER_ROWS = 64  # decode steps of up to this many rows run the whole-layer native call
 
 
 class GGUFBlockLinear(PackedLinear):
@@ -61,9 +65,19 @@ class GGUFBlockLinear(PackedLinear):
         self.out_features, self.in_features = blocks.shape
         self.packed, self.panels, self.native, self.native_rows = None, None, None, 0
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.blocks, self.kernels, self.block_rows = blocks, kernels, BLOCK_ROWS
+        self.blocks, self.kernels = blocks, kernels
         self.path = path  # the few-row kernel's: "best" (int8 inputs) or "float"
-        self.desc = QB32Desc.of(blocks, path)  # for the whole-layer native decode
+        self.desc = QB32Desc.of(blocks, path)
+        # for the whole-layer native decode: few-row up to block_rows, the GEMM past it
+        self.steps = QB32StepsDesc(self.desc, BLOCK_ROWS)
+
+    @property
+    def block_rows(self) -> int:
+        return self.steps.few_rows
+
+    @block_rows.setter
+    def block_rows(self, rows: int) -> None:
+        self.steps.few_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -206,13 +220,17 @@ def take_gguf_blocks(
 # -- after loading: rows per shape, the whole-layer decode ------------------------------------
 
 
-def _time(fn, repeats: int = 3) -> float:
-    best = float("inf")
+def _time_both(a, b, repeats: int = 5) -> tuple[float, float]:
+    """Best of `repeats` timings of a and of b, interleaved (a busy moment hits both)."""
+    best_a = best_b = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        a()
+        best_a = min(best_a, time.perf_counter() - t)
+        t = time.perf_counter()
+        b()
+        best_b = min(best_b, time.perf_counter() - t)
+    return best_a, best_b
 
 
 def choose_block_rows(lin: GGUFBlockLinear) -> tuple[int, list]:
@@ -226,7 +244,7 @@ def choose_block_rows(lin: GGUFBlockLinear) -> tuple[int, list]:
         few = functools.partial(lin.kernels.linear, x, lin.blocks, lin.bias, lin.path)
         gemm = functools.partial(lin.kernels.gemm, x, lin.blocks, lin.bias)
         few(), gemm()  # warm
-        t_few, t_gemm = _time(few), _time(gemm)
+        t_few, t_gemm = _time_both(few, gemm)
         timings.append((m, t_few, t_gemm))
         if t_few > t_gemm:
             break
@@ -280,17 +298,16 @@ def set_block_rows(linears: list[GGUFBlockLinear], kernels: BlockKernels) -> str
 
 def _whole_layer(layer, kernels: BlockKernels, native):
     """The layer's whole-layer native decode (models/decoder.py's NativeDecodeLayer) on its
-    block linears (cpu_native.c calls the block linear through decoder_layer_t.qlinear), for
-    steps of up to the linears' fewest block rows, where the layer's shape fits it; None (the
-    per-op path) otherwise, or unless all four linears have blocks."""
+    block linears (cpu_native.c calls gguf_blocks.c's qb32_steps_desc through
+    decoder_layer_t.qlinear: each linear's few-row kernel or GEMM by its block_rows), for decode
+    steps of up to WHOLE_LAYER_ROWS rows, where the layer's shape fits it; None (the per-op
+    path) otherwise, or unless all four linears have blocks."""
     from ..models.decoder import NativeDecodeLayer
 
     linears = NativeDecodeLayer.linears_of(layer)
     if not all(isinstance(lin, GGUFBlockLinear) for lin in linears):
         return None
-    rows = min(lin.block_rows for lin in linears)
-    if rows < 1:
-        return None
+    rows = WHOLE_LAYER_ROWS
     # attach() asks for panels and native rows; the blocks stand in for both
     for lin in linears:
         lin.panels, lin.native_rows = torch.empty(0), rows
@@ -303,8 +320,8 @@ def _whole_layer(layer, kernels: BlockKernels, native):
     if whole is not None:
         w = whole.weights
         w.qkv_w = w.o_w = w.up_w = w.down_w = None
-        w.qlinear = kernels.linear_desc_address
-        w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.desc) for lin in linears)
+        w.qlinear = kernels.steps_desc_address
+        w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.steps) for lin in linears)
     return whole
 
 
