@@ -34,6 +34,13 @@ CONFIGS = {
     "bert-cls": (transformers.BertConfig, transformers.BertForSequenceClassification),
     "xlmr": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
     "xlmr-cls": (transformers.XLMRobertaConfig, transformers.XLMRobertaForSequenceClassification),
+    "nomic": (transformers.NomicBertConfig, transformers.NomicBertModel),
+    "nomic-cls": (transformers.NomicBertConfig, transformers.NomicBertForSequenceClassification),
+    "modernbert": (transformers.ModernBertConfig, transformers.ModernBertModel),
+    "modernbert-cls": (
+        transformers.ModernBertConfig,
+        transformers.ModernBertForSequenceClassification,
+    ),
 }
 
 
@@ -53,6 +60,20 @@ def build_tiny_encoder(path: str, kind: str = "bert", seed: int = 0, **overrides
     )
     if kind.startswith("xlmr"):
         dims.update(type_vocab_size=1, max_position_embeddings=130)
+    if kind.startswith("nomic"):
+        dims.update(hidden_act="silu")
+    if kind.startswith("modernbert"):  # 3 layers: global, local, local (window 4 each side)
+        del dims["hidden_act"]
+        dims.update(
+            num_hidden_layers=3,
+            hidden_activation="gelu",
+            local_attention=8,
+            global_attn_every_n_layers=3,
+            cls_token_id=tok.cls_token_id,
+            sep_token_id=tok.sep_token_id,
+            bos_token_id=tok.cls_token_id,
+            eos_token_id=tok.sep_token_id,
+        )
     if kind.endswith("-cls"):
         dims.update(num_labels=1)
     dims.update(overrides)
@@ -61,7 +82,7 @@ def build_tiny_encoder(path: str, kind: str = "bert", seed: int = 0, **overrides
     model = model_cls(config).eval()
     with torch.no_grad():  # LayerNorms away from 1/0, so a wrong norm shows
         for name, p in model.named_parameters():
-            if "LayerNorm" in name:
+            if "LayerNorm" in name or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path

@@ -69,6 +69,20 @@ class EncoderSpec:
     num_labels: int = 0
     arch: str = ""
     names: EncoderNames | None = field(default=None, compare=False)
+    # ModernBERT's shape: pre-LayerNorm layers (the first without an attention norm) and a
+    # final norm; rotary positions (`rope_thetas`: each layer's base; no position table); a
+    # gated MLP (up = [input | gate], act(input) * gate); biases on the linears and norms or
+    # not; per layer a bidirectional window (`windows`: a query sees keys within distance
+    # window - 1; None: all); the classifier head's pooling ("cls" or "mean") and activation.
+    pre_norm: bool = False
+    rope_thetas: tuple[float, ...] | None = None
+    gated_mlp: bool = False
+    linear_bias: bool = True
+    norm_bias: bool = True
+    windows: tuple[int | None, ...] | None = None
+    head_pooling: str = "cls"
+    head_act: str = "gelu"
+    head_bias: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +91,8 @@ class EncoderSpec:
     @property
     def max_tokens(self) -> int:
         """The longest input the position table covers."""
+        if self.rope_thetas is not None:
+            return self.max_positions
         if self.position_pad is None:
             return self.max_positions
         return self.max_positions - self.position_pad - 1
@@ -105,19 +121,34 @@ BERT_RULES = [
 ]
 
 
-HEAD = ("head_dense.", "classifier.")
+# Fused linears a checkpoint may store in parts (row blocks, in this order): BERT's query, key
+# and value; NomicBERT's gate (the activated half) and up projections.
+FUSED = {"qkv": ("query", "key", "value"), "up": ("act", "gate")}
+FUSED_PART = re.compile(r"^(layers\.\d+\.(qkv|up))\.(query|key|value|act|gate)\.(weight|bias)$")
+
+HEAD = ("head_dense.", "head_norm.", "classifier.")
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, s: EncoderSpec, use_kernels: bool) -> None:
+    def __init__(self, s: EncoderSpec, i: int, use_kernels: bool) -> None:
         super().__init__()
-        h = s.hidden_size
-        self.qkv = nn.Linear(h, 3 * h)
-        self.o_proj = nn.Linear(h, h)
-        self.attn_norm = LayerNorm(h, s.eps, use_kernels=use_kernels)
-        self.up = nn.Linear(h, s.intermediate_size)
-        self.down = nn.Linear(s.intermediate_size, h)
-        self.mlp_norm = LayerNorm(h, s.eps, use_kernels=use_kernels)
+        h, b = s.hidden_size, s.linear_bias
+        self.qkv = nn.Linear(h, 3 * h, bias=b)
+        self.o_proj = nn.Linear(h, h, bias=b)
+        first_pre = s.pre_norm and i == 0  # ModernBERT's first layer reads the embedding norm
+        self.attn_norm = None if first_pre else _norm(s, use_kernels)
+        self.up = nn.Linear(h, s.intermediate_size * (2 if s.gated_mlp else 1), bias=b)
+        self.down = nn.Linear(s.intermediate_size, h, bias=b)
+        self.mlp_norm = _norm(s, use_kernels)
+        window = s.windows[i] if s.windows else None
+        self.attn_spec = AttentionSpec(
+            s.num_heads, s.num_heads, s.head_dim, s.head_dim**-0.5, sliding_window=window
+        )
+        self.rope_theta = s.rope_thetas[i] if s.rope_thetas else None
+
+
+def _norm(s: EncoderSpec, use_kernels: bool) -> LayerNorm:
+    return LayerNorm(s.hidden_size, s.eps, bias=s.norm_bias, use_kernels=use_kernels)
 
 
 class EncoderModel(nn.Module):
@@ -133,21 +164,26 @@ class EncoderModel(nn.Module):
         self.num_layers = s.num_layers
         self.num_kv_heads = s.num_heads
         self.head_dim = s.head_dim
-        self.attn_spec = AttentionSpec(s.num_heads, s.num_heads, s.head_dim, s.head_dim**-0.5)
         self.act = ACTIVATIONS[s.act]
         k = backend.use_kernels
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.embed_positions = nn.Embedding(s.max_positions, s.hidden_size)
+        self.embed_positions = None
+        if s.rope_thetas is None:
+            self.embed_positions = nn.Embedding(s.max_positions, s.hidden_size)
         self.embed_types = (
             nn.Embedding(s.type_vocab_size, s.hidden_size) if s.type_vocab_size else None
         )
-        self.embed_norm = LayerNorm(s.hidden_size, s.eps, use_kernels=k)
-        self.layers = nn.ModuleList(EncoderLayer(s, k) for _ in range(s.num_layers))
-        # The classifier head (cross-encoders): dense + tanh on the CLS row, then the labels.
+        self.embed_norm = _norm(s, k)
+        self.layers = nn.ModuleList(EncoderLayer(s, i, k) for i in range(s.num_layers))
+        self.final_norm = _norm(s, k) if s.pre_norm else None
+        # The classifier head (cross-encoders): BERT / RoBERTa: dense + tanh on the CLS row,
+        # then the labels; ModernBERT: dense + act + LayerNorm on the CLS or mean row.
         self.num_labels = s.num_labels if s.classifier else None
-        self.classifier_pooling = "cls"
+        self.classifier_pooling = s.head_pooling
         if s.classifier:
-            self.head_dense = nn.Linear(s.hidden_size, s.hidden_size)
+            self.head_dense = nn.Linear(s.hidden_size, s.hidden_size, bias=s.head_bias)
+            if s.classifier == "modernbert":
+                self.head_norm = _norm(s, k)
             self.classifier = nn.Linear(s.hidden_size, s.num_labels)
         # The tokenizer's [SEP] id (set by the engine): with token types, a pair's second text
         # (after the first [SEP]) is type 1, as the tokenizer marks a (query, document) pair.
@@ -177,18 +213,19 @@ class EncoderModel(nn.Module):
         names = names or self.spec.names
         params = dict(self.named_parameters())
         filled: set[str] = set()
-        h = self.spec.hidden_size
+        rows = {"qkv": self.spec.hidden_size, "up": self.spec.intermediate_size}
         for name, tensor in weights:
             target = self.map_name(name, names)
             if target is None:
                 continue
             tensor = tensor.full() if hasattr(tensor, "full") else tensor
-            m = re.match(r"^(layers\.\d+\.qkv)\.(query|key|value)\.(weight|bias)$", target)
-            if m:
-                part = ("query", "key", "value").index(m.group(2))
-                p = params[f"{m.group(1)}.{m.group(3)}"]
+            m = FUSED_PART.match(target)
+            if m:  # one part of a fused linear: its rows
+                n = rows[m.group(2)]
+                part = FUSED[m.group(2)].index(m.group(3))
+                p = params[f"{m.group(1)}.{m.group(4)}"]
                 with torch.no_grad():
-                    p[part * h : (part + 1) * h].copy_(tensor)
+                    p[part * n : (part + 1) * n].copy_(tensor)
                 filled.add(target)
                 continue
             if target not in params and self.num_labels is None and target.startswith(HEAD):
@@ -200,11 +237,11 @@ class EncoderModel(nn.Module):
             filled.add(target)
         missing = []
         for pname in params:
-            m = re.match(r"^(layers\.\d+\.qkv)\.(weight|bias)$", pname)
-            if m:
-                parts = [f"{m.group(1)}.{p}.{m.group(2)}" for p in ("query", "key", "value")]
+            m = re.match(r"^(layers\.\d+\.(qkv|up))\.(weight|bias)$", pname)
+            if m and pname not in filled:  # filled whole (ModernBERT's Wqkv) or in parts
+                parts = [f"{m.group(1)}.{p}.{m.group(3)}" for p in FUSED[m.group(2)]]
                 missing += [p for p in parts if p not in filled]
-            elif pname not in filled:
+            elif not m and pname not in filled:
                 missing.append(pname)
         if missing:
             raise KeyError(f"{self.spec.arch}: the checkpoint has no tensor for {missing[:6]}")
@@ -254,20 +291,39 @@ class EncoderModel(nn.Module):
             meta = meta[0]
         s = self.spec
         x = self.embed_tokens(input_ids)
-        pos = positions
-        if s.position_pad is not None:
-            pos = self._padded_positions(input_ids, meta)
-        x = x + self.embed_positions(pos)
+        if self.embed_positions is not None:
+            pos = positions
+            if s.position_pad is not None:
+                pos = self._padded_positions(input_ids, meta)
+            x = x + self.embed_positions(pos)
         if self.embed_types is not None:
             x = x + self.embed_types(self._token_types(input_ids, meta))
         x = self.embed_norm(x)
         H, D = s.num_heads, s.head_dim
+        rope: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.layers:
-            q, k, v = layer.qkv(x).view(-1, 3, H, D).unbind(1)
-            attn = self.backend.encoder_attention(q, k, v, meta, self.attn_spec)
-            x = layer.attn_norm(layer.o_proj(attn), x)[0]
-            x = layer.mlp_norm(layer.down(self.act(layer.up(x))), x)[0]
-        return x
+            h = x
+            if s.pre_norm and layer.attn_norm is not None:
+                h = layer.attn_norm(x)
+            q, k, v = layer.qkv(h).view(-1, 3, H, D).unbind(1)
+            if layer.rope_theta is not None:
+                if layer.rope_theta not in rope:
+                    rope[layer.rope_theta] = _rope_cos_sin(positions, D, layer.rope_theta)
+                q, k = _rotate(q, *rope[layer.rope_theta]), _rotate(k, *rope[layer.rope_theta])
+            attn = self.backend.encoder_attention(q, k, v, meta, layer.attn_spec)
+            if s.pre_norm:
+                x = x + layer.o_proj(attn)
+                x = x + layer.down(self._mlp_act(layer.up(layer.mlp_norm(x))))
+            else:
+                x = layer.attn_norm(layer.o_proj(attn), x)[0]
+                x = layer.mlp_norm(layer.down(self._mlp_act(layer.up(x))), x)[0]
+        return self.final_norm(x) if self.final_norm is not None else x
+
+    def _mlp_act(self, up: torch.Tensor) -> torch.Tensor:
+        if not self.spec.gated_mlp:
+            return self.act(up)
+        inp, gate = up.chunk(2, dim=-1)
+        return self.act(inp) * gate
 
     def _request_index(self, meta: AttentionMetadata, device) -> torch.Tensor:
         lens = torch.tensor(meta.query_lens_host, device=device)
@@ -300,9 +356,29 @@ class EncoderModel(nn.Module):
         """A cross-encoder's logits [N, num_labels] from pooled CLS rows [N, hidden]."""
         if self.num_labels is None:
             raise ValueError(f"{self.spec.arch} has no classifier head")
+        if self.spec.classifier == "modernbert":
+            return self.classifier(
+                self.head_norm(ACTIVATIONS[self.spec.head_act](self.head_dense(rows)))
+            )
         return self.classifier(torch.tanh(self.head_dense(rows)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """An encoder has no LM head: its classifier's logits when it has one, else the rows
         (what the CUDA memory profile runs after the forward)."""
         return hidden if self.num_labels is None else self.classify(hidden)
+
+
+def _rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
+    """cos and sin [T, 1, dim] of the rotary angles (halves layout), in float32."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on x [T, H, D] (rotate-half layout), computed in float32."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
