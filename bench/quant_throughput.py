@@ -7,7 +7,7 @@ writes one; then the float32 engine serves the original and the 4-bit one the sa
 prompts x 64 tokens (greedy, EOS ignored), in alternating rounds, best of each.
 
     .venv/bin/python bench/quant_throughput.py
-    .venv/bin/python bench/quant_throughput.py --packed     # also the packed form's torch path
+    .venv/bin/python bench/quant_throughput.py --packed     # also the packed form (qb32 blocks)
 
 Prints the CPU's flags, one row per engine and a last line against the bar.
 """
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         }
         if args.packed:
-            engines["4-bit (packed, torch)"] = LLM(
+            engines["4-bit (packed: qb32 blocks on CPU)"] = LLM(
                 qdir,
                 dtype="float32",
                 num_kv_blocks=512,

@@ -1,8 +1,8 @@
 """GPTQ and AWQ checkpoints load and generate the tokens transformers generates on the weights
 they stand for (issue 16): a tiny Llama and a tiny Qwen2 (qkv bias) quantized by the test
 packer (tests/quant_checkpoints.py) with odd group counts and act-order, served with the
-weights dequantized at load (the CPU default) and packed at their bit width (the CUDA form, its
-torch reference here); and checkpoints that contradict their config fail naming the tensor."""
+weights dequantized at load (the CPU default) and packed at their bit width (the CUDA form; on
+CPU repacked into qb32 blocks for the native kernels, layers/quant_blocks.py); and checkpoints that contradict their config fail naming the tensor."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine.config import EngineConfig
+from serverless_llm.engine.layers.quant_blocks import PermutedBlocks
 from serverless_llm.engine.layers.quant_linear import QuantLinear
 from serverless_llm.engine.model_builder import load_model
 from tests.engine.reference import hf_greedy
@@ -80,9 +81,15 @@ def test_packed_weights_stay_at_their_bit_width(quantized):
     for m in quant:
         assert m.weight is None and len(m.packed) == 1  # q, k, v share their act-order
         (p,) = m.packed
-        assert p.qweight.dtype == torch.int32
-        assert p.qweight.shape == (m.in_features // 8, m.out_features)
         assert p.perm is not None  # act-order: the input is permuted at each call
+        if isinstance(p, PermutedBlocks):  # on CPU: the packed form repacked into qb32 blocks
+            blocks = p.inner.blocks
+            assert blocks.bits == 4 and blocks.qs.dtype == torch.uint8
+            assert blocks.shape == (m.out_features, m.in_features)
+            assert blocks.qs.shape == (m.out_features, m.in_features // 32, 16)
+            continue
+        assert p.qweight.dtype == torch.int32  # without the block kernels: the packed form
+        assert p.qweight.shape == (m.in_features // 8, m.out_features)
     loaded = load_model(EngineConfig(model=quant_dir, quantized_weights="dequantize"))
     assert not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
 

@@ -279,6 +279,10 @@ def load_model(
             from .layers.gguf_linear import finish_gguf_blocks
 
             logger.info(finish_gguf_blocks(model, gguf_kernels))
+        elif scheme is not None and config.quantized_weights == "packed":
+            from .layers.quant_blocks import serve_int_blocks
+
+            logger.info(serve_int_blocks(model))
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
         resolved,
