@@ -147,6 +147,14 @@ def test_qwen3_reranker_recipe(reranker):
         assert abs(out.outputs.score - want) < 1e-5
     pool = llm.engine.block_pool
     assert pool.num_free == pool.num_blocks
+    # The same pairs again: the template and query's blocks come from the prefix cache (only
+    # the last row is read), with the same scores.
+    hits = pool.hits
+    again = llm.score("What is paged attention?", docs)
+    assert pool.hits > hits
+    for first, second in zip(outs, again):
+        assert abs(first.outputs.score - second.outputs.score) < 1e-5
+    assert pool.num_free == pool.num_blocks
     with pytest.raises(ValueError, match="generation is off"):
         llm.generate("hi")
 

@@ -705,7 +705,11 @@ class LLMEngine:
                     f"dimensions={dimensions} is larger than the model's {hidden}", "dimensions"
                 )
         req = self.inputs.build_request(prepared, embed_params(prepared.truncate), request_id)
-        req.pooling = dataclasses.replace(self.pooling, task=task, dimensions=dimensions)
+        params = dataclasses.replace(self.pooling, task=task, dimensions=dimensions)
+        if task != "embed":  # the classifier head reads its own row
+            params = dataclasses.replace(params, pooling_type=self.pooling_head.classifier_pooling)
+        reuse = params.pooling_type == "last" and not getattr(self, "encoder", False)
+        req.pooling = dataclasses.replace(params, reuse_prefix=reuse)
         return req
 
     def check_pooling_task(self, task: str) -> None:

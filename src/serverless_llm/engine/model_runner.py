@@ -441,10 +441,7 @@ class ModelRunner:
             start = req.num_computed_tokens  # not advanced yet: the step's update does that
             if req.pool is None or start == 0:
                 req.pool = PoolState()
-            which = params.pooling_type
-            if params.task != "embed":
-                which = self.pooling_head.classifier_pooling
-            mean = which == "mean"
+            mean = params.pooling_type == "mean"  # (classify/score: the head's row)
             rows = hidden[first : first + n] if mean else hidden[first + n - 1 : first + n]
             req.pool.add(rows, mean)
             if start == 0:

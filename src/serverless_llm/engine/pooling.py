@@ -59,6 +59,10 @@ class PoolingParams:
     normalize: bool = True  # L2-normalise the pooled vector
     dimensions: int | None = None  # keep the first k dimensions (Matryoshka), then normalise
     task: str = "embed"  # one of POOLING_TASKS
+    # Whether the prompt's leading blocks may come from the prefix cache: only the last row is
+    # read (last-token pooling, a decoder's classifier) and the attention is causal, so rows
+    # before the last need not be computed again (a reranker's shared template and query).
+    reuse_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in POOLING_TASKS:

@@ -378,8 +378,8 @@ class Scheduler:
             return
         if req.needs_prompt_logprobs:  # cached positions would yield no logits
             return
-        if req.pooling is not None:  # every row is pooled: none may come from the cache
-            return
+        if req.pooling is not None and not req.pooling.reuse_prefix:
+            return  # every row is pooled (mean, CLS) or the attention is bidirectional
         max_blocks = (req.num_tokens - 1) // self.block_size
         if max_blocks == 0:
             return
