@@ -13,6 +13,10 @@ greedy speculation is lossless), the CPU flags and the machine's load by others 
     .venv/bin/python bench/speculative.py                       # 128 tokens, 3 rounds, k=4
     .venv/bin/python bench/speculative.py --tokens 256 --rounds 5 --k 4 --draft-k 3
     .venv/bin/python bench/speculative.py --methods draft_model --draft-layers 6
+    .venv/bin/python bench/speculative.py --methods ngram --temperature 0.7 --seed 1
+
+With --temperature the request samples (rejection sampling verifies the drafts); with --seed
+too its tokens must still equal plain decoding's (a seeded request keeps its draws).
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ def main() -> None:
         help='the draft\'s layers of the target: "6" (the first 6) or a list ("0-4,29")',
     )
     ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
 
@@ -166,7 +172,9 @@ def main() -> None:
     for name, config in configs.items():
         engines[name] = LLM(None, speculative_config=config, **kw)
     tok = engines["plain"].get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature, seed=args.seed, max_tokens=args.tokens, ignore_eos=True
+    )
     results = {}
     busy0, own0, wall0 = _machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
     for task, text in TASKS.items():
