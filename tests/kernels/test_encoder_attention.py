@@ -34,13 +34,13 @@ def _meta(lens: list[int]) -> AttentionMetadata:
     )
 
 
-def _inputs(lens, heads, kv_heads, d, dtype, seed=0):
+def _inputs(lens, heads, kv_heads, d, dtype, seed=0, window=None):
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
     q = torch.randn(T, heads, d, generator=g).to(dtype)
     k = torch.randn(T, kv_heads, d, generator=g).to(dtype)
     v = torch.randn(T, kv_heads, d, generator=g).to(dtype)
-    return q, k, v, AttentionSpec(heads, kv_heads, d, d**-0.5)
+    return q, k, v, AttentionSpec(heads, kv_heads, d, d**-0.5, sliding_window=window)
 
 
 LENS = [1, 7, 33, 16, 70]
@@ -66,10 +66,12 @@ def test_torch_path_equals_reference_and_is_bidirectional():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kv_heads,splits", [(4, None), (2, None), (1, 3)])
-def test_triton_dense_bidirectional_equals_reference(dtype, kv_heads, splits):
+@pytest.mark.parametrize(
+    "kv_heads,splits,window", [(4, None, None), (2, None, None), (1, 3, None), (4, None, 9)]
+)
+def test_triton_dense_bidirectional_equals_reference(dtype, kv_heads, splits, window):
     pytest.importorskip("triton")
-    q, k, v, spec = _inputs(LENS, 4, kv_heads, 16, dtype, seed=kv_heads)
+    q, k, v, spec = _inputs(LENS, 4, kv_heads, 16, dtype, seed=kv_heads, window=window)
     meta = _meta(LENS)
     ref = encoder_attention_reference(q.float(), k.float(), v.float(), meta, spec)
     cfg = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -80,3 +82,18 @@ def test_triton_dense_bidirectional_equals_reference(dtype, kv_heads, splits):
     out = encoder_attention(*dev, meta_dev, spec, config=cfg, num_splits=splits, sms=16).cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_two_sided_window_torch_path():
+    """ModernBERT's local layers: a query sees keys within window - 1 positions either side."""
+    q, k, v, spec = _inputs(LENS, 4, 2, 16, torch.float32, window=5)
+    meta = _meta(LENS)
+    ref = encoder_attention_reference(q, k, v, meta, spec)
+    torch.testing.assert_close(encoder_attention_torch(q, k, v, meta, spec), ref)
+    # Key 70-long request's position 10 does not see key 15 (distance 5) but sees key 14.
+    base = sum(LENS[:4])
+    for far, changes in ((15, False), (14, True)):
+        k2 = k.clone()
+        k2[base + far] += 1.0
+        out = encoder_attention_reference(q, k2, v, meta, spec)
+        assert torch.allclose(out[base + 10], ref[base + 10]) != changes

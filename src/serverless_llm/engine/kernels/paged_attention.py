@@ -229,6 +229,8 @@ def _paged_attention_kernel(
         allowed = (keys[None, :] <= reach[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             allowed = allowed & (pos[:, None] - keys[None, :] < window)
+            if BIDIRECTIONAL:  # ModernBERT's local layers: a window on both sides
+                allowed = allowed & (keys[None, :] - pos[:, None] < window)
         if HAS_CHUNK:
             allowed = allowed & (keys[None, :] >= (pos - pos % chunk)[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -631,7 +633,8 @@ def encoder_attention(
 
 def encoder_attention_torch(q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
     """What `encoder_attention` computes, one request at a time through SDPA (no mask: each
-    request's rows see all of its rows). The torch backend's encoder path."""
+    request's rows see all of its rows; with a sliding window, those within window - 1
+    positions either side). The torch backend's encoder path."""
     T = q.shape[0]
     out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=q.dtype, device=q.device)
     gqa = spec.num_heads != spec.num_kv_heads
@@ -639,10 +642,21 @@ def encoder_attention_torch(q, k, v, meta: AttentionMetadata, spec: AttentionSpe
     for n in meta.query_lens_host:
         e = s + n
         qh, kh, vh = (x[s:e].transpose(0, 1) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qh, kh, vh, scale=spec.scale, enable_gqa=gqa)
+        mask = _two_sided_window(n, spec.sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=spec.scale, enable_gqa=gqa
+        )
         out[s:e] = o.transpose(0, 1).reshape(n, -1)
         s = e
     return out
+
+
+def _two_sided_window(n: int, window: int | None, device) -> torch.Tensor | None:
+    """[n, n] bool: |i - j| < window (None without a window, or one covering all n)."""
+    if window is None or window >= n:
+        return None
+    idx = torch.arange(n, device=device)
+    return (idx[:, None] - idx[None, :]).abs() < window
 
 
 def encoder_attention_reference(q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
@@ -655,6 +669,9 @@ def encoder_attention_reference(q, k, v, meta: AttentionMetadata, spec: Attentio
         keys = k[s:e].float().repeat_interleave(group, dim=1)  # [n, H, D]
         values = v[s:e].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", q[s:e].float(), keys) * spec.scale
+        mask = _two_sided_window(n, spec.sliding_window, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[None], float("-inf"))
         o = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), values)
         out[s:e] = o.reshape(n, -1).to(q.dtype)
         s = e
