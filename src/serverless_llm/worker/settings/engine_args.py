@@ -26,8 +26,8 @@ _SPECULATIVE = (
 _DATA_PARALLEL = "one worker is one replica: scale out with more workers, not in-process ranks"
 _EXPERTS = "MoE experts are split by tensor parallelism only"
 _ONLY_GENERATION = (
-    "pooling is TASK=embed with POOLING_TYPE and NORMALIZE; no converted, scoring or "
-    "classifying runners"
+    "pooling is TASK=embed, classify or score with POOLING_TYPE and NORMALIZE (the head and "
+    "pooling come from the checkpoint); no converted runners"
 )
 _MULTIMODAL = "images are processed with the model's own processor defaults"
 _LEGACY = "an older vLLM option with no counterpart in this engine"
@@ -47,7 +47,7 @@ IGNORED: dict[str, str] = {
     "CODE_REVISION": _OWN_MODELS + "; remote model code is never run",
     "CONFIG_FORMAT": "configs are read in Hugging Face's format",
     "MODEL_IMPL": _OWN_MODELS,
-    "RUNNER": "the task is set by TASK (generate or embed)",
+    "RUNNER": "the task is set by TASK (auto, generate, embed, classify or score)",
     "CONVERT": _ONLY_GENERATION,
     "POOLER_CONFIG": _ONLY_GENERATION,
     "OVERRIDE_POOLER_CONFIG": _ONLY_GENERATION,

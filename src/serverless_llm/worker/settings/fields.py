@@ -197,8 +197,13 @@ class SettingsFields(BaseSettings):
             "`...ForSequenceClassification` checkpoint, else `generate`). `generate`: the "
             "generation routes. `embed`: `/v1/embeddings` only, from a model's final "
             "hidden states (after its final norm), pooled per `POOLING_TYPE` and normalised per "
-            "`NORMALIZE`; the generation routes answer a 400 saying so. With `generate`, "
-            "`/v1/embeddings` answers a 400 saying to set `TASK=embed`."
+            "`NORMALIZE` (and `/score`, `/rerank` as the embeddings' cosine, `/pooling`); the "
+            "generation routes answer a 400 saying so. `classify`: `/classify` and `/pooling` "
+            "from a classifier head (a `...ForSequenceClassification` checkpoint; with one "
+            "label `/score` and `/rerank` too). `score`: `/score` and `/rerank` from a one-label "
+            "cross-encoder, or from a causal LM as Qwen3-Reranker's recipe (P(yes) over its "
+            '"yes"/"no" tokens). With `generate`, the pooling routes answer a 400 '
+            "naming the `TASK` to set."
         ),
         choices=TASKS,
     )
