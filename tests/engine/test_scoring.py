@@ -141,8 +141,8 @@ def test_qwen3_reranker_recipe(reranker):
         ids, want = _recipe_score(model, tok, "What is paged attention?", doc, RERANKER_INSTRUCTION)
         assert out.prompt_token_ids == ids
         assert abs(out.outputs.score - want) < 1e-5
-    outs = llm.score(["q1", "q2"], ["d1", "d2"], instruction="Find the matching code")
-    for (q, d), out in zip([("q1", "d1"), ("q2", "d2")], outs):
+    paired = llm.score(["q1", "q2"], ["d1", "d2"], instruction="Find the matching code")
+    for (q, d), out in zip([("q1", "d1"), ("q2", "d2")], paired):
         _, want = _recipe_score(model, tok, q, d, "Find the matching code")
         assert abs(out.outputs.score - want) < 1e-5
     pool = llm.engine.block_pool
@@ -201,3 +201,23 @@ def test_qwen3_embedding_instruction_and_prompt_name(tmp_path):
         last = hf(torch.tensor([ids])).last_hidden_state[0, -1]
     want = torch.nn.functional.normalize(last, dim=-1).numpy()
     np.testing.assert_allclose(out.outputs.embedding, want, atol=1e-5)
+
+
+def test_vllm_hf_overrides_for_qwen3_reranker(reranker):
+    """vLLM's documented way to serve Qwen3-Reranker: hf_overrides naming
+    Qwen3ForSequenceClassification with classifier_from_token [no, yes] over the causal LM
+    checkpoint; served here as the yes/no scorer (TASK auto: score), the same scores."""
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True,
+    }
+    llm = LLM(
+        reranker, hf_overrides=overrides, dtype="float32", num_kv_blocks=64, max_model_len=512
+    )
+    assert llm.engine.task == "score"
+    plain = LLM(reranker, task="score", dtype="float32", num_kv_blocks=64, max_model_len=512)
+    a = llm.score("What is paged attention?", TEXTS[:2])
+    b = plain.score("What is paged attention?", TEXTS[:2])
+    for x, y in zip(a, b):
+        assert abs(x.outputs.score - y.outputs.score) < 1e-6

@@ -334,6 +334,8 @@ class LLMEngine:
         task = config.task
         if task == "auto":
             task = "classify" if labels is not None else "generate"
+            if labels is None and getattr(self.hf_config, "classifier_from_token", None):
+                task = "score"  # vLLM's hf_overrides for a causal LM reranker
         if task == "generate" and labels is not None:
             raise ConfigError(
                 f"{self.hf_config.architectures[0]} is a classifier (a score head of {labels} "

@@ -82,17 +82,19 @@ class PoolingParams:
 class PoolState:
     """A pooling request's running pool across its prefill chunks (float32)."""
 
-    __slots__ = ("total", "count", "last", "first")
+    __slots__ = ("total", "count", "last", "first", "dtype")
 
     def __init__(self) -> None:
         self.total: torch.Tensor | None = None
         self.count = 0
         self.last: torch.Tensor | None = None
         self.first: torch.Tensor | None = None  # the prompt's first row ("cls")
+        self.dtype = torch.float32  # the hidden rows' own (a classifier head takes that back)
 
     def add(self, rows: torch.Tensor, mean: bool) -> None:
         """`rows`: the chunk's rows (all of them for a mean, else at least its last); the
         runner sets `first` from the chunk that starts the prompt."""
+        self.dtype = rows.dtype
         rows = rows.float()
         if mean:
             s = rows.sum(dim=0)
@@ -119,17 +121,10 @@ def pooled_result(pool: PoolState, params: PoolingParams, head) -> list[float]:
     if params.task == "embed":
         return pool.result(params).tolist()
     row = pool.row(head.classifier_pooling)
-    dtype = next((p.dtype for p in head_parameters(head)), torch.float32)
-    logits = head.classify(row.to(dtype).unsqueeze(0)).float()[0]
+    logits = head.classify(row.to(pool.dtype).unsqueeze(0)).float()[0]
     if params.task == "score" or logits.numel() == 1:
         return torch.sigmoid(logits).tolist()
     return torch.softmax(logits, dim=-1).tolist()
-
-
-def head_parameters(head):
-    """The head's parameters (for its dtype); a wrapper names its model's."""
-    model = getattr(head, "model", head)
-    return model.parameters() if isinstance(model, torch.nn.Module) else iter(())
 
 
 class TokenPairHead:

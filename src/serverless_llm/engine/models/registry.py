@@ -44,6 +44,11 @@ def describe_model(config) -> DecoderSpec:
         base = classifier_base(arch)
         if base is not None and arch not in MODEL_REGISTRY:
             spec = describe_model(_with_architectures(config, [base]))
+            if getattr(config, "classifier_from_token", None):
+                # vLLM's recipe for a causal LM reranker (Qwen3-Reranker): hf_overrides name
+                # the classifier architecture and the tokens whose logits score; the
+                # checkpoint is the causal LM, served as the engine's yes/no scorer.
+                return spec
             return as_classifier(spec, arch, config)
         if arch in MODEL_REGISTRY:
             try:
