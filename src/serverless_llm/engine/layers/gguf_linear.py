@@ -43,9 +43,10 @@ from .linear import PackedLinear
 logger = logging.getLogger(__name__)
 
 BLOCK_ROWS = 16  # steps of at most this many rows take the few-row linear, until measured
-# Past 32 rows the GEMM's cost grows with the rows while the few-row kernel re-reads the weight
-# every 4 rows: never measured there.
-ROW_CANDIDATES = (1, 2, 4, 8, 16, 32)
+# One row always takes the few-row kernel (the GEMM pads its rows to 32: ~30x the arithmetic; a
+# busy machine's timings once chose the GEMM there); past 32 rows the GEMM's cost grows with the
+# rows while the few-row kernel re-reads the weight every 4 rows: never measured there.
+ROW_CANDIDATES = (2, 4, 8, 16, 32)
 WHOLE_LAYER_ROWS = 64  # decode steps of up to this many rows run the whole-layer native call
 
 
@@ -220,7 +221,7 @@ def take_gguf_blocks(
 # -- after loading: rows per shape, the whole-layer decode ------------------------------------
 
 
-def _time_both(a, b, repeats: int = 5) -> tuple[float, float]:
+def _time_both(a, b, repeats: int = 7) -> tuple[float, float]:
     """Best of `repeats` timings of a and of b, interleaved (a busy moment hits both)."""
     best_a = best_b = float("inf")
     for _ in range(repeats):
@@ -234,10 +235,10 @@ def _time_both(a, b, repeats: int = 5) -> tuple[float, float]:
 
 
 def choose_block_rows(lin: GGUFBlockLinear) -> tuple[int, list]:
-    """The most rows (of ROW_CANDIDATES) at which the few-row kernel is at least as fast as the
-    GEMM on this linear's weight, stopping at the first count where it loses. Returns (rows,
-    [(rows, few-row s, GEMM s), ...])."""
-    chosen, timings = 0, []
+    """The most rows (1, or of ROW_CANDIDATES) at which the few-row kernel is at least as fast
+    as the GEMM on this linear's weight, stopping at the first count where it loses. Returns
+    (rows, [(rows, few-row s, GEMM s), ...])."""
+    chosen, timings = 1, []
     g = torch.Generator().manual_seed(0)
     for m in ROW_CANDIDATES:
         x = torch.randn(m, lin.in_features, generator=g)
@@ -258,7 +259,7 @@ def _shape_key(lin: GGUFBlockLinear) -> str:
 
 
 def block_rows_file(kernels: BlockKernels, keys: list[str]) -> Path:
-    what = (cpu_flags(), torch.get_num_threads(), Path(kernels.path).name, tuple(sorted(keys)))
+    what = (2, cpu_flags(), torch.get_num_threads(), Path(kernels.path).name, tuple(sorted(keys)))
     return cache_dir() / f"gguf-rows-{hashlib.sha256(repr(what).encode()).hexdigest()[:16]}.json"
 
 
