@@ -393,3 +393,42 @@ def test_embedding_instruction_and_prompt_name(tiny_llama, tmp_path):
     assert named["data"][0]["embedding"] != instr["data"][0]["embedding"]
     assert bad.status_code == 400 and "passage, query" in bad.json()["error"]["message"]
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "instruction"
+
+
+def test_pooling_route_on_an_embedder(tiny_llama):
+    """/pooling with TASK=embed: the embedding (as /v1/embeddings'), `dimensions` truncating;
+    dimensions over the hidden size a 400 naming it."""
+    core = _core(tiny_llama, "embed", 64)
+
+    async def fn(client):
+        pool = await client.post("/pooling", json={"input": ["Hello", "Paged attention"]})
+        emb = await client.post("/v1/embeddings", json={"input": ["Hello", "Paged attention"]})
+        dims = await client.post("/pooling", json={"input": "Hello", "dimensions": 8})
+        emb_dims = await client.post("/v1/embeddings", json={"input": "Hello", "dimensions": 8})
+        big = await client.post("/pooling", json={"input": "Hello", "dimensions": 10**6})
+        return pool.json(), emb.json(), dims.json(), emb_dims.json(), big
+
+    pool, emb, dims, emb_dims, big = run_http(core, fn)
+    for p, e in zip(pool["data"], emb["data"]):
+        np.testing.assert_allclose(p["data"], e["embedding"], atol=1e-7)
+    assert len(dims["data"][0]["data"]) == 8
+    np.testing.assert_allclose(dims["data"][0]["data"], emb_dims["data"][0]["embedding"])
+    assert big.status_code == 400
+    assert big.json()["error"]["param"] == "dimensions"
+    assert "larger than the model's" in big.json()["error"]["message"]
+
+
+def test_classify_token_id_inputs(classifier_core, paths):
+    tok = transformers.AutoTokenizer.from_pretrained(paths["classifier"])
+    ids = [tok.encode(d) for d in DOCS[:2]]
+
+    async def fn(client):
+        by_ids = await client.post("/classify", json={"input": ids})
+        by_text = await client.post("/classify", json={"input": DOCS[:2]})
+        bad = await client.post("/classify", json={"input": [[10**9]]})
+        return by_ids.json(), by_text.json(), bad
+
+    by_ids, by_text, bad = run_http(classifier_core, fn)
+    for a, b in zip(by_ids["data"], by_text["data"]):
+        assert a["probs"] == b["probs"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
