@@ -432,3 +432,12 @@ def test_classify_token_id_inputs(classifier_core, paths):
     for a, b in zip(by_ids["data"], by_text["data"]):
         assert a["probs"] == b["probs"]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
+def test_embeddings_on_a_classifier_names_its_task(classifier_core):
+    async def fn(client):
+        return await client.post("/v1/embeddings", json={"input": "hi"})
+
+    r = run_http(classifier_core, fn)
+    assert r.status_code == 400
+    assert "served for classify (TASK=classify)" in r.json()["error"]["message"]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs in one request
 
 NOT_EMBEDDING = (
-    "This model is served for generation (TASK=generate): /v1/embeddings needs the worker "
+    "This model is served for {what} (TASK={task}): /v1/embeddings needs the worker "
     "started with TASK=embed."
 )
 
@@ -86,7 +86,11 @@ def _prepare_all(serving: OpenAIServing, body: Any) -> tuple[EmbeddingRequest, s
     model = serving._check_model(request.model)
     engine = serving.engine
     if getattr(engine, "task", "generate") != "embed":
-        raise OpenAIServingError.bad_request(NOT_EMBEDDING, None, "model_not_embedding")
+        task = getattr(engine, "task", "generate")
+        what = "generation" if task == "generate" else task
+        raise OpenAIServingError.bad_request(
+            NOT_EMBEDDING.format(what=what, task=task), None, "model_not_embedding"
+        )
     inputs = _inputs(request)
     if not inputs:
         raise OpenAIServingError.bad_request("'input' is empty", "input", "invalid_value")
