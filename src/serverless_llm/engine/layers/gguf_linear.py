@@ -259,7 +259,7 @@ def _shape_key(lin: GGUFBlockLinear) -> str:
 
 
 def block_rows_file(kernels: BlockKernels, keys: list[str]) -> Path:
-    what = (2, cpu_flags(), torch.get_num_threads(), Path(kernels.path).name, tuple(sorted(keys)))
+    what = (3, cpu_flags(), torch.get_num_threads(), Path(kernels.path).name, tuple(sorted(keys)))
     return cache_dir() / f"gguf-rows-{hashlib.sha256(repr(what).encode()).hexdigest()[:16]}.json"
 
 
@@ -283,7 +283,15 @@ def set_block_rows(linears: list[GGUFBlockLinear], kernels: BlockKernels) -> str
         rows = {k: int(saved[k]) for k in groups}
         how = f"cached in {path}"
     except (OSError, ValueError, KeyError, TypeError):
-        rows = {k: choose_block_rows(group[0])[0] for k, group in groups.items()}
+        # one thread: both kernels split the outputs across threads alike, and on a busy
+        # machine a parallel region's barrier waits out whole scheduler slices, which swamped
+        # the difference being measured
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            rows = {k: choose_block_rows(group[0])[0] for k, group in groups.items()}
+        finally:
+            torch.set_num_threads(threads)
         how = "measured"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
