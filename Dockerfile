@@ -75,4 +75,15 @@ RUN --mount=type=secret,id=HF_TOKEN,required=false \
     --mount=type=cache,target=/root/.cache/huggingface \
     if [ -n "$MODEL_NAME" ]; then python builder/download_model.py --no-progress; fi
 
+# Baked kernels (docs/engine.md, "Cold start"): with a baked model, its Triton kernels compiled
+# for these GPU architectures (TORCH_CUDA_ARCH_LIST style; empty: none) into the image's cache,
+# with no GPU at build time. The list follows the settings this build declares (MODEL_NAME,
+# QUANTIZATION, ENABLE_LORA) and the defaults of the rest (DTYPE, MAX_MODEL_LEN, BLOCK_SIZE...);
+# a deployment that changes those compiles what differs at start (its warm-up line counts it).
+ARG KERNEL_ARCH_LIST="8.0 8.6 8.9 9.0 10.0"
+ENV BAKED_TRITON_CACHE_DIR=/opt/triton-cache
+RUN if [ -n "$MODEL_NAME" ] && [ -n "$KERNEL_ARCH_LIST" ]; then \
+        TRITON_CACHE_DIR=$BAKED_TRITON_CACHE_DIR python builder/compile_kernels.py; \
+    fi
+
 CMD ["python", "-m", "serverless_llm.worker"]
