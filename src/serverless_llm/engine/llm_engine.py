@@ -77,6 +77,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
+        # Seconds of each start-up phase (the worker's start-up line, bench/coldstart.py).
+        self.start_phases: dict[str, float] = {}
         self.tp: TensorParallel = SINGLE
         self._load_window: tuple[float, float] | None = None  # rank 0's, with parallelism
         self.ranks: RankProcesses | None = None  # the other tensor-parallel ranks
@@ -84,6 +86,7 @@ class LLMEngine:
             loaded = self._start_ranks(config)
         else:
             loaded = load_model(config)
+        self.start_phases["weights"] = time.perf_counter() - t0
         try:
             self._build(config, loaded, t0)
         except BaseException:
@@ -217,7 +220,9 @@ class LLMEngine:
                 f"the {one_request} one request of max_model_len={self.max_model_len} needs: "
                 "lower max_model_len or give the cache more memory"
             )
+        t_kv = time.perf_counter()
         self.kv_caches = loaded.allocate_kv_cache(num_blocks, self.block_size, max(num_slots, 2))
+        self.start_phases["KV allocation"] = time.perf_counter() - t_kv
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and layout.has_state:
             # A recurrent state is known only at the end of each step's chunk, not at every
@@ -292,8 +297,12 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.wait_for("ready")
             self.runner.peers = self.ranks
+        t_warm = time.perf_counter()
         self.kernel_warmup = self._warm_up_kernels(config)
+        t_capture = time.perf_counter()
         self.runner.captured = self._capture_decodes(config)
+        self.start_phases["kernel warm-up"] = t_capture - t_warm
+        self.start_phases["graph capture"] = time.perf_counter() - t_capture
         self.sampler = Sampler(config.seed, self.device)
         self.beams = BeamSearchRunner(self.scheduler, self.kv, self.runner.copy_blocks, self.inputs)
         self._sampling_cache: dict = {}  # reused per-row sampler tensors between steps

@@ -52,6 +52,7 @@ from .heap import freeze_start_up_objects
 from .job_input import JobError, NativeJob, OpenAIJob, parse_job
 from .settings import Settings, load_settings_or_exit
 from .shutdown import GracefulShutdown, serve
+from .start_phases import StartPhases
 
 # The devserver reaches the API layer's error shapes and SSE framing through the worker (it
 # imports nothing else).
@@ -85,6 +86,7 @@ class Worker:
     def __init__(self, settings: Settings | None = None, engine: AsyncEngine | None = None) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         self.engine: AsyncEngine | None = engine
+        self.start_phases = StartPhases()  # the cold-start line's marks
         # The adapters served (LORA_MODULES, those that read), once the engine exists.
         self.loras: list[LoRARequest] = [] if engine is None else self._load_loras(engine)
         # Prometheus metrics (ENABLE_METRICS), observing the engine from when it exists.
@@ -108,8 +110,12 @@ class Worker:
         with self._load_lock:
             if self.engine is None:
                 self.settings.log_startup(logger)
+                self.start_phases.load_start = self.start_phases.now()
                 triton_cache.configure(self.settings.base_path)  # before Triton is imported
                 self.engine = AsyncEngine.from_config(self.settings.engine_config())
+                self.start_phases.ready = self.start_phases.now()
+                self.start_phases.engine = dict(getattr(self.engine.core, "start_phases", {}))
+                logger.info("%s", self.start_phases.line())
                 self.engine.on_fatal = self._engine_stopped
                 self.engine.warm_up_grammars()
                 logger.info("%s", sampling_defaults_line(self.settings, self.engine))
@@ -209,6 +215,10 @@ class Worker:
                 async for item in items:
                     if native_pooling and is_error(item):  # a pooling job's native shape
                         item = native_error(str(item["error"].get("message")))
+                    if self.start_phases.first_token is None:
+                        self.start_phases.first_token = self.start_phases.now()
+                        logger.info("first output %.1fs after process start (ready at %.1fs)",
+                                    self.start_phases.first_token, self.start_phases.ready or 0.0)  # fmt: skip
                     yield item
         except asyncio.CancelledError:
             raise
