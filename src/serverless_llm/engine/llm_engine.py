@@ -598,6 +598,8 @@ class LLMEngine:
         and the kernels compile at their first launch as before."""
         if not config.kernel_warmup or self.device.type != "cuda" or self.backend.name != "triton":
             return None
+        if self.encoder:  # its one kernel path (bidirectional prefill) compiles at first use
+            return None
         if self.ranks is not None:
             logger.info("kernel warm-up off: tensor parallelism (each rank compiles at first use)")
             return None
@@ -617,6 +619,8 @@ class LLMEngine:
         """Captured decode steps (decode_capture.py): CUDA graphs on CUDA unless enforce_eager;
         the eager-replay twin when asked for; None when off or when capture failed its
         self-check (then every step runs eagerly, and the warning says why)."""
+        if self.encoder:  # an encoder has no decode step to capture
+            return None
         mode = config.decode_capture
         if mode == "auto":
             mode = "cuda" if self.device.type == "cuda" and not config.enforce_eager else "off"
