@@ -106,7 +106,7 @@ def test_sigterm_finishes_short_jobs_ends_the_rest_and_exits_0(platform):
             t0 = time.monotonic()
             sigterm_and_wait_draining(proc, log)
             platform.add("late", {"items": 1})  # after the signal: refused if taken at all
-            proc.wait(timeout=grace + 5)
+            proc.wait(timeout=grace + 12)  # margin for a busy machine; the six take 20 s
             elapsed = time.monotonic() - t0
         finally:
             if proc.poll() is None:
@@ -114,7 +114,7 @@ def test_sigterm_finishes_short_jobs_ends_the_rest_and_exits_0(platform):
         out = output_of(log)
     assert proc.returncode == 0, out
     assert "EXITED CLEANLY" in out and "Traceback" not in out, out
-    assert elapsed < grace + 5
+    assert elapsed < grace + 12
     taken, streamed, results = platform.snapshot()
     assert set(ids) <= set(results), (sorted(results), out)
     completed, cut = [], []
@@ -137,7 +137,7 @@ def test_an_idle_worker_exits_0_at_once(platform):
         try:
             platform.add("warm", {"items": 1})
             wait_until(lambda: "warm" in platform.snapshot()[2], 60, "a first job's result")
-            sigterm_and_wait(proc, 5)  # not the SDK's 90 s long poll, nor the 30 s grace
+            sigterm_and_wait(proc, 20)  # not the SDK's 90 s long poll, nor the 30 s grace
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -154,7 +154,7 @@ def test_a_second_signal_exits_at_once(platform):
             wait_until(lambda: "long" in platform.snapshot()[1], 60, "the job to stream")
             sigterm_and_wait_draining(proc, log)  # a second signal sent too soon could merge
             assert proc.poll() is None  # draining: up to 30 s
-            sigterm_and_wait(proc, 5)
+            sigterm_and_wait(proc, 20)  # well under the 30 s grace
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -180,7 +180,7 @@ def test_the_deployed_worker_on_a_real_model_ends_its_jobs_and_exits_0(platform,
         )
         try:
             wait_until(lambda: len(platform.snapshot()[1]) == len(ids), 120, "every job to stream")
-            sigterm_and_wait(proc, 5)
+            sigterm_and_wait(proc, 20)  # a margin for a busy machine
         finally:
             if proc.poll() is None:
                 proc.kill()
