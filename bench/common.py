@@ -359,7 +359,8 @@ def default_model_dir() -> str:
     from serverless_llm.engine.config import EngineConfig
     from serverless_llm.engine.loader import resolve_model
 
-    return resolve_model(EngineConfig(model=None, show_progress=False)).model_dir
+    config = EngineConfig(model=None, show_progress=False, quantized_weights="dequantize")
+    return resolve_model(config).model_dir
 
 
 def chat_prompt_ids(tokenizer, num_prompts: int, lead: str = "") -> list[list[int]]:

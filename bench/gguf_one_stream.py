@@ -31,7 +31,7 @@ PROMPTS = [
     "Explain photosynthesis in one sentence.",
     "List three prime numbers.",
 ]
-MODES = {"float32": "auto", "gguf-blocks": "packed", "gguf-int8": "packed"}
+MODES = {"float32": "dequantize", "gguf-blocks": "packed", "gguf-int8": "packed"}
 INPUTS = {"gguf-blocks": "float", "gguf-int8": "int8"}  # GGUF_BLOCK_INPUTS of each mode
 
 

@@ -45,4 +45,5 @@ def smollm2_dir(model_cache_dir) -> str:
     from serverless_llm.engine.config import EngineConfig
     from serverless_llm.engine.loader import resolve_model
 
-    return resolve_model(EngineConfig(model=None, download_dir=model_cache_dir)).model_dir
+    config = EngineConfig(model=None, download_dir=model_cache_dir, quantized_weights="dequantize")
+    return resolve_model(config).model_dir

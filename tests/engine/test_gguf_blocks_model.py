@@ -1,7 +1,7 @@
 """The embedded SmolLM2 Q4_1 GGUF with QUANTIZED_WEIGHTS=packed: every linear, the token
 embedding and the tied LM head are served from the file's blocks, with no float copy converted or
 held (layers/gguf_linear.py). With float inputs (the
-default on AVX-512) greedy tokens equal the float32 path's (QUANTIZED_WEIGHTS=auto: the same
+default on AVX-512) greedy tokens equal the float32 path's (QUANTIZED_WEIGHTS=dequantize: the same
 weights dequantized once). With GGUF_BLOCK_INPUTS=int8 they follow it up to near ties: x is
 quantized to int8 per block, so where the float path's two best tokens are within a small
 logprob margin the pick may flip; before that tokens and logprobs agree closely."""
@@ -33,7 +33,7 @@ KW = dict(max_model_len=512, dtype="float32")
 @pytest.fixture(scope="module")
 def engines(model_cache_dir):
     return (
-        LLM(None, quantized_weights="auto", download_dir=model_cache_dir, **KW),
+        LLM(None, quantized_weights="dequantize", download_dir=model_cache_dir, **KW),
         LLM(None, quantized_weights="packed", download_dir=model_cache_dir, **KW),
     )
 
@@ -64,6 +64,23 @@ def test_packed_gguf_reads_blocks(engines):
     assert not list(Path(packed.engine.resolved.model_dir).glob("*.safetensors"))
     assert isinstance(model.embed_tokens, GGUFBlockEmbedding)
     assert not [m for m in model.modules() if type(m) in (PackedLinear, torch.nn.Linear)]
+
+
+def test_blocks_only_when_asked_for(model_cache_dir):
+    """QUANTIZED_WEIGHTS=packed on CPU serves a GGUF from its blocks; unset (auto) it is
+    converted to float32 (measured: a batch of 32 decodes faster there), as with dequantize;
+    a dummy load or tensor parallelism converts too."""
+    from serverless_llm.engine.config import EngineConfig
+    from serverless_llm.engine.loader.resolve import gguf_kept_quantized
+
+    cpu = dict(model=None, device="cpu", download_dir=model_cache_dir)
+    assert gguf_kept_quantized(EngineConfig(**cpu, quantized_weights="packed"))
+    assert gguf_kept_quantized(EngineConfig(**cpu, dtype="bfloat16", quantized_weights="packed"))
+    assert not gguf_kept_quantized(EngineConfig(**cpu))
+    assert not gguf_kept_quantized(EngineConfig(**cpu, quantized_weights="dequantize"))
+    assert not gguf_kept_quantized(
+        EngineConfig(**cpu, quantized_weights="packed", load_format="dummy")
+    )
 
 
 @pytest.mark.slow

@@ -422,23 +422,31 @@ def test_gguf_converted_once_and_cached(
     gguf.write_bytes(b"GGUF fake")
     cache = tmp_path / "dl"
     # A directory holding one .gguf and no config.json is that GGUF.
-    first = resolve_model(EngineConfig(model=str(model_dir), download_dir=str(cache)))
+    first = resolve_model(
+        EngineConfig(quantized_weights="dequantize", model=str(model_dir), download_dir=str(cache))
+    )
     assert first.load_format == "safetensors"
     assert Path(first.model_dir).parent == cache / "gguf-converted"
     assert first.tokenizer_dir == first.model_dir
-    second = resolve_model(EngineConfig(model=str(gguf), download_dir=str(cache)))
+    second = resolve_model(
+        EngineConfig(quantized_weights="dequantize", model=str(gguf), download_dir=str(cache))
+    )
     assert second.model_dir == first.model_dir
     assert fake_converter == [str(gguf)]
     # A changed file (size/mtime) is converted again, into a new entry.
     gguf.write_bytes(b"GGUF fake, but longer")
-    third = resolve_model(EngineConfig(model=str(gguf), download_dir=str(cache)))
+    third = resolve_model(
+        EngineConfig(quantized_weights="dequantize", model=str(gguf), download_dir=str(cache))
+    )
     assert third.model_dir != first.model_dir and len(fake_converter) == 2
     # No download dir: $SERVERLESS_LLM_CACHE.
     monkeypatch.setenv("SERVERLESS_LLM_CACHE", str(tmp_path / "env-cache"))
-    fourth = resolve_model(EngineConfig(model=str(gguf)))
+    fourth = resolve_model(EngineConfig(quantized_weights="dequantize", model=str(gguf)))
     assert Path(fourth.model_dir).parent == tmp_path / "env-cache" / "gguf-converted"
     with pytest.raises(ModelLoadError, match="load_format=pt"):
-        resolve_model(EngineConfig(model=str(gguf), load_format="pt"))
+        resolve_model(
+            EngineConfig(quantized_weights="dequantize", model=str(gguf), load_format="pt")
+        )
 
 
 def test_gguf_crash_mid_conversion_leaves_no_cache(
@@ -454,7 +462,9 @@ def test_gguf_crash_mid_conversion_leaves_no_cache(
     monkeypatch.setattr(gguf_mod, "convert_gguf", crash)
     cache = tmp_path / "dl"
     with pytest.raises(ModelLoadError, match="cannot convert GGUF file .*unsupported"):
-        resolve_model(EngineConfig(model=str(gguf), download_dir=str(cache)))
+        resolve_model(
+            EngineConfig(quantized_weights="dequantize", model=str(gguf), download_dir=str(cache))
+        )
     assert os.listdir(cache / "gguf-converted") == []
 
 
@@ -462,7 +472,7 @@ def test_gguf_dir_with_several_files_is_ambiguous(tmp_path: Path) -> None:
     for name in ("a.gguf", "b.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match="exactly one .gguf"):
-        resolve_model(EngineConfig(model=str(tmp_path)))
+        resolve_model(EngineConfig(quantized_weights="dequantize", model=str(tmp_path)))
 
 
 def test_embedded_model_path_exists() -> None:
@@ -481,7 +491,9 @@ def embedded(
         download_dir = str(request.getfixturevalue("model_cache_dir"))
     except pytest.FixtureLookupError:
         download_dir = str(tmp_path_factory.mktemp("dl"))
-    cfg = EngineConfig(download_dir=download_dir, show_progress=False)
+    cfg = EngineConfig(
+        download_dir=download_dir, show_progress=False, quantized_weights="dequantize"
+    )
     return cfg, resolve_model(cfg)
 
 

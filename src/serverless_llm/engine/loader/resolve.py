@@ -29,8 +29,10 @@ def _weights_format(load_format: str) -> str | None:
 
 def gguf_kept_quantized(cfg: EngineConfig) -> bool:
     """Whether a GGUF model is served from the file's own blocks (layers/gguf_linear.py: no
-    float copy, on disk or in memory): QUANTIZED_WEIGHTS=packed on a CPU, one process. Anywhere
-    else the file is converted once to a float safetensors copy."""
+    float copy, on disk or in memory): QUANTIZED_WEIGHTS=packed on a CPU, one process. Not the
+    default (`auto` converts): measured, a batch of 32 decodes slower from the blocks than from
+    float32 (docs/benchmarks.md). Anywhere else the file is converted once to a float
+    safetensors copy."""
     return (
         cfg.quantized_weights == "packed"
         and cfg.load_format != "dummy"
@@ -137,6 +139,8 @@ def resolve_model(cfg: EngineConfig) -> ResolvedModel:
         path = os.path.abspath(os.path.expanduser(model))
         if os.path.isdir(path):
             model_dir, fmt = _from_directory(path, cfg)
+            if fmt == "gguf":  # its one .gguf, served from its blocks
+                gguf_path = os.path.join(path, gguf_files_in(path)[0])
         elif os.path.isfile(path):
             if not (path.lower().endswith(".gguf") or cfg.load_format == "gguf"):
                 raise ModelLoadError(
