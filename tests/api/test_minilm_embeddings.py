@@ -69,3 +69,27 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm_core):
     assert got.shape == want.shape == (64, 384)
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= 0.9999, cos.min()
+
+
+def test_minilm_over_long_input_is_a_400_naming_the_limit(minilm_core):
+    """sentence_bert_config.json's max_seq_length (256) bounds the encoder: an input past it is
+    a 400 naming the limit, or cut by truncate_prompt_tokens; the engine serves on."""
+    import openai
+
+    core = minilm_core
+    assert core.max_model_len == 256
+    long_text = " ".join(WORDS * 8)
+
+    async def fn(client, _):
+        try:
+            await client.embeddings.create(model=MODEL, input=["short", long_text])
+        except openai.BadRequestError as e:
+            err = e
+        cut = await client.embeddings.create(
+            model=MODEL, input=long_text, extra_body={"truncate_prompt_tokens": 64}
+        )
+        return err, cut
+
+    err, cut = run_client(core, fn)
+    assert err.status_code == 400 and "255" in str(err)
+    assert cut.usage.prompt_tokens == 64 and len(cut.data[0].embedding) == 384

@@ -170,3 +170,11 @@ def test_cross_encoder_score_and_classify_equal_transformers(kind, tmp_path):
         with torch.no_grad():
             logit = ref(**enc).logits[0, 0]
         assert abs(out.outputs.score - torch.sigmoid(logit).item()) < 1e-5
+
+
+def test_unsupported_architecture_lists_the_encoders():
+    from serverless_llm.engine.models.registry import UnsupportedModelError, describe_model
+
+    config = transformers.BertConfig(architectures=["NewModel"])
+    with pytest.raises(UnsupportedModelError, match="BertModel.*ModernBertModel.*NomicBertModel"):
+        describe_model(config)

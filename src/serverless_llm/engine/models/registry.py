@@ -21,6 +21,7 @@ from . import (  # noqa: F401
 )
 from .decoder import DecoderSpec
 from .families import FAMILIES
+from .families_encoder import ENCODER_FAMILIES
 
 MODEL_REGISTRY = FAMILIES  # architecture name -> description function
 
@@ -61,8 +62,8 @@ def describe_model(config) -> DecoderSpec:
             return spec
     raise UnsupportedModelError(
         f"architecture {archs or '(none in config)'} is not supported. Supported architectures: "
-        f"{', '.join(sorted(MODEL_REGISTRY))}. docs/models.md lists them with example "
-        "repositories; a model whose code lives only in its repository (trust_remote_code) is "
+        f"{', '.join(sorted(MODEL_REGISTRY) + sorted(ENCODER_FAMILIES))}. docs/models.md lists "
+        "them with example repositories; a model whose code lives only in its repository (trust_remote_code) is "
         "served when its architecture is one of these."
     )
 
