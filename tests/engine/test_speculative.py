@@ -11,9 +11,14 @@ from collections import Counter
 import pytest
 
 from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError, EngineConfig
 from serverless_llm.engine.speculative import (
+    BACKOFF_TOKENS,
+    DISABLE_BY_BATCH_SIZE,
     accept_greedy,
+    backing_off,
+    note_verified,
     parse_speculative_config,
     propose_ngram,
 )
@@ -23,7 +28,19 @@ NGRAM = {
     "num_speculative_tokens": 4,
     "prompt_lookup_max": 4,
     "prompt_lookup_min": 2,
+    # every batch size speculates here: these tests check what speculation computes, not the
+    # rule that turns it off (test_the_off_rules below)
+    "disable_by_batch_size": None,
 }
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(request, monkeypatch):
+    """The backoff after poor drafts (speculative.py) off, but in the test of the off rules:
+    the tiny random models' drafts are mostly wrong, and these tests need drafts verified to
+    check what verification computes."""
+    if request.node.name != "test_the_off_rules":
+        monkeypatch.setattr(speculative, "BACKOFF_RATE", 0.0)
 
 
 def repeating_prompts(vocab: int, n: int) -> list[list[int]]:
@@ -267,6 +284,66 @@ def test_known_drafts_long_runs_identical_with_preemption_and_prefix_cache(tiny_
     assert stats.spec_accepted_tokens > stats.spec_draft_tokens // 4
     assert stats.spec_accepted_tokens < stats.spec_draft_tokens  # some were rejected
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_the_off_rules(tiny_llama):
+    """Speculation turns itself off (issue 40 item 3): in steps with more running requests than
+    disable_by_batch_size (default DISABLE_BY_BATCH_SIZE, measured; null: never), and for
+    BACKOFF_TOKENS tokens of a request whose recent drafts were mostly rejected. Output is
+    plain decoding's either way."""
+    spec = parse_speculative_config(dict(NGRAM, disable_by_batch_size=3))
+    assert spec.disable_by_batch_size == 3
+    default = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    assert parse_speculative_config(default).disable_by_batch_size == DISABLE_BY_BATCH_SIZE
+    assert parse_speculative_config(NGRAM).disable_by_batch_size is None
+    for bad in (0, -1, "4", 2.5):
+        with pytest.raises(ConfigError, match="disable_by_batch_size"):
+            parse_speculative_config(dict(NGRAM, disable_by_batch_size=bad))
+
+    base = dict(block_size=8, max_model_len=256, dtype="float32")
+    plain = LLM(tiny_llama, **base)
+    vocab = plain.engine.vocab_size
+    prompts = random_prompts(vocab, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    full = tokens(plain.generate(prompts, params))
+    for limit, drafts in ((2, False), (3, True)):
+        llm = LLM(tiny_llama, speculative_config=dict(NGRAM, disable_by_batch_size=limit), **base)
+        oracle(llm, prompts, full)  # right drafts but one spoiled now and then
+        assert tokens(llm.generate(prompts, params)) == full
+        assert (llm.engine.stats().spec_drafts > 0) is drafts, limit
+
+    # every draft wrong: after the first verification the request stops proposing for
+    # BACKOFF_TOKENS tokens, then tries once more, and so on
+    llm = LLM(tiny_llama, speculative_config=NGRAM, **base)
+    engine = llm.engine
+
+    def wrong(req, room):
+        k = engine.draft_room(req, room)
+        n = len(req.output_token_ids)
+        return [(full[0][n + j] + 1) % vocab for j in range(min(k, len(full[0]) - n - 1))]
+
+    engine.scheduler.propose = wrong
+    assert tokens(llm.generate(prompts[:1], params)) == full[:1]
+    verifications = engine.stats().spec_drafts
+    assert 1 <= verifications <= -(-48 // (BACKOFF_TOKENS + 1)) + 1, verifications
+
+    fields = {"output_token_ids": [1] * 10, "spec_rate": 0.5, "spec_skip_until": 0}
+    req = type("R", (), dict(fields, spec_misses=0))()
+    note_verified(req, 4, 4)
+    assert req.spec_rate == 0.75 and not backing_off(req)
+    note_verified(req, 4, 2)
+    assert req.spec_rate == 0.625 and not backing_off(req)
+    note_verified(req, 4, 0)  # one poor run after good ones: not yet a backoff
+    assert req.spec_rate == 0.3125 and not backing_off(req)
+    note_verified(req, 4, 0)
+    assert backing_off(req) and req.spec_skip_until == 10 + BACKOFF_TOKENS
+    req.output_token_ids = [1] * (10 + BACKOFF_TOKENS)  # the backoff is over
+    assert not backing_off(req)
+    note_verified(req, 2, 0)  # another poor run in a row: twice as long
+    assert req.spec_skip_until == 10 + 3 * BACKOFF_TOKENS
+    fresh = type("R", (), dict(fields, spec_misses=0))()
+    note_verified(fresh, 3, 0)  # a new request's first run, all rejected: a backoff at once
+    assert backing_off(fresh)
 
 
 def test_known_drafts_cut_by_stops_and_max_tokens_where_plain_decoding_does(tiny_llama):

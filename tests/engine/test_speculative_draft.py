@@ -15,10 +15,18 @@ import torch
 import transformers
 
 from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError, EngineConfig
 from serverless_llm.engine.loader import ModelLoadError
 from serverless_llm.engine.speculative import parse_speculative_config
 from tests.tiny_models import build_tokenizer, make_config
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    """The backoff after poor drafts (speculative.py; tested in test_speculative.py) off: these
+    tests count drafts verified and accepted."""
+    monkeypatch.setattr(speculative, "BACKOFF_RATE", 0.0)
 
 
 def _save(model, tok, path: str) -> str:
@@ -77,7 +85,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def draft(path: str, k: int) -> dict:
-    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+    # every batch size speculates (the off rule: test_speculative.py)
+    return {
+        "method": "draft_model",
+        "model": path,
+        "num_speculative_tokens": k,
+        "disable_by_batch_size": None,
+    }
 
 
 def tokens(outs) -> list[list[int]]:

@@ -63,7 +63,9 @@ from .sampling.verify import DraftRun, verify_sampled
 from .scheduler import Sampled, Scheduler
 from .speculative import (
     accept_greedy,
+    backing_off,
     can_speculate,
+    note_verified,
     parse_speculative_config,
     plain_argmax,
     propose_ngram,
@@ -502,13 +504,15 @@ class LLMEngine:
                 d.kv_bytes_per_token,
                 " (num_kv_blocks: each the same count)" if config.num_kv_blocks else "",
             )
+            logger.info("speculative decoding: %s", _off_rule(spec))
             return spec
         logger.info(
             "speculative decoding: ngram, %d tokens a step, prompt lookup %d..%d (greedy and "
-            "sampled requests; not beam search, images or guided decoding)",
+            "sampled requests; not beam search, images or guided decoding); %s",
             spec.num_speculative_tokens,
             spec.prompt_lookup_min,
             spec.prompt_lookup_max,
+            _off_rule(spec),
         )
         return spec
 
@@ -539,9 +543,16 @@ class LLMEngine:
     def draft_room(self, req: Request, room: int) -> int:
         """How many drafts `req` may verify this step (0: it decodes one token): at most
         num_speculative_tokens and `room`, never past its max_tokens or max_model_len, and
-        none for a request that does not speculate (speculative.can_speculate)."""
+        none for a request that does not speculate (speculative.can_speculate), in a step with
+        more running requests than the config's disable_by_batch_size, or in a backoff after
+        poor drafts (speculative.backing_off)."""
         if not can_speculate(req):
             return 0
+        off = self.spec.disable_by_batch_size
+        if off is not None and len(self.scheduler.running) > off:
+            return 0  # a batch this large gains nothing from drafts (speculative.py)
+        if backing_off(req):
+            return 0  # its recent drafts were mostly rejected (speculative.py)
         n = req.num_tokens
         return min(
             self.spec.num_speculative_tokens,
@@ -992,6 +1003,7 @@ class LLMEngine:
         self.spec_drafts += 1
         self.spec_draft_tokens += len(drafts)
         self.spec_accepted_tokens += len(tokens) - 1
+        note_verified(req, len(drafts), len(tokens) - 1)
         return Sampled(req, tokens, lps, rollback=len(drafts) + 1 - len(tokens))
 
     def _fail_request(self, req: Request, exc: Exception) -> None:
@@ -1012,3 +1024,10 @@ class LLMEngine:
             self._bitmask = allocate_bitmask(need, self.vocab_size)
         fill_bitmasks([reqs[i].grammar for i in rows], self._bitmask, rows)
         sb.set_grammar(self._bitmask, rows)
+
+
+def _off_rule(spec) -> str:
+    """The start-up line's words for the speculative config's batch-size rule."""
+    if spec.disable_by_batch_size is None:
+        return "at every batch size (disable_by_batch_size null)"
+    return f"off in steps of more than {spec.disable_by_batch_size} running requests"

@@ -71,6 +71,11 @@ class Request:
     pooling: PoolingParams | None = None
     pool: PoolState | None = None
     embedding: list[float] | None = None  # the pooled vector, once its prompt is computed
+    # Speculation (speculative.py's backoff): the share of its recent drafts kept (a running
+    # average), and the output length before which it proposes none (after poor runs).
+    spec_rate: float = 0.5  # speculative.SPEC_RATE_START
+    spec_skip_until: int = 0
+    spec_misses: int = 0  # poor runs in a row (each doubles the next backoff)
 
     @property
     def lora_id(self) -> int:

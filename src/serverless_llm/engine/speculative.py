@@ -27,6 +27,7 @@ smaller model of the same tokenizer, with its own paged KV cache, run for k gree
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -38,6 +39,41 @@ from .request import Request
 METHODS = ("ngram", "draft_model")
 # Methods vLLM knows that this engine does not run yet (refused by name, not as a typo).
 LATER_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+# Steps with more running requests than this do not speculate unless the config says otherwise
+# (`disable_by_batch_size`): past it, verifying k + 1 rows for each request costs more than the
+# accepted drafts save, measured on CPU by bench/speculative_batch.py (docs/benchmarks.md).
+DISABLE_BY_BATCH_SIZE = 16
+# Backoff: a request whose running share of kept drafts (each verification weighs SPEC_RATE_WEIGHT;
+# it starts at SPEC_RATE_START, so one fully rejected run is enough) falls below BACKOFF_RATE
+# proposes nothing for its next BACKOFF_TOKENS tokens, twice as many after each further poor run
+# in a row (up to BACKOFF_MAX), then tries again: free text, where prompt lookup proposes now and
+# then and is rarely right, stops paying for the rejected drafts' rows, while text that copies
+# its prompt keeps speculating.
+SPEC_RATE_START = 0.5
+SPEC_RATE_WEIGHT = 0.5
+BACKOFF_RATE = 0.3
+BACKOFF_TOKENS = 16
+BACKOFF_MAX = 256
+
+
+def note_verified(req: Request, drafted: int, kept: int) -> None:
+    """Updates `req`'s running share of kept drafts after a verification of `drafted` drafts,
+    `kept` of them kept, and starts a backoff when it is poor (longer for each poor run in a
+    row)."""
+    if drafted < 1:
+        return
+    req.spec_rate += SPEC_RATE_WEIGHT * (kept / drafted - req.spec_rate)
+    if req.spec_rate < BACKOFF_RATE:
+        span = min(BACKOFF_TOKENS << req.spec_misses, BACKOFF_MAX)
+        req.spec_skip_until = len(req.output_token_ids) + span
+        req.spec_misses += 1
+    else:
+        req.spec_misses = 0
+
+
+def backing_off(req: Request) -> bool:
+    """Whether `req` is in a backoff (proposes no drafts this step)."""
+    return len(req.output_token_ids) < req.spec_skip_until
 IMPLEMENTED = (
     "only 'ngram' (prompt lookup) and 'draft_model' (a smaller model of the same tokenizer, "
     "named by `model`) are implemented in this engine"
@@ -52,6 +88,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     model: str | None = None  # draft_model's: a local directory, .gguf file or hub id
     revision: str | None = None  # the draft's hub revision
+    # vLLM's key: no request speculates in a step with more running requests than this (None:
+    # always). The default is measured (DISABLE_BY_BATCH_SIZE).
+    disable_by_batch_size: int | None = None
 
 
 def speculative_method(value: dict) -> str | None:
@@ -90,6 +129,17 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     k = _int(value, "num_speculative_tokens", None)
     if k is None or k < 1:
         raise ConfigError(f"speculative_config num_speculative_tokens={k!r}: must be >= 1")
+    off = _int(value, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
+    if "disable_by_batch_size" in value and value["disable_by_batch_size"] is None:
+        off = None  # null: speculate at every batch size
+    if off is not None and off < 1:
+        raise ConfigError(
+            f"speculative_config disable_by_batch_size={off}: must be >= 1 (or null: never off)"
+        )
+    return dataclasses.replace(_method_config(value, method, k), disable_by_batch_size=off)
+
+
+def _method_config(value: dict, method: str, k: int) -> SpeculativeConfig:
     if method == "draft_model":
         return _draft_model_config(value, k)
     hi = _int(value, "prompt_lookup_max", None)
