@@ -425,9 +425,12 @@ class SettingsFields(BaseSettings):
             '"num_speculative_tokens": 3}` (or `model` alone) runs a smaller model of the '
             "same tokenizer (refused at start otherwise) for that many greedy steps, with its "
             "own KV cache taken from the same memory (`draft_tensor_parallel_size` 1 only). "
-            "The target verifies the drafts in one pass; output is the same as without it. "
-            "Other methods (eagle, mtp...) are not implemented: named in a warning and "
-            "served without speculation. Unset: off."
+            "The target verifies the drafts in one pass; greedy output is the same as without "
+            "it, sampled output has the same distribution (the same tokens for a seeded "
+            "request). `disable_by_batch_size` (default 16; null: never) stops speculation in "
+            "steps with more running requests, and a request whose drafts are mostly rejected "
+            "backs off by itself. Other methods (eagle, mtp...) are not implemented: named in "
+            "a warning and served without speculation. Unset: off."
         ),
         allowed="a JSON object",
         json_object=True,
