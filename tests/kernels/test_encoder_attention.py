@@ -97,3 +97,14 @@ def test_two_sided_window_torch_path():
         k2[base + far] += 1.0
         out = encoder_attention_reference(q, k2, v, meta, spec)
         assert torch.allclose(out[base + 10], ref[base + 10]) != changes
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_torch_path_batches_requests_of_one_length(window):
+    """Requests of one length go through one batched SDPA call (the torch path's grouping):
+    each still sees only its own rows, as the reference computes, in any order of lengths."""
+    lens = [5, 3, 5, 1, 5, 9, 3, 1]
+    q, k, v, spec = _inputs(lens, 4, 2, 16, torch.float32, seed=3, window=window)
+    meta = _meta(lens)
+    ref = encoder_attention_reference(q, k, v, meta, spec)
+    torch.testing.assert_close(encoder_attention_torch(q, k, v, meta, spec), ref)
