@@ -52,7 +52,8 @@ def error_message(path: str, response: httpx.Response) -> str:
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
         return body["error"]["message"]
     last = path.rstrip("/").rsplit("/", 1)[-1]
-    if "/openai/" in path or last in ("tokenize", "detokenize") or "lora_adapter" in last:
+    vllm_routes = ("tokenize", "detokenize", "rerank", "score", "classify", "pooling")
+    if "/openai/" in path or last in vllm_routes or "lora_adapter" in last:
         assert body["error"]["type"] == "invalid_request_error", body
         return body["error"]["message"]
     assert isinstance(body["error"], str), body
