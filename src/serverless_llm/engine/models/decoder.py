@@ -945,10 +945,12 @@ class NativeDecodeLayer:
 
     @staticmethod
     def linears_of(layer: DecoderLayer) -> tuple:
-        """The layer's QKV, O, up (gate-up when gated) and down linears, as they are now."""
+        """The layer's QKV, O, up (gate-up when gated) and down linears, as they are now (None
+        for those it lacks: a recurrent layer has no QKV or O)."""
         attn, mlp = layer.self_attn, layer.mlp
         up = getattr(mlp, "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj", None)
-        return attn.qkv_proj, attn.o_proj, up, getattr(mlp, "down_proj", None)
+        qkv, o = getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None)
+        return qkv, o, up, getattr(mlp, "down_proj", None)
 
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
