@@ -66,15 +66,16 @@ class PermutedBlocks(nn.Module):
 
 
 def take_int_blocks(model: nn.Module, kernels: BlockKernels) -> tuple[int, int]:
-    """Every settled integer QuantLinear of `model` on qb32 blocks where its weights fit: a
+    """Every settled integer QuantLinear of `model` whose packed form runs its torch path (not
+    the Triton GEMM) on qb32 blocks where its weights fit: a
     QuantLinear of one run in input order becomes a GGUFBlockLinear (so the whole-layer native
     decode can take it), others keep their QuantLinear with each run on blocks. Returns (linears
     on blocks, linears left in their packed form)."""
     done = left = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, QuantLinear) or child.packed is None:
-                continue
+            if not isinstance(child, QuantLinear) or child.packed is None or child.use_kernels:
+                continue  # not settled packed, or served by the Triton GEMM (its backend)
             runs = list(child.packed)
             if not all(isinstance(p, PackedWeight) for p in runs):
                 left += 1  # FP8: its own path
