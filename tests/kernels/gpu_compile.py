@@ -135,6 +135,10 @@ def attention_constexprs(group: int, cfg: pa.TileConfig, head_dim: int, dtype: s
         HAS_LIMITS=flags.get("limits", False),
         HAS_CHUNK=flags.get("chunk", False),
         HAS_SINKS=flags.get("sinks", False),
+        # the encoders' flags (constexprs with defaults in the kernel: not named here, they
+        # would be compiled as runtime ints and keep both branches)
+        DENSE_KV=flags.get("dense", False),
+        BIDIRECTIONAL=flags.get("dense", False),
     )
 
 
@@ -212,6 +216,14 @@ def main(quick: bool = False) -> int:
             ce = attention_constexprs(2, cfg, 256, dtype, window=True, softcap=True, limits=True)
             attempt(f"attention {dtype} prefill g2 d256 key limits", pa._paged_attention_kernel,
                     dtype, ce, arch, cfg.num_warps, cfg.num_stages)  # fmt: skip
+            # Encoders (BERT's 12 heads of 64; ModernBERT's local layers: a two-sided window):
+            # K/V read from the step's rows, no causal mask.
+            cfg = pa.prefill_tiles(1, 64, 512, tdt)
+            for window in (False, True):
+                ce = attention_constexprs(1, cfg, 64, dtype, dense=True, window=window)
+                attempt(f"attention {dtype} encoder g1 d64 window={window}",
+                        pa._paged_attention_kernel, dtype, ce, arch, cfg.num_warps,
+                        cfg.num_stages)  # fmt: skip
             # Chunked local attention (Llama 4's layers), decode and prefill, split and not.
             for kind, split in (("decode", True), ("prefill", False)):
                 cfg = pa.decode_tiles(5, 128, tdt) if kind == "decode" else pa.prefill_tiles(
