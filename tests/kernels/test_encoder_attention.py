@@ -100,9 +100,9 @@ def test_two_sided_window_torch_path():
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_torch_path_batches_requests_of_one_length(window):
-    """Requests of one length go through one batched SDPA call (the torch path's grouping):
-    each still sees only its own rows, as the reference computes, in any order of lengths."""
+def test_torch_path_with_repeated_lengths(window):
+    """Requests of the same length side by side in a step, in any order of lengths: each sees
+    only its own rows, as the reference computes."""
     lens = [5, 3, 5, 1, 5, 9, 3, 1]
     q, k, v, spec = _inputs(lens, 4, 2, 16, torch.float32, seed=3, window=window)
     meta = _meta(lens)

@@ -632,38 +632,22 @@ def encoder_attention(
 
 
 def encoder_attention_torch(q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
-    """What `encoder_attention` computes, through SDPA (no mask: each request's rows see all of
-    its rows; with a sliding window, those within window - 1 positions either side). The torch
-    backend's encoder path. Requests of one length share one batched SDPA call (a step of
-    short sentences holds many of each length; one call apiece cost more in dispatch than in
-    arithmetic), a request alone takes its rows in place."""
+    """What `encoder_attention` computes, one request at a time through SDPA (no mask: each
+    request's rows see all of its rows; with a sliding window, those within window - 1
+    positions either side). The torch backend's encoder path."""
     T = q.shape[0]
     out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=q.dtype, device=q.device)
     gqa = spec.num_heads != spec.num_kv_heads
-    by_length: dict[int, list[int]] = {}
     s = 0
     for n in meta.query_lens_host:
-        by_length.setdefault(n, []).append(s)
-        s += n
-    for n, starts in by_length.items():
+        e = s + n
+        qh, kh, vh = (x[s:e].transpose(0, 1) for x in (q, k, v))
         mask = _two_sided_window(n, spec.sliding_window, q.device)
-        if len(starts) == 1:
-            s, e = starts[0], starts[0] + n
-            qh, kh, vh = (x[s:e].transpose(0, 1) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, scale=spec.scale, enable_gqa=gqa
-            )
-            out[s:e] = o.transpose(0, 1).reshape(n, -1)
-            continue
-        rows = torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)
-        rows = rows.reshape(-1)
-        b = len(starts)
-        qh, kh, vh = (x.index_select(0, rows).view(b, n, *x.shape[1:]).transpose(1, 2)
-                      for x in (q, k, v))  # fmt: skip
         o = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=spec.scale, enable_gqa=gqa
         )
-        out.index_copy_(0, rows, o.transpose(1, 2).reshape(b * n, -1))
+        out[s:e] = o.transpose(0, 1).reshape(n, -1)
+        s = e
     return out
 
 
