@@ -7,6 +7,7 @@ states the result as ratios (see docs/benchmarks.md).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -232,6 +233,15 @@ def stop_process(proc: subprocess.Popen, grace: float = 30.0) -> None:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+def child_result(cmd: list[str], what: str) -> dict:
+    """Runs one system's child process of a bench (`cmd`) and returns the JSON object it
+    prints last; its stderr's tail in the error when it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.1, sample: float = 2.0) -> float | None:
     """Waits, up to `max_wait` seconds, until other processes keep fewer than `threshold` cores

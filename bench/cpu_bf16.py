@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,7 +67,7 @@ def main(argv=None) -> int:
     if a.child:
         print(json.dumps(child(a.child, a.model, a.tokens, a.cpu_time)))
         return 0
-    from bench.common import load_average
+    from bench.common import child_result, load_average
     from serverless_llm.engine.kernels.cpu_native import cpu_flags
 
     flags = set(cpu_flags().split())
@@ -81,10 +80,7 @@ def main(argv=None) -> int:
             cmd += (["--model", a.model] if a.model else []) + (
                 ["--cpu-time"] if a.cpu_time else []
             )
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"{mode} failed:\n{done.stderr[-2000:]}")
-            r = json.loads(done.stdout.strip().splitlines()[-1])
+            r = child_result(cmd, mode)
             prev = best.setdefault(mode, r)
             for k in ("tok_s_1", "tok_s_32"):
                 prev[k] = max(prev[k], r[k])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2], sys.argv[3])))
         return 0
-    from bench.common import cpu_flags, default_model_dir, load_average
+    from bench.common import child_result, cpu_flags, default_model_dir, load_average
     from bench.quant_throughput import quantize_dir
 
     print("flags:", " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
@@ -67,8 +66,7 @@ def main() -> int:
         rows = []
         for mode in MODES:
             cmd = [sys.executable, __file__, "--child", mode, qdir]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(child_result(cmd, mode))
     base = rows[0]
     print("| mode | 1 request, tok/s | vs float32 | 32 requests, tok/s | vs float32 |")
     print("|---|---|---|---|---|")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,7 +74,7 @@ def main(argv=None) -> int:
     if a.child:
         print(json.dumps(child(a.child, a.tokens, a.cpu_time)))
         return 0
-    from bench.common import cpu_flags, load_average
+    from bench.common import child_result, cpu_flags, load_average
 
     print("flags:", " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print("load before:", load_average())
@@ -84,8 +83,7 @@ def main(argv=None) -> int:
         for mode in MODES if rnd % 2 == 0 else reversed(MODES):
             cmd = [sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens)]
             cmd += ["--cpu-time"] if a.cpu_time else []
-            r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True)
-                           .stdout.strip().splitlines()[-1])  # fmt: skip
+            r = child_result(cmd, mode)
             prev = best.setdefault(mode, r)
             for k, v in r.items():
                 if k != "mode":
