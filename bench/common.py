@@ -184,6 +184,16 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float
     return 2.0 * nbytes / best
 
 
+def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of reading a large tensor once (a sum over it, all torch threads), the best of
+    `repeats`: the ceiling a one-request decode step meets when it reads every weight once (a
+    copy, `measure_memory_bandwidth`, also writes, and reads slower on most machines)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    src.sum()
+    best = min(_timed(lambda: src.sum()) for _ in range(repeats))
+    return nbytes / best
+
+
 class CpuCompetition:
     """Context manager: how many cores other processes kept busy while it was open, from
     /proc/stat (whole machine) minus this process's own CPU time (and that of `pids`, the

@@ -43,7 +43,17 @@ PASSAGE = (
     "town. When storms came in from the west he stayed awake all night beside the lamp, "
     "trimming the wick and listening to the waves break against the rocks. Over forty years "
     "he never once let the light go out, and the logbooks, stacked in a cupboard by the door, "
-    "filled three shelves from floor to ceiling."
+    "filled three shelves from floor to ceiling. When he finally retired, the harbour master "
+    "asked him what he would miss most. He thought about it for a long while, turning his cap "
+    "in his hands, and then said that it was not the light, nor the sea, nor even the quiet of "
+    "the long nights, but the moment just before dawn when the first boats left the harbour and "
+    "their crews, seeing the lamp still burning above them, raised a hand to the tower. He had "
+    "never been able to see their faces from so high up, he admitted, but he had always waved "
+    "back. The new keeper was a young woman from the town who had studied engineering and "
+    "brought with her a radio, a barometer that printed its own readings, and a cat named "
+    "Admiral. She kept the logbooks going all the same, in a neater hand, and every spring she "
+    "carried a copy of the year's entries down the hill to the old man's cottage, where they "
+    "read them together over tea and argued about the weather."
 )
 TASKS = {
     "copy": "Repeat the following passage exactly, word for word:\n\n" + PASSAGE,
@@ -135,6 +145,8 @@ def main() -> None:
         default_model_dir,
         load_average,
         machine_info,
+        measure_read_bandwidth,
+        model_cost,
     )
     from serverless_llm import LLM, SamplingParams
 
@@ -172,6 +184,16 @@ def main() -> None:
     for name, config in configs.items():
         engines[name] = LLM(None, speculative_config=config, **kw)
     tok = engines["plain"].get_tokenizer()
+    # The memory ceiling of one request's plain decode: every weight read once a token, at the
+    # machine's read bandwidth (measured here, between the engines' loads and the timed runs).
+    weight_bytes = model_cost(engines["plain"].engine.hf_config).weight_bytes_per_token
+    read_bw = measure_read_bandwidth()
+    ceiling = read_bw / weight_bytes
+    print(
+        f"memory ceiling: {weight_bytes / 2**20:.0f} MiB of float32 weights a token at "
+        f"{read_bw / 1e9:.1f} GB/s read = {ceiling:.1f} tok/s",
+        flush=True,
+    )
     params = SamplingParams(
         temperature=args.temperature, seed=args.seed, max_tokens=args.tokens, ignore_eos=True
     )
@@ -200,13 +222,18 @@ def main() -> None:
             "prompt_tokens": len(ids),
             "tokens": args.tokens,
             "plain_tok_s": round(tps["plain"], 2),
+            "plain_over_ceiling": round(tps["plain"] / ceiling, 2),
         }
-        line = f"{task}: prompt {len(ids)} tokens, {args.tokens} generated: plain {r['plain_tok_s']} tok/s"
+        line = (
+            f"{task}: prompt {len(ids)} tokens, {args.tokens} generated: plain "
+            f"{r['plain_tok_s']} tok/s ({r['plain_over_ceiling']}x the memory ceiling)"
+        )
         for name in configs:
             steps, drafted, accepted = counts[name]
             r[name] = {
                 "tok_s": round(tps[name], 2),
                 "speedup": round(tps[name] / tps["plain"], 2),
+                "over_ceiling": round(tps[name] / ceiling, 2),
                 "drafted": drafted,
                 "accepted": accepted,
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
@@ -216,7 +243,8 @@ def main() -> None:
             m = r[name]
             k = configs[name]["num_speculative_tokens"]
             line += (
-                f"; {name} k={k} {m['tok_s']} tok/s ({m['speedup']}x), accepted "
+                f"; {name} k={k} {m['tok_s']} tok/s ({m['speedup']}x, "
+                f"{m['over_ceiling']}x the ceiling), accepted "
                 f"{accepted}/{drafted} ({m['acceptance']}), {m['tokens_per_verify_step']} tokens "
                 f"a verifying step, identical {m['identical']}"
             )
@@ -234,7 +262,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"configs": configs, "results": results, "machine": info, "others_cores": others},
+                {
+                    "configs": configs,
+                    "results": results,
+                    "machine": info,
+                    "others_cores": others,
+                    "read_bandwidth": read_bw,
+                    "weight_bytes_per_token": weight_bytes,
+                    "ceiling_tok_s": ceiling,
+                },
                 f,
                 indent=2,
             )
