@@ -79,11 +79,16 @@ class HostBatch:
     verify: list[tuple[Request, int]] = field(default_factory=list)
     # Pooling requests (engine/pooling.py): (request, its first flat row, rows, prompt done).
     pool_work: list[tuple[Request, int, int, bool]] = field(default_factory=list)
+    # With `ModelRunner.keep_hidden`: per request, (request, its first flat row, its first
+    # position, rows), for a proposer that drafts from the target's hidden states (eagle.py).
+    spans: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
     def for_peers(self) -> HostBatch:
         """What the other tensor-parallel ranks need to run the same step: no requests."""
         work = dataclasses.replace(self.prompt_work, requests=[], counts=[])
-        return dataclasses.replace(self, sample_reqs=[], verify=[], prompt_work=work, pool_work=[])
+        return dataclasses.replace(
+            self, sample_reqs=[], verify=[], prompt_work=work, pool_work=[], spans=[]
+        )
 
 
 class ModelRunner:
@@ -120,6 +125,12 @@ class ModelRunner:
         # at each of its 1 + k rows (speculative.py).
         self.verified: list[tuple[Request, list[int]]] = []
         self.verify_logits: torch.Tensor | None = None  # their rows' logits, in that order
+        # A proposer that drafts from the target's hidden states (eagle.py) sets `keep_hidden`:
+        # each step then leaves its final hidden states [T, hidden] (what the LM head reads) in
+        # `hidden` and its requests' rows in `hidden_spans` (HostBatch.spans). Off: no cost.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.hidden_spans: list[tuple[Request, int, int, int]] = []
         # The pooling requests whose prompt the last step completed (their `embedding` set).
         self.pooled: list[Request] = []
         # The classifier head classify/score requests read (pooling.py), set by the engine.
@@ -180,10 +191,13 @@ class ModelRunner:
         num_decodes = 0
         verify_idx: list[int] = []
         verify: list[tuple[Request, int]] = []
+        spans: list[tuple[Request, int, int, int]] = []
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
             start = req.num_computed_tokens
             end = start + n
+            if self.keep_hidden:
+                spans.append((req, len(input_ids), start, n))
             drafts = batch.drafts.get(req.request_id) if batch.drafts else None
             if n == 1:
                 num_decodes += 1
@@ -253,6 +267,7 @@ class ModelRunner:
         h.mm_rows, h.mm_parts, h.mrope_runs = mm_rows, mm_parts, mrope_runs
         h.pool_work = pool_work
         h.verify_idx, h.verify = verify_idx, verify
+        h.spans = spans
         if any(limits is not None for limits in key_limits):
             h.key_limits = key_limits
         return h
@@ -363,6 +378,7 @@ class ModelRunner:
                 self.lora_loads.clear()  # the engine's LoRAManager appends to this list
             self.peers.send(h.for_peers())
         logits, entries = self.run(h)
+        self.hidden_spans = h.spans
         if entries:
             self._give_prompt_logprobs(entries, h.prompt_work)
         self.verified = []
@@ -415,6 +431,8 @@ class ModelRunner:
             finally:
                 if self.lora_step is not None:
                     self.lora_step.clear()
+        if self.keep_hidden:
+            self.hidden = hidden
         entries = []
         work = h.prompt_work
         if work.positions:
