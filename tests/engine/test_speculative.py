@@ -96,7 +96,7 @@ def test_config_parses_ngram_and_refuses_other_methods():
     )
     assert parse_speculative_config(None) is None
     for bad, says in [
-        ({"method": "eagle", "num_speculative_tokens": 3}, "only 'ngram'"),
+        ({"method": "medusa", "num_speculative_tokens": 3}, "only 'ngram'"),
         ({"num_speculative_tokens": 3}, "needs a method"),
         ({"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}, ">= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2}, "prompt_lookup_max"),

@@ -144,7 +144,7 @@ def test_config_parses_draft_model_and_vllm_spellings():
             {"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
             "draft_tensor_parallel_size=2",
         ),
-        ({"method": "eagle", "model": "/d", "num_speculative_tokens": 3}, "'draft_model'"),
+        ({"method": "medusa", "model": "/d", "num_speculative_tokens": 3}, "'draft_model'"),
     ]:
         with pytest.raises(ConfigError, match=says):
             EngineConfig(speculative_config=bad)

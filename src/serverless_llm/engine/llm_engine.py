@@ -21,6 +21,7 @@ from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .draft_model import DraftModel, check_same_tokenizer, split_blocks
+from .eagle import HeadLoad, HiddenDraft, check_mtp_target, load_eagle, load_mtp
 from .generation_defaults import sampling_defaults
 from .input_processor import (
     ImageInputs,
@@ -282,10 +283,11 @@ class LLMEngine:
         self.scheduler.whole_prompts = self.encoder  # bidirectional: never in chunks
         self.drafter: DraftModel | None = None
         if draft is not None:
-            self.drafter = DraftModel(
-                draft, num_blocks, self.block_size, self.max_num_batched_tokens
-            )
+            kind = HiddenDraft if isinstance(draft, HeadLoad) else DraftModel
+            self.drafter = kind(draft, num_blocks, self.block_size, self.max_num_batched_tokens)
             self.scheduler.on_free = self.drafter.free
+            # eagle/mtp draft from the target's hidden states (eagle.py)
+            self.runner.keep_hidden = isinstance(draft, HeadLoad)
         self.spec = self._speculation(config, layout)
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
@@ -440,10 +442,16 @@ class LLMEngine:
         with the target's dtype setting and context length (LoadedModel), its vocabulary
         checked against the target's; None without one, or where speculation is off."""
         spec = parse_speculative_config(config.speculative_config)
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method == "ngram":
             return None
+        if spec.method == "mtp":
+            check_mtp_target(loaded)  # a target without MTP layers is refused at once
         if self._speculation_off(loaded.cache_layout()) is not None:
             return None  # _speculation says why
+        if spec.method == "mtp":
+            return load_mtp(config, loaded)
+        if spec.method == "eagle":
+            return load_eagle(config, spec, loaded)
         draft_config = dataclasses.replace(
             config,
             model=spec.model,
@@ -485,14 +493,15 @@ class LLMEngine:
         if why is not None:
             logger.warning("speculative decoding off: %s", why)
             return None
-        if spec.method == "draft_model":
+        if spec.method != "ngram":
             d = self.drafter
             tokens_mib = self.block_size * self.block_pool.num_blocks / 2**20
             draft_mib = self.block_size * d.num_blocks / 2**20
             logger.info(
-                "speculative decoding: draft_model %s (%.1f MiB of weights), %d tokens a step "
+                "speculative decoding: %s %s (%.1f MiB of weights), %d tokens a step "
                 "(greedy drafts); KV cache split: target %d blocks (%.1f MiB, %d B a token), "
                 "draft %d blocks (%.1f MiB, %d B a token)%s",
+                spec.method,
                 d.source,
                 d.loaded.param_bytes / 2**20,
                 spec.num_speculative_tokens,
@@ -941,6 +950,8 @@ class LLMEngine:
         if self.runner.verified:
             sampled.extend(self._verify(batch))
         updates = self.scheduler.update(batch, sampled, process_token)
+        if self.runner.keep_hidden:  # after the update: only kept tokens' hidden states
+            self.drafter.observe(self.runner)
         outputs = []
         now = time.monotonic()
         for req in batch.requests:

@@ -36,9 +36,11 @@ import numpy as np
 from .config import ConfigError
 from .request import Request
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "mtp")
 # Methods vLLM knows that this engine does not run yet (refused by name, not as a typo).
-LATER_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+LATER_METHODS = ("eagle3", "medusa", "mlp_speculator")
+# vLLM's older per-model names of the `mtp` method.
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "mimo_mtp", "ernie_mtp", "qwen3_next_mtp")
 # Steps with more running requests than this do not speculate unless the config says otherwise
 # (`disable_by_batch_size`): past it, verifying k + 1 rows for each request costs more than the
 # accepted drafts save, measured on CPU by bench/speculative_batch.py (docs/benchmarks.md).
@@ -75,8 +77,9 @@ def backing_off(req: Request) -> bool:
     """Whether `req` is in a backoff (proposes no drafts this step)."""
     return len(req.output_token_ids) < req.spec_skip_until
 IMPLEMENTED = (
-    "only 'ngram' (prompt lookup) and 'draft_model' (a smaller model of the same tokenizer, "
-    "named by `model`) are implemented in this engine"
+    "only 'ngram' (prompt lookup), 'draft_model' (a smaller model of the same tokenizer, named "
+    "by `model`), 'eagle' (an EAGLE-1 head named by `model`) and 'mtp' (the target's own "
+    "multi-token-prediction layer) are implemented in this engine"
 )
 
 
@@ -102,6 +105,8 @@ def speculative_method(value: dict) -> str | None:
         return "ngram"  # vLLM's older spelling: the proposer named as the model
     if method is None and model is not None:
         return "draft_model"
+    if method in MTP_ALIASES:
+        return "mtp"
     return method
 
 
@@ -140,8 +145,10 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
 
 
 def _method_config(value: dict, method: str, k: int) -> SpeculativeConfig:
-    if method == "draft_model":
-        return _draft_model_config(value, k)
+    if method in ("draft_model", "eagle"):
+        return _draft_model_config(value, k, method)
+    if method == "mtp":  # the target's own layers: a `model` (vLLM lets it name the target) unused
+        return SpeculativeConfig("mtp", k)
     hi = _int(value, "prompt_lookup_max", None)
     lo = _int(value, "prompt_lookup_min", None)
     if hi is None and lo is None:
@@ -159,12 +166,13 @@ def _method_config(value: dict, method: str, k: int) -> SpeculativeConfig:
     return SpeculativeConfig(method, k, lo, hi)
 
 
-def _draft_model_config(value: dict, k: int) -> SpeculativeConfig:
+def _draft_model_config(value: dict, k: int, method: str = "draft_model") -> SpeculativeConfig:
     model = value.get("model")
     if not isinstance(model, str) or not model.strip() or model in ("ngram", "[ngram]"):
+        what = "directory, .gguf file" if method == "draft_model" else "directory"
         raise ConfigError(
-            f"speculative_config method 'draft_model' needs `model`: the draft's local "
-            f"directory, .gguf file or hub id (got {model!r})"
+            f"speculative_config method {method!r} needs `model`: the draft's local "
+            f"{what} or hub id (got {model!r})"
         )
     tp = _int(value, "draft_tensor_parallel_size", 1)
     if tp != 1:
@@ -175,7 +183,7 @@ def _draft_model_config(value: dict, k: int) -> SpeculativeConfig:
     revision = value.get("revision")
     if revision is not None and not isinstance(revision, str):
         raise ConfigError(f"speculative_config revision={revision!r}: must be a string")
-    return SpeculativeConfig("draft_model", k, model=model.strip(), revision=revision)
+    return SpeculativeConfig(method, k, model=model.strip(), revision=revision)
 
 
 def _int(d: dict, key: str, default):

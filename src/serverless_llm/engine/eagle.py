@@ -1,0 +1,555 @@
+"""Speculative decoding's proposers that draft from the target's hidden states: `eagle` (an
+EAGLE-1 head, its own small checkpoint) and `mtp` (the multi-token-prediction layer a DeepSeek-V3
+style checkpoint ships beside its decoder layers).
+
+Both are one decoder layer over a fused input: the row at position p fuses the embedding of token
+p + 1 (the target's embedding table, shared) with the target's final hidden state at p (what its
+LM head reads: after the final norm, as EAGLE's published code and vLLM take it), and its output
+scores token p + 2:
+
+- eagle (EAGLE-1, e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B): `fc` Linear(2h -> h, with a bias in
+  some checkpoints) over concat(embedding, hidden), one Llama decoder layer without its
+  input_layernorm (the published heads drop it), no final norm; the target's LM head reads the
+  layer's output directly.
+- mtp (DeepSeek V3, GLM-4.5): the embedding zeroed at position 0, `eh_proj` Linear(2h -> h) over
+  concat(enorm(embedding), hnorm(hidden)), one decoder block of the model's own kind (layer N of
+  `model.layers.N.`, N = num_hidden_layers: MLA and MoE for DeepSeek V3), then
+  `shared_head.norm` and `shared_head.head` (or the target's head when the checkpoint has none).
+
+Drafting k tokens: the first pass feeds the rows the target computed since the last drafting and
+takes the argmax at the last one (position n - 2, token n - 1: draft 1); each further pass feeds
+one row: the previous draft and the layer's own output at the previous row as its hidden state
+(EAGLE's and DeepSeek's recurrence).
+
+The head keeps its own paged KV cache for its one layer, split from the target's budget like
+draft_model's (`DraftModel`, whose pool, block manager, runner and free/take it reuses). Its
+entries follow the target lazily (`Track`): after each target step (`observe`) the rows of the
+tokens it kept (prompt chunks, decodes, the accepted part of a verification) wait in the track;
+the next drafting feeds them, rolling the draft cache back first to the last entry made from the
+target's own hidden state (draft rows are made from the head's own outputs, so even an accepted
+draft's entry is fed again from the target's row). The last fed row is kept and fed again next
+time (its output gives draft 1 when nothing new came). A request whose target prefix came from the
+prefix cache (or that lost its draft blocks) has no hidden states before some position: its
+track starts there (`base`, cache index = position - base), the head then attends to the tokens
+from there on only (rotary positions stay absolute). That costs acceptance, never correctness:
+the target verifies every draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ConfigError, EngineConfig
+from .draft_model import DraftModel, _table
+from .layers.norm import RMSNorm
+from .loader import ModelLoadError, iter_weights, load_hf_config, resolve_model
+from .model_builder import LoadedModel, make_attention_backend
+from .model_runner import HostBatch, ModelRunner, PromptLogprobWork
+from .models import DecoderModel, DecoderSpec, describe_model
+from .request import Request
+
+logger = logging.getLogger(__name__)
+
+# Architectures a published EAGLE-1 head's config.json names (its layer is Llama's).
+EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
+# Targets whose MTP layers are stored DeepSeek-V3's way (`model.layers.<num_hidden_layers>.`).
+MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+# Per-layer fields of a DecoderSpec (tuples over its layers).
+_PER_LAYER = (
+    "windows",
+    "chunks",
+    "qk_norm_layers",
+    "layer_heads",
+    "k_eq_v",
+    "kv_source",
+    "mlp_sizes",
+    "rope",
+    "moe_layers",
+    "mixers",
+    "mlp_layers",
+)
+
+
+class DraftCore(DecoderModel):
+    """The head's decoder layer as a one-layer DecoderModel whose "embedding" is the fused input
+    set in `fused` before each call (no vocabulary of its own: the target's is used)."""
+
+    fused: torch.Tensor | None = None
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.fused
+
+    def _complete(self, pname, param, loaded) -> bool:
+        return pname == "embed_tokens.weight" or super()._complete(pname, param, loaded)
+
+
+class DraftHead(nn.Module):
+    """The input fusion around the core and the output's logits (`method` eagle or mtp)."""
+
+    def __init__(self, method: str, core: DraftCore, target: DecoderModel, fc_bias: bool):
+        super().__init__()
+        h = target.full_spec.hidden_size
+        eps = target.full_spec.norm.eps
+        self.method = method
+        self.core = core
+        self._target = [target]  # not a submodule: its weights are the target's
+        if method == "eagle":
+            self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        else:
+            uk = target.use_kernels
+            self.enorm = RMSNorm(h, eps, uk)
+            self.hnorm = RMSNorm(h, eps, uk)
+            self.eh_proj = nn.Linear(2 * h, h, bias=False)
+            self.head_norm = RMSNorm(h, eps, uk)
+        self.head: nn.Linear | None = None  # mtp's own shared_head.head, when it has one
+
+    @property
+    def target(self) -> DecoderModel:
+        return self._target[0]
+
+    def forward(self, ids, positions, kv_caches, meta, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, h] for rows (token ids, positions, the hidden state each row
+        fuses: the target's or the head's own previous output)."""
+        target = self.target
+        e = target._embed(ids)
+        if target.spec.embed_scale is not None:
+            e = e * torch.tensor(target.spec.embed_scale, dtype=e.dtype)
+        hidden = hidden.to(e.dtype)
+        if self.method == "eagle":
+            x = self.fc(torch.cat([e, hidden], dim=-1))
+        else:
+            e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)  # DeepSeek's MTP does
+            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
+        self.core.fused = x
+        try:
+            return self.core(ids, positions, kv_caches, meta)
+        finally:
+            self.core.fused = None
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.method == "eagle":
+            return self.target.compute_logits(out)
+        x = self.head_norm(out)
+        return self.head(x) if self.head is not None else self.target.compute_logits(x)
+
+
+@dataclass
+class HeadLoad:
+    """A loaded head: its core as a LoadedModel (cache layout, KV bytes, allocation), the head
+    module, and what the start-up line says."""
+
+    method: str
+    loaded: LoadedModel
+    head: DraftHead
+    source: str
+
+    def kv_bytes_per_token(self) -> int:
+        return self.loaded.kv_bytes_per_token()
+
+
+@dataclass
+class Track:
+    """One request's draft cache: positions `base` .. `done` - 1 hold entries fed from the
+    target's hidden states (cache index = position - base); `rows` are the target's hidden
+    states at positions `done`, `done` + 1, ... not fed yet."""
+
+    base: int
+    done: int
+    rows: torch.Tensor
+
+
+def may_track(req: Request) -> bool:
+    """Whether `req` may ever speculate (speculative.can_speculate, a grammar waiting for
+    `structured_after` included): its hidden states are kept for the head."""
+    if req.sampling is None or req.beam is not None or req.mm is not None:
+        return False
+    return getattr(req, "pooling", None) is None
+
+
+class HiddenDraft(DraftModel):
+    """Drafts for every requesting request in one batch (`propose_for`) from the target's hidden
+    states, which `observe` takes after each step; `take`, `free` and `check` are
+    DraftModel's (`fed` holds Tracks here)."""
+
+    def __init__(self, load: HeadLoad, num_blocks: int, block_size: int, max_step_tokens: int):
+        super().__init__(load.loaded, num_blocks, block_size, max_step_tokens)
+        self.source = load.source
+        self.method = load.method
+        self.head = load.head
+
+    # -- the target's side ----------------------------------------------------------------------
+
+    def observe(self, runner: ModelRunner) -> None:
+        """Keeps the hidden states of the tokens the last step computed and kept (after its
+        update: a verification's rejected rows are not kept) for each request that may
+        speculate; a request whose rows do not continue its track starts a new one there."""
+        hidden = runner.hidden
+        runner.hidden = None
+        if hidden is None:
+            return
+        idx: list[int] = []
+        kept: list[tuple[Request, int, int]] = []
+        for req, first, start, n in runner.hidden_spans:
+            if req.finished or not may_track(req):
+                continue
+            valid = min(n, req.num_computed_tokens - start)
+            if valid < 1:
+                continue
+            idx.extend(range(first, first + valid))
+            kept.append((req, start, valid))
+        runner.hidden_spans = []
+        if not kept:
+            return
+        rows = hidden.index_select(0, torch.tensor(idx, dtype=torch.int64, device=hidden.device))
+        at = 0
+        for req, start, valid in kept:
+            part = rows[at : at + valid]
+            at += valid
+            t = self.fed.get(req)
+            if t is not None and t.done + t.rows.shape[0] == start:
+                t.rows = torch.cat([t.rows, part])
+                continue
+            if t is not None:  # a gap (it should not happen): start again from here
+                self.free(req)
+            self.fed[req] = Track(start, start, part)
+
+    # -- drafting -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose_for(self, wanted: list[tuple[Request, int]]) -> None:
+        """Feeds every track's waiting rows, and drafts up to k tokens for each (request, k) of
+        `wanted` whose track reaches its last computed token, all in one batch per pass."""
+        self.proposals.clear()
+        want = dict(wanted)
+        feeds: list[tuple[Request, Track, int]] = []  # (request, track, k drafting or 0)
+        for req, t in list(self.fed.items()):
+            m = t.rows.shape[0]
+            end = t.done + m  # entries done .. end - 1 are fed now
+            k = want.get(req, 0)
+            if end != req.num_tokens - 1:
+                k = 0  # not caught up (a prompt still in chunks)
+            if k == 0 and m <= 1:
+                continue  # nothing new: its last row waits for the next drafting
+            held, _ = self.kv.rollback(req, t.done - t.base)
+            last = end - 1 + max(k - 1, 0)  # draft entries after the target's
+            if held < t.done - t.base or not self.kv.allocate(req, held, last + 1 - t.base):
+                self.free(req)  # no room: no drafts; a new track starts at its next rows
+                continue
+            feeds.append((req, t, k))
+        if not feeds:
+            return
+        rows = []
+        for req, t, _ in feeds:
+            end = t.done + t.rows.shape[0]
+            rows.append((req, t, t.done, req.token_slice(t.done + 1, end + 1), t.rows))
+        outs = self._run(rows)
+        step: list[tuple[Request, Track, int]] = []
+        last_out: dict[Request, torch.Tensor] = {}
+        for (req, t, k), out in zip(feeds, outs):
+            end = t.done + t.rows.shape[0]
+            t.done, t.rows = end - 1, t.rows[-1:]  # the last row is fed again next time
+            if k > 0:
+                step.append((req, t, k))
+                last_out[req] = out[-1:]
+        if not step:
+            return
+        drafts = self._argmax([last_out[req] for req, _, _ in step])
+        got = {req: [tok] for (req, _, _), tok in zip(step, drafts)}
+        for j in range(1, max(k for _, _, k in step)):
+            step = [(req, t, k) for req, t, k in step if k > j]
+            if not step:
+                break
+            rows = [(req, t, t.done + j, [got[req][-1]], last_out[req]) for req, t, _ in step]
+            outs = self._run(rows)
+            for (req, _, _), out in zip(step, outs):
+                last_out[req] = out
+            for (req, _, _), tok in zip(step, self._argmax(outs)):
+                got[req].append(tok)
+        self.proposals.update(got)
+
+    def _argmax(self, outs: list[torch.Tensor]) -> list[int]:
+        return self.head.logits(torch.cat(outs)).argmax(dim=-1).tolist()
+
+    def _run(self, rows) -> list[torch.Tensor]:
+        """One pass of the head over `rows` (request, track, first position, tokens, hidden
+        rows [len(tokens), h]); each row's outputs [len(tokens), h], in the order of `rows`."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i][3]) != 1)  # decodes first
+        bs = self.block_size
+        groups = self.kv.layout.num_groups
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(groups)]
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        hidden: list[torch.Tensor] = []
+        first: dict[int, int] = {}
+        for i in order:
+            req, t, start, ids, rows_h = rows[i]
+            first[i] = len(input_ids)
+            lo = start - t.base  # cache indices lo .. hi - 1
+            hi = lo + len(ids)
+            input_ids.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            hidden.append(rows_h)
+            for g, blocks in enumerate(self.kv.block_tables(req)):
+                slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(lo, hi))
+                tables[g].append(blocks)
+            query_lens.append(len(ids))
+            seq_lens.append(hi)
+        h = HostBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=[_table(t) for t in tables],
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            sample_reqs=[],
+            sample_idx=[],
+            prompt_work=PromptLogprobWork(),
+        )
+        runner = self.runner
+        ids_t, pos_t, metas = runner.device_inputs(h)
+        for meta in metas:
+            runner.backend.prepare(meta)
+        out = self.head(ids_t, pos_t, runner.kv_caches, runner.layout.per_layer(metas),
+                        torch.cat(hidden))  # fmt: skip
+        return [out[first[i] : first[i] + len(rows[i][3])] for i in range(len(rows))]
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def _one_layer(spec: DecoderSpec, i: int, **changes) -> DecoderSpec:
+    """`spec` cut to its layer i alone, then `changes`."""
+    per_layer = {f: (getattr(spec, f)[i],) for f in _PER_LAYER}
+    return dataclasses.replace(spec, num_layers=1, **per_layer, **changes)
+
+
+def _core_spec(spec: DecoderSpec, i: int, **changes) -> DecoderSpec:
+    """The head's core: layer i of `spec`, no vocabulary, final norm or LM head of its own."""
+    if spec.kv_source[i] is not None or spec.mixers[i] != "attention":
+        raise ConfigError(f"{spec.arch}: a draft layer must attend with its own KV cache")
+    names = dataclasses.replace(spec.names, skip_prefixes=(), top={})
+    return _one_layer(
+        spec,
+        i,
+        vocab_size=1,
+        final_norm=False,
+        tied=True,
+        lm_head_bias=False,
+        embed_scale=None,
+        per_layer_input=None,
+        names=names,
+        **changes,
+    )
+
+
+def _build(
+    method, spec, hf_config, config: EngineConfig, target: LoadedModel, layer_weights, fc_bias
+):
+    """The head on the target's device and dtype, its core's layer loaded from
+    `layer_weights` ((name inside the layer, tensor))."""
+    backend = make_attention_backend(config.attention_backend, target.device)
+    with torch.device("meta"):
+        core = DraftCore(spec, hf_config, backend, max_position=target.max_model_len)
+    core = core.to(target.dtype).materialize(target.device)
+    core.backend = backend
+    core.load_weights((f"{spec.names.layers_prefix}.0.{k}", v) for k, v in layer_weights)
+    core = core.to(target.dtype).eval()
+    head = DraftHead(method, core, target.model, fc_bias)
+    return core, head
+
+
+def _finish(core: DraftCore, head: DraftHead, target: LoadedModel) -> None:
+    head.to(device=target.device, dtype=target.dtype).eval()
+    if target.device.type == "cpu":
+        core.packed_lm_head = nn.Identity()  # never read: the logits are the head's
+        core.optimize_for_cpu()
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ConfigError(
+            f"speculative_config {where}: {name} is {tuple(tensor.shape)}, expected "
+            f"{tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))
+
+
+def load_eagle(config: EngineConfig, spec, target: LoadedModel) -> HeadLoad:
+    """An EAGLE-1 head from speculative_config `model` (a local directory or hub id), checked
+    against the target (hidden size, vocabulary, one layer, the tensors of EAGLE-1's layout)."""
+    where = f"eagle model {spec.model!r}"
+    head_config = dataclasses.replace(
+        config,
+        model=spec.model,
+        revision=spec.revision,
+        tokenizer=None,
+        tokenizer_revision=None,
+        quantization=None,
+        hf_overrides=None,
+        speculative_config=None,
+    )
+    try:
+        resolved = resolve_model(head_config)
+        hf = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+        weights = {
+            k.removeprefix("model."): v for k, v in iter_weights(resolved, show_progress=False)
+        }
+    except (ConfigError, ModelLoadError) as e:
+        raise type(e)(f"speculative_config {where}: {e}") from e
+    arch = (getattr(hf, "architectures", None) or ["(none)"])[0]
+    if arch not in EAGLE_ARCHS:
+        hint = " (an EAGLE-3 head: method 'eagle3')" if "eagle3" in arch.lower() else ""
+        raise ConfigError(
+            f"speculative_config {where}: architecture {arch}{hint} is not an EAGLE-1 head "
+            f"({', '.join(EAGLE_ARCHS)}: fc over [embedding, hidden state] and one Llama layer)"
+        )
+    t = target.model.full_spec
+    if hf.hidden_size != t.hidden_size:
+        raise ConfigError(
+            f"speculative_config {where}: hidden_size {hf.hidden_size}, the target's "
+            f"{t.hidden_size}: an EAGLE head reads the target's hidden states"
+        )
+    if hf.vocab_size != t.vocab_size:
+        raise ConfigError(
+            f"speculative_config {where}: a vocabulary of {hf.vocab_size} tokens, the target "
+            f"{t.vocab_size}: an EAGLE head uses the target's embedding and LM head"
+        )
+    if hf.num_hidden_layers != 1:
+        raise ConfigError(
+            f"speculative_config {where}: {hf.num_hidden_layers} layers; EAGLE-1 heads of one "
+            "layer are served"
+        )
+    described = copy.deepcopy(hf)
+    described.architectures = ["LlamaForCausalLM"]
+    base = describe_model(described)
+    if "fc.weight" not in weights:
+        raise ConfigError(f"speculative_config {where}: no fc.weight (not an EAGLE-1 head)")
+    layer, other = [], []
+    for name, tensor in weights.items():
+        if name.startswith("layers.0."):
+            layer.append((name.removeprefix("layers.0."), tensor))
+        elif name not in ("fc.weight", "fc.bias", "embed_tokens.weight", "lm_head.weight"):
+            other.append(name)
+    if other:
+        raise ConfigError(
+            f"speculative_config {where}: tensors outside EAGLE-1's layout, e.g. {other[:3]}"
+        )
+    in_norm = any(k.startswith("input_layernorm.") for k, _ in layer)
+    core_spec = _core_spec(base, 0, layer_norms=("in", "mlp") if in_norm else ("mlp",))
+    try:
+        core, head = _build("eagle", core_spec, hf, config, target, layer, "fc.bias" in weights)
+    except KeyError as e:
+        raise ConfigError(f"speculative_config {where}: {e}") from e
+    _copy(head.fc.weight, weights["fc.weight"], "fc.weight", where)
+    if "fc.bias" in weights:
+        _copy(head.fc.bias, weights["fc.bias"], "fc.bias", where)
+    _finish(core, head, target)
+    loaded = _core_loaded(resolved, hf, core, target)
+    return HeadLoad("eagle", loaded, head, resolved.source)
+
+
+def check_mtp_target(target: LoadedModel) -> None:
+    """ConfigError unless the target ships MTP layers in a layout served here."""
+    hf = target.hf_config
+    arch = (getattr(hf, "architectures", None) or ["(none)"])[0]
+    if arch not in MTP_ARCHS:
+        raise ConfigError(
+            f"speculative_config method 'mtp': {arch} is not served with its multi-token-"
+            f"prediction layers here (only DeepSeek-V3's layout, model.layers.<N>.: "
+            f"{', '.join(MTP_ARCHS)})"
+        )
+    count = getattr(hf, "num_nextn_predict_layers", None) or 0
+    if count < 1:
+        raise ConfigError(
+            f"speculative_config method 'mtp': {target.resolved.source} ({arch}) has no "
+            "multi-token-prediction layers (num_nextn_predict_layers is 0)"
+        )
+    if getattr(target.model, "quantization", "none") != "none":
+        raise ConfigError(
+            f"speculative_config method 'mtp': a quantized target's MTP layer "
+            f"({target.model.quantization}) is not run yet"
+        )
+    if target.resolved.load_format not in ("safetensors", "pt", "auto"):
+        raise ConfigError(
+            f"speculative_config method 'mtp': {target.resolved.load_format} checkpoints hold "
+            "no MTP layers"
+        )
+
+
+def load_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
+    """The target's first multi-token-prediction layer (DeepSeek-V3's layout), read from its
+    own checkpoint (`check_mtp_target` first)."""
+    check_mtp_target(target)
+    hf = target.hf_config
+    count = hf.num_nextn_predict_layers
+    n = hf.num_hidden_layers
+    prefix = f"model.layers.{n}."
+    head_parts = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+    layer, extra = [], {}
+    try:
+        for name, lazy in iter_weights(target.resolved, show_progress=False, lazy=True):
+            if not name.startswith(prefix):
+                continue
+            local = name.removeprefix(prefix)
+            tensor = lazy.full() if hasattr(lazy, "full") else lazy
+            if local.startswith(head_parts):
+                extra[local] = tensor
+            else:
+                layer.append((local, tensor))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config method 'mtp': {e}") from e
+    missing = [k for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight") if k not in extra]
+    if not layer or missing:
+        raise ConfigError(
+            f"speculative_config method 'mtp': {target.resolved.source} says "
+            f"num_nextn_predict_layers={count}, but its checkpoint lacks the layer's tensors "
+            f"under {prefix} (e.g. {(missing or ['the decoder block'])[:2]})"
+        )
+    full = copy.deepcopy(hf)
+    full.num_hidden_layers = n + 1
+    core_spec = _core_spec(describe_model(full), n)
+    try:
+        core, head = _build("mtp", core_spec, hf, config, target, layer, False)
+    except KeyError as e:
+        raise ConfigError(f"speculative_config method 'mtp': {prefix}: {e}") from e
+    where = f"method 'mtp' ({prefix})"
+    _copy(head.enorm.weight, extra["enorm.weight"], "enorm.weight", where)
+    _copy(head.hnorm.weight, extra["hnorm.weight"], "hnorm.weight", where)
+    _copy(head.eh_proj.weight, extra["eh_proj.weight"], "eh_proj.weight", where)
+    if "shared_head.norm.weight" in extra:
+        _copy(head.head_norm.weight, extra["shared_head.norm.weight"], "shared_head.norm", where)
+    else:  # the target's final norm
+        _copy(head.head_norm.weight, target.model.norm.weight.detach(), "norm", where)
+    own = extra.get("shared_head.head.weight")
+    if own is not None:
+        head.head = nn.Linear(own.shape[1], own.shape[0], bias=False)
+        _copy(head.head.weight, own, "shared_head.head.weight", where)
+    _finish(core, head, target)
+    loaded = _core_loaded(target.resolved, hf, core, target)
+    return HeadLoad("mtp", loaded, head, f"{target.resolved.source} {prefix}")
+
+
+def _core_loaded(resolved, hf, core: DraftCore, target: LoadedModel) -> LoadedModel:
+    held = sum(t.numel() * t.element_size() for t in core.state_dict().values())
+    return LoadedModel(
+        resolved,
+        hf,
+        target.device,
+        target.dtype,
+        target.max_model_len,
+        core.backend,
+        core,
+        target.cache_dtype,
+        held,
+    )
