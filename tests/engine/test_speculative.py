@@ -14,12 +14,14 @@ from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError, EngineConfig
 from serverless_llm.engine.speculative import (
+    BACKOFF_RATE,
     BACKOFF_TOKENS,
     DISABLE_BY_BATCH_SIZE,
     accept_greedy,
     backing_off,
     note_verified,
     parse_speculative_config,
+    probe_drafts,
     propose_ngram,
 )
 
@@ -341,6 +343,11 @@ def test_the_off_rules(tiny_llama):
     assert not backing_off(req)
     note_verified(req, 2, 0)  # another poor run in a row: twice as long
     assert req.spec_skip_until == 10 + 3 * BACKOFF_TOKENS
+    # out of a backoff, it probes with one draft; a kept probe gives it k again
+    req.output_token_ids = [1] * (10 + 3 * BACKOFF_TOKENS)
+    assert not backing_off(req) and probe_drafts(req, 4) == 1
+    note_verified(req, 1, 1)
+    assert req.spec_rate > BACKOFF_RATE and probe_drafts(req, 4) == 4
     fresh = type("R", (), dict(fields, spec_misses=0))()
     note_verified(fresh, 3, 0)  # a new request's first run, all rejected: a backoff at once
     assert backing_off(fresh)

@@ -69,6 +69,7 @@ from .speculative import (
     note_verified,
     parse_speculative_config,
     plain_argmax,
+    probe_drafts,
     propose_ngram,
 )
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
@@ -554,7 +555,8 @@ class LLMEngine:
         num_speculative_tokens and `room`, never past its max_tokens or max_model_len, and
         none for a request that does not speculate (speculative.can_speculate), in a step with
         more running requests than the config's disable_by_batch_size, or in a backoff after
-        poor drafts (speculative.backing_off)."""
+        poor drafts (speculative.backing_off); one draft for a request probing after a
+        backoff (speculative.probe_drafts)."""
         if not can_speculate(req):
             return 0
         off = self.spec.disable_by_batch_size
@@ -564,7 +566,7 @@ class LLMEngine:
             return 0  # its recent drafts were mostly rejected (speculative.py)
         n = req.num_tokens
         return min(
-            self.spec.num_speculative_tokens,
+            probe_drafts(req, self.spec.num_speculative_tokens),
             room,
             req.max_total_tokens - n - 1,  # the drafts and the model's own next token
             self.max_model_len - n,  # the drafts' positions n .. n + k - 1

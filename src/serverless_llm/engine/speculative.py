@@ -50,7 +50,8 @@ DISABLE_BY_BATCH_SIZE = 16
 # proposes nothing for its next BACKOFF_TOKENS tokens, twice as many after each further poor run
 # in a row (up to BACKOFF_MAX), then tries again: free text, where prompt lookup proposes now and
 # then and is rarely right, stops paying for the rejected drafts' rows, while text that copies
-# its prompt keeps speculating.
+# its prompt keeps speculating. Out of a backoff, a request probes with one draft (probe_drafts)
+# until a verification keeps its share above BACKOFF_RATE.
 SPEC_RATE_START = 0.5
 SPEC_RATE_WEIGHT = 0.5
 BACKOFF_RATE = 0.3
@@ -76,6 +77,15 @@ def note_verified(req: Request, drafted: int, kept: int) -> None:
 def backing_off(req: Request) -> bool:
     """Whether `req` is in a backoff (proposes no drafts this step)."""
     return len(req.output_token_ids) < req.spec_skip_until
+
+
+def probe_drafts(req: Request, k: int) -> int:
+    """How many drafts `req` may propose once out of a backoff: one while its last verification
+    was poor (a probe: whether its drafts are right again costs one row, not k; a kept probe
+    lifts its share past BACKOFF_RATE and the next step proposes k again), else `k`."""
+    return 1 if req.spec_misses else k
+
+
 IMPLEMENTED = (
     "only 'ngram' (prompt lookup), 'draft_model' (a smaller model of the same tokenizer, named "
     "by `model`), 'eagle' (an EAGLE-1 head named by `model`) and 'mtp' (the target's own "
