@@ -43,23 +43,36 @@ def no_backoff(monkeypatch):
     monkeypatch.setattr(speculative, "BACKOFF_RATE", 0.0)
 
 
-def _config(tok, layers: int, mtp: int):
-    config = transformers.DeepseekV3Config(
-        **tiny_dims(tok, num_key_value_heads=4, num_hidden_layers=layers), **MLA, **MOE
-    )
-    config.architectures = ["DeepseekV3ForCausalLM"]
+def _config(tok, layers: int, mtp: int, arch: str = "deepseek_v3"):
+    if arch == "glm4_moe":  # GLM-4.5: Llama's attention with biases and q/k norms, the same MoE
+        config = transformers.Glm4MoeConfig(
+            **tiny_dims(tok, num_hidden_layers=layers),
+            **{k: v for k, v in MOE.items() if k != "routed_scaling_factor"},
+            use_qk_norm=True,
+            attention_bias=True,
+        )
+        config.architectures = ["Glm4MoeForCausalLM"]
+    else:
+        config = transformers.DeepseekV3Config(
+            **tiny_dims(tok, num_key_value_heads=4, num_hidden_layers=layers), **MLA, **MOE
+        )
+        config.architectures = ["DeepseekV3ForCausalLM"]
     config.num_nextn_predict_layers = mtp
     return config
 
 
-def _build(root: str, tok, echo: bool, mtp_tensors: bool = True, mtp: int = 1) -> str:
+def _build(
+    root: str, tok, echo: bool, mtp_tensors: bool = True, mtp: int = 1, arch: str = "deepseek_v3"
+) -> str:
     """A 2-layer DeepSeek V3 whose layers add little to the token's embedding (nearly a bigram
     model), and its MTP layer: layer 2 of a 3-layer model of the same weights, with DeepSeek's
     extra tensors. `echo`: eh_proj = [I | 0], the block's outputs zero, shared_head = the
     target's final norm and LM head, so it proposes argmax lm_head(norm(embedding of the
     token)), which is nearly what the target picks."""
     torch.manual_seed(0)
-    big = transformers.AutoModelForCausalLM.from_config(_config(tok, 3, 0), dtype=torch.float32)
+    big = transformers.AutoModelForCausalLM.from_config(
+        _config(tok, 3, 0, arch), dtype=torch.float32
+    )
     with torch.no_grad():
         for name, p in big.named_parameters():
             if p.dim() >= 2:
@@ -101,7 +114,7 @@ def _build(root: str, tok, echo: bool, mtp_tensors: bool = True, mtp: int = 1) -
         out.update({prefix + k: v for k, v in extra.items()})
     path = os.path.join(root, "target")
     os.makedirs(path, exist_ok=True)
-    _config(tok, 2, mtp).save_pretrained(path)
+    _config(tok, 2, mtp, arch).save_pretrained(path)
     save_file({k: v.clone() for k, v in out.items()}, os.path.join(path, "model.safetensors"))
     tok.save_pretrained(path)
     return path
@@ -116,6 +129,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         "echo": dict(echo=True),
         "none": dict(echo=False, mtp_tensors=False, mtp=0),
         "stripped": dict(echo=False, mtp_tensors=False, mtp=1),
+        "glm": dict(echo=False, arch="glm4_moe"),
     }.items():
         out[name] = _build(str(tmp_path_factory.mktemp(f"mtp-{name}")), tok, **kw)
     llama = str(tmp_path_factory.mktemp("mtp-llama"))
@@ -249,3 +263,16 @@ def test_targets_without_mtp_layers_are_refused_at_start(models):
         LLM(models["stripped"], speculative_config=mtp(1), **kw)
     with pytest.raises(ConfigError, match="LlamaForCausalLM is not served with its multi-token"):
         LLM(models["llama"], speculative_config=mtp(1), **kw)
+
+
+def test_glm4_moe_mtp_layer_identical(models):
+    """GLM-4.5 stores its MTP layer DeepSeek's way; its block is a GLM-4.5 MoE layer (q/k/v
+    biases, per-head q/k norms, partial rotary)."""
+    kw = dict(block_size=8, max_model_len=96, dtype="float32", max_num_batched_tokens=24)
+    ps = [p[:24] for p in prompts(8, seed=2)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = tokens(LLM(models["glm"], **kw).generate(ps, params))
+    spec = LLM(models["glm"], speculative_config=mtp(3), **kw)
+    assert tokens(spec.generate(ps, params)) == want
+    assert spec.engine.stats().spec_drafts > 0
+    no_blocks_held(spec)
