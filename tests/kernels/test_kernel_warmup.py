@@ -17,6 +17,7 @@ from serverless_llm.engine.kernel_warmup import (  # noqa: E402
     SweepLimits,
     list_launches,
     sweep_steps,
+    sweep_tables,
     table_widths,
 )
 from serverless_llm.engine.kernels import rms_norm  # noqa: E402
@@ -155,4 +156,8 @@ def test_sweep_shapes():
     assert all(sum(q) <= 16 and len(q) <= 4 and max(s) <= 96 for q, s in steps)
     assert ([1], [96]) in steps and ([16], [16]) in steps  # a decode at the longest context
     assert any(len(q) == 4 and q[0] == 1 and q[-1] > 1 for q, _ in steps)  # mixed
-    assert table_widths(1) == [1, 2, 16] and table_widths(16) == [1, 16, 17]
+    assert table_widths(1) == [1, 2, 16] and table_widths(16) == [16, 17]
+    tables = sweep_tables(SweepLimits(token_budget=16, max_num_seqs=4, max_model_len=96), 8)
+    # never narrower than the step needs; the one-block width with steps of short requests
+    assert all(w >= -(-max(s) // 8) for _, s, w in tables)
+    assert ([1, 1, 1, 1], [8] * 4, 1) in tables and ([1, 2], [8, 2], 1) in tables

@@ -64,7 +64,7 @@ def sweep_steps(limits: SweepLimits) -> list[tuple[list[int], list[int]]]:
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
 
     def add(q: list[int], s: list[int]) -> None:
-        if sum(q) > budget or len(q) > seqs or max(s) > max_len:
+        if sum(q) > budget or len(q) > seqs or max(s) > max_len or any(a > b for a, b in zip(q, s)):
             return
         key = (tuple(q), tuple(s))
         if key not in seen:
@@ -101,12 +101,32 @@ def sweep_steps(limits: SweepLimits) -> list[tuple[list[int], list[int]]]:
 def table_widths(needed: int) -> list[int]:
     """Block-table widths to try for a step whose longest request needs `needed` blocks. The
     width is an int argument (the tables' row stride) that Triton tells apart as 1, a multiple
-    of 16 or any other, and a step's width follows from its longest request, whatever the rest
-    of the step is. Nothing reads the tables in the sweep, so every step also runs 1 block wide
-    (too narrow for it): a step of short requests has that width with any mix of the rest."""
-    widths = {1, needed, -(-needed // 16) * 16}
+    of 16 or any other, and a step's width follows from its longest request: at least the
+    blocks it needs, more when it holds more (allocated ahead). Never narrower than needed: MLA
+    gathers a prompt's context through its table (a read past a row's end would be a device
+    fault), so the one-block class comes from steps whose requests fit one block
+    (`sweep_tables`)."""
+    widths = {needed, -(-needed // 16) * 16}
     widths.add(needed + 1 if (needed + 1) % 16 else needed + 2)
     return sorted(widths)
+
+
+def sweep_tables(limits: SweepLimits, block_size: int) -> list[tuple[list[int], list[int], int]]:
+    """The sweep's steps with their block-table widths: (query lengths, sequence lengths,
+    width). The steps of `sweep_steps` and, for the one-block width (a step of short requests:
+    any mix of decodes and prompts that fit one block), the same sweep with contexts of at most
+    one block."""
+    short = SweepLimits(limits.token_budget, limits.max_num_seqs,
+                        min(block_size, limits.max_model_len))  # fmt: skip
+    out: list[tuple[list[int], list[int], int]] = []
+    seen: set = set()
+    for q, s in sweep_steps(limits) + sweep_steps(short):
+        for width in table_widths(max(1, -(-max(s) // block_size))):
+            key = (tuple(q), tuple(s), width)
+            if key not in seen:
+                seen.add(key)
+                out.append((q, s, width))
+    return out
 
 
 def _host_batch(
@@ -155,9 +175,8 @@ def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
     try:
         with record_launches(execute=False) as rec:
             for lora in variants:
-                for q, s in sweep_steps(limits):
-                    for width in table_widths(max(1, -(-max(s) // runner.block_size))):
-                        runner.run(_host_batch(runner, q, s, lora, width))
+                for q, s, width in sweep_tables(limits, runner.block_size):
+                    runner.run(_host_batch(runner, q, s, lora, width))
     finally:
         runner.captured = captured
         runner.lora_slots.pop(SWEEP_LORA_ID, None)
