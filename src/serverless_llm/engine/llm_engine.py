@@ -21,7 +21,7 @@ from .config import ConfigError, EngineConfig, lora_dtype
 from .cpu_tuning import ThreadGovernor
 from .decode_capture import CapturedDecode
 from .draft_model import DraftModel, check_same_tokenizer, split_blocks
-from .eagle import HeadLoad, HiddenDraft, check_mtp_target, load_eagle, load_mtp
+from .eagle import HeadLoad, HiddenDraft, check_mtp_target, load_eagle, load_eagle3, load_mtp
 from .generation_defaults import sampling_defaults
 from .input_processor import (
     ImageInputs,
@@ -306,6 +306,9 @@ class LLMEngine:
         self.kernel_warmup = self._warm_up_kernels(config)
         t_capture = time.perf_counter()
         self.runner.captured = self._capture_decodes(config)
+        if self.drafter is not None and getattr(self.drafter, "method", None) == "eagle3":
+            # eagle3 reads three layers' streams through hooks, which a replayed graph skips
+            self.runner.captured = None
         self.start_phases["kernel warm-up"] = t_capture - t_warm
         self.start_phases["graph capture"] = time.perf_counter() - t_capture
         self.sampler = Sampler(config.seed, self.device)
@@ -430,12 +433,16 @@ class LLMEngine:
             normalize = st_norm if st_norm is not None else True
         return PoolingParams(pooling_type, normalize)
 
-    def _speculation_off(self, layout) -> str | None:
-        """Why speculative decoding cannot run with this model and engine (None: it can)."""
+    def _speculation_off(self, layout, method: str) -> str | None:
+        """Why speculative decoding by `method` cannot run with this model and engine (None: it
+        can). With tensor parallelism, ngram and draft_model run on rank 0 (the draft model
+        whole, like vLLM's draft_tensor_parallel_size 1; the other ranks verify the drafts'
+        rows as any other rows of the step); eagle and mtp heads read the target's embedding
+        and LM head, which the ranks hold in shares."""
         if layout.has_state:
             return "the model's recurrent layers keep a state that cannot be rolled back"
-        if self.ranks is not None:
-            return "not yet with tensor parallelism"
+        if self.ranks is not None and method not in ("ngram", "draft_model"):
+            return f"{method} not yet with tensor parallelism (ngram and draft_model run)"
         return None
 
     def _load_draft(self, config: EngineConfig, loaded):
@@ -447,12 +454,14 @@ class LLMEngine:
             return None
         if spec.method == "mtp":
             check_mtp_target(loaded)  # a target without MTP layers is refused at once
-        if self._speculation_off(loaded.cache_layout()) is not None:
+        if self._speculation_off(loaded.cache_layout(), spec.method) is not None:
             return None  # _speculation says why
         if spec.method == "mtp":
             return load_mtp(config, loaded)
         if spec.method == "eagle":
             return load_eagle(config, spec, loaded)
+        if spec.method == "eagle3":
+            return load_eagle3(config, spec, loaded)
         draft_config = dataclasses.replace(
             config,
             model=spec.model,
@@ -490,7 +499,7 @@ class LLMEngine:
         spec = parse_speculative_config(config.speculative_config)
         if spec is None:
             return None
-        why = self._speculation_off(layout)
+        why = self._speculation_off(layout, spec.method)
         if why is not None:
             logger.warning("speculative decoding off: %s", why)
             return None

@@ -1,0 +1,78 @@
+"""Speculative decoding with tensor parallelism (issue 40 item 3): rank 0 proposes (ngram's
+prompt lookup; a draft model loaded whole on rank 0, vLLM's draft_tensor_parallel_size 1) and
+the other rank computes the drafts' rows as any other rows of the step. Greedy tokens equal one
+rank's plain decoding, drafts are verified and kept, and no KV block of either cache is left
+behind. eagle and mtp stay off with tensor parallelism (their heads read the target's embedding
+and LM head, which the ranks hold in shares): said at start, output unchanged."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from serverless_llm import LLM, SamplingParams
+from serverless_llm.engine import speculative
+from serverless_llm.engine.llm_engine import LLMEngine
+from tests.engine.test_speculative import NGRAM, oracle, random_prompts, repeating_prompts, tokens
+
+BASE = dict(block_size=8, max_model_len=256, dtype="float32", num_kv_blocks=160)
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    """The backoff after poor drafts off (tested in test_speculative.py): these tests need
+    drafts verified."""
+    monkeypatch.setattr(speculative, "BACKOFF_RATE", 0.0)
+
+
+def _plain(model: str, prompts, params) -> list[list[int]]:
+    return tokens(LLM(model, **BASE).generate(prompts, params))
+
+
+def test_ngram_on_two_ranks_equals_plain_decoding(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    probe = LLM(tiny_llama, **BASE)
+    vocab = probe.engine.vocab_size
+    prompts = random_prompts(vocab, 6) + repeating_prompts(vocab, 4)
+    full = tokens(probe.generate(prompts, params))
+    with LLM(tiny_llama, tensor_parallel_size=2, speculative_config=NGRAM, **BASE) as llm:
+        assert llm.engine.spec is not None, "speculation turned off with two ranks"
+        assert tokens(llm.generate(prompts, params)) == full  # prompt lookup's own drafts
+        oracle(llm, prompts, full)  # right drafts with one spoiled now and then
+        assert tokens(llm.generate(prompts, params)) == full
+        stats = llm.engine.stats()
+        assert stats.spec_drafts > 0 and stats.spec_accepted_tokens > 0
+        pool = llm.engine.block_pool
+        assert pool.num_free == pool.num_blocks, "KV blocks leaked"
+
+
+def test_a_draft_model_on_two_ranks_equals_plain_decoding(tiny_llama):
+    """The draft is the target itself, whole on rank 0: every draft is kept."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts(LLM(tiny_llama, **BASE).engine.vocab_size, 5)
+    full = _plain(tiny_llama, prompts, params)
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    with LLM(tiny_llama, tensor_parallel_size=2, speculative_config=spec, **BASE) as llm:
+        assert tokens(llm.generate(prompts, params)) == full
+        stats = llm.engine.stats()
+        assert stats.spec_draft_tokens > 0
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens  # the target's own argmax
+        drafter = llm.engine.drafter
+        assert drafter.pool.num_free == drafter.pool.num_blocks, "draft KV blocks leaked"
+        pool = llm.engine.block_pool
+        assert pool.num_free == pool.num_blocks, "KV blocks leaked"
+
+
+def test_hidden_state_heads_stay_off_with_tensor_parallelism():
+    layout = types.SimpleNamespace(has_state=False)
+    two_ranks = types.SimpleNamespace(ranks=object())
+    for method in ("eagle", "mtp"):
+        why = LLMEngine._speculation_off(two_ranks, layout, method)
+        assert why is not None and "tensor parallelism" in why and method in why
+    for method in ("ngram", "draft_model"):
+        assert LLMEngine._speculation_off(two_ranks, layout, method) is None
+    one_rank = types.SimpleNamespace(ranks=None)
+    assert LLMEngine._speculation_off(one_rank, layout, "eagle") is None
+    recurrent = types.SimpleNamespace(has_state=True)
+    assert "recurrent" in LLMEngine._speculation_off(one_rank, recurrent, "ngram")
