@@ -329,9 +329,11 @@ def test_panels_round_trip():
 
 
 # Rows: 1-6 (each micro-kernel alone), 7 and 13 (6 + a remainder), 32 and 70 (a decode batch;
-# more row blocks than prefetch lines to share). Shapes: N off the 16-column panels and under one
-# panel, K under, at and past the 128-step blocks (one, two and three blocks).
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 70])
+# more row blocks than prefetch lines to share); for the AVX-512 kernel (2 rows and more), 12 and
+# 24 (whole blocks of its 12), 25 (three balanced blocks, 8 + 8 + 9) and 64. Shapes: N off the
+# 16-column panels and under one panel, an odd panel count (a lone last panel) and an even one,
+# K under, at and past the 128-step blocks (one, two and three blocks).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 24, 25, 32, 64, 70])
 @pytest.mark.parametrize(("n", "k"), [(64, 48), (37, 130), (4, 16), (3, 7), (48, 128), (80, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_matches_f_linear(kernels, rows, n, k, bias):
@@ -344,6 +346,20 @@ def test_native_linear_matches_f_linear(kernels, rows, n, k, bias):
     got = kernels.linear(x, pack_panels(w), b, n)
     want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 300), (80, 130)])
+def test_native_linear_rows_do_not_depend_on_the_step(kernels, n, k):
+    """A row's output is the same whatever else the step holds: one row alone (the AVX2 kernel)
+    and within 2-70 rows (the AVX-512 form where the build has it) sum in the same order."""
+    from serverless_llm.engine.kernels.cpu_native import pack_panels
+
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(70, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
+    panels = pack_panels(w)
+    alone = torch.cat([kernels.linear(x[i : i + 1], panels, b, n) for i in range(70)])
+    for rows in (2, 12, 25, 32, 70):
+        assert torch.equal(kernels.linear(x[:rows], panels, b, n), alone[:rows])
 
 
 def test_native_linear_is_threaded_over_panels_and_equal_to_itself_alone(kernels):
@@ -434,8 +450,13 @@ def test_packed_linear_takes_the_native_kernel_up_to_its_rows(kernels, monkeypat
         x = torch.randn(m, 16)
         torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
     assert calls == [1, 4]
+    p.use_native_rows(kernels, 4, 2)  # from 2 rows: one row stays on oneDNN
+    for m in (1, 2, 5):
+        x = torch.randn(m, 16)
+        torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4, 2]
     p.use_native_rows(kernels, 0)
-    assert p.panels is None and p(torch.randn(1, 16)).shape == (1, 24) and calls == [1, 4]
+    assert p.panels is None and p(torch.randn(1, 16)).shape == (1, 24) and calls == [1, 4, 2]
 
 
 def test_choose_native_rows_stops_at_the_first_loss(kernels):
@@ -452,9 +473,16 @@ def test_choose_native_rows_stops_at_the_first_loss(kernels):
         return share[m] if native else 1.0
 
     rows, timings = choose_native_rows([p], kernels, timer)
-    assert rows == 2 and [t[0] for t in timings] == [1, 2, 4] and 8 not in tried
-    share[1] = 0.99  # within NATIVE_WIN of oneDNN: not worth the memory
-    assert choose_native_rows([p], kernels, timer)[0] == 0
+    assert rows == (1, 2) and [t[0] for t in timings] == [1, 2, 4] and 8 not in tried
+    share[1] = 0.99  # within NATIVE_WIN of oneDNN: not worth the memory; 2 rows still win
+    assert choose_native_rows([p], kernels, timer)[0] == (2, 2)
+    # losses before the first win: only up to 4 rows (steps bound by streaming the weight,
+    # which oneDNN does as well); from the first win up to the last before a loss
+    share.update({1: 1.3, 2: 0.5, 4: 0.7, 8: 1.1})
+    assert choose_native_rows([p], kernels, timer)[0] == (2, 4)
+    share.update({2: 1.2, 4: 1.2, 8: 0.1})
+    tried.clear()
+    assert choose_native_rows([p], kernels, timer)[0] == (0, 0) and tried[-1] == 4
 
 
 def test_the_measurement_times_only_a_budget_of_each_shapes_weights(kernels):
@@ -592,7 +620,7 @@ def test_the_measured_choice_is_cached_per_machine_and_shape(kernels, monkeypatc
 
     def fake_choose(group, native, timer=None):
         measured.append(len(group))
-        return 2, [(1, 0.5, 1.0), (2, 0.5, 1.0), (4, 2.0, 1.0)]
+        return (2, 4), [(1, 2.0, 1.0), (2, 0.5, 1.0), (4, 0.5, 1.0), (8, 2.0, 1.0)]
 
     monkeypatch.setattr(linear_mod, "choose_native_rows", fake_choose)
 
@@ -601,10 +629,13 @@ def test_the_measured_choice_is_cached_per_machine_and_shape(kernels, monkeypatc
 
     first = model()
     assert "measured" in linear_mod.use_native_linears(first, kernels)
-    assert sorted(measured) == [1, 2] and all(p.native_rows == 2 for p in first)
+    assert sorted(measured) == [1, 2]
+    assert all((p.native_min_rows, p.native_rows) == (2, 4) for p in first)
     assert len(list(tmp_path.glob("linear-rows-*.json"))) == 1
-    line = linear_mod.use_native_linears(model(), kernels)  # another start, same shapes
-    assert "cached in" in line and len(measured) == 2
+    again = model()
+    line = linear_mod.use_native_linears(again, kernels)  # another start, same shapes
+    assert "cached in" in line and len(measured) == 2 and "2-4" in line
+    assert all((p.native_min_rows, p.native_rows) == (2, 4) for p in again)
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "measure")
     linear_mod.use_native_linears(model(), kernels)
     assert len(measured) == 4

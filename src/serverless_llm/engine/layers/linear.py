@@ -88,8 +88,10 @@ def packable_dtype(dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """Inference-only replacement for nn.Linear holding a oneDNN-packed weight; with the
-    native CPU kernels (`use_native_rows`), steps of at most `native_rows` rows run the native
-    GEMM on the weight in panels (`pack_panels`) instead."""
+    native CPU kernels (`use_native_rows`), steps of `native_min_rows` to `native_rows` rows run
+    the native GEMM on the weight in panels (`pack_panels`) instead."""
+
+    native_min_rows = 1  # `use_native_rows`: fewer rows go to oneDNN
 
     def __init__(
         self,
@@ -114,16 +116,18 @@ class PackedLinear(nn.Module):
         if (
             self.native_rows
             and x.dim() == 2
-            and x.shape[0] <= self.native_rows
+            and self.native_min_rows <= x.shape[0] <= self.native_rows
             and x.dtype == torch.float32
             and x.stride(-1) == 1
         ):
             return self.native.linear(x, self.panels, self.bias, self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
-    def use_native_rows(self, native, rows: int) -> None:
-        """Steps of <= rows rows through the native kernel; 0 drops the panels."""
+    def use_native_rows(self, native, rows: int, min_rows: int = 1) -> None:
+        """Steps of min_rows to rows rows through the native kernel; rows 0 drops the
+        panels."""
         self.native, self.native_rows = (native, rows) if rows else (None, 0)
+        self.native_min_rows = min_rows if rows else 1
         if not rows:
             self.panels = None
 
@@ -154,6 +158,12 @@ def pack_linears_for_cpu(
 # every fresh serverless worker) for a ~20% gain on steps of 65-128 rows, which oneDNN takes.
 NATIVE_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's time
+# Candidates up to this many rows may lose before the first win: a step of so few rows is
+# bound by streaming the weight, which oneDNN does as well or better, while from 8 rows on the
+# native AVX-512 GEMM computes faster (Zen 5, one thread, CPU time, weights streamed from
+# memory: native/oneDNN 0.95-1.2 at 1 row, 0.86-1.2 at 2 and 4, 0.66-0.89 at 8, 0.74-0.80 at
+# 32). A CPU where the native kernel loses at 1, 2 and 4 rows stops there.
+NATIVE_LEADING_LOSSES = 4
 
 
 def native_rows_setting() -> int | str | None:
@@ -182,9 +192,14 @@ def choice_file(native, shapes: dict) -> Path:
 
 
 def _read_choice(path: Path, shapes: dict) -> dict | None:
+    """shape -> (min rows, rows) as `use_native_linears` saved them, or None."""
     try:
         saved = json.loads(path.read_text())
-        return {shape: int(saved[f"{shape[0]}x{shape[1]}"]) for shape in shapes}
+        out = {}
+        for shape in shapes:
+            lo, hi = saved[f"{shape[0]}x{shape[1]}"]
+            out[shape] = (int(lo), int(hi))
+        return out
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -217,13 +232,18 @@ def timed_instances(group: list[PackedLinear], budget: int = MEASURE_BYTES) -> l
     return group[: max(1, -(-budget // each))]
 
 
-def choose_native_rows(linears: list[PackedLinear], native, timer=time_pass) -> tuple[int, list]:
-    """The most rows (of NATIVE_ROW_CANDIDATES) at which the native kernel streams `linears`
-    (one shape's, all of the model's instances in turn) faster than oneDNN, each candidate timed
-    both ways; stops at the first that loses. Returns (rows, [(rows, native s, oneDNN s)...])."""
+def choose_native_rows(
+    linears: list[PackedLinear], native, timer=time_pass
+) -> tuple[tuple[int, int], list]:
+    """The span of rows (of NATIVE_ROW_CANDIDATES) at which the native kernel streams
+    `linears` (one shape's, all of the model's instances in turn) faster than oneDNN, each
+    candidate timed both ways: from the first win (the candidates up to NATIVE_LEADING_LOSSES
+    rows may lose before it) to the last before a loss. Returns ((min rows, rows), [(rows,
+    native s, oneDNN s)...]); (0, 0): no win."""
     for lin in linears:
         lin.native = native
-    chosen, timings = 0, []
+    lo = hi = 0
+    timings = []
     for m in NATIVE_ROW_CANDIDATES:
         x = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
         timer(linears, x, True, 1)  # warm: oneDNN's kernel for this size, pages
@@ -231,9 +251,11 @@ def choose_native_rows(linears: list[PackedLinear], native, timer=time_pass) -> 
         t_native, t_packed = timer(linears, x, True), timer(linears, x, False)
         timings.append((m, t_native, t_packed))
         if t_native > NATIVE_WIN * t_packed:
-            break
-        chosen = m
-    return chosen, timings
+            if lo or m >= NATIVE_LEADING_LOSSES:
+                break
+            continue
+        lo, hi = lo or m, m
+    return (lo, hi), timings
 
 
 def use_native_linears(model: nn.Module, native) -> str:
@@ -264,11 +286,16 @@ def use_native_linears(model: nn.Module, native) -> str:
         how += " rows: " + "; ".join(f"{k}->{n} {r}" for (n, k), r in ratios.items()) + ")"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({f"{n}x{k}": r for (n, k), r in rows.items()}))
+            path.write_text(json.dumps({f"{n}x{k}": list(r) for (n, k), r in rows.items()}))
         except OSError:
             pass  # measured again at the next start
     for shape, group in shapes.items():
+        lo, hi = rows[shape]
         for lin in group:
-            lin.use_native_rows(native, rows[shape])
-    chosen = ", ".join(f"{k}->{n} x{len(g)}: <= {rows[(n, k)]}" for (n, k), g in shapes.items())
+            lin.use_native_rows(native, hi, lo)
+
+    def span(lo: int, hi: int) -> str:
+        return f"{lo}-{hi}" if hi and lo > 1 else f"<= {hi}"
+
+    chosen = ", ".join(f"{k}->{n} x{len(g)}: {span(*rows[(n, k)])}" for (n, k), g in shapes.items())
     return f"CPU linears: native kernel rows by weight shape {chosen}; {how}"

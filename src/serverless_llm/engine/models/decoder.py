@@ -916,6 +916,8 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.native, self.rows = native, rows
         self.linears = self.linears_of(layer)
+        # the fewest rows every linear takes the native kernel at (one row: oneDNN's, on some)
+        self.min_rows = max(lin.native_min_rows for lin in self.linears)
         norm, mlp_norm = layer.in_norm, layer.mlp_norm
         qkv, o, up, down = self.linears
         self.weights = DecoderLayerWeights(
@@ -987,7 +989,7 @@ class NativeDecodeLayer:
 
     def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
         return (
-            x.shape[0] <= self.rows
+            self.min_rows <= x.shape[0] <= self.rows
             and meta.num_decodes == x.shape[0]
             and x.dtype == torch.float32
             and x.is_contiguous()
