@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import speculative
@@ -168,8 +168,12 @@ def test_config_parses_eagle_and_mtp():
         assert (spec.method, spec.model) == ("mtp", None)
     with pytest.raises(ConfigError, match="method 'eagle' needs `model`"):
         EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 3})
-    with pytest.raises(ConfigError, match="'eagle3': a method not implemented here"):
-        EngineConfig(speculative_config={"method": "eagle3", "model": "/h", "num_speculative_tokens": 3})  # fmt: skip
+    spec = parse_speculative_config(
+        {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}
+    )
+    assert (spec.method, spec.model) == ("eagle3", "/h")
+    with pytest.raises(ConfigError, match="'medusa': a method not implemented here"):
+        EngineConfig(speculative_config={"method": "medusa", "model": "/h", "num_speculative_tokens": 3})  # fmt: skip
 
 
 @pytest.mark.parametrize("head", ["random", "echo"])
@@ -315,3 +319,156 @@ def test_mismatched_heads_are_refused_at_start(models):
         json.dump({"model_type": "llama"}, f)
     with pytest.raises(Exception, match="eagle model"):
         LLM(models["target"], speculative_config=eagle(bad, 3), **kw)
+
+
+# -- EAGLE-3 ------------------------------------------------------------------------------------
+
+DRAFT_VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def eagle3_models(tmp_path_factory) -> dict[str, str]:
+    """A 4-layer target (EAGLE-3 reads the streams entering its layers 2, 2 and 1: (2, L // 2,
+    L - 3)) and a random EAGLE-3 head of the published layout: fc [h, 3h], a midlayer whose
+    q/k/v read 2h, hidden_norm, norm, an lm_head over 256 of the 384 tokens with d2t; and a
+    2-layer target, too shallow for the default layers."""
+    root = tmp_path_factory.mktemp("eagle3-models")
+    tok = build_tokenizer()
+    out = {}
+    for name, layers in (("target", 4), ("shallow", 2)):
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(
+            make_config("llama", tok, num_hidden_layers=layers), dtype=torch.float32
+        )
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.2)
+        out[name] = str(root / name)
+        m.save_pretrained(out[name], safe_serialization=True)
+        tok.save_pretrained(out[name])
+    config = _head_config(tok, draft_vocab_size=DRAFT_VOCAB)
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    g = torch.Generator().manual_seed(4)
+    h, inter, kv = 64, 128, 32
+    shapes = {
+        "fc.weight": (h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": (h, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, h),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "lm_head.weight": (DRAFT_VOCAB, h),
+    }
+    tensors = {k: torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
+    for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"midlayer.{k}.weight"] = 1.0 + 0.1 * torch.randn(h, generator=g)
+    tensors["norm.weight"] = 1.0 + 0.1 * torch.randn(h, generator=g)
+    ids = torch.randperm(len(tok), generator=g)[:DRAFT_VOCAB].sort().values
+    tensors["d2t"] = ids - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(len(tok), dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    out["head"] = _save_head(str(root / "head"), config, tensors, bin_file=False)
+    return out
+
+
+def eagle3(path: str, k: int) -> dict:
+    return dict(eagle(path, k), method="eagle3")
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_eagle3_16_prompts_by_64_tokens_identical(eagle3_models, k):
+    llm_kw = dict(KW, max_num_batched_tokens=24)
+    plain = LLM(eagle3_models["target"], **llm_kw)
+    want = tokens(plain.generate(prompts(16), GREEDY))
+    spec = LLM(
+        eagle3_models["target"], speculative_config=eagle3(eagle3_models["head"], k), **llm_kw
+    )
+    assert tokens(spec.generate(prompts(16), GREEDY)) == want
+    stats = spec.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_drafts > 0
+    assert spec.engine.runner.captured is None
+    no_blocks_held(spec)
+
+
+def test_eagle3_drafts_equal_the_published_computation(eagle3_models):
+    """Every draft equals EAGLE-3 recomputed over the whole sequence in plain torch: fc over the
+    target's hidden states entering layers 2, 2, 1 (transformers' hidden_states), the midlayer
+    (attention over [input_layernorm(embedding), hidden_norm(hidden)] with the hidden state as
+    residual, then the MLP), the final norm, the reduced LM head and d2t; the layer's own
+    pre-norm output fused at each further step."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    llm = LLM(
+        eagle3_models["target"],
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        speculative_config=eagle3(eagle3_models["head"], 3),
+        block_size=8,
+        max_model_len=128,
+        dtype="float32",
+    )
+    drafter = llm.engine.drafter
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose_for
+
+    def recording(wanted):
+        propose(wanted)
+        for req, got in drafter.proposals.items():
+            seen.append((req.prompt_token_ids + req.output_token_ids, list(got)))
+
+    drafter.propose_for = recording
+    llm.generate(
+        prompts(3, seed=5), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
+    assert len(seen) > 10
+    target = transformers.AutoModelForCausalLM.from_pretrained(eagle3_models["target"]).eval()
+    config = transformers.AutoConfig.from_pretrained(eagle3_models["head"])
+    sd = load_file(os.path.join(eagle3_models["head"], "model.safetensors"))
+    w = {k.removeprefix("model."): v for k, v in sd.items()}
+    rotary = LlamaRotaryEmbedding(config)
+    eps = config.rms_norm_eps
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def lin(x, name):
+        return x @ w[name].T
+
+    def midlayer(e, hid):
+        x = torch.cat([rms(e, w["midlayer.input_layernorm.weight"]), rms(hid, w["midlayer.hidden_norm.weight"])], -1)  # fmt: skip
+        T = x.shape[1]
+        q = lin(x, "midlayer.self_attn.q_proj.weight").view(1, T, 4, 16).transpose(1, 2)
+        k = lin(x, "midlayer.self_attn.k_proj.weight").view(1, T, 2, 16).transpose(1, 2)
+        v = lin(x, "midlayer.self_attn.v_proj.weight").view(1, T, 2, 16).transpose(1, 2)
+        cos, sin = rotary(x, torch.arange(T)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        s1 = lin(a.transpose(1, 2).reshape(1, T, 64), "midlayer.self_attn.o_proj.weight") + hid
+        x2 = rms(s1, w["midlayer.post_attention_layernorm.weight"])
+        g = torch.nn.functional.silu(lin(x2, "midlayer.mlp.gate_proj.weight"))
+        return lin(g * lin(x2, "midlayer.mlp.up_proj.weight"), "midlayer.mlp.down_proj.weight") + s1
+
+    with torch.no_grad():
+        for seq, got in seen:
+            n = len(seq)
+            hs = target(torch.tensor([seq[: n - 1]]), output_hidden_states=True).hidden_states
+            hid = lin(torch.cat([hs[2], hs[2], hs[1]], -1), "fc.weight")
+            ids, want = list(seq[1:]), []
+            for _ in got:
+                pre = midlayer(target.model.embed_tokens(torch.tensor([ids])), hid)
+                d = int(lin(rms(pre[0, -1], w["norm.weight"]), "lm_head.weight").argmax())
+                want.append(d + int(w["d2t"][d]))
+                ids.append(want[-1])
+                hid = torch.cat([hid, pre[:, -1:]], dim=1)
+            assert got == want, (n, got, want)
+
+
+def test_eagle3_refused_on_a_target_too_shallow(eagle3_models):
+    kw = dict(block_size=8, max_model_len=64, dtype="float32")
+    with pytest.raises(ConfigError, match=r"target layers \(2, 1, -1\).*2 layers"):
+        LLM(eagle3_models["shallow"], speculative_config=eagle3(eagle3_models["head"], 3), **kw)

@@ -207,11 +207,11 @@ def test_speculative_config_reaches_the_engine_for_ngram_only(caplog):
     }
     assert Settings.from_env({}).engine_config().speculative_config is None
     # A method not implemented here: named in a warning, served without speculation.
-    eagle3 = '{"method": "eagle3", "model": "some/head", "num_speculative_tokens": 3}'
+    medusa = '{"method": "medusa", "model": "some/head", "num_speculative_tokens": 3}'
     with caplog.at_level(logging.WARNING):
-        config = Settings.from_env({"SPECULATIVE_CONFIG": eagle3}).engine_config()
+        config = Settings.from_env({"SPECULATIVE_CONFIG": medusa}).engine_config()
     assert config.speculative_config is None
-    assert any("method='eagle3' is not implemented" in r.getMessage() for r in caplog.records)
+    assert any("method='medusa' is not implemented" in r.getMessage() for r in caplog.records)
     # A malformed ngram config fails the start, naming what is wrong.
     bad = '{"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}'
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):

@@ -48,6 +48,7 @@ from torch import nn
 from .config import ConfigError, EngineConfig
 from .draft_model import DraftModel, _table
 from .layers.norm import RMSNorm
+from .layers.rotary import rotary_step
 from .loader import ModelLoadError, iter_weights, load_hf_config, resolve_model
 from .model_builder import LoadedModel, make_attention_backend
 from .model_runner import HostBatch, ModelRunner, PromptLogprobWork
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 # Architectures a published EAGLE-1 head's config.json names (its layer is Llama's).
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
+# ... and an EAGLE-3 head's (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: LlamaForCausalLMEagle3).
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Targets whose MTP layers are stored DeepSeek-V3's way (`model.layers.<num_hidden_layers>.`).
 MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 # Per-layer fields of a DecoderSpec (tuples over its layers).
@@ -89,8 +92,36 @@ class DraftCore(DecoderModel):
         return pname == "embed_tokens.weight" or super()._complete(pname, param, loaded)
 
 
+class AuxTap:
+    """EAGLE-3's input: the residual stream entering each of the target's `layers` (the output
+    of the layer before), caught by forward pre-hooks in every eager forward of the target
+    (decode capture is off with eagle3: a replayed graph runs no hook)."""
+
+    def __init__(self, target: DecoderModel, layers: tuple[int, ...]):
+        self.layers = layers
+        self.rows: dict[int, torch.Tensor] = {}
+        for i in sorted(set(layers)):
+            target.layers[i].register_forward_pre_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def take(module, args):
+            x, residual = args[0], args[1]
+            self.rows[i] = x if residual is None else x + residual
+
+        return take
+
+    def take(self) -> torch.Tensor | None:
+        """The last forward's [T, 3 * hidden] rows (low, mid, high), forgotten here."""
+        if len(self.rows) < len(set(self.layers)):
+            return None
+        out = torch.cat([self.rows[i] for i in self.layers], dim=-1)
+        self.rows = {}
+        return out
+
+
 class DraftHead(nn.Module):
-    """The input fusion around the core and the output's logits (`method` eagle or mtp)."""
+    """The input fusion around the core and the output's logits (`method` eagle, eagle3 or
+    mtp)."""
 
     def __init__(self, method: str, core: DraftCore, target: DecoderModel, fc_bias: bool):
         super().__init__()
@@ -99,8 +130,15 @@ class DraftHead(nn.Module):
         self.method = method
         self.core = core
         self._target = [target]  # not a submodule: its weights are the target's
+        self.tap: AuxTap | None = None  # eagle3's
+        self.d2t: torch.Tensor | None = None  # eagle3's draft id -> target id offsets
         if method == "eagle":
             self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        elif method == "eagle3":
+            uk = target.use_kernels
+            self.fc = nn.Linear(3 * h, h, bias=False)
+            self.hidden_norm = RMSNorm(h, core.spec.norm.eps, uk)
+            self.norm = RMSNorm(h, core.spec.norm.eps, uk)
         else:
             uk = target.use_kernels
             self.enorm = RMSNorm(h, eps, uk)
@@ -121,6 +159,8 @@ class DraftHead(nn.Module):
         if target.spec.embed_scale is not None:
             e = e * torch.tensor(target.spec.embed_scale, dtype=e.dtype)
         hidden = hidden.to(e.dtype)
+        if self.method == "eagle3":
+            return self._eagle3(e, positions, kv_caches, meta, hidden)
         if self.method == "eagle":
             x = self.fc(torch.cat([e, hidden], dim=-1))
         else:
@@ -132,11 +172,49 @@ class DraftHead(nn.Module):
         finally:
             self.core.fused = None
 
+    def _eagle3(self, e, positions, kv_caches, meta, hidden) -> torch.Tensor:
+        """EAGLE-3's midlayer: attention over [input_layernorm(embedding), hidden_norm(hidden)]
+        (2h wide), the hidden state as the residual, the MLP; returns the stream before the
+        final norm (what the next draft step fuses; `logits` norms it)."""
+        core = self.core
+        layer = core.layers[0]
+        r = core.rope_specs[0]
+        gather = r.is_neox and r.rot_dim == core.spec.head_dim and not core.native_rotary
+        rope = rotary_step(core.rope_caches[0], positions, e.dtype, core.use_kernels, gather)
+        meta = meta[0] if isinstance(meta, list) else meta
+        x = torch.cat([layer.in_norm(e), self.hidden_norm(hidden)], dim=-1)
+        a = layer.self_attn(x, rope, kv_caches[0], meta)
+        x, residual = layer.mlp_norm(a, hidden)
+        return layer.mlp(x) + residual
+
+    def target_rows(self, runner: ModelRunner) -> torch.Tensor | None:
+        """The rows of the target's last step this head drafts from: its final hidden states,
+        or (eagle3) its three layers' streams."""
+        if self.tap is not None:
+            runner.hidden = None
+            return self.tap.take()
+        hidden, runner.hidden = runner.hidden, None
+        return hidden
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """Target rows as the layer's hidden input: eagle3's fc over its three streams."""
+        return self.fc(rows.to(self.fc.weight.dtype)) if self.method == "eagle3" else rows
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.method == "eagle":
             return self.target.compute_logits(out)
+        if self.method == "eagle3":
+            return self.head(self.norm(out))
         x = self.head_norm(out)
         return self.head(x) if self.head is not None else self.target.compute_logits(x)
+
+    def propose(self, out: torch.Tensor) -> list[int]:
+        """The greedy draft of each row: the argmax, mapped to the target's ids (eagle3's
+        reduced vocabulary: id + d2t[id])."""
+        ids = self.logits(out).argmax(dim=-1)
+        if self.d2t is not None:
+            ids = ids + self.d2t[ids]
+        return ids.tolist()
 
 
 @dataclass
@@ -189,8 +267,7 @@ class HiddenDraft(DraftModel):
         """Keeps the hidden states of the tokens the last step computed and kept (after its
         update: a verification's rejected rows are not kept) for each request that may
         speculate; a request whose rows do not continue its track starts a new one there."""
-        hidden = runner.hidden
-        runner.hidden = None
+        hidden = self.head.target_rows(runner)
         if hidden is None:
             return
         idx: list[int] = []
@@ -207,6 +284,7 @@ class HiddenDraft(DraftModel):
         if not kept:
             return
         rows = hidden.index_select(0, torch.tensor(idx, dtype=torch.int64, device=hidden.device))
+        rows = self.head.project(rows)
         at = 0
         for req, start, valid in kept:
             part = rows[at : at + valid]
@@ -274,7 +352,7 @@ class HiddenDraft(DraftModel):
         self.proposals.update(got)
 
     def _argmax(self, outs: list[torch.Tensor]) -> list[int]:
-        return self.head.logits(torch.cat(outs)).argmax(dim=-1).tolist()
+        return self.head.propose(torch.cat(outs))
 
     def _run(self, rows) -> list[torch.Tensor]:
         """One pass of the head over `rows` (request, track, first position, tokens, hidden
@@ -360,6 +438,11 @@ def _build(
     backend = make_attention_backend(config.attention_backend, target.device)
     with torch.device("meta"):
         core = DraftCore(spec, hf_config, backend, max_position=target.max_model_len)
+        if method == "eagle3":  # the midlayer's attention reads [embedding | hidden]: 2h wide
+            qkv = core.layers[0].self_attn.qkv_proj
+            core.layers[0].self_attn.qkv_proj = nn.Linear(
+                2 * spec.hidden_size, qkv.out_features, bias=qkv.bias is not None
+            )
     core = core.to(target.dtype).materialize(target.device)
     core.backend = backend
     core.load_weights((f"{spec.names.layers_prefix}.0.{k}", v) for k, v in layer_weights)
@@ -389,24 +472,7 @@ def load_eagle(config: EngineConfig, spec, target: LoadedModel) -> HeadLoad:
     """An EAGLE-1 head from speculative_config `model` (a local directory or hub id), checked
     against the target (hidden size, vocabulary, one layer, the tensors of EAGLE-1's layout)."""
     where = f"eagle model {spec.model!r}"
-    head_config = dataclasses.replace(
-        config,
-        model=spec.model,
-        revision=spec.revision,
-        tokenizer=None,
-        tokenizer_revision=None,
-        quantization=None,
-        hf_overrides=None,
-        speculative_config=None,
-    )
-    try:
-        resolved = resolve_model(head_config)
-        hf = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
-        weights = {
-            k.removeprefix("model."): v for k, v in iter_weights(resolved, show_progress=False)
-        }
-    except (ConfigError, ModelLoadError) as e:
-        raise type(e)(f"speculative_config {where}: {e}") from e
+    resolved, hf, weights = _read_head(config, spec, where)
     arch = (getattr(hf, "architectures", None) or ["(none)"])[0]
     if arch not in EAGLE_ARCHS:
         hint = " (an EAGLE-3 head: method 'eagle3')" if "eagle3" in arch.lower() else ""
@@ -457,6 +523,121 @@ def load_eagle(config: EngineConfig, spec, target: LoadedModel) -> HeadLoad:
     _finish(core, head, target)
     loaded = _core_loaded(resolved, hf, core, target)
     return HeadLoad("eagle", loaded, head, resolved.source)
+
+
+def _read_head(config: EngineConfig, spec, where: str):
+    """(resolved, transformers config, tensors with a leading `model.` dropped) of the head
+    speculative_config `model` names."""
+    head_config = dataclasses.replace(
+        config,
+        model=spec.model,
+        revision=spec.revision,
+        tokenizer=None,
+        tokenizer_revision=None,
+        quantization=None,
+        hf_overrides=None,
+        speculative_config=None,
+    )
+    try:
+        resolved = resolve_model(head_config)
+        hf = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
+        weights = {
+            k.removeprefix("model."): v for k, v in iter_weights(resolved, show_progress=False)
+        }
+    except (ConfigError, ModelLoadError) as e:
+        raise type(e)(f"speculative_config {where}: {e}") from e
+    return resolved, hf, weights
+
+
+def aux_layers(hf, num_layers: int, where: str) -> tuple[int, ...]:
+    """The three target layers whose incoming streams EAGLE-3 reads: the head config's
+    eagle_aux_hidden_state_layer_ids, else (2, L // 2, L - 3) as EAGLE-3 and vLLM take them."""
+    ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None)
+    ids = tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
+    if len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < num_layers for i in ids):
+        raise ConfigError(
+            f"speculative_config {where}: target layers {ids} for EAGLE-3's three hidden states; "
+            f"the target has {num_layers} layers (at least 4 without "
+            "eagle_aux_hidden_state_layer_ids)"
+        )
+    return ids
+
+
+def load_eagle3(config: EngineConfig, spec, target: LoadedModel) -> HeadLoad:
+    """An EAGLE-3 head: fc over the streams entering three target layers (3h -> h), a midlayer
+    whose attention reads [input_layernorm(embedding), hidden_norm(hidden)] (2h), the hidden
+    state as its residual, a final norm, its own LM head over a reduced vocabulary mapped to the
+    target's ids by `d2t`."""
+    where = f"eagle3 model {spec.model!r}"
+    resolved, hf, weights = _read_head(config, spec, where)
+    arch = (getattr(hf, "architectures", None) or ["(none)"])[0]
+    if arch not in EAGLE3_ARCHS:
+        raise ConfigError(
+            f"speculative_config {where}: architecture {arch} is not an EAGLE-3 head "
+            f"({', '.join(EAGLE3_ARCHS)})"
+        )
+    t = target.model.full_spec
+    th = getattr(hf, "target_hidden_size", None) or hf.hidden_size
+    if hf.hidden_size != t.hidden_size or th != t.hidden_size:
+        raise ConfigError(
+            f"speculative_config {where}: hidden_size {hf.hidden_size} (target_hidden_size "
+            f"{th}), the target's {t.hidden_size}: heads of the target's width are served"
+        )
+    if hf.vocab_size != t.vocab_size:
+        raise ConfigError(
+            f"speculative_config {where}: a vocabulary of {hf.vocab_size} tokens, the target "
+            f"{t.vocab_size}: an EAGLE-3 head embeds with the target's table"
+        )
+    if hf.num_hidden_layers != 1:
+        raise ConfigError(f"speculative_config {where}: {hf.num_hidden_layers} layers (1 served)")
+    layers = aux_layers(hf, t.num_layers, where)
+    need = ("fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight")
+    lacking = [k for k in need if k not in weights]
+    if lacking:
+        raise ConfigError(f"speculative_config {where}: no {lacking} (not an EAGLE-3 head)")
+    layer, other = [], []
+    for name, tensor in weights.items():
+        if name.startswith("midlayer.") and name != "midlayer.hidden_norm.weight":
+            layer.append((name.removeprefix("midlayer."), tensor))
+        elif name not in (*need, "d2t", "t2d", "embed_tokens.weight"):
+            other.append(name)
+    if other:
+        raise ConfigError(
+            f"speculative_config {where}: tensors outside EAGLE-3's layout, e.g. {other[:3]}"
+        )
+    described = copy.deepcopy(hf)
+    described.architectures = ["LlamaForCausalLM"]
+    core_spec = _core_spec(describe_model(described), 0)
+    try:
+        core, head = _build("eagle3", core_spec, hf, config, target, layer, False)
+    except KeyError as e:
+        raise ConfigError(f"speculative_config {where}: {e}") from e
+    _copy(head.fc.weight, weights["fc.weight"], "fc.weight", where)
+    _copy(head.norm.weight, weights["norm.weight"], "norm.weight", where)
+    hn = weights["midlayer.hidden_norm.weight"]
+    _copy(head.hidden_norm.weight, hn, "midlayer.hidden_norm.weight", where)
+    lm = weights["lm_head.weight"]
+    head.head = nn.Linear(lm.shape[1], lm.shape[0], bias=False)
+    _copy(head.head.weight, lm, "lm_head.weight", where)
+    d2t = weights.get("d2t")
+    if d2t is None and lm.shape[0] != t.vocab_size:
+        raise ConfigError(
+            f"speculative_config {where}: a head of {lm.shape[0]} tokens without d2t (the map "
+            "to the target's ids)"
+        )
+    _finish(core, head, target)
+    if d2t is not None:
+        d2t = d2t.to(torch.int64).reshape(-1)
+        ids = torch.arange(d2t.shape[0]) + d2t
+        if d2t.shape[0] != lm.shape[0] or int(ids.min()) < 0 or int(ids.max()) >= t.vocab_size:
+            raise ConfigError(
+                f"speculative_config {where}: d2t ({d2t.shape[0]} entries) does not map the "
+                f"head's {lm.shape[0]} tokens into the target's {t.vocab_size}"
+            )
+        head.d2t = d2t.to(target.device)
+    head.tap = AuxTap(target.model, layers)
+    loaded = _core_loaded(resolved, hf, core, target)
+    return HeadLoad("eagle3", loaded, head, resolved.source)
 
 
 def check_mtp_target(target: LoadedModel) -> None:

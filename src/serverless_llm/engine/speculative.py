@@ -36,9 +36,9 @@ import numpy as np
 from .config import ConfigError
 from .request import Request
 
-METHODS = ("ngram", "draft_model", "eagle", "mtp")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods vLLM knows that this engine does not run yet (refused by name, not as a typo).
-LATER_METHODS = ("eagle3", "medusa", "mlp_speculator")
+LATER_METHODS = ("medusa", "mlp_speculator")
 # vLLM's older per-model names of the `mtp` method.
 MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "mimo_mtp", "ernie_mtp", "qwen3_next_mtp")
 # Steps with more running requests than this do not speculate unless the config says otherwise
@@ -88,8 +88,8 @@ def probe_drafts(req: Request, k: int) -> int:
 
 IMPLEMENTED = (
     "only 'ngram' (prompt lookup), 'draft_model' (a smaller model of the same tokenizer, named "
-    "by `model`), 'eagle' (an EAGLE-1 head named by `model`) and 'mtp' (the target's own "
-    "multi-token-prediction layer) are implemented in this engine"
+    "by `model`), 'eagle' and 'eagle3' (an EAGLE-1 or EAGLE-3 head named by `model`) and 'mtp' "
+    "(the target's own multi-token-prediction layer) are implemented in this engine"
 )
 
 
@@ -155,7 +155,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
 
 
 def _method_config(value: dict, method: str, k: int) -> SpeculativeConfig:
-    if method in ("draft_model", "eagle"):
+    if method in ("draft_model", "eagle", "eagle3"):
         return _draft_model_config(value, k, method)
     if method == "mtp":  # the target's own layers: a `model` (vLLM lets it name the target) unused
         return SpeculativeConfig("mtp", k)

@@ -88,8 +88,8 @@ def engine_config(settings: SettingsFields) -> EngineConfig:
 def speculative_config(settings: SettingsFields) -> dict | None:
     """SPECULATIVE_CONFIG for the engine: None when unset, or (with a warning) when it names a
     method this engine does not run, so the worker serves without speculation rather than not
-    at all; an ngram, draft_model, eagle or mtp config the engine refuses (bad numbers, a draft
-    of another tokenizer) fails the start."""
+    at all; a config of a method it runs that the engine refuses (bad numbers, a draft of
+    another tokenizer) fails the start."""
     if not settings.speculative_config:
         return None
     value = parse_json_object(settings.speculative_config)
@@ -97,7 +97,7 @@ def speculative_config(settings: SettingsFields) -> dict | None:
     if method not in METHODS:
         logger.warning(
             "SPECULATIVE_CONFIG method=%r is not implemented (only ngram, prompt lookup, "
-            "draft_model, eagle and mtp): serving without speculative decoding",
+            "draft_model, eagle, eagle3 and mtp): serving without speculative decoding",
             method,
         )
         return None

@@ -429,13 +429,14 @@ class SettingsFields(BaseSettings):
             "it, sampled output has the same distribution (the same tokens for a seeded "
             "request). `disable_by_batch_size` (default 16; null: never) stops speculation in "
             "steps with more running requests, and a request whose drafts are mostly rejected "
-            "backs off by itself. An EAGLE-1 head: "
+            "backs off by itself. An EAGLE head: "
             '`{"method": "eagle", "model": "<path or hub id>", "num_speculative_tokens": 3}` '
-            "drafts from the target's hidden states (same hidden size and vocabulary, refused "
-            'at start otherwise); `{"method": "mtp", "num_speculative_tokens": 1}` runs the '
-            "target's own multi-token-prediction layer (DeepSeek-V3 and GLM-4.5 checkpoints). "
-            "Other methods (eagle3, medusa...) are not implemented: named in a warning and "
-            "served without speculation. Unset: off."
+            "(EAGLE-1; `eagle3` for an EAGLE-3 head) drafts from the target's hidden states "
+            "(same hidden size and vocabulary, refused at start otherwise); "
+            '`{"method": "mtp", "num_speculative_tokens": 1}` runs the target\'s own '
+            "multi-token-prediction layer (DeepSeek-V3 and GLM-4.5 checkpoints). Other methods "
+            "(medusa, mlp_speculator) are not implemented: named in a warning and served "
+            "without speculation. Unset: off."
         ),
         allowed="a JSON object",
         json_object=True,
