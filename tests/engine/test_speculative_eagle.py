@@ -472,3 +472,19 @@ def test_eagle3_refused_on_a_target_too_shallow(eagle3_models):
     kw = dict(block_size=8, max_model_len=64, dtype="float32")
     with pytest.raises(ConfigError, match=r"target layers \(2, 1, -1\).*2 layers"):
         LLM(eagle3_models["shallow"], speculative_config=eagle3(eagle3_models["head"], 3), **kw)
+
+
+def test_the_cache_budget_is_split_between_target_and_head(models, caplog):
+    import logging
+
+    budget = 1 << 20
+    kw = dict(block_size=8, max_model_len=128, dtype="float32", kv_cache_space_gib=budget / 2**30)
+    with caplog.at_level(logging.INFO, logger="serverless_llm.engine.llm_engine"):
+        spec = LLM(models["target"], speculative_config=eagle(models["echo"], 3), **kw)
+    engine, drafter = spec.engine, spec.engine.drafter
+    assert drafter.kv_bytes_per_token * 2 == engine.kv_bytes_per_token  # 1 layer of 2
+    per_block = (engine.kv_bytes_per_token + drafter.kv_bytes_per_token) * 8
+    assert drafter.num_blocks == engine.block_pool.num_blocks == budget // per_block
+    line = next(r.getMessage() for r in caplog.records if "KV cache split" in r.getMessage())
+    assert line.startswith("speculative decoding: eagle ")
+    assert f"draft {drafter.num_blocks} blocks" in line

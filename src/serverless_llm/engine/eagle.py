@@ -521,7 +521,7 @@ def load_eagle(config: EngineConfig, spec, target: LoadedModel) -> HeadLoad:
     if "fc.bias" in weights:
         _copy(head.fc.bias, weights["fc.bias"], "fc.bias", where)
     _finish(core, head, target)
-    loaded = _core_loaded(resolved, hf, core, target)
+    loaded = _core_loaded(resolved, hf, head, target)
     return HeadLoad("eagle", loaded, head, resolved.source)
 
 
@@ -636,7 +636,7 @@ def load_eagle3(config: EngineConfig, spec, target: LoadedModel) -> HeadLoad:
             )
         head.d2t = d2t.to(target.device)
     head.tap = AuxTap(target.model, layers)
-    loaded = _core_loaded(resolved, hf, core, target)
+    loaded = _core_loaded(resolved, hf, head, target)
     return HeadLoad("eagle3", loaded, head, resolved.source)
 
 
@@ -717,12 +717,15 @@ def load_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
         head.head = nn.Linear(own.shape[1], own.shape[0], bias=False)
         _copy(head.head.weight, own, "shared_head.head.weight", where)
     _finish(core, head, target)
-    loaded = _core_loaded(target.resolved, hf, core, target)
+    loaded = _core_loaded(target.resolved, hf, head, target)
     return HeadLoad("mtp", loaded, head, f"{target.resolved.source} {prefix}")
 
 
-def _core_loaded(resolved, hf, core: DraftCore, target: LoadedModel) -> LoadedModel:
-    held = sum(t.numel() * t.element_size() for t in core.state_dict().values())
+def _core_loaded(resolved, hf, head: DraftHead, target: LoadedModel) -> LoadedModel:
+    """The head's core as a LoadedModel (its cache layout and allocation), holding the bytes
+    of the whole head (the target's shared embedding and LM head not counted)."""
+    core = head.core
+    held = sum(t.numel() * t.element_size() for t in head.state_dict().values())
     return LoadedModel(
         resolved,
         hf,
