@@ -1,6 +1,7 @@
 """Speculative decoding's proposers that draft from the target's hidden states: `eagle` (an
-EAGLE-1 head, its own small checkpoint) and `mtp` (the multi-token-prediction layer a DeepSeek-V3
-style checkpoint ships beside its decoder layers).
+EAGLE-1 head, its own small checkpoint), `eagle3` (an EAGLE-3 head: `load_eagle3`, `AuxTap`) and
+`mtp` (the multi-token-prediction layer a DeepSeek-V3 style checkpoint ships beside its decoder
+layers).
 
 Both are one decoder layer over a fused input: the row at position p fuses the embedding of token
 p + 1 (the target's embedding table, shared) with the target's final hidden state at p (what its
@@ -15,6 +16,10 @@ scores token p + 2:
   concat(enorm(embedding), hnorm(hidden)), one decoder block of the model's own kind (layer N of
   `model.layers.N.`, N = num_hidden_layers: MLA and MoE for DeepSeek V3), then
   `shared_head.norm` and `shared_head.head` (or the target's head when the checkpoint has none).
+
+EAGLE-3 reads the residual streams entering three target layers instead (fc over their concat,
+3h -> h), attends over [input_layernorm(embedding), hidden_norm(hidden)] (2h wide) with the
+hidden state as residual, and scores a reduced vocabulary mapped to the target's ids (`d2t`).
 
 Drafting k tokens: the first pass feeds the rows the target computed since the last drafting and
 takes the argmax at the last one (position n - 2, token n - 1: draft 1); each further pass feeds
