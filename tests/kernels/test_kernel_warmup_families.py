@@ -112,3 +112,35 @@ def test_family_launches_are_listed(tmp_path, monkeypatch, family):
     assert new and {s.name for s in new} == {kernel}
     with pytest.raises(AssertionError, match="not in the warm-up's list"):
         _assert_listed(set(rec.specs), listed)
+
+
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_encoder_launches_are_listed(tmp_path, monkeypatch, kind):
+    """An encoder (bidirectional attention over each whole prompt, the paged kernel's DENSE_KV
+    variant; ModernBERT's two-sided windows on its local layers): its steps are whole prompts
+    (SweepLimits.whole_prompts), and every served launch is listed."""
+    from serverless_llm.engine.kernel_warmup import SweepLimits, list_launches
+    from serverless_llm.engine.kernels import paged_attention
+    from serverless_llm.llm import LLM
+    from tests.tiny_encoders import build_tiny_encoder
+
+    llm = LLM(build_tiny_encoder(str(tmp_path / kind), kind), dtype="float32",
+              attention_backend="triton", max_model_len=64, max_num_batched_tokens=64,
+              max_num_seqs=4)  # fmt: skip
+    e = llm.engine
+    limits = SweepLimits(e.max_num_batched_tokens, 4, e.max_model_len, whole_prompts=True)
+    listed = set(list_launches(e.runner, limits))
+    # 1-62 tokens (with [CLS] and [SEP]), in steps of up to four prompts
+    prompts = [[5 + (7 * i) % 40 for i in range(n)] for n in (1, 3, 9, 14, 15, 30, 62, 2)]
+    with record_launches() as rec:
+        llm.embed(prompts)
+    served = set(rec.specs)
+    assert "_paged_attention_kernel" in {s.name for s in served}
+    _assert_listed(served, listed)
+
+    kernel = "_paged_attention_kernel"
+    monkeypatch.setattr(paged_attention, kernel, _Drifted(getattr(paged_attention, kernel)))
+    with record_launches() as rec:
+        llm.embed(prompts[:2])
+    new = set(rec.specs) - listed
+    assert new and {s.name for s in new} == {kernel}

@@ -7,11 +7,14 @@ traffic, so the list is what they launch, not a copy of their choices that could
 step's shapes pass through the same tile choosers, split heuristics and alignment facts. The
 sweep covers the axes those choices read: decode batches (1, 2, 3, 15, 16, 17 rows and the
 largest, against contexts at every power of two up to max_model_len), prompts of 2, 3, 15, 16,
-17 tokens and every power of two (and one past it) up to the step's token budget, prompt
-chunks over a context, and 0-17 decodes with one to four prompts (or chunks) after them; with LoRA on, the same steps with an
-adapter on every row; each step with block tables of each width class. The rows write no KV (slot -1) and the outputs are never read, so the
-sweep changes nothing in the cache. A launch the sweep missed would still compile at its first
-use; the engine then logs it by name (`watch_request_path`), so the gap is visible.
+17 tokens and every power of two (and one past it) up to the step's token budget, prompt chunks
+over a context, and 0-17 decodes with one to four prompts (or chunks) after them; with LoRA on,
+the same steps with an adapter on every row; each step with block tables of each width class. An
+encoder's steps are whole prompts only (`SweepLimits.whole_prompts`: every length class, one to
+max_num_seqs of them, no decode, no context), through its bidirectional (DENSE_KV) attention.
+The rows write no KV (slot -1) and the outputs are never read, so the sweep changes nothing in
+the cache. A launch the sweep missed would still compile at its first use; the engine then logs
+it by name (`watch_request_path`), so the gap is visible.
 
 Compiling (`compile_launches`): each listed specialisation through `launch_keys.compile_spec`,
 the same steps as Triton's own launch, in a pool of threads; the results land in Triton's cache
@@ -47,6 +50,8 @@ class SweepLimits:
     token_budget: int
     max_num_seqs: int
     max_model_len: int
+    # An encoder's steps: whole prompts only (no decodes, no chunks over a context, no cache).
+    whole_prompts: bool = False
 
 
 def _powers(limit: int, start: int = 1) -> list[int]:
@@ -72,6 +77,8 @@ def sweep_steps(limits: SweepLimits) -> list[tuple[list[int], list[int]]]:
             steps.append((q, s))
 
     rows = sorted({n for n in (1, 2, 3, 15, 16, 17, seqs) if n <= min(seqs, budget)})
+    if limits.whole_prompts:
+        return _whole_prompt_steps(limits, rows, add, steps)
     contexts = sorted({*_powers(max_len, 2), max_len})
     for n in rows:  # decode-only steps
         for ctx in contexts:
@@ -95,6 +102,21 @@ def sweep_steps(limits: SweepLimits) -> list[tuple[list[int], list[int]]]:
                 for ctx in (0, max_len - t):  # a first chunk, or a last one (split-KV)
                     if t >= 2:
                         add([1] * nd + [t] * k, [max_len] * nd + [ctx + t] * k)
+    return steps
+
+
+def _whole_prompt_steps(limits: SweepLimits, rows: list[int], add, steps: list) -> list:
+    """An encoder's steps: n whole prompts of length t (every length class of the sweep, and
+    1), each after n - 1 one-token prompts (few tiles over a long prompt: split-KV), all
+    n of length t (the most tiles), and as many of length t as the budget holds."""
+    top = min(limits.token_budget, limits.max_model_len)
+    lengths = sorted({1, 2, 3, 15, 16, 17, top, *_powers(top, 2)}
+                     | {p + 1 for p in _powers(top, 2)})  # fmt: skip
+    for t in (t for t in lengths if t <= top):
+        fill = max(1, min(limits.max_num_seqs, limits.token_budget // t))
+        for n in sorted({*rows, fill}):
+            add([1] * (n - 1) + [t], [1] * (n - 1) + [t])  # one-token rows first, as the runner
+            add([t] * n, [t] * n)
     return steps
 
 
@@ -136,6 +158,7 @@ def _host_batch(
     `width` blocks wide (default: what the longest request needs)."""
     bs = runner.block_size
     groups = runner.layout.num_groups
+    encoder = is_encoder(runner)
     ids: list[int] = []
     positions: list[int] = []
     sample_idx: list[int] = []
@@ -145,7 +168,8 @@ def _host_batch(
             lora_rows.append((SWEEP_LORA_ID, len(ids), q))
         ids.extend([0] * q)
         positions.extend(range(s - q, s))
-        sample_idx.append(len(ids) - 1)
+        if not encoder:  # an encoder has no LM head: its rows are pooled, never sampled
+            sample_idx.append(len(ids) - 1)
     blocks = width or max(1, -(-max(seq_lens) // bs))
     table = torch.zeros(len(seq_lens), blocks, dtype=torch.int32)
     has_state = runner.layout.has_state
@@ -164,6 +188,10 @@ def _host_batch(
         state_slots=[1] * len(seq_lens) if has_state else None,
         prompt_rows=[True] * len(ids) if has_state else None,
     )
+
+
+def is_encoder(runner: ModelRunner) -> bool:
+    return bool(getattr(runner.model, "is_encoder", False))
 
 
 @torch.inference_mode()

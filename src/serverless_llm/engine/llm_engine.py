@@ -629,14 +629,13 @@ class LLMEngine:
         and the kernels compile at their first launch as before."""
         if not config.kernel_warmup or self.device.type != "cuda" or self.backend.name != "triton":
             return None
-        if self.encoder:  # its one kernel path (bidirectional prefill) compiles at first use
-            return None
         if self.ranks is not None:
             logger.info("kernel warm-up off: tensor parallelism (each rank compiles at first use)")
             return None
         from .kernel_warmup import SweepLimits, warm_up, watch_request_path
 
-        limits = SweepLimits(self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        limits = SweepLimits(self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+                             whole_prompts=self.encoder)  # fmt: skip
         try:
             result = warm_up(self.runner, limits)
         except Exception as e:  # noqa: BLE001 - never fail a start over an optimisation
