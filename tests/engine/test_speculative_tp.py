@@ -2,7 +2,8 @@
 prompt lookup; a draft model loaded whole on rank 0, vLLM's draft_tensor_parallel_size 1) and
 the other rank computes the drafts' rows as any other rows of the step. Greedy tokens equal one
 rank's plain decoding, drafts are verified and kept, and no KV block of either cache is left
-behind. eagle and mtp stay off with tensor parallelism (their heads read the target's embedding
+behind; a model with recurrent layers restores its state snapshots on both ranks. eagle and
+mtp stay off with tensor parallelism (their heads read the target's embedding
 and LM head, which the ranks hold in shares): said at start, output unchanged."""
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import pytest
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import speculative
 from serverless_llm.engine.llm_engine import LLMEngine
+from tests.engine.family_check import save_family_model
+from tests.engine.test_hybrid_engine import HYBRIDS
 from tests.engine.test_speculative import NGRAM, oracle, random_prompts, repeating_prompts, tokens
+from tests.tiny_models import build_tokenizer
 
 BASE = dict(block_size=8, max_model_len=256, dtype="float32", num_kv_blocks=160)
 
@@ -64,6 +68,25 @@ def test_a_draft_model_on_two_ranks_equals_plain_decoding(tiny_llama):
         assert pool.num_free == pool.num_blocks, "KV blocks leaked"
 
 
+def test_a_recurrent_model_on_two_ranks_goes_back_to_its_snapshots(tmp_path):
+    """lfm2's short convolutions split over two ranks: the snapshot copies and their restores
+    travel to the other rank with the next step's block copies."""
+    path = save_family_model(str(tmp_path), HYBRIDS["lfm2"](build_tokenizer()))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    probe = LLM(path, **BASE)
+    prompts = random_prompts(probe.engine.vocab_size, 5)
+    full = tokens(probe.generate(prompts, params))
+    spec = dict(NGRAM, num_speculative_tokens=3)
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **BASE) as llm:
+        oracle(llm, prompts, full)  # some drafts spoiled: runs cut, states restored
+        assert tokens(llm.generate(prompts, params)) == full
+        stats = llm.engine.stats()
+        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+        e = llm.engine
+        e.kv.check()
+        assert e.state_pool.num_free == e.state_pool.num_slots - 1, "state slots leaked"
+
+
 def test_hidden_state_heads_stay_off_with_tensor_parallelism():
     layout = types.SimpleNamespace(has_state=False)
     two_ranks = types.SimpleNamespace(ranks=object())
@@ -74,5 +97,6 @@ def test_hidden_state_heads_stay_off_with_tensor_parallelism():
         assert LLMEngine._speculation_off(two_ranks, layout, method) is None
     one_rank = types.SimpleNamespace(ranks=None)
     assert LLMEngine._speculation_off(one_rank, layout, "eagle") is None
-    recurrent = types.SimpleNamespace(has_state=True)
-    assert "recurrent" in LLMEngine._speculation_off(one_rank, recurrent, "ngram")
+    recurrent = types.SimpleNamespace(has_state=True)  # test_speculative_hybrid.py
+    assert LLMEngine._speculation_off(one_rank, recurrent, "ngram") is None
+    assert "recurrent" in LLMEngine._speculation_off(one_rank, recurrent, "eagle")

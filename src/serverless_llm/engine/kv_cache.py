@@ -311,9 +311,13 @@ def copy_blocks(kv_caches: list, pairs: list[tuple[int, int]]) -> None:
 
 
 def _copy_rows(tensors: list[torch.Tensor], pairs: list[tuple[int, int]], dim: int) -> None:
-    """Row `src` of each tensor along `dim` copied into row `dst`, for each pair."""
+    """Row `src` of each tensor along `dim` copied into row `dst`, for each pair: every source
+    is read before any row is written, and of two pairs writing one row the later wins (a slot
+    freed and taken again within one batch of copies)."""
     if not pairs or not tensors:
         return
+    if len({b for _, b in pairs}) < len(pairs):
+        pairs = list({b: (a, b) for a, b in pairs}.values())
     device = tensors[0].device
     src = torch.tensor([a for a, _ in pairs], device=device)
     dst = torch.tensor([b for _, b in pairs], device=device)

@@ -282,6 +282,10 @@ class HeldBlocks:
     released: list[int]
     hashes: list[bytes] = field(default_factory=list)
     state: int = NO_SLOT
+    # A copy of `state` taken before a speculative verification step (`snapshot_state`), and
+    # the tokens computed when it was taken: a rollback goes back to it (NO_SLOT: none).
+    snapshot: int = NO_SLOT
+    snapshot_tokens: int = 0
 
 
 class KVCacheManager:
@@ -490,6 +494,33 @@ class KVCacheManager:
             self.pool.free(table[held.released[g] :])
         if held.state != NO_SLOT:
             self.state_pool.free(held.state)
+        if held.snapshot != NO_SLOT:
+            self.state_pool.free(held.snapshot)
+
+    # -- recurrent state around a speculative step ------------------------------------------------
+
+    def snapshot_state(self, owner: Hashable, num_computed: int) -> StateCopy | None:
+        """Before a step that verifies drafts on a model with recurrent layers: a spare slot
+        takes a copy of the owner's state (the returned pair, to copy before the step's
+        forward), so that a rollback can go back to `num_computed` tokens. None: no spare slot
+        free (the owner then decodes without drafts), or no state to copy."""
+        held = self._held.get(owner)
+        if self.state_pool is None or held is None or held.state == NO_SLOT:
+            return None
+        if held.snapshot == NO_SLOT:
+            slot = self.state_pool.allocate()
+            if slot is None:
+                return None
+            held.snapshot = slot
+        held.snapshot_tokens = num_computed
+        return StateCopy(held.state, held.snapshot)
+
+    def drop_snapshot(self, owner: Hashable) -> None:
+        """The owner's snapshot is not needed (its drafts were all kept): its slot goes back."""
+        held = self._held.get(owner)
+        if held is not None and held.snapshot != NO_SLOT:
+            self.state_pool.free(held.snapshot)
+            held.snapshot = NO_SLOT
 
     def rollback(self, owner: Hashable, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
         """Forgets every token from `num_tokens` on: blocks that held only such tokens are freed,
@@ -498,15 +529,28 @@ class KVCacheManager:
         tokens written over it; if another owner holds it too, this owner writes into a copy
         (returned as a (src, dst) pair to copy), or, with no block free for one, lets it go and
         computes its tokens again. Returns the tokens still computed and the copies. Rolling
-        back past what a window has released is refused (ValueError)."""
+        back past what a window has released is refused (ValueError).
+
+        With recurrent layers the state cannot be rolled back part of the way: the owner goes
+        back to its snapshot (`snapshot_state`) at once, its KV as far, its state copied back
+        from the snapshot (a `StateCopy` among the returned pairs), and the tokens after it are
+        computed again; without a snapshot, ValueError."""
         held = self._held.get(owner)
         if held is None:
             return 0, []
+        restore: list[tuple[int, int]] = []
         if self.state_pool is not None:
-            raise ValueError(
-                f"cannot roll {owner} back to {num_tokens} tokens: a recurrent state cannot be "
-                "rolled back"
-            )
+            if held.snapshot == NO_SLOT or num_tokens < held.snapshot_tokens:
+                raise ValueError(
+                    f"cannot roll {owner} back to {num_tokens} tokens: a recurrent state goes "
+                    "back only to its snapshot"
+                )
+            num_tokens = held.snapshot_tokens
+            restore.append(StateCopy(held.snapshot, held.state))
+            # Freed now: a copy into it taken later reads after this copy (all of a batch of
+            # copies read their sources before any writes; kv_cache.copy_blocks).
+            self.state_pool.free(held.snapshot)
+            held.snapshot = NO_SLOT
         bs = self.block_size
         for g, spec in enumerate(self.specs):
             if spec.first_needed_block(num_tokens, bs) < held.released[g]:
@@ -522,15 +566,17 @@ class KVCacheManager:
                 del table[keep:]
         del held.hashes[full:]
         if full == keep:
-            return num_tokens, []
+            return num_tokens, restore
         shared = [g for g, t in enumerate(held.tables) if not self.pool.forget(t[keep - 1])]
         new = self.pool.allocate(len(shared)) if shared else []
         if new is None:  # no room for copies: the partial block is computed again
+            if restore:  # (never: no prefix cache with recurrent layers, no shared blocks)
+                raise ValueError(f"cannot roll {owner} back: its last block is shared")
             for table in held.tables:
                 self.pool.free(table[keep - 1 :])
                 del table[keep - 1 :]
             return full * bs, []
-        copies = []
+        copies = restore
         for g, block in zip(shared, new):
             table = held.tables[g]
             copies.append((table[keep - 1], block))
@@ -608,7 +654,12 @@ class KVCacheManager:
             )
             assert (refs[b] == 0) == self.pool.is_free(b), f"block {b}: free list disagrees"
         if self.state_pool is not None:
-            held_slots = [h.state for h in self._held.values() if h.state != NO_SLOT]
+            held_slots = [
+                slot
+                for h in self._held.values()
+                for slot in (h.state, h.snapshot)
+                if slot != NO_SLOT
+            ]
             assert len(held_slots) == len(set(held_slots)), "a state slot has two owners"
             for slot in range(1, self.state_pool.num_slots):
                 assert (slot in held_slots) != self.state_pool.is_free(slot), (

@@ -438,9 +438,11 @@ class LLMEngine:
         can). With tensor parallelism, ngram and draft_model run on rank 0 (the draft model
         whole, like vLLM's draft_tensor_parallel_size 1; the other ranks verify the drafts'
         rows as any other rows of the step); eagle and mtp heads read the target's embedding
-        and LM head, which the ranks hold in shares."""
-        if layout.has_state:
-            return "the model's recurrent layers keep a state that cannot be rolled back"
+        and LM head, which the ranks hold in shares. With recurrent layers, ngram and
+        draft_model run: a speculating request's state is copied aside before the step and a
+        partly rejected run goes back to it (kv_cache_manager.snapshot_state)."""
+        if layout.has_state and method not in ("ngram", "draft_model"):
+            return f"{method} not yet for models with recurrent layers (ngram and draft_model run)"
         if self.ranks is not None and method not in ("ngram", "draft_model"):
             return f"{method} not yet with tensor parallelism (ngram and draft_model run)"
         return None
@@ -491,6 +493,11 @@ class LLMEngine:
         check_same_tokenizer(
             self.tokenizer, self.vocab_size, draft_tok, draft.hf_config.vocab_size, spec.model
         )
+        if draft.cache_layout().has_state:
+            raise ConfigError(
+                f"speculative_config draft model {spec.model!r} has recurrent layers: a draft "
+                "model here keeps a KV cache only (choose an attention-only draft)"
+            )
         return draft
 
     def _speculation(self, config: EngineConfig, layout):

@@ -39,6 +39,7 @@ from .models.families_encoder import describe_encoder
 from .models.sharding import check_shardable
 from .multimodal import VisionFamily, vision_family_of
 from .parallel.group import SINGLE, TensorParallel
+from .speculative import snapshot_slots
 
 logger = logging.getLogger(__name__)
 
@@ -465,9 +466,10 @@ def cache_capacity(
 ) -> CacheCapacity:
     """NUM_KV_BLOCKS when set; on CUDA what GPU_MEMORY_UTILIZATION leaves after a profiled
     peak step; on CPU the configured cache size. A model with recurrent layers first gives
-    max_num_seqs requests (plus the scratch slot) their states, from at most half of that memory
-    when it also attends (all of it when it does not), and the KV blocks the rest; with less
-    room, fewer requests run at once (the others queue)."""
+    max_num_seqs requests (plus the scratch slot, and with speculation a spare slot for each
+    request that may speculate: speculative.snapshot_slots) their states, from at most half of
+    that memory when it also attends (all of it when it does not), and the KV blocks the rest;
+    with less room, fewer requests run at once (the others queue)."""
     layout = loaded.cache_layout()
     parts, heads, width = loaded.kv_entry_shape()
     per_block = bytes_per_block(
@@ -490,7 +492,8 @@ def cache_capacity(
             )
         return CacheCapacity(max(1, budget // per_block))
     share = budget // 2 if layout.num_groups else budget
-    slots = min(config.max_num_seqs + 1, share // slot_bytes)
+    spare = snapshot_slots(config.speculative_config, config.max_num_seqs)
+    slots = min(config.max_num_seqs + 1 + spare, share // slot_bytes)
     if slots < 2:
         raise ConfigError(
             f"the cache memory ({budget / 2**20:.1f} MiB) has no room for one request's "

@@ -228,6 +228,16 @@ class Scheduler:
                     out.drafts.pop(victim.request_id, None)
             if req.status is not RequestStatus.RUNNING:
                 continue
+            if drafts and self.kv.state_pool is not None:
+                # Recurrent layers: their state is copied aside first, for a rollback to go
+                # back to (kv_cache_manager.snapshot_state); no spare slot, no drafts. A slot
+                # stays for each waiting request: drafts never keep one from starting.
+                free = self.kv.state_pool.num_free > len(self.waiting)
+                copy = self.kv.snapshot_state(req, req.num_computed_tokens) if free else None
+                if copy is None:
+                    num_new, drafts = 1, None
+                else:
+                    self.copy_blocks([copy])
             if drafts:
                 out.drafts[req.request_id] = drafts
             out.requests.append(req)
@@ -306,6 +316,8 @@ class Scheduler:
         for req in batch.requests:
             if not req.finished:  # blocks of requests ending now are cached before they go
                 self.cache_computed_blocks(req)
+            if self.kv.state_pool is not None and req.request_id in batch.drafts:
+                self.kv.drop_snapshot(req)  # every draft kept (a rollback took it otherwise)
         for req, stop in ended:
             req.finish_reason = stop.reason
             req.stop_reason = stop.stop_reason

@@ -223,6 +223,18 @@ def propose_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
     return []
 
 
+def snapshot_slots(value, max_num_seqs: int) -> int:
+    """Spare state slots a model with recurrent layers gets for speculation (`value`: the
+    speculative config): one for each request that may speculate in a step (its state copied
+    aside before verification, kv_cache_manager.snapshot_state), so max_num_seqs requests can
+    all speculate; 0 without speculation, or for a method that does not run on such models."""
+    spec = parse_speculative_config(value)
+    if spec is None or spec.method not in ("ngram", "draft_model"):
+        return 0
+    off = spec.disable_by_batch_size
+    return max_num_seqs if off is None else min(max_num_seqs, off)
+
+
 def can_speculate(req: Request) -> bool:
     """Whether `req` may verify drafts: any request that samples one sequence, whatever its
     sampling parameters (greedy ones through `accept_greedy`, the others through rejection
