@@ -144,3 +144,65 @@ def test_encoder_launches_are_listed(tmp_path, monkeypatch, kind):
         llm.embed(prompts[:2])
     new = set(rec.specs) - listed
     assert new and {s.name for s in new} == {kernel}
+
+
+def test_grammar_mask_launches_are_listed(tiny_llama, monkeypatch):
+    """Guided decoding's one kernel, xgrammar's Triton bitmask kernel (what apply_bitmask runs
+    on CUDA), made to run here on CPU logits under the interpreter (the SM count it reads from
+    the GPU stood in for): batches of three requests and of one, every launch of it
+    listed by the sweep's two calls (kernel_warmup._grammar_launches)."""
+    import types
+
+    import torch
+
+    from serverless_llm.engine.sampling.structured import bitmask
+
+    monkeypatch.setattr(bitmask, "_LITTLE_ENDIAN", False)  # not the CPU fast path
+    monkeypatch.setattr(bitmask, "xgrammar_backend", lambda logits: "triton")
+    props = types.SimpleNamespace(multi_processor_count=4, gcnArchName="")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    llm = _llm(tiny_llama)
+    listed = _listed(llm)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, guided_regex="[a-z]{2,9}")
+    prompts = ["Hello", "The cat sat", "one two three four five"]
+    with record_launches() as rec:
+        llm.generate(prompts, params)
+        llm.generate(prompts[:1], params)
+    served = set(rec.specs)
+    kernel = "apply_token_bitmask_inplace_kernel"
+    assert kernel in {s.name for s in served}
+    _assert_listed(served, listed)
+
+    from xgrammar.kernels import apply_token_bitmask_inplace_triton as xk
+
+    monkeypatch.setattr(xk, kernel, _Drifted(getattr(xk, kernel)))
+    with record_launches() as rec:
+        llm.generate(prompts[:1], params)
+    new = set(rec.specs) - listed
+    assert new and {s.name for s in new} == {kernel}
+
+
+def test_speculative_verify_launches_are_listed(tiny_llama, monkeypatch):
+    """Speculative decoding (ngram, k = 4) with sampled and greedy requests: the verify steps
+    (a request's last token and its drafts, a short chunk over its context) launch only listed
+    specialisations. kernels/rejection.py's kernel is never among them: the engine verifies
+    through the sampler's own draws (sampling/verify.py), and no engine path launches it, so
+    there is nothing of it to list or compile."""
+    from serverless_llm.engine import speculative
+
+    monkeypatch.setattr(speculative, "BACKOFF_RATE", 0.0)  # every step proposes
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2, "disable_by_batch_size": None}  # fmt: skip
+    llm = _llm(tiny_llama, speculative_config=spec)
+    listed = _listed(llm)
+    motif = [11, 23, 35, 47, 59]
+    prompts = [motif * 4, motif * 3 + motif[:2]]
+    # long enough for the tiny random model to fall into the loops ngram drafts from
+    with record_launches() as rec:
+        llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.5, seed=5,
+                                             ignore_eos=True))  # fmt: skip
+    served = set(rec.specs)
+    assert llm.engine.spec_drafts > 0  # drafts were verified
+    assert "_rejection_kernel" not in {s.name for s in served}
+    _assert_listed(served, listed)

@@ -205,10 +205,37 @@ def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
             for lora in variants:
                 for q, s, width in sweep_tables(limits, runner.block_size):
                     runner.run(_host_batch(runner, q, s, lora, width))
+            if not is_encoder(runner):
+                _grammar_launches(runner, limits)
     finally:
         runner.captured = captured
         runner.lora_slots.pop(SWEEP_LORA_ID, None)
     return rec.specs
+
+
+def _grammar_launches(runner: ModelRunner, limits: SweepLimits) -> None:
+    """Guided decoding's launches: the sampler's two calls of `apply_bitmask` (structured/
+    bitmask.py; xgrammar's Triton kernel on CUDA) on float32 logits of the model's own
+    vocabulary, for each row count of the sweep's decode batches: the grammar rows of a batch
+    (indices given) and the fallback for rows the processors left empty (a gathered copy, no
+    indices). Nothing when xgrammar is not installed (no guided decoding then)."""
+    try:
+        from .sampling.structured.bitmask import allocate_bitmask, apply_bitmask
+        from .sampling.structured.xgrammar_import import require_xgrammar
+
+        require_xgrammar()
+    except (ImportError, RuntimeError):
+        return
+    seqs = limits.max_num_seqs
+    for n in sorted({k for k in (1, 2, 3, 15, 16, 17, seqs) if k <= seqs}):
+        logits, _ = runner.run(_host_batch(runner, [1] * n, [2] * n, False))
+        if logits is None:
+            return
+        x = logits.float()
+        mask = allocate_bitmask(n, x.shape[-1])
+        rows = list(range(n))
+        apply_bitmask(x, mask[:n], rows)
+        apply_bitmask(x[rows].clone(), mask[rows])
 
 
 def compile_launches(specs: Iterable[LaunchSpec], target=None, workers: int | None = None) -> int:

@@ -117,15 +117,19 @@ def apply_bitmask(
         return
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    if logits.device.type == "cuda" and _triton_ok():
-        backend = "triton"
-    elif logits.device.type == "cpu" and logits.dtype in _CPU_DTYPES:
-        backend = "cpu"
-    else:
-        backend = "torch_native"
     xgr.apply_token_bitmask_inplace(
-        logits, bitmask, vocab_size=vocab, indices=rows, backend=backend
+        logits, bitmask, vocab_size=vocab, indices=rows, backend=xgrammar_backend(logits)
     )
+
+
+def xgrammar_backend(logits: torch.Tensor) -> str:
+    """xgrammar's kernel for these logits: its Triton kernel on CUDA (the one launch of guided
+    decoding the kernel warm-up lists, kernel_warmup.py), its CPU kernel, or torch."""
+    if logits.device.type == "cuda" and _triton_ok():
+        return "triton"
+    if logits.device.type == "cpu" and logits.dtype in _CPU_DTYPES:
+        return "cpu"
+    return "torch_native"
 
 
 def _apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
