@@ -6,7 +6,14 @@ on the Triton backend (the interpreter on CPU) with every launch recorded by Tri
 each served specialisation must be one the sweep listed. Then the family's kernel is made to
 launch a specialisation of its own the list lacks (twice the warps), and the check must fail
 naming that kernel: a launcher that starts launching something the sweep cannot reach is caught
-for this family too."""
+for this family too. Encoders, guided decoding's mask kernel and speculative verify steps are
+checked the same way below.
+
+Not here, because the warm-up does not list them (docs/engine.md, "Cold start"): the vision
+towers' attention kernel and a VLM's image steps (the tower's launches follow the image sizes
+its family's processor gives, and image steps take the paged kernel's HAS_LIMITS variant; the
+sweep runs neither), and kernels/rejection.py's kernel, which no engine path launches
+(test_speculative_verify_launches_are_listed asserts it never runs)."""
 
 from __future__ import annotations
 
