@@ -205,18 +205,20 @@ class CpuCompetition:
             run()
         c.other_cores  # None where /proc/stat is missing
         c.own_cores  # cores this process and `pids` kept busy
+        c.own_seconds  # their CPU seconds
     """
 
     def __init__(self, pids: list[int] | tuple[int, ...] = ()) -> None:
         self.pids = tuple(pids)
         self.other_cores: float | None = None
         self.own_cores: float | None = None
+        self.own_seconds: float | None = None  # CPU seconds of this process and `pids`
 
     def _own(self) -> float:
         return _own_cpu_seconds() + sum(process_cpu_seconds(p) for p in self.pids)
 
     def __enter__(self) -> CpuCompetition:
-        self.other_cores = self.own_cores = None
+        self.other_cores = self.own_cores = self.own_seconds = None
         self._start = (time.perf_counter(), _machine_busy_seconds(), self._own())
         return self
 
@@ -225,6 +227,7 @@ class CpuCompetition:
         wall = time.perf_counter() - wall0
         busy1 = _machine_busy_seconds()
         own = self._own() - own0
+        self.own_seconds = own
         if wall <= 0:
             return
         self.own_cores = own / wall
@@ -243,6 +246,7 @@ def stop_process(proc: subprocess.Popen, grace: float = 30.0) -> None:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
+
 
 def child_result(cmd: list[str], what: str) -> dict:
     """Runs one system's child process of a bench (`cmd`) and returns the JSON object it

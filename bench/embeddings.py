@@ -12,8 +12,17 @@ processes kept busy meanwhile (the machine is shared: read the ratios beside tha
 summary judges the 2x bar against the faster sentence-transformers run. CPU flags and the load
 average are printed.
 
+--cpu-time measures work instead of wall time, for a machine others keep busy: every process
+runs one thread (OMP_NUM_THREADS=1, set before torch loads, for the children and the server
+alike; the engine's thread governor is off under it) and each mode's time is the CPU seconds
+of the processes doing it (the bench's child; for the endpoint the server's and the client's
+together), so sentences/s is per CPU second and the reference is `st1`. Preemption does not
+enter CPU time; a neighbour sharing the core's caches still can, so the ratios of one run
+(all modes under the same load) are what to read.
+
     .venv/bin/python bench/embeddings.py                    # 2048 sentences, all four
     .venv/bin/python bench/embeddings.py --sentences 256 --modes offline,st
+    .venv/bin/python bench/embeddings.py --cpu-time         # st1, offline, endpoint; CPU s
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ def make_sentences(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def run_st(texts: list[str], threads: int | None = None) -> tuple[float, list, float | None]:
+def run_st(texts: list[str], threads: int | None = None) -> tuple[float, list, object]:
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -84,10 +93,10 @@ def run_st(texts: list[str], threads: int | None = None) -> tuple[float, list, f
         t0 = time.perf_counter()
         vecs = st.encode(texts, batch_size=32, convert_to_numpy=True)
         seconds = time.perf_counter() - t0
-    return seconds, vecs.tolist(), c.other_cores
+    return seconds, vecs.tolist(), c
 
 
-def run_offline(texts: list[str]) -> tuple[float, list, float | None]:
+def run_offline(texts: list[str]) -> tuple[float, list, object]:
     from bench.common import CpuCompetition
     from serverless_llm.llm import LLM
 
@@ -97,12 +106,10 @@ def run_offline(texts: list[str]) -> tuple[float, list, float | None]:
         t0 = time.perf_counter()
         outs = llm.embed(texts)
         seconds = time.perf_counter() - t0
-    return seconds, [o.outputs.embedding for o in outs], c.other_cores
+    return seconds, [o.outputs.embedding for o in outs], c
 
 
-def run_endpoint(
-    texts: list[str], port: int, request_size: int
-) -> tuple[float, list, float | None]:
+def run_endpoint(texts: list[str], port: int, request_size: int) -> tuple[float, list, object]:
     from openai import AsyncOpenAI
 
     from bench.common import CpuCompetition, stop_process
@@ -122,26 +129,28 @@ def run_endpoint(
                 )
                 seconds = time.perf_counter() - t0
             await client.close()
-            return seconds, [d.embedding for r in resps for d in r.data], c.other_cores
+            return seconds, [d.embedding for r in resps for d in r.data], c
 
         return asyncio.run(main())
     finally:
         stop_process(server)
 
 
-def child(mode: str, n: int, port: int, request_size: int, out_path: str) -> None:
+def child(mode: str, n: int, port: int, request_size: int, out_path: str, cpu_time: bool) -> None:
     texts = make_sentences(n)
     if mode == "st":
-        seconds, vecs, others = run_st(texts)
+        seconds, vecs, c = run_st(texts)
     elif mode == "st1":  # one torch thread: no OpenMP team stalled by preempted threads
-        seconds, vecs, others = run_st(texts, threads=1)
+        seconds, vecs, c = run_st(texts, threads=1)
     elif mode == "offline":
-        seconds, vecs, others = run_offline(texts)
+        seconds, vecs, c = run_offline(texts)
     else:
-        seconds, vecs, others = run_endpoint(texts, port, request_size)
+        seconds, vecs, c = run_endpoint(texts, port, request_size)
+    if cpu_time:  # the CPU seconds of this process (and the server's, for the endpoint)
+        seconds = c.own_seconds
     # `others`: cores other processes kept busy during the timed part alone.
     with open(out_path, "w") as f:
-        json.dump({"seconds": seconds, "vecs": vecs, "others": others}, f)
+        json.dump({"seconds": seconds, "vecs": vecs, "others": c.other_cores}, f)
 
 
 def main() -> None:
@@ -150,12 +159,15 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--port", type=int, default=8931)
     ap.add_argument("--request-size", type=int, default=64)
+    ap.add_argument("--cpu-time", action="store_true", help="one thread each, CPU seconds")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.sentences, args.port, args.request_size, args.out)
+        child(args.child, args.sentences, args.port, args.request_size, args.out, args.cpu_time)
         return
+    if args.cpu_time and args.modes == ",".join(MODES):
+        args.modes = "st1,offline,endpoint"  # st is st1 on one thread
 
     import tempfile
 
@@ -171,6 +183,7 @@ def main() -> None:
         flush=True,
     )
     modes = [m for m in args.modes.split(",") if m]
+    unit = "sentences/CPU s" if args.cpu_time else "sentences/s"
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -178,12 +191,17 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", mode, "--out", out]
             cmd += ["--sentences", str(args.sentences), "--port", str(args.port)]
             cmd += ["--request-size", str(args.request_size)]
-            subprocess.run(cmd, check=True)
+            env = dict(os.environ)
+            if args.cpu_time:
+                cmd.append("--cpu-time")
+                env["OMP_NUM_THREADS"] = "1"  # the child's torch and the server it starts
+            subprocess.run(cmd, check=True, env=env)
             with open(out) as f:
                 results[mode] = json.load(f)
             r = results[mode]
-            print(f"  {mode}: {args.sentences / r['seconds']:.1f} sentences/s", flush=True)
-    base = results.get("st")
+            rate = args.sentences / r["seconds"]
+            print(f"  {mode}: {rate:.1f} {unit}", flush=True)
+    base = results.get("st") or results.get("st1")
     ref = np.asarray(base["vecs"], dtype=np.float32) if base else None
     rows = []
     for mode in modes:
@@ -198,7 +216,9 @@ def main() -> None:
         others = "?" if r["others"] is None else f"{r['others']:.2f}"
         rows.append([mode, f"{r['seconds']:.2f}", f"{rate:.1f}",
                      "-" if ratio is None else f"{ratio:.2f}x", agree or "-", others])  # fmt: skip
-    print(format_table(["mode", "s", "sentences/s", "vs st", "min cosine", "others' cores"], rows))
+    ref_name = "st" if "st" in results else "st1"
+    head = ["mode", "CPU s" if args.cpu_time else "s", unit, f"vs {ref_name}", "min cosine"]
+    print(format_table([*head, "others' cores"], rows))
     refs = [results[m]["seconds"] for m in ("st", "st1") if m in results]
     if refs and "offline" in results and "endpoint" in results:
         best = min(refs)  # the faster sentence-transformers run
@@ -206,7 +226,8 @@ def main() -> None:
         r_end = best / results["endpoint"]["seconds"]
         print(
             f"summary: offline {r_off:.2f}x, endpoint {r_end:.2f}x sentence-transformers' encode "
-            f"(batch 32, its faster thread setting), {args.sentences} sentences of 8-128 tokens; "
+            f"(batch 32, {'CPU time, one thread each' if args.cpu_time else 'its faster thread setting'}), "
+            f"{args.sentences} sentences of 8-128 tokens; "
             f"bar 2x: {'met' if min(r_off, r_end) >= 2 else 'missed'}; load average "
             f"{load_average()}"
         )

@@ -178,3 +178,35 @@ def test_unsupported_architecture_lists_the_encoders():
     config = transformers.BertConfig(architectures=["NewModel"])
     with pytest.raises(UnsupportedModelError, match="BertModel.*ModernBertModel.*NomicBertModel"):
         describe_model(config)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu"])
+def test_activation_fused_into_a_packed_linear(act):
+    """layers/linear.py's post-op: oneDNN's packed linear applying the activation as it writes
+    equals the activation after F.linear; an unpacked linear takes the fallback."""
+    from serverless_llm.engine.layers.linear import (
+        PackedLinear,
+        linear_act,
+        packed_act_works,
+        packed_ops_work,
+    )
+
+    assert packed_ops_work() and packed_act_works(act)
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(24, 40)
+    x = torch.randn(9, 24, generator=g)
+    ref = {"gelu": F.gelu, "relu": F.relu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+    with torch.no_grad():
+        want = ref[act](lin(x))
+        torch.testing.assert_close(linear_act(PackedLinear(lin), x, act, ref[act]), want)
+        torch.testing.assert_close(linear_act(lin, x, act, ref[act]), want)
+
+
+def test_bert_encoder_fuses_its_gelu_on_cpu(encoder):
+    """A float32 BERT-family encoder on CPU runs its (ungated) GELU inside the up projection;
+    gated MLPs (ModernBERT, NomicBERT) keep theirs apart. The outputs are what
+    test_hidden_states_equal_transformers checks."""
+    kind, path = encoder
+    model = load_model(EngineConfig(model=path, dtype="float32")).model
+    fused = model.fused_act
+    assert fused == (None if kind in ("modernbert", "nomic") else "gelu")

@@ -1,10 +1,12 @@
 """Encoders' bidirectional attention over the ragged batch (no cache): the Triton paged kernel
-with DENSE_KV + BIDIRECTIONAL (under TRITON_INTERPRET=1) and the torch backend's SDPA path,
-both against the plain float32 reference."""
+with DENSE_KV + BIDIRECTIONAL (under TRITON_INTERPRET=1), the torch backend's SDPA path and the
+native CPU kernel (kernels/cpu_native.c's encoder_attention_f32, the CPU backend's), all
+against the plain float32 reference."""
 
 import pytest
 import torch
 
+from serverless_llm.engine.kernels import cpu_native
 from serverless_llm.engine.kernels.metadata import AttentionMetadata, AttentionSpec
 from serverless_llm.engine.kernels.paged_attention import (
     TileConfig,
@@ -12,6 +14,7 @@ from serverless_llm.engine.kernels.paged_attention import (
     encoder_attention_reference,
     encoder_attention_torch,
 )
+from serverless_llm.engine.layers.attention import NativeCpuBackend
 from tests.kernels.batch import DEVICE
 
 
@@ -108,3 +111,71 @@ def test_torch_path_with_repeated_lengths(window):
     meta = _meta(lens)
     ref = encoder_attention_reference(q, k, v, meta, spec)
     torch.testing.assert_close(encoder_attention_torch(q, k, v, meta, spec), ref)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_native.load()
+    assert k is not None, "the native CPU kernels did not build (is a C compiler installed?)"
+    return k
+
+
+def _starts(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("d", [16, 20, 32, 64, 80])
+@pytest.mark.parametrize("kv_heads,window", [(4, None), (2, None), (4, 5), (1, 33)])
+def test_native_kernel_equals_reference(kernels, d, kv_heads, window):
+    """Requests of 1 to 150 rows (crossing the kernel's 16-key tiles, its 8-row query blocks and
+    its 32-key score blocks), head widths on and off the vector width, grouped KV heads, with
+    and without a two-sided window; q, k, v as views into one QKV row, as the encoder hands
+    them."""
+    lens = [1, 7, 33, 16, 70, 150, 8, 9]
+    H = 4
+    g = torch.Generator().manual_seed(d + kv_heads)
+    T = sum(lens)
+    qkv = torch.randn(T, (H + 2 * kv_heads) * d, generator=g) * 2
+    q, k, v = qkv.view(T, -1, d).split([H, kv_heads, kv_heads], dim=1)
+    spec = AttentionSpec(H, kv_heads, d, d**-0.5, sliding_window=window)
+    ref = encoder_attention_reference(q, k, v, _meta(lens), spec)
+    out = kernels.encoder_attention(q, k, v, _starts(lens), spec)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_native_kernel_on_threads_equals_one_thread(kernels):
+    """The OpenMP team over (request, head) tasks gives the one-thread result exactly."""
+    lens = [70, 3, 128, 40] * 4
+    q, k, v, spec = _inputs(lens, 6, 6, 32, torch.float32, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.encoder_attention(q, k, v, _starts(lens), spec)
+        torch.set_num_threads(max(2, threads))
+        many = kernels.encoder_attention(q, k, v, _starts(lens), spec)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_native_backend_takes_plain_float32_heads_only(kernels, monkeypatch):
+    """The CPU backend's encoder attention: the native call for float32 heads with or without a
+    window; the torch path for a soft-cap (which the kernel does not apply) and other dtypes."""
+    backend = NativeCpuBackend(kernels)
+    calls = []
+    native = kernels.encoder_attention
+    monkeypatch.setattr(
+        kernels, "encoder_attention", lambda *a: calls.append(1) or native(*a), raising=False
+    )
+    meta = _meta(LENS)
+    for window in (None, 5):
+        q, k, v, spec = _inputs(LENS, 4, 2, 16, torch.float32, window=window)
+        out = backend.encoder_attention(q, k, v, meta, spec)
+        torch.testing.assert_close(out, encoder_attention_reference(q, k, v, meta, spec))
+    assert len(calls) == 2
+    q, k, v, _ = _inputs(LENS, 4, 2, 16, torch.float32)
+    capped = AttentionSpec(4, 2, 16, 0.25, logit_softcap=3.0)
+    backend.encoder_attention(q, k, v, meta, capped)
+    q16, k16, v16, spec16 = _inputs(LENS, 4, 2, 16, torch.bfloat16)
+    out16 = backend.encoder_attention(q16, k16, v16, meta, spec16)
+    assert out16.dtype == torch.bfloat16 and len(calls) == 2

@@ -170,7 +170,12 @@ class AsyncEngine:
 
     def warm_up_grammars(self) -> None:
         """Builds the tokenizer's grammar tables and starts a compile process in the background,
-        so the first structured request waits for neither (about 3 s on 2 cores)."""
+        so the first structured request waits for neither (about 3 s on 2 cores). Not for a
+        model served for pooling only (TASK embed, classify, score): it generates nothing, so
+        no grammar is ever compiled, and those seconds of CPU would go from its first
+        requests."""
+        if self.core.task != "generate":
+            return
 
         def warm_up() -> None:
             try:

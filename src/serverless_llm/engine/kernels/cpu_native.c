@@ -1034,6 +1034,306 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
         for (int64_t i = 0; i < M * hd; i++) mlp_out[i] = o[i] + mlp_out[i];
 }
 
+/* -- encoder attention: bidirectional, each request over its own rows ----------------------- */
+
+/* Encoders (BERT and its kin) attend each request's rows to all of its own rows, both ways,
+ * with no cache: per (request, head) a small dense softmax(q k^T * scale) v over n rows (n up to
+ * a few hundred). Through torch that is an SDPA call a request plus the copies that lay its
+ * rows out head-major, tens of microseconds each for the short sentences embedding traffic is
+ * made of; here one call does every request and head of the step, reading q, k and v in place
+ * (views into the QKV linear's output) and writing the [T, H * D] rows the O projection reads.
+ *
+ * Per task (request, head) the head's keys are copied once, scaled and transposed, into
+ * kt [D, np] (np: n rounded up to 16, zeros past n), so that a block of ENC_QR query rows by 32
+ * keys accumulates in registers over d (two key loads and ENC_QR broadcasts per 2 * ENC_QR
+ * fused multiply-adds); each row's softmax runs over its keys (all n, or those within a
+ * two-sided window: |i - j| < window), and the weighted values accumulate ENC_QR rows by 32
+ * values of the head a pass, v's rows read in place. Sums run in another order than torch's. */
+#define ENC_QR 8
+#define ENC_KB 16 /* kt's rows are padded to a multiple of this */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __mmask16 enc_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+/* kt[d][j0 + c] = scale * k_{j0 + c}[d] for 16 keys (rows kr, `ks` floats apart; `nk` of them
+ * real, the rest zeros) and every d < D: 16 x 16 tiles transposed in registers, one bit of the
+ * row and column index swapped a stage. */
+static void enc_transpose_keys(const float *kr, int64_t ks, int64_t nk, int64_t D, float scale,
+                               float *kt, int64_t np) {
+    static const int32_t lo_idx[4][16] = {
+        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    };
+    static const int32_t hi_idx[4][16] = {
+        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    };
+    __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t dc = 0; dc < D; dc += 16) {
+        __mmask16 m = enc_mask(D - dc);
+        __m512 r[16];
+        for (int64_t c = 0; c < 16; c++)
+            r[c] = c < nk ? _mm512_maskz_loadu_ps(m, kr + c * ks + dc) : _mm512_setzero_ps();
+        for (int b = 0; b < 4; b++) {
+            __m512i il = _mm512_loadu_si512(lo_idx[b]), ih = _mm512_loadu_si512(hi_idx[b]);
+            int64_t step = (int64_t)1 << b;
+            for (int64_t c = 0; c < 16; c++) {
+                if (c & step) continue;
+                __m512 a = r[c], e = r[c + step];
+                r[c] = _mm512_permutex2var_ps(a, il, e);
+                r[c + step] = _mm512_permutex2var_ps(a, ih, e);
+            }
+        }
+        int64_t rows = D - dc < 16 ? D - dc : 16;
+        for (int64_t c = 0; c < rows; c++) _mm512_storeu_ps(kt + (dc + c) * np, _mm512_mul_ps(r[c], sv));
+    }
+}
+
+#define ENC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+/* sc[r][j] = q_r . kt[:, j] for the block's ENC_QR rows (q rows `qr`) and keys j0..j1-1, both
+ * multiples of 16. */
+static void enc_scores(const float *const *qr, const float *kt, int64_t np, int64_t D,
+                       int64_t j0, int64_t j1, float *sc) {
+    int64_t j = j0;
+    for (; j + 32 <= j1; j += 32) {
+#define DECL(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = _mm512_setzero_ps();
+        ENC_ROWS(DECL)
+#undef DECL
+        const float *kd = kt + j;
+        for (int64_t d = 0; d < D; d++, kd += np) {
+            __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16);
+#define STEP(r)                                                                                   \
+    {                                                                                             \
+        __m512 b = _mm512_set1_ps(qr[r][d]);                                                      \
+        a##r##0 = _mm512_fmadd_ps(b, k0, a##r##0);                                                \
+        a##r##1 = _mm512_fmadd_ps(b, k1, a##r##1);                                                \
+    }
+            ENC_ROWS(STEP)
+#undef STEP
+        }
+#define STORE(r)                                                                                  \
+    _mm512_storeu_ps(sc + r * np + j, a##r##0);                                                   \
+    _mm512_storeu_ps(sc + r * np + j + 16, a##r##1);
+        ENC_ROWS(STORE)
+#undef STORE
+    }
+    for (; j < j1; j += 16) {
+#define DECL(r) __m512 a##r = _mm512_setzero_ps();
+        ENC_ROWS(DECL)
+#undef DECL
+        const float *kd = kt + j;
+        for (int64_t d = 0; d < D; d++, kd += np) {
+            __m512 k0 = _mm512_loadu_ps(kd);
+#define STEP(r) a##r = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k0, a##r);
+            ENC_ROWS(STEP)
+#undef STEP
+        }
+#define STORE(r) _mm512_storeu_ps(sc + r * np + j, a##r);
+        ENC_ROWS(STORE)
+#undef STORE
+    }
+}
+
+/* exp(x) for x <= 0 in 16 lanes: exp_nonpositive's reduction and polynomial, 2^k applied by
+ * scalef. */
+static inline __m512 enc_exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, k);
+}
+
+/* Row sr's softmax over keys a..b-1 in place (zeros over lo..a-1 and b..hi-1); returns
+ * 1 / the sum of its terms (the terms are left unnormalised). */
+static float enc_softmax(float *sr, int64_t lo, int64_t a, int64_t b, int64_t hi) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = a; j < b; j += 16)
+        mv = _mm512_mask_max_ps(mv, enc_mask(b - j), mv, _mm512_maskz_loadu_ps(enc_mask(b - j), sr + j));
+    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = enc_mask(b - j);
+        __m512 p = enc_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + j), mx));
+        sum = _mm512_mask_add_ps(sum, m, sum, p);
+        _mm512_mask_storeu_ps(sr + j, m, p);
+    }
+    for (int64_t j = lo; j < a; j++) sr[j] = 0.0f;
+    for (int64_t j = b; j < hi; j++) sr[j] = 0.0f;
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* o_r[0..D) = inv[r] * sum_{j in [lo, hi)} sc[r][j] v_j for the block's rows (outputs `orow`,
+ * `rows` of them written; v_j = vrow + j * vs). */
+static void enc_values(const float *sc, int64_t np, const float *vrow, int64_t vs, int64_t lo,
+                       int64_t hi, int64_t D, const float *inv, float *const *orow,
+                       int64_t rows) {
+    for (int64_t dc = 0; dc < D; dc += 32) {
+        __mmask16 m0 = enc_mask(D - dc), m1 = enc_mask(D - dc - 16);
+#define DECL(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = _mm512_setzero_ps();
+        ENC_ROWS(DECL)
+#undef DECL
+        for (int64_t j = lo; j < hi; j++) {
+            const float *vj = vrow + j * vs + dc;
+            __m512 v0 = _mm512_maskz_loadu_ps(m0, vj), v1 = _mm512_maskz_loadu_ps(m1, vj + 16);
+#define STEP(r)                                                                                   \
+    {                                                                                             \
+        __m512 p = _mm512_set1_ps(sc[r * np + j]);                                                \
+        a##r##0 = _mm512_fmadd_ps(p, v0, a##r##0);                                                \
+        a##r##1 = _mm512_fmadd_ps(p, v1, a##r##1);                                                \
+    }
+            ENC_ROWS(STEP)
+#undef STEP
+        }
+#define STORE(r)                                                                                  \
+    if (r < rows) {                                                                               \
+        __m512 s = _mm512_set1_ps(inv[r]);                                                        \
+        _mm512_mask_storeu_ps(orow[r] + dc, m0, _mm512_mul_ps(a##r##0, s));                       \
+        if (m1) _mm512_mask_storeu_ps(orow[r] + dc + 16, m1, _mm512_mul_ps(a##r##1, s));          \
+    }
+        ENC_ROWS(STORE)
+#undef STORE
+    }
+}
+#undef ENC_ROWS
+#else /* any other target: the same steps as plain loops */
+static void enc_transpose_keys(const float *kr, int64_t ks, int64_t nk, int64_t D, float scale,
+                               float *kt, int64_t np) {
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t c = 0; c < 16; c++) kt[d * np + c] = c < nk ? kr[c * ks + d] * scale : 0.0f;
+}
+
+static void enc_scores(const float *const *qr, const float *kt, int64_t np, int64_t D,
+                       int64_t j0, int64_t j1, float *sc) {
+    for (int64_t r = 0; r < ENC_QR; r++) {
+        float *s = sc + r * np;
+        for (int64_t j = j0; j < j1; j++) s[j] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            float x = qr[r][d];
+            const float *kd = kt + d * np;
+#pragma omp simd
+            for (int64_t j = j0; j < j1; j++) s[j] = MUL_ADD(x, kd[j], s[j]);
+        }
+    }
+}
+
+static float enc_softmax(float *sr, int64_t lo, int64_t a, int64_t b, int64_t hi) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = a; j < b; j++) {
+        sr[j] = exp_nonpositive(sr[j] - mx);
+        sum += sr[j];
+    }
+    for (int64_t j = lo; j < a; j++) sr[j] = 0.0f;
+    for (int64_t j = b; j < hi; j++) sr[j] = 0.0f;
+    return 1.0f / sum;
+}
+
+static void enc_values(const float *sc, int64_t np, const float *vrow, int64_t vs, int64_t lo,
+                       int64_t hi, int64_t D, const float *inv, float *const *orow,
+                       int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = orow[r];
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t j = lo; j < hi; j++) {
+            float p = sc[r * np + j];
+            const float *vj = vrow + j * vs;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = MUL_ADD(p, vj[d], o[d]);
+        }
+        for (int64_t d = 0; d < D; d++) o[d] *= inv[r];
+    }
+}
+#endif
+
+/* One (request, head): rows s..s+n-1 of q (head h) over the same rows of k and v (KV head kh),
+ * into out's head h. `kt` holds D * np floats, `sc` ENC_QR * np. */
+static void encoder_task(const float *q, int64_t qs, const float *k, int64_t ks, const float *v,
+                         int64_t vs, float *out, int64_t os, int64_t s, int64_t n, int64_t h,
+                         int64_t kh, int64_t D, float scale, int64_t window, float *kt,
+                         float *sc) {
+    int64_t np = (n + ENC_KB - 1) / ENC_KB * ENC_KB;
+    for (int64_t j = 0; j < n; j += 16)
+        enc_transpose_keys(k + (s + j) * ks + kh * D, ks, n - j, D, scale, kt + j, np);
+    const float *vrow = v + s * vs + kh * D;
+    for (int64_t i0 = 0; i0 < n; i0 += ENC_QR) {
+        int64_t rows = n - i0 < ENC_QR ? n - i0 : ENC_QR;
+        const float *qr[ENC_QR];
+        float *orow[ENC_QR];
+        for (int64_t r = 0; r < ENC_QR; r++) { /* a short block repeats its last row */
+            int64_t i = i0 + (r < rows ? r : rows - 1);
+            qr[r] = q + (s + i) * qs + h * D;
+            orow[r] = out + (s + i) * os + h * D;
+        }
+        int64_t lo = 0, hi = n; /* the keys any row of the block sees */
+        if (window > 0) {
+            lo = i0 - window + 1 > 0 ? i0 - window + 1 : 0;
+            hi = i0 + rows - 1 + window < n ? i0 + rows - 1 + window : n;
+        }
+        int64_t j0 = lo / ENC_KB * ENC_KB, j1 = (hi + ENC_KB - 1) / ENC_KB * ENC_KB;
+        enc_scores(qr, kt, np, D, j0, j1, sc);
+        float inv[ENC_QR];
+        for (int64_t r = 0; r < ENC_QR; r++) {
+            int64_t i = i0 + (r < rows ? r : rows - 1), a = lo, b = hi;
+            if (window > 0) {
+                a = i - window + 1 > 0 ? i - window + 1 : 0;
+                b = i + window < n ? i + window : n;
+            }
+            inv[r] = enc_softmax(sc + r * np, lo, a, b, hi);
+        }
+        enc_values(sc, np, vrow, vs, lo, hi, D, inv, orow, rows);
+    }
+}
+
+/* Every request's bidirectional attention: requests are rows starts[i]..starts[i + 1] - 1 of
+ * q [T, H, D], k and v [T, KVH, D] (rows qs / ks / vs floats apart, heads contiguous inside a
+ * row); out [T, H * D] (rows os apart). window > 0: a query sees keys within window - 1
+ * positions either side; 0: all of its request's keys. */
+void encoder_attention_f32(const float *q, int64_t qs, const float *k, int64_t ks,
+                           const float *v, int64_t vs, float *out, int64_t os,
+                           const int64_t *starts, int64_t n_req, int64_t H, int64_t KVH,
+                           int64_t D, float scale, int64_t window) {
+    int64_t max_n = 0, work = 0;
+    for (int64_t i = 0; i < n_req; i++) {
+        int64_t n = starts[i + 1] - starts[i];
+        max_n = n > max_n ? n : max_n;
+        work += n * n;
+    }
+    if (max_n == 0) return;
+    int64_t np = (max_n + ENC_KB - 1) / ENC_KB * ENC_KB, G = H / KVH, tasks = n_req * H;
+#pragma omp parallel if (work * H * D > PARALLEL_WORK)
+    {
+        float *kt = malloc((size_t)((D + ENC_QR) * np) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t i = task / H, h = task % H, n = starts[i + 1] - starts[i];
+            if (n > 0)
+                encoder_task(q, qs, k, ks, v, vs, out, os, starts[i], n, h, h / G, D, scale,
+                             window, kt, kt + D * ((n + ENC_KB - 1) / ENC_KB * ENC_KB));
+        }
+        free(kt);
+    }
+}
+
 /* -- the recurrent layers' decode steps ------------------------------------------------------ */
 
 /* One token per request for the recurrent layers (Gated DeltaNet / Kimi Delta Attention, Mamba-2's

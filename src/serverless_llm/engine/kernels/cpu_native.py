@@ -257,6 +257,10 @@ class NativeKernels:
         f.argtypes = [_P, _I, _P] + [_I] * 4
         f.restype = None
         self._activation = f
+        f = self.lib.encoder_attention_f32
+        f.argtypes = [_P, _I] * 4 + [_P] + [_I] * 4 + [_F, _I]
+        f.restype = None
+        self._encoder_attention = f
         f = self.lib.gated_delta_decode_f32
         f.argtypes = [_P, _I, _I] * 3 + [_P, _I, _I, _I, _P, _I, _I] + [_P] * 4 + [_I] * 5
         f.argtypes += [_F, _I]
@@ -299,6 +303,33 @@ class NativeKernels:
             out.data_ptr(),
             out.stride(0),
         )
+
+    def encoder_attention(self, q, k, v, starts, spec: AttentionSpec):
+        """Bidirectional attention of each request over its own rows (encoders: no cache), as
+        paged_attention.encoder_attention_torch: q [T, H, D], k and v [T, KVH, D] float32 (rows
+        strided, heads contiguous, each head's values contiguous), `starts` the requests'
+        first rows and T (int64, contiguous); a two-sided window from spec.sliding_window.
+        Returns [T, H * D]."""
+        T, H, D = q.shape
+        out = torch.empty(T, H * D, dtype=torch.float32)
+        self._encoder_attention(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            out.data_ptr(),
+            H * D,
+            starts.data_ptr(),
+            starts.shape[0] - 1,
+            H,
+            k.shape[1],
+            D,
+            spec.scale,
+            spec.sliding_window or 0,
+        )
+        return out
 
     def latent_step(self, step: Step, rows, q, cache, scale: float, rank: int):
         """A latent (MLA) layer's step, float32: each row of `rows` [T, W] (the latent after its
@@ -791,6 +822,9 @@ def self_check(kernels: NativeKernels) -> str | None:
             err = (got - torch.nn.functional.linear(x, w, b)).abs().max().item()
             if not err <= 1e-4:
                 return f"linear ({m} x {k} -> {n}): differs by {err:.3g}"
+    problem = _check_encoder(kernels, g)
+    if problem:
+        return problem
     x = torch.randn(3, 2 * 40, generator=g) * 4
     for code in NATIVE_ACT_CODES:
         for gated in (False, True):
@@ -808,6 +842,40 @@ def self_check(kernels: NativeKernels) -> str | None:
                 if not err <= 1e-4:
                     return f"add_norm (kind {kind}): differs by {err:.3g}"
     return _check_recurrent(kernels, g)
+
+
+def _check_encoder(kernels: NativeKernels, g: torch.Generator) -> str | None:
+    """`encoder_attention` against paged_attention's reference: q, k, v as views into one QKV
+    row, requests crossing the key blocks (1, 5, 37 and 70 rows), a head width off the vector
+    width (20), grouped KV heads, with and without a two-sided window: None, or what disagreed."""
+    from .paged_attention import encoder_attention_reference
+
+    H, KVH, D = 4, 2, 20
+    lens = [5, 37, 1, 70]
+    T = sum(lens)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+    meta = AttentionMetadata(
+        query_start_loc=starts.to(torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        context_lens=torch.zeros(len(lens), dtype=torch.int32),
+        block_tables=torch.zeros(len(lens), 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(T, dtype=torch.int64),
+        num_decodes=0,
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        query_lens_host=lens,
+        seq_lens_host=lens,
+        block_size=16,
+    )
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g) * 2
+    q, k, v = qkv.view(T, -1, D).split([H, KVH, KVH], dim=1)
+    for window in (None, 6):
+        spec = AttentionSpec(H, KVH, D, D**-0.5, sliding_window=window)
+        got = kernels.encoder_attention(q, k, v, starts, spec)
+        err = (got - encoder_attention_reference(q, k, v, meta, spec)).abs().max().item()
+        if not err <= 1e-4:
+            return f"encoder_attention (window {window}): differs by {err:.3g}"
+    return None
 
 
 def _check_latent(kernels: NativeKernels, meta: AttentionMetadata, pos, g) -> str | None:

@@ -118,6 +118,27 @@ class NativeCpuBackend(TorchAttentionBackend):
         """Whether `latent_step` takes a latent (MLA) layer's step: float32 rows and cache."""
         return rows.dtype == torch.float32 and native_cache_ok(kv_cache)
 
+    def encoder_attention(self, q, k, v, meta, spec):
+        """The step's every request and head in one native call (`NativeKernels.
+        encoder_attention`) for float32 rows with plain heads; anything else (soft-cap, ALiBi,
+        sinks, chunks, other dtypes) through the torch path."""
+        if not (
+            q.dtype == k.dtype == v.dtype == torch.float32
+            and q.device.type == "cpu"
+            and spec.logit_softcap is None
+            and spec.alibi_slopes is None
+            and spec.sinks is None
+            and spec.chunk_size is None
+            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
+        ):
+            return super().encoder_attention(q, k, v, meta, spec)
+        starts = meta.backend_state.get("encoder_starts")
+        if starts is None:  # once a step: the layers share it
+            starts = meta.backend_state["encoder_starts"] = meta.query_start_loc.to(
+                device="cpu", dtype=torch.int64
+            ).contiguous()
+        return self.kernels.encoder_attention(q, k, v, starts, spec)
+
     def latent_step(self, rows, q, kv_cache, meta, scale: float, rank: int) -> torch.Tensor:
         """A latent layer's row write (rows [T, W]: latent | rotated key) and its decodes'
         absorbed attention (q [num_decodes, H, W]: q_lat | q_pe; None: the write only) in one

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
-from ..layers.linear import pack_linears_for_cpu
+from ..layers.linear import linear_act, pack_linears_for_cpu, packed_act_works
 from ..layers.norm import LayerNorm
 
 ACTIVATIONS = {
@@ -33,6 +33,14 @@ ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+}
+# The activations a packed linear can apply as it writes (layers/linear.py's POST_OPS names).
+FUSABLE = {
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
 }
 
 
@@ -189,6 +197,8 @@ class EncoderModel(nn.Module):
         # (after the first [SEP]) is type 1, as the tokenizer marks a (query, document) pair.
         self.sep_token_id: int | None = None
         self.quantization = "none"
+        # The MLP's activation fused into its up projection (`optimize_for_cpu`), or None.
+        self.fused_act: str | None = None
 
     # -- building ------------------------------------------------------------------------------
 
@@ -273,7 +283,14 @@ class EncoderModel(nn.Module):
                     m.native = native
         if not pack_linears_for_cpu(self):
             return None
-        return "encoder linears packed for oneDNN" + (", native norms" if native else "")
+        fused = FUSABLE.get(self.spec.act)
+        if not self.spec.gated_mlp and fused is not None and packed_act_works(fused):
+            self.fused_act = fused
+        return (
+            "encoder linears packed for oneDNN"
+            + (f" ({self.spec.act} fused into the up projection)" if self.fused_act else "")
+            + (", native norms" if native else "")
+        )
 
     # -- running -------------------------------------------------------------------------------
 
@@ -313,10 +330,12 @@ class EncoderModel(nn.Module):
             attn = self.backend.encoder_attention(q, k, v, meta, layer.attn_spec)
             if s.pre_norm:
                 x = x + layer.o_proj(attn)
-                x = x + layer.down(self._mlp_act(layer.up(layer.mlp_norm(x))))
+                up = linear_act(layer.up, layer.mlp_norm(x), self.fused_act, self._mlp_act)
+                x = x + layer.down(up)
             else:
                 x = layer.attn_norm(layer.o_proj(attn), x)[0]
-                x = layer.mlp_norm(layer.down(self._mlp_act(layer.up(x))), x)[0]
+                up = linear_act(layer.up, x, self.fused_act, self._mlp_act)
+                x = layer.mlp_norm(layer.down(up), x)[0]
         return self.final_norm(x) if self.final_norm is not None else x
 
     def _mlp_act(self, up: torch.Tensor) -> torch.Tensor:
