@@ -60,19 +60,23 @@ def prompt_ids(model: str | None, n: int) -> list[list[int]]:
     return chat_prompt_ids(tokenizer, n)
 
 
-def timed_pair(run, prompts, tokens: int, repeats: int) -> tuple[float, list]:
+def timed_pair(run, prompts, tokens: int, repeats: int) -> tuple[float, list, float]:
     """Decode tokens/s of `run(prompts, m) -> token lists` as the module doc says; the greedy
-    tokens of the M-token run."""
-    best1 = bestm = float("inf")
+    tokens of the M-token run; and the same rate in the process's CPU time (every thread's:
+    with --threads 1 a figure a loaded machine barely moves)."""
+    best1 = bestm = cpu1 = cpum = float("inf")
     out = None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         run(prompts, 1)
         best1 = min(best1, time.perf_counter() - t)
-        t = time.perf_counter()
+        cpu1 = min(cpu1, time.process_time() - c)
+        t, c = time.perf_counter(), time.process_time()
         out = run(prompts, tokens)
         bestm = min(bestm, time.perf_counter() - t)
-    return len(prompts) * (tokens - 1) / (bestm - best1), out
+        cpum = min(cpum, time.process_time() - c)
+    n = len(prompts) * (tokens - 1)
+    return n / (bestm - best1), out, n / max(cpum - cpu1, 1e-9)
 
 
 def engine_child(a) -> dict:
@@ -90,10 +94,10 @@ def engine_child(a) -> dict:
         return [list(o.outputs[0].token_ids) for o in llm.generate(ps, params)]
 
     run(prompts[:2], 4)  # warm
-    one, one_out = timed_pair(run, prompts[:1], a.tokens, a.repeats)
-    batched, _ = timed_pair(run, prompts, a.tokens, max(1, a.repeats - 1))
-    return {"one": one, "batched": batched, "greedy": one_out[0],
-            "resident_mib": resident_bytes() / 2**20}  # fmt: skip
+    one, one_out, one_cpu = timed_pair(run, prompts[:1], a.tokens, a.repeats)
+    batched, _, batched_cpu = timed_pair(run, prompts, a.tokens, max(1, a.repeats - 1))
+    return {"one": one, "batched": batched, "one_cpu": one_cpu, "batched_cpu": batched_cpu,
+            "greedy": one_out[0], "resident_mib": resident_bytes() / 2**20}  # fmt: skip
 
 
 def llamacpp_child(a) -> dict:
@@ -172,12 +176,12 @@ def llamacpp_child(a) -> dict:
         return outs
 
     run(prompts[:2], 4)  # warm
-    one, one_out = timed_pair(run, prompts[:1], a.tokens, a.repeats)
-    batched, _ = timed_pair(run, prompts, a.tokens, max(1, a.repeats - 1))
+    one, one_out, one_cpu = timed_pair(run, prompts[:1], a.tokens, a.repeats)
+    batched, _, batched_cpu = timed_pair(run, prompts, a.tokens, max(1, a.repeats - 1))
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
-    return {"one": one, "batched": batched, "greedy": one_out[0],
-            "resident_mib": resident_bytes() / 2**20,
+    return {"one": one, "batched": batched, "one_cpu": one_cpu, "batched_cpu": batched_cpu,
+            "greedy": one_out[0], "resident_mib": resident_bytes() / 2**20,
             "llama_cpp_python": llama_cpp.__version__}  # fmt: skip
 
 
@@ -230,9 +234,11 @@ def main() -> int:
             results[system].append(res)
             print(f"round {r + 1} {system:14s} one request {res['one']:7.1f} tok/s  "
                   f"{a.batch} x {a.tokens} batched {res['batched']:7.1f} tok/s  "
-                  f"resident {res['resident_mib']:6.0f} MiB  load {os.getloadavg()[0]:.2f}",
+                  f"resident {res['resident_mib']:6.0f} MiB  load {os.getloadavg()[0]:.2f}  "
+                  f"(CPU time: one {res['one_cpu']:.1f}, batched {res['batched_cpu']:.1f} tok/s)",
                   flush=True)  # fmt: skip
-    best = {s: {k: max(r[k] for r in rs) for k in ("one", "batched")} for s, rs in results.items()}
+    keys = ("one", "batched", "one_cpu", "batched_cpu")
+    best = {s: {k: max(r[k] for r in rs) for k in keys} for s, rs in results.items()}
     peer = "llama.cpp" if "llama.cpp" in best else systems[-1]
     ratios = {}
     for system in systems:
@@ -247,6 +253,10 @@ def main() -> int:
               f"({ratios[system]['one']:.2f}x); batched {a.batch}x{a.tokens} {e['batched']:.1f} "
               f"vs {ll['batched']:.1f} tok/s ({ratios[system]['batched']:.2f}x{bars}); greedy "
               f"tokens of the one request equal at {same}/{a.tokens} positions")  # fmt: skip
+        print(f"SUMMARY {system} vs {peer}, CPU time: one request {e['one_cpu']:.1f} vs "
+              f"{ll['one_cpu']:.1f} tok/s ({e['one_cpu'] / ll['one_cpu']:.2f}x); batched "
+              f"{e['batched_cpu']:.1f} vs {ll['batched_cpu']:.1f} tok/s "
+              f"({e['batched_cpu'] / ll['batched_cpu']:.2f}x)")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({"cpu_flags": cpu_flags_line(), "runs": results,
                                             "ratios": ratios}))  # fmt: skip

@@ -1,7 +1,8 @@
 """The embedded SmolLM2 Q4_1 GGUF with QUANTIZED_WEIGHTS=packed: every linear, the token
 embedding and the tied LM head are served from the file's blocks, with no float copy converted or
 held (layers/gguf_linear.py). With float inputs (the
-default on AVX-512) greedy tokens equal the float32 path's (QUANTIZED_WEIGHTS=dequantize: the same
+default: x taken to 22-bit codes per block, float32's precision to a few units in the last
+place) greedy tokens equal the float32 path's (QUANTIZED_WEIGHTS=dequantize: the same
 weights dequantized once). With GGUF_BLOCK_INPUTS=int8 they follow it up to near ties: x is
 quantized to int8 per block, so where the float path's two best tokens are within a small
 logprob margin the pick may flip; before that tokens and logprobs agree closely."""
@@ -24,7 +25,9 @@ PROMPTS = [
     "Explain photosynthesis in one sentence.",
 ]
 TIE = 0.25  # logprob margin under which the two paths may pick different tokens
-CLOSE = 0.15  # largest logprob difference of an agreed token
+# largest logprob difference of an agreed token: int8 inputs move each linear's output by
+# ~0.3-1.5% (bench/gguf_layer_error.py, as llama.cpp's own q8 dots do), ~0.15 in a logprob
+CLOSE = 0.25
 
 
 KW = dict(max_model_len=512, dtype="float32")
@@ -87,7 +90,7 @@ def test_blocks_only_when_asked_for(model_cache_dir):
 def test_float_inputs_give_the_float_paths_tokens(engines):
     float_llm, packed = engines
     if packed.engine.runner.model.packed_lm_head.path != "float":
-        pytest.skip("no AVX-512 here: the blocks take int8 inputs (the test below)")
+        pytest.skip("GGUF_BLOCK_INPUTS=int8 in the environment (the test below)")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for p in PROMPTS:
         want = float_llm.generate(chat(float_llm, p), params)[0].outputs[0].token_ids

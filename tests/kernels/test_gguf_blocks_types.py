@@ -21,7 +21,20 @@ from tests.kernels.gguf_packers import quantize  # noqa: E402
 
 NEW_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 ALL_TYPES = ("Q4_0", "Q4_1", "Q8_0") + NEW_TYPES
-PATHS = ("vnni", "avx2", "portable", "float")
+PATHS = ("vnni", "avx2", "portable", "float", "float-avx2", "float-portable")
+
+# the kernel paths tested: name here -> BlockKernels.linear's path (kernels/gguf_blocks.py PATHS)
+KERNEL_PATH = {"vnni": "best", "avx2": "avx2", "portable": "portable", "float": "float",
+               "float-avx2": "float-avx2", "float-portable": "float-portable"}  # fmt: skip
+
+
+def skip_unless_built(kernels, path):
+    """Skip a path this CPU or build does not have ("float" is the best path the build has:
+    VNNI, else AVX2, else portable; the portable ones run everywhere)."""
+    if path == "vnni" and not kernels.vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 or portable path is what it runs")
+    if path.endswith("avx2") and not kernels.avx2:
+        pytest.skip("this CPU (or build) has no AVX2: the portable path is what it runs")
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +118,7 @@ def test_k_quants_need_whole_super_blocks():
 @pytest.mark.parametrize("type_name", NEW_TYPES)
 @pytest.mark.parametrize("path", PATHS)
 def test_kernel_equals_the_float64_reference(kernels, type_name, path):
-    if path == "float" and not kernels.has_float:
-        pytest.skip("float inputs need AVX-512 (elsewhere the int8 path runs)")
-    if path == "vnni" and not kernels.vnni:
-        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 or portable path is what it runs")
-    if path == "avx2" and not kernels.avx2:
-        pytest.skip("this CPU (or build) has no AVX2: the portable path is what it runs")
+    skip_unless_built(kernels, path)
     # Q5_*: block counts 1, 3 (odd: the VNNI tail), 7; K-quants: 1 and 3 super-blocks
     shapes = ((1, 1), (19, 3), (33, 7)) if not type_name.endswith("_K") else ((1, 1), (19, 3))
     for n, blocks in shapes:
@@ -122,16 +130,14 @@ def test_kernel_equals_the_float64_reference(kernels, type_name, path):
             x = torch.randn(m, k, generator=g) * 3
             x[0, :5] = 0.0
             x[-1, 32:64] = 0.0  # a whole block of zeros: scale 0
-            got = kernels.linear(x, w, bias, path="best" if path == "vnni" else path)
-            want = gb.reference_linear(x, w, bias, quantize_x=path != "float")
+            got = kernels.linear(x, w, bias, path=KERNEL_PATH[path])
+            want = gb.reference_linear(x, w, bias, levels=gb.levels_of(KERNEL_PATH[path]))
             err = (got.double() - want).abs().max().item()
             assert err <= 1e-5 * (1 + want.abs().max().item()), (n, k, m, err)
 
 
 def test_float_inputs_equal_the_dequantized_matmul(kernels):
     """The float path against the plain float64 product of gguf's own dequantized weight."""
-    if not kernels.has_float:
-        pytest.skip("float inputs need AVX-512 (elsewhere the int8 path runs)")
     for type_name in NEW_TYPES:
         k = inputs_of(type_name, 2)
         raw = quantize(weight(21, k, 5), type_name)
@@ -146,12 +152,7 @@ def test_float_inputs_equal_the_dequantized_matmul(kernels):
 def test_mixed_stack_widens_exactly(kernels, path):
     """A Q4_K q, Q4_K k and Q6_K v (as Q4_K_M files mix them), and a Q8_0 with a Q5_1: one
     stacked weight whose dequantization is the parts', run by every path."""
-    if path == "float" and not kernels.has_float:
-        pytest.skip("float inputs need AVX-512")
-    if path == "vnni" and not kernels.vnni:
-        pytest.skip("no AVX-512 VNNI on this CPU")
-    if path == "avx2" and not kernels.avx2:
-        pytest.skip("no AVX2 on this CPU")
+    skip_unless_built(kernels, path)
     for types in (("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q5_1", "Q4_0")):
         k = 512
         parts = [gb.from_gguf_blocks(quantize(weight(5 + i, k, i), t), t, k)
@@ -159,8 +160,8 @@ def test_mixed_stack_widens_exactly(kernels, path):
         both = gb.QB32.cat(parts)
         assert torch.equal(gb.dequantize(both), torch.cat([gb.dequantize(p) for p in parts]))
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
-        got = kernels.linear(x, both, path="best" if path == "vnni" else path)
-        want = gb.reference_linear(x, both, quantize_x=path != "float")
+        got = kernels.linear(x, both, path=KERNEL_PATH[path])
+        want = gb.reference_linear(x, both, levels=gb.levels_of(KERNEL_PATH[path]))
         assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max()), types
     # all 4-bit: the nibbles stay, only the scales widen
     four = gb.QB32.cat(

@@ -13,12 +13,13 @@
  *     it, else float32 (4): the K-quants' sub-block scales d * sc are exact only in float32.
  * gguf_blocks.py maps each file type onto this and docs/quantization.md lists the mappings.
  *
- * The product, int8 inputs: each row of x is quantized per block of 32 to int8 (scale
- * a = max|x| / 127, codes round-half-even(x / a)), so a group's contribution to out is
+ * The product: each row of x is quantized per block of 32 (scale a = max|x| / L, codes
+ * round-half-even(x / a); L = 127 for int8 inputs, 127 * 2^14 for "float" inputs, see
+ * quantize_x), so a group's contribution to out is
  *   d * a * sum(u * q) + c * (a * sum(q)),
- * the sum over products of unsigned and signed bytes: VPDPBUSD on AVX-512 VNNI. Elsewhere (and
- * with the portable path) a plain C loop computes the same integers. Float inputs (AVX-512):
- * d * sum(u * x) + c * sum(x), x as it is.
+ * the sum over products of unsigned weight bytes and signed input bytes (a 22-bit code as three
+ * bytes): VPDPBUSD on AVX-512 VNNI, VPMADDUBSW on AVX2, a plain C loop elsewhere. Steps of many
+ * rows (prefill) take the GEMM at the end of the file, on x as it is.
  */
 #include <math.h>
 #include <omp.h>
@@ -43,7 +44,7 @@
 
 int qb32_has_vnni(void) { return HAVE_VNNI512; }
 int qb32_has_avx2(void) { return HAVE_AVX2; }
-int qb32_has_float(void) { return HAVE_VNNI512; }
+int qb32_has_float(void) { return 1; } /* 22-bit inputs: every build, portable at worst */
 
 /* A qb32 weight as one pointer (gguf_blocks.py's QB32Desc; cpu_native.c's whole decoder layer
  * calls qb32_linear_desc with it through its decoder_layer_t.qlinear). */
@@ -84,82 +85,194 @@ static inline float scale_at(const void *p, int f32, int64_t i) {
     return f32 ? ((const float *)p)[i] : half_to_float(((const uint16_t *)p)[i]);
 }
 
-/* One row of x into int8 codes q[K], per-block scales a[K/32] and a * sum(q) per group of
- * `group` inputs s[K/group]. */
-static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *a, float *s) {
-    int64_t nb = K / 32;
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        float scale = amax / 127.0f;
-        float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0, first = 0;
-        for (int i = 0; i < 32; i++) {
-            int v = (int)nearbyintf(xb[i] * inv);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
-            q[b * 32 + i] = (int8_t)v;
-            sum += v;
-            if (i == 15) first = sum;
+/* -- few rows (decode): x quantized per block, integer dots ---------------------------------- */
+
+/* The input codes. Each block of 32 inputs of a row of x gets a scale a = max|x| / L and codes
+ * q = round-half-even(x / a) clamped to [-L, L], with L = 127 (int8 inputs, as the Q8 formats
+ * intend) or L = LEVELS22 = 127 * 2^14 ("float" inputs: 21 bits and a sign a block, so each
+ * input moves by at most a / 2 = max|x| * 2^-22, a few of float32's own units in the last place).
+ * A 22-bit code is held as three bytes, q = h * 2^14 + m * 2^7 + l with h in [-127, 127] and
+ * m, l in [0, 127], so every path takes its dots a byte at a time:
+ *   sum(u * q) = ((sum(u * h) * 2^7) + sum(u * m)) * 2^7 + sum(u * l).
+ * A group's contribution to out is then d * a * sum(u * q) + c * (a * sum(q)). */
+#define LEVELS22 2080768
+
+/* How a path takes a step's codes: `parts` bytes per input, in one of two orders. */
+typedef struct {
+    int parts;            /* 1: int8 codes; 3: 22-bit codes, three bytes each */
+    int kind;             /* the weight's layout: KIND_NIB, KIND_BYTE or KIND_BYTE16 */
+    int64_t M, K, nb, ng; /* rows, inputs, blocks of 32, groups */
+    /* natural order (AVX2 and portable paths): xn [M][nb][parts][32], a [M][nb] */
+    int8_t *xn;
+    float *a;
+    /* the VNNI path's order, per step of 4 blocks (4-bit codes) or 2 (byte codes): each part's
+     * bytes as the weight's bytes line up (4-bit: inputs 0-15 of each of the 4 blocks, then
+     * inputs 16-31 of each; byte codes: as they come), xs [M][steps][parts][64 * nv]; as
+     * [M][steps][16] each int32 lane's block scale */
+    int8_t *xs;
+    float *as;
+    int64_t steps, chunks; /* chunks: whole runs of 16 groups */
+    float *s;              /* [M][chunks * 16]: a * sum(q) per group, zero past ng */
+} xq_t;
+
+enum { KIND_NIB = 0, KIND_BYTE = 1, KIND_BYTE16 = 2 };
+
+static int kind_of(const qb32_t *w) {
+    return w->bits == 4 ? KIND_NIB : (w->group == 16 ? KIND_BYTE16 : KIND_BYTE);
+}
+
+/* Block xb's codes q[32] for L levels; returns the block's scale a. */
+static float quantize_block(const float *xb, float levels, int32_t *q) {
+#if defined(__AVX512F__)
+    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    float a = amax / levels, inv = a > 0.0f ? 1.0f / a : 0.0f;
+    __m512 vi = _mm512_set1_ps(inv), hi = _mm512_set1_ps(levels), lo = _mm512_set1_ps(-levels);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, vi), rn);
+    __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, vi), rn);
+    _mm512_storeu_si512(q, _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi)));
+    _mm512_storeu_si512(q + 16, _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi)));
+    return a;
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    float a = amax / levels, inv = a > 0.0f ? 1.0f / a : 0.0f;
+    for (int i = 0; i < 32; i++) {
+        float v = nearbyintf(xb[i] * inv);
+        q[i] = (int32_t)(v > levels ? levels : (v < -levels ? -levels : v));
+    }
+    return a;
+#endif
+}
+
+/* Sixteen codes q[0..16) as part p of `parts` bytes each (parts 1: the code itself), at dst. */
+static inline void store_part16(const int32_t *q, int parts, int p, int8_t *dst) {
+#if defined(__AVX512F__)
+    __m512i v = _mm512_loadu_si512(q);
+    if (parts == 3)
+        v = p == 0 ? _mm512_srai_epi32(v, 14)
+                   : _mm512_and_si512(p == 1 ? _mm512_srli_epi32(v, 7) : v, _mm512_set1_epi32(127));
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(v));
+#else
+    for (int i = 0; i < 16; i++) {
+        int32_t v = q[i];
+        dst[i] = (int8_t)(parts == 1 ? v : (p == 0 ? v >> 14 : (p == 1 ? (v >> 7) & 127 : v & 127)));
+    }
+#endif
+}
+
+/* x's rows quantized for `w` and a path: the VNNI order (stepped) or the natural one. */
+static void quantize_x(const float *x, int64_t ldx, int64_t M, const qb32_t *w, int parts,
+                       int stepped, xq_t *X) {
+    int64_t K = w->K, nb = K / 32;
+    int kind = kind_of(w), bps = kind == KIND_NIB ? 4 : 2, nv = kind == KIND_NIB ? 2 : 1;
+    int64_t ng = kind == KIND_BYTE16 ? 2 * nb : nb, steps = (nb + bps - 1) / bps;
+    int64_t chunks = (ng + 15) / 16;
+    size_t rec = (size_t)parts * 64 * nv; /* one step's bytes in the VNNI order */
+    memset(X, 0, sizeof *X);
+    X->parts = parts, X->kind = kind, X->M = M, X->K = K, X->nb = nb, X->ng = ng;
+    X->steps = steps, X->chunks = chunks;
+    X->s = malloc(sizeof(float) * (size_t)(M * chunks * 16));
+    if (stepped) {
+        X->xs = aligned_alloc(64, (size_t)M * steps * rec);
+        X->as = aligned_alloc(64, sizeof(float) * (size_t)(M * steps * 16));
+    } else {
+        X->xn = malloc((size_t)(M * nb * parts * 32));
+        X->a = malloc(sizeof(float) * (size_t)(M * nb));
+    }
+    float levels = parts == 1 ? 127.0f : (float)LEVELS22;
+    for (int64_t m = 0; m < M; m++) {
+        float *sm = X->s + m * chunks * 16;
+        for (int64_t g = ng; g < chunks * 16; g++) sm[g] = 0.0f;
+        if (stepped && nb % bps) { /* the last step's missing blocks: zero codes and scales */
+            memset(X->xs + ((size_t)m * steps + steps - 1) * rec, 0, rec);
+            memset(X->as + (m * steps + steps - 1) * 16, 0, sizeof(float) * 16);
         }
-        a[b] = scale;
-        if (group == 16) {
-            s[2 * b] = scale * (float)first;
-            s[2 * b + 1] = scale * (float)(sum - first);
-        } else {
-            s[b] = scale * (float)sum;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t q[32];
+            float a = quantize_block(x + m * ldx + b * 32, levels, q);
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < 16; i++) s0 += q[i];
+            for (int i = 16; i < 32; i++) s1 += q[i];
+            if (kind == KIND_BYTE16) {
+                sm[2 * b] = a * (float)s0;
+                sm[2 * b + 1] = a * (float)s1;
+            } else {
+                sm[b] = a * (float)(s0 + s1);
+            }
+            if (!stepped) {
+                X->a[m * nb + b] = a;
+                int8_t *dst = X->xn + (m * nb + b) * parts * 32;
+                for (int p = 0; p < parts; p++) {
+                    store_part16(q, parts, p, dst + p * 32);
+                    store_part16(q + 16, parts, p, dst + p * 32 + 16);
+                }
+                continue;
+            }
+            /* 4-bit codes: inputs 0-15 of the step's block j at j * 16, inputs 16-31 at
+             * 64 + j * 16; byte codes as they come */
+            int64_t step = b / bps, j = b % bps;
+            int64_t at0 = kind == KIND_NIB ? j * 16 : j * 32;
+            int64_t at1 = kind == KIND_NIB ? 64 + j * 16 : j * 32 + 16;
+            int8_t *dst = X->xs + ((size_t)m * steps + step) * rec;
+            for (int p = 0; p < parts; p++) {
+                store_part16(q, parts, p, dst + p * 64 * nv + at0);
+                store_part16(q + 16, parts, p, dst + p * 64 * nv + at1);
+            }
+            float *as = X->as + (m * steps + step) * 16;
+            for (int t = 0; t < 16; t++)
+                if (t / (16 / bps) == j) as[t] = a;
         }
     }
 }
 
-/* Integer dots of one block's codes u with input codes qb: dot[0] over the block (group 32) or
- * its first 16 inputs, dot[1] over its second 16 inputs (group 16). */
+static void free_x(xq_t *X) {
+    free(X->xn);
+    free(X->a);
+    free(X->xs);
+    free(X->as);
+    free(X->s);
+}
+
+/* The dot of block b's codes (at u) with x's codes (natural order, at xb): dot[0] over the
+ * block (groups of 32) or its first 16 inputs, dot[1] over its second 16 inputs (groups of
+ * 16). int64: a 22-bit code times an 8-bit one, 32 of them, passes int32. */
 static inline __attribute__((always_inline)) void block_dots(const uint8_t *u, int bits,
-                                                              int group, const int8_t *qb,
-                                                              int32_t dot[2]) {
-    /* one loop over the block where it has one group (32 trips: the compiler vectorizes it;
-     * two loops of 16 get unrolled whole instead, which runs ~5x slower) */
-    if (group == 32) {
-        int32_t t = 0;
-        if (bits == 4) {
-            for (int j = 0; j < 16; j++)
-                t += (int32_t)(u[j] & 15) * qb[j] + (int32_t)(u[j] >> 4) * qb[j + 16];
-        } else {
-            for (int j = 0; j < 32; j++) t += (int32_t)u[j] * qb[j];
-        }
-        dot[0] = t;
-        dot[1] = 0;
-        return;
+                                                              int group, const int8_t *xb,
+                                                              int parts, int64_t dot[2]) {
+    int64_t lo = 0, hi = 0;
+    for (int j = 0; j < 32; j++) { /* one loop of 32 trips: the compiler vectorizes it */
+        int32_t code = bits == 4 ? (j < 16 ? u[j] & 15 : u[j - 16] >> 4) : u[j];
+        int32_t q = parts == 1 ? xb[j] : xb[j] * 16384 + xb[32 + j] * 128 + xb[64 + j];
+        int64_t t = (int64_t)code * q;
+        if (group == 16 && j >= 16)
+            hi += t;
+        else
+            lo += t;
     }
-    int32_t lo = 0, hi = 0; /* groups of 16: byte codes only */
-    for (int j = 0; j < 16; j++) lo += (int32_t)u[j] * qb[j];
-    for (int j = 16; j < 32; j++) hi += (int32_t)u[j] * qb[j];
     dot[0] = lo;
     dot[1] = hi;
 }
 
-/* Block b's sum of d * dot over its groups. */
-static inline __attribute__((always_inline)) float block_scaled(const void *d, int f32,
-                                                                int group, int64_t b,
-                                                                const int32_t dot[2]) {
-    if (group == 16)
-        return scale_at(d, f32, 2 * b) * (float)dot[0] + scale_at(d, f32, 2 * b + 1) * (float)dot[1];
-    return scale_at(d, f32, b) * (float)dot[0];
-}
-
 /* out[m] for the rows m < mt of one output row: the portable path. */
-static inline __attribute__((always_inline)) void row_scalar(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
-                       int group, int f32, const int8_t *q, const float *a, const float *s,
-                       int64_t K, int mt, float *acc) {
-    int64_t bb = bits == 4 ? 16 : 32, ng = K / group;
+static inline __attribute__((always_inline)) void row_scalar(const uint8_t *qs, const void *d,
+                                                              const void *c, int bits, int group,
+                                                              int f32, const xq_t *X, int64_t m0,
+                                                              int mt, float *acc) {
+    int64_t nb = X->nb, ng = X->ng, bb = bits == 4 ? 16 : 32;
+    int parts = X->parts;
     for (int m = 0; m < mt; m++) {
-        const int8_t *qm = q + m * K;
-        const float *am = a + m * nb, *sm = s + m * ng;
+        const int8_t *xm = X->xn + (m0 + m) * nb * parts * 32;
+        const float *am = X->a + (m0 + m) * nb, *sm = X->s + (m0 + m) * X->chunks * 16;
         float total = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            int32_t dot[2];
-            block_dots(qs + b * bb, bits, group, qm + b * 32, dot);
-            total += am[b] * block_scaled(d, f32, group, b, dot);
+            int64_t dot[2];
+            block_dots(qs + b * bb, bits, group, xm + b * parts * 32, parts, dot);
+            float part = group == 16 ? scale_at(d, f32, 2 * b) * (float)dot[0] +
+                                           scale_at(d, f32, 2 * b + 1) * (float)dot[1]
+                                     : scale_at(d, f32, b) * (float)dot[0];
+            total += am[b] * part;
         }
         for (int64_t g = 0; g < ng; g++) total += scale_at(c, f32, g) * sm[g];
         acc[m] = total;
@@ -171,34 +284,23 @@ static inline __attribute__((always_inline)) void row_scalar(const uint8_t *qs, 
 static inline float scale_fast(const void *p, int f32, int64_t i) {
     return f32 ? ((const float *)p)[i] : _cvtsh_ss(((const uint16_t *)p)[i]);
 }
-
-/* n (2 or 4, constant after inlining) scales from i into the low lanes. */
-static inline __attribute__((always_inline)) __m128 scales_n(const void *p, int f32, int64_t i,
-                                                             int n) {
-    if (f32) {
-        float t[4] = {0, 0, 0, 0};
-        memcpy(t, (const float *)p + i, (size_t)n * 4);
-        return _mm_loadu_ps(t);
-    }
-    uint64_t h = 0;
-    memcpy(&h, (const uint16_t *)p + i, (size_t)n * 2);
-    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h));
-}
 #endif
 
 #if HAVE_AVX2
 /* The same with AVX2, one block a step: VPMADDUBSW (unsigned codes of 6 bits or fewer times
  * signed input bytes; for 8-bit codes, |u - 128| times the input with u - 128's sign, so no pair
- * sum saturates, and the 128 * d moves to the offsets), VPMADDWD to int32, a float FMA by the
- * group's two scales. */
-static inline __attribute__((always_inline)) void row_avx2(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
-                     int group, int f32, const int8_t *q, const float *a, const float *s,
-                     int64_t K, int mt, float *acc) {
+ * sum saturates, and the 128 * d moves to the offsets) and VPMADDWD to int32 for each part of
+ * the codes, the parts joined by shifts, then a float FMA by the group's two scales. */
+static inline __attribute__((always_inline)) void row_avx2(const uint8_t *qs, const void *d,
+                                                            const void *c, int bits, int group,
+                                                            int f32, const xq_t *X, int64_t m0,
+                                                            int mt, float *acc) {
+    int64_t nb = X->nb, ng = X->ng;
+    int parts = X->parts;
     __m256 sum[4];
     for (int m = 0; m < mt; m++) sum[m] = _mm256_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    int64_t ng = K / group;
     for (int64_t b = 0; b < nb; b++) {
         __m256i u;
         if (bits == 4) {
@@ -214,12 +316,16 @@ static inline __attribute__((always_inline)) void row_avx2(const uint8_t *qs, co
         float w0 = scale_fast(d, f32, group == 16 ? 2 * b : b);
         float w1 = group == 16 ? scale_fast(d, f32, 2 * b + 1) : w0;
         for (int m = 0; m < mt; m++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(q + m * K + b * 32));
-            __m256i p = bits == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(u),
-                                                         _mm256_sign_epi8(x, u))
-                                  : _mm256_maddubs_epi16(u, x);
-            __m256i dot = _mm256_madd_epi16(p, ones);
-            float am = a[m * nb + b];
+            const int8_t *xb = X->xn + ((m0 + m) * nb + b) * parts * 32;
+            __m256i dot = _mm256_setzero_si256();
+            for (int p = 0; p < parts; p++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xb + p * 32));
+                __m256i pr = bits == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(u),
+                                                              _mm256_sign_epi8(x, u))
+                                       : _mm256_maddubs_epi16(u, x);
+                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), _mm256_madd_epi16(pr, ones));
+            }
+            float am = X->a[(m0 + m) * nb + b];
             __m256 scale = group == 16
                                ? _mm256_set_m128(_mm_set1_ps(w1 * am), _mm_set1_ps(w0 * am))
                                : _mm256_set1_ps(w0 * am);
@@ -232,7 +338,7 @@ static inline __attribute__((always_inline)) void row_avx2(const uint8_t *qs, co
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         float total = _mm_cvtss_f32(h);
         /* 8-bit codes summed (u - 128) * q: the offset is c + 128 d (0 for Q8_0's c = -128 d) */
-        const float *sm = s + m * ng;
+        const float *sm = X->s + (m0 + m) * X->chunks * 16;
         __m256 off = _mm256_setzero_ps();
         int64_t g = 0;
         for (; g + 8 <= ng; g += 8) {
@@ -260,278 +366,218 @@ static inline __attribute__((always_inline)) void row_avx2(const uint8_t *qs, co
 #endif
 
 #if HAVE_VNNI512
-/* Sixteen offsets from g0 (masked past ng). */
-static inline __m512 offsets16(const void *c, int f32, int64_t g0, __mmask16 mask) {
-    if (f32) return _mm512_maskz_loadu_ps(mask, (const float *)c + g0);
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)c + g0));
+/* Sixteen scales from i (masked past n), as float32. */
+static inline __m512 scales16(const void *p, int f32, int64_t i, int64_t n) {
+    int64_t left = n - i;
+    __mmask16 k = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    if (f32) return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i));
 }
 
-/* Float inputs (path 3): the codes widened to float32 in registers and multiplied with x as
- * it is, d * sum(u * x) + c * sum(x) per group (s holds each group's sum(x)): the dequantized
- * weight's product up to float32 rounding, no int8 rounding of x. */
-static inline __attribute__((always_inline)) void row_float(const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits,
-                      int group, int f32, const float *x, int64_t ldx, const float *s, int mt,
-                      float *acc) {
-    __m512 sum[4];
-    for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0f);
-    int64_t ng = nb * 32 / group;
-    for (int64_t b = 0; b < nb; b++) {
-        __m128i u0, u1;
-        if (bits == 4) {
-            __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
-            u0 = _mm_and_si128(raw, low);
-            u1 = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-        } else {
-            u0 = _mm_loadu_si128((const __m128i *)(qs + b * 32));
-            u1 = _mm_loadu_si128((const __m128i *)(qs + b * 32 + 16));
+#define VNNI_AHEAD 16 /* rows ahead that a tile prefetches (its own rows' place, 16 rows on) */
+
+/* R output rows from n0 times rows m0 .. m0 + MT of x, VPDPBUSD on 64 weight bytes a step
+ * (four blocks of 4-bit codes, the low and high nibbles each against their input bytes; two
+ * blocks of byte codes), each part of the input codes in turn, joined by shifts (int32 lanes
+ * of four inputs' products: |sum| <= 4 * 255 * LEVELS22 < 2^31). int32 lane t of a step holds
+ * inputs of one group: groups of 32 with 4-bit codes and groups of 16 take a scale per 4
+ * lanes, groups of 32 with byte codes one per 8; the row's scales come sixteen groups at a
+ * time and are spread over the lanes by a permute. res[r * MT + m]. R, MT, P, kind and f32
+ * are constants after inlining. The weight is prefetched VNNI_AHEAD rows ahead: the hardware
+ * prefetcher alone left a decode's stream at ~15 GB/s a core, against ~25 with this. */
+static inline __attribute__((always_inline)) void vnni_tile(const qb32_t *w, const xq_t *X,
+                                                             int64_t m0, int64_t n0, const int R,
+                                                             const int MT, const int P,
+                                                             const int kind, const int f32,
+                                                             float *res) {
+    const int nv = kind == KIND_NIB ? 2 : 1, spc = kind == KIND_BYTE ? 8 : 4;
+    const int64_t nb = X->nb, ng = X->ng, steps = X->steps;
+    const int64_t rowbytes = nb * (kind == KIND_NIB ? 16 : 32), sb = f32 ? 4 : 2;
+    const size_t rec = (size_t)P * 64 * nv;
+    __m512 acc[R][MT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i base = _mm512_srli_epi32(lanes, kind == KIND_BYTE ? 3 : 2);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t ch = 0; ch < X->chunks; ch++) {
+        __m512 D[R];
+        for (int r = 0; r < R; r++) {
+            const char *dr = (const char *)w->d + (n0 + r) * ng * sb;
+            _mm_prefetch(dr + (VNNI_AHEAD * ng + ch * 16) * sb, _MM_HINT_T0);
+            _mm_prefetch((const char *)w->c + ((n0 + r + VNNI_AHEAD) * ng + ch * 16) * sb,
+                         _MM_HINT_T0);
+            D[r] = scales16(dr, f32, ch * 16, ng);
         }
-        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u0));
-        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u1));
-        if (group == 16) {
-            __m512 d0 = _mm512_set1_ps(scale_fast(d, f32, 2 * b));
-            __m512 d1 = _mm512_set1_ps(scale_fast(d, f32, 2 * b + 1));
-            for (int m = 0; m < mt; m++) {
-                const float *xb = x + m * ldx + b * 32;
-                sum[m] = _mm512_fmadd_ps(_mm512_mul_ps(f0, _mm512_loadu_ps(xb)), d0, sum[m]);
-                sum[m] = _mm512_fmadd_ps(_mm512_mul_ps(f1, _mm512_loadu_ps(xb + 16)), d1, sum[m]);
+        for (int si = 0; si < spc; si++) {
+            int64_t step = ch * spc + si;
+            if (step >= steps) break;
+            __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(si * (kind == KIND_BYTE ? 2 : 4)));
+            int64_t left = rowbytes - step * 64;
+            __mmask64 km = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *q = w->qs + (n0 + r) * rowbytes + step * 64;
+                _mm_prefetch((const char *)q + VNNI_AHEAD * rowbytes, _MM_HINT_T0);
+                __m512i U = left >= 64 ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(km, q);
+                __m512i lo = U, hi = U;
+                if (kind == KIND_NIB) {
+                    lo = _mm512_and_si512(U, low);
+                    hi = _mm512_and_si512(_mm512_srli_epi16(U, 4), low);
+                }
+                __m512 Dq = _mm512_permutexvar_ps(idx, D[r]);
+                for (int m = 0; m < MT; m++) {
+                    const int8_t *xr = X->xs + ((size_t)(m0 + m) * steps + step) * rec;
+                    __m512i dot = _mm512_setzero_si512();
+                    for (int p = 0; p < P; p++) {
+                        if (p) dot = _mm512_slli_epi32(dot, 7);
+                        dot = _mm512_dpbusd_epi32(dot, lo, _mm512_load_si512(xr + p * 64 * nv));
+                        if (kind == KIND_NIB)
+                            dot = _mm512_dpbusd_epi32(dot, hi,
+                                                      _mm512_load_si512(xr + p * 64 * nv + 64));
+                    }
+                    __m512 sc = _mm512_mul_ps(Dq, _mm512_load_ps(X->as + ((m0 + m) * steps + step) * 16));
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r][m]);
+                }
             }
-        } else {
-            __m512 wd = _mm512_set1_ps(scale_fast(d, f32, b));
-            for (int m = 0; m < mt; m++) {
-                const float *xb = x + m * ldx + b * 32;
-                __m512 t = _mm512_mul_ps(f0, _mm512_loadu_ps(xb));
-                t = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), t);
-                sum[m] = _mm512_fmadd_ps(t, wd, sum[m]);
-            }
+        }
+        /* the offsets: c * (a * sum(q)) for the chunk's sixteen groups */
+        for (int r = 0; r < R; r++) {
+            __m512 C = scales16((const char *)w->c + (n0 + r) * ng * sb, f32, ch * 16, ng);
+            for (int m = 0; m < MT; m++)
+                acc[r][m] = _mm512_fmadd_ps(
+                    C, _mm512_loadu_ps(X->s + (m0 + m) * X->chunks * 16 + ch * 16), acc[r][m]);
         }
     }
-    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
-        int64_t left = ng - g0;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 cv = offsets16(c, f32, g0, mask);
-        for (int m = 0; m < mt; m++)
-            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * ng + g0), sum[m]);
-    }
-    for (int m = 0; m < mt; m++) acc[m] = _mm512_reduce_add_ps(sum[m]);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) res[r * MT + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-/* The same with VPDPBUSD, two blocks per step; mt (1..4) constant after inlining. */
-static inline __attribute__((always_inline)) void row_vnni(
-    const uint8_t *qs, const void *d, const void *c, int64_t nb, int bits, int group, int f32,
-    const int8_t *q, const float *a2, const float *s, int64_t K, int mt, float *acc,
-    const int8_t *x4, const float *a4) {
-    __m512 sum[4];
-    for (int m = 0; m < mt; m++) sum[m] = _mm512_setzero_ps();
-    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    int64_t b = 0, ng = K / group;
-    if (bits == 4) {
-        /* four blocks a step: x4 holds each group of four blocks' codes as the low nibbles of
-         * 64 weight bytes line up (inputs 0-15 of each block, then inputs 16-31 of each) */
-        const __m512i low = _mm512_set1_epi8(0x0f);
-        for (; b + 4 <= nb; b += 4) {
-            __m512i raw = _mm512_loadu_si512((const void *)(qs + b * 16));
-            __m512i lo = _mm512_and_si512(raw, low);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            __m512 wd = _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(scales_n(d, f32, b, 4)));
-            for (int m = 0; m < mt; m++) {
-                const int8_t *xm = x4 + m * K + b * 32;
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                  _mm512_loadu_si512((const void *)xm));
-                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xm + 64)));
-                __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(a4 + m * nb * 4 + b * 4));
-                sum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[m]);
-            }
-        }
+/* Rows [n0, n0 + nr) (nr <= 8) for every row of x, tiles of up to 4 rows of x: 8 output rows a
+ * tile for one row of x, 4 for two, 2 for three or four (the accumulators in registers), one at
+ * a time past the last whole tile. */
+#define VNNI_ROWS 8
+#define VNNI_COPY(NAME, P, KIND, F32)                                                             \
+    static void NAME(const qb32_t *w, const xq_t *X, const float *bias, float *out, int64_t ldo, \
+                     int64_t n0, int64_t nr) {                                                    \
+        float res[VNNI_ROWS * 4];                                                                 \
+        for (int64_t m0 = 0; m0 < X->M; m0 += 4) {                                                \
+            int mt = X->M - m0 < 4 ? (int)(X->M - m0) : 4;                                        \
+            int R = mt == 1 ? 8 : (mt == 2 ? 4 : 2);                                              \
+            int64_t n = n0;                                                                       \
+            for (; n + R <= n0 + nr; n += R) {                                                    \
+                switch (mt) {                                                                     \
+                case 1: vnni_tile(w, X, m0, n, 8, 1, P, KIND, F32, res); break;                   \
+                case 2: vnni_tile(w, X, m0, n, 4, 2, P, KIND, F32, res); break;                   \
+                case 3: vnni_tile(w, X, m0, n, 2, 3, P, KIND, F32, res); break;                   \
+                default: vnni_tile(w, X, m0, n, 2, 4, P, KIND, F32, res); break;                  \
+                }                                                                                 \
+                for (int r = 0; r < R; r++)                                                       \
+                    for (int m = 0; m < mt; m++)                                                  \
+                        out[(m0 + m) * ldo + n + r] = res[r * mt + m] + (bias ? bias[n + r] : 0.0f); \
+            }                                                                                     \
+            for (; n < n0 + nr; n++) {                                                            \
+                switch (mt) {                                                                     \
+                case 1: vnni_tile(w, X, m0, n, 1, 1, P, KIND, F32, res); break;                   \
+                case 2: vnni_tile(w, X, m0, n, 1, 2, P, KIND, F32, res); break;                   \
+                case 3: vnni_tile(w, X, m0, n, 1, 3, P, KIND, F32, res); break;                   \
+                default: vnni_tile(w, X, m0, n, 1, 4, P, KIND, F32, res); break;                  \
+                }                                                                                 \
+                for (int m = 0; m < mt; m++)                                                      \
+                    out[(m0 + m) * ldo + n] = res[m] + (bias ? bias[n] : 0.0f);                   \
+            }                                                                                     \
+        }                                                                                         \
     }
-    for (; b + 2 <= nb; b += 2) {
-        __m512i u;
-        if (bits == 4) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + b * 16));
-            __m256i lo = _mm256_and_si256(raw, low4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            /* [lo0 lo1 | hi0 hi1] in 128-bit lanes -> [lo0 hi0 lo1 hi1]: block b, block b+1 */
-            __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            u = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-        } else {
-            u = _mm512_loadu_si512((const void *)(qs + b * 32));
-        }
-        /* int32 lane i of the dot covers inputs 4i..4i+3 of the two blocks: groups of 32 take
-         * one scale per 8 lanes, groups of 16 one per 4 */
-        __m512 wd = group == 16
-                        ? _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(
-                                                           scales_n(d, f32, 2 * b, 4)))
-                        : _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(
-                                                           scales_n(d, f32, b, 2)));
-        for (int m = 0; m < mt; m++) {
-            __m512i x = _mm512_loadu_si512((const void *)(q + m * K + b * 32));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
-            __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(a2 + (m * nb + b) * 8));
-            sum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[m]);
-        }
-    }
-    float tail[4] = {0, 0, 0, 0};
-    if (b < nb) { /* an odd last block */
-        for (int m = 0; m < mt; m++) {
-            int32_t dot[2];
-            block_dots(qs + b * (bits == 4 ? 16 : 32), bits, group, q + m * K + b * 32, dot);
-            tail[m] = a2[(m * nb + b) * 8] * block_scaled(d, f32, group, b, dot);
-        }
-    }
-    /* the offsets: sum over groups of c * (a * sum(q)), sixteen groups a step */
-    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
-        int64_t left = ng - g0;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 cv = offsets16(c, f32, g0, mask);
-        for (int m = 0; m < mt; m++)
-            sum[m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, s + m * ng + g0), sum[m]);
-    }
-    for (int m = 0; m < mt; m++) acc[m] = _mm512_reduce_add_ps(sum[m]) + tail[m];
-}
+VNNI_COPY(vnni_p1_nib_f16, 1, KIND_NIB, 0)
+VNNI_COPY(vnni_p1_nib_f32, 1, KIND_NIB, 1)
+VNNI_COPY(vnni_p1_byte_f16, 1, KIND_BYTE, 0)
+VNNI_COPY(vnni_p1_byte_f32, 1, KIND_BYTE, 1)
+VNNI_COPY(vnni_p1_b16_f16, 1, KIND_BYTE16, 0)
+VNNI_COPY(vnni_p1_b16_f32, 1, KIND_BYTE16, 1)
+VNNI_COPY(vnni_p3_nib_f16, 3, KIND_NIB, 0)
+VNNI_COPY(vnni_p3_nib_f32, 3, KIND_NIB, 1)
+VNNI_COPY(vnni_p3_byte_f16, 3, KIND_BYTE, 0)
+VNNI_COPY(vnni_p3_byte_f32, 3, KIND_BYTE, 1)
+VNNI_COPY(vnni_p3_b16_f16, 3, KIND_BYTE16, 0)
+VNNI_COPY(vnni_p3_b16_f32, 3, KIND_BYTE16, 1)
+#undef VNNI_COPY
+typedef void (*vnni_rows_t)(const qb32_t *, const xq_t *, const float *, float *, int64_t,
+                            int64_t, int64_t);
+static const vnni_rows_t VNNI_RUNS[2][3][2] = {
+    {{vnni_p1_nib_f16, vnni_p1_nib_f32}, {vnni_p1_byte_f16, vnni_p1_byte_f32},
+     {vnni_p1_b16_f16, vnni_p1_b16_f32}},
+    {{vnni_p3_nib_f16, vnni_p3_nib_f32}, {vnni_p3_byte_f16, vnni_p3_byte_f32},
+     {vnni_p3_b16_f16, vnni_p3_b16_f32}},
+};
 #endif
 
-/* One call's state, shared by its output rows. */
-typedef struct {
-    const qb32_t *w;
-    const float *x, *bias;
-    int64_t ldx, M, K, nb, ng, ldo;
-    const int8_t *q, *x4;
-    const float *a, *a2, *a4, *s, *xs;
-    int use_float, use_vnni, use_avx2;
-    float *out;
-} run_t;
-
-/* Output row n for every row of x; group and f32 are constants in each of the copies below, so
- * their branches and index arithmetic fold away inside the row functions. */
-static inline __attribute__((always_inline)) void one_row(const run_t *r, int64_t n,
+/* Output row n for every row of x by the AVX2 or portable path; group and f32 are constants
+ * in each copy below, so their branches fold away inside the row functions. */
+static inline __attribute__((always_inline)) void one_row(const qb32_t *w, const xq_t *X,
+                                                           int use_avx2, const float *bias,
+                                                           float *out, int64_t ldo, int64_t n,
                                                            const int group, const int f32) {
-    const qb32_t *w = r->w;
-    int64_t nb = r->nb, ng = r->ng, K = r->K, M = r->M, ldx = r->ldx, sb = f32 ? 4 : 2;
+    int64_t nb = X->nb, ng = X->ng, sb = f32 ? 4 : 2;
     int bits = (int)w->bits;
     const uint8_t *qn = w->qs + n * nb * (bits == 4 ? 16 : 32);
     const void *dn = (const char *)w->d + n * ng * sb, *cn = (const char *)w->c + n * ng * sb;
-    float bn = r->bias ? r->bias[n] : 0.0f;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        int mt = M - m0 < 4 ? (int)(M - m0) : 4;
+    float bn = bias ? bias[n] : 0.0f;
+    for (int64_t m0 = 0; m0 < X->M; m0 += 4) {
+        int mt = X->M - m0 < 4 ? (int)(X->M - m0) : 4;
         float acc[4];
-        const int8_t *qm = r->q + m0 * K;
-#if HAVE_VNNI512
-        if (r->use_float) {
-            row_float(qn, dn, cn, nb, bits, group, f32, r->x + m0 * ldx, ldx, r->xs + m0 * ng, mt,
-                      acc);
-        } else if (r->use_vnni) {
-            const float *a2m = r->a2 + m0 * nb * 8, *sm = r->s + m0 * ng;
-            const float *a4m = r->a4 + m0 * nb * 4;
-            const int8_t *x4m = r->x4 + m0 * K;
-#define VNNI_ROWS(T)                                                                              \
-    row_vnni(qn, dn, cn, nb, bits, group, f32, qm, a2m, sm, K, T, acc, x4m, a4m)
-            switch (mt) {
-            case 1: VNNI_ROWS(1); break;
-            case 2: VNNI_ROWS(2); break;
-            case 3: VNNI_ROWS(3); break;
-            default: VNNI_ROWS(4); break;
-            }
-#undef VNNI_ROWS
-        } else
-#endif
 #if HAVE_AVX2
-            if (r->use_avx2) {
-            row_avx2(qn, dn, cn, nb, bits, group, f32, qm, r->a + m0 * nb, r->s + m0 * ng, K, mt,
-                     acc);
-        } else
+        if (use_avx2)
+            row_avx2(qn, dn, cn, bits, group, f32, X, m0, mt, acc);
+        else
 #endif
-        {
-            row_scalar(qn, dn, cn, nb, bits, group, f32, qm, r->a + m0 * nb, r->s + m0 * ng, K,
-                       mt, acc);
-        }
-        for (int m = 0; m < mt; m++) r->out[(m0 + m) * r->ldo + n] = acc[m] + bn;
+            row_scalar(qn, dn, cn, bits, group, f32, X, m0, mt, acc);
+        (void)use_avx2;
+        for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n] = acc[m] + bn;
     }
 }
 
-/* Every output row, split across the OpenMP threads; one copy per layout kind. */
-#define ALL_ROWS(NAME, G, F)                                                                      \
-    static void NAME(const run_t *r) {                                                            \
-        int64_t N = r->w->N;                                                                      \
-        _Pragma("omp parallel for schedule(static) if (N * r->M * r->K > (1 << 16))")             \
-        for (int64_t n = 0; n < N; n++) one_row(r, n, G, F);                                      \
+#define ONE_ROW_COPY(NAME, G, F)                                                                  \
+    static void NAME(const qb32_t *w, const xq_t *X, int use_avx2, const float *bias, float *out, \
+                     int64_t ldo, int64_t n) {                                                    \
+        one_row(w, X, use_avx2, bias, out, ldo, n, G, F);                                         \
     }
-ALL_ROWS(rows_g32_f16, 32, 0)
-ALL_ROWS(rows_g32_f32, 32, 1)
-ALL_ROWS(rows_g16_f16, 16, 0)
-ALL_ROWS(rows_g16_f32, 16, 1)
-#undef ALL_ROWS
+ONE_ROW_COPY(row_g32_f16, 32, 0)
+ONE_ROW_COPY(row_g32_f32, 32, 1)
+ONE_ROW_COPY(row_g16_f16, 16, 0)
+ONE_ROW_COPY(row_g16_f32, 16, 1)
+#undef ONE_ROW_COPY
 
-/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias).
- * w->path: 0 the best this build has, 1 the portable C loop, 2 AVX2 (where built), 3 float
- * inputs (AVX-512 builds; else the best int8 path). */
+/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias), x quantized
+ * per block (int8, or 22-bit for "float" inputs). w->path: 0 int8 inputs on the best path this
+ * build has (AVX-512 VNNI, else AVX2, else portable), 1 int8 on the portable C loop, 2 int8 on
+ * AVX2 (where built), 3 float inputs on the best path, 4 float on the portable loop, 5 float on
+ * AVX2. Output rows are split across the OpenMP threads in runs of VNNI_ROWS. */
 static void qb32_run(const float *x, int64_t ldx, int64_t M, const qb32_t *w, const float *bias,
                      float *out, int64_t ldo) {
-    int64_t K = w->K, path = w->path, nb = K / 32;
-    int group = (int)w->group, f32 = w->scale_bytes == 4;
-    int64_t ng = K / group;
-    int8_t *q = malloc((size_t)(M * K + 64));
-    float *a = malloc(sizeof(float) * (size_t)(M * nb));
-    float *a2 = malloc(sizeof(float) * (size_t)(M * nb * 8 + 16));
-    float *s = malloc(sizeof(float) * (size_t)(M * ng));
-    /* x4, a4: the 4-bit VNNI path's codes, each group of four blocks as its weight bytes
-     * line up (see row_vnni), and each block's scale four times */
-    int8_t *x4 = malloc((size_t)(M * K + 64));
-    float *a4 = malloc(sizeof(float) * (size_t)(M * nb * 4 + 16));
-    for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * ldx, K, group, q + m * K, a + m * nb, s + m * ng);
-        for (int64_t b = 0; b < nb; b++) {
-            for (int i = 0; i < 8; i++) a2[(m * nb + b) * 8 + i] = a[m * nb + b];
-            for (int i = 0; i < 4; i++) a4[(m * nb + b) * 4 + i] = a[m * nb + b];
+    int64_t K = w->K, N = w->N, path = w->path;
+    int parts = path >= 3 ? 3 : 1, how = (int)(path % 3); /* 0 best, 1 portable, 2 AVX2 */
+    int use_vnni = HAVE_VNNI512 && how == 0, use_avx2 = HAVE_AVX2 && how != 1;
+    xq_t X;
+    quantize_x(x, ldx, M, w, parts, use_vnni, &X);
+    int parallel = N * M * K > (1 << 16);
+#if HAVE_VNNI512
+    if (use_vnni) {
+        vnni_rows_t run = VNNI_RUNS[parts == 3][X.kind][w->scale_bytes == 4];
+        int64_t tiles = (N + VNNI_ROWS - 1) / VNNI_ROWS;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n0 = t * VNNI_ROWS;
+            run(w, &X, bias, out, ldo, n0, N - n0 < VNNI_ROWS ? N - n0 : VNNI_ROWS);
         }
-        const int8_t *qm = q + m * K;
-        int8_t *xm = x4 + m * K;
-        memcpy(xm, qm, (size_t)K);
-        for (int64_t b = 0; b + 4 <= nb; b += 4)
-            for (int j = 0; j < 4; j++)
-                for (int h = 0; h < 2; h++)
-                    memcpy(xm + b * 32 + h * 64 + j * 16, qm + (b + j) * 32 + h * 16, 16);
+        free_x(&X);
+        return;
     }
-    int use_float = HAVE_VNNI512 && path == 3;
-    float *xs = use_float ? malloc(sizeof(float) * (size_t)(M * ng)) : NULL;
-    if (use_float) /* each group's sum of x, for the c term */
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++) {
-                const float *xb = x + m * ldx + b * 32;
-                float t0 = 0.0f, t1 = 0.0f;
-                for (int i = 0; i < 16; i++) t0 += xb[i];
-                for (int i = 16; i < 32; i++) t1 += xb[i];
-                if (group == 16) {
-                    xs[m * ng + 2 * b] = t0;
-                    xs[m * ng + 2 * b + 1] = t1;
-                } else {
-                    xs[m * ng + b] = t0 + t1;
-                }
-            }
-    if (path == 3 && !HAVE_VNNI512) path = 0;
-    run_t r = {w, x, bias, ldx, M, K, nb, ng, ldo, q, x4, a, a2, a4, s, xs,
-               use_float, HAVE_VNNI512 && path == 0, HAVE_AVX2 && (path == 0 || path == 2), out};
-    if (group == 16)
-        (f32 ? rows_g16_f32 : rows_g16_f16)(&r);
-    else
-        (f32 ? rows_g32_f32 : rows_g32_f16)(&r);
-    free(q);
-    free(a);
-    free(a2);
-    free(s);
-    free(x4);
-    free(a4);
-    free(xs);
-}
-
-/* qb32_run for a layout of 32-input groups and float16 scales (Q4_0, Q4_1, Q8_0), its weight
- * as separate pointers. bits: 4 or 8. */
-void qb32_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *qs,
-                 const uint16_t *d, const uint16_t *c, int64_t N, int64_t bits,
-                 const float *bias, float *out, int64_t ldo, int64_t path) {
-    qb32_t w = {qs, d, c, N, K, bits, path, 32, 2};
-    qb32_run(x, ldx, M, &w, bias, out, ldo);
+#endif
+    int f32 = w->scale_bytes == 4;
+    void (*row)(const qb32_t *, const xq_t *, int, const float *, float *, int64_t, int64_t) =
+        w->group == 16 ? (f32 ? row_g16_f32 : row_g16_f16) : (f32 ? row_g32_f32 : row_g32_f16);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n = 0; n < N; n++) row(w, &X, use_avx2, bias, out, ldo, n);
+    free_x(&X);
 }
 
 void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,

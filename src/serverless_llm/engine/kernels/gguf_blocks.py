@@ -10,11 +10,13 @@ c = -128d; Q4_K: d = super-scale * 6-bit sub-scale, c = -(super-min * 6-bit sub-
 exact in float32), so one kernel serves all of them. Other types are read as floats
 (`tensor_to_float`).
 
-The native linear quantizes each row of x per block of 32 to int8 (scale max|x| / 127,
-round half to even) and sums integer products, as the Q8 formats intend:
-`reference_linear(..., quantize_x=True)` is that computation in float64 (what the kernel must
-equal up to float32 rounding), `quantize_x=False` the plain dequantize-then-matmul (what it
-approximates).
+The native linear quantizes each row of x per block of 32 (scale max|x| / L, round half to
+even) and sums integer products: L = 127 for int8 inputs, as the Q8 formats intend, or
+FLOAT_LEVELS = 127 * 2^14 for "float" inputs (21 bits and a sign a block, each input moved by at
+most max|x| * 2^-22: float32's own precision to a few units in the last place, at nearly the
+int8 path's speed). `reference_linear(..., quantize_x=True, levels=L)` is that computation in
+float64 (what the kernel must equal up to float32 rounding), `quantize_x=False` the plain
+dequantize-then-matmul (what it approximates).
 
 The build is cpu_native's (same compiler, flags and cache directory, its own key), once per
 machine; `load()` returns None with a warning line where it cannot build or its self-check
@@ -265,22 +267,35 @@ def dequantize(w: QB32, dtype=torch.float32) -> torch.Tensor:
     return full.reshape(n, k).to(dtype)
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 per block of 32 as the kernel quantizes it: (codes [M, K] float64,
-    scales [M, K/32] float32)."""
+INT8_LEVELS = 127  # int8 inputs
+FLOAT_LEVELS = 127 * 2**14  # "float" inputs: 22-bit codes, three bytes each in the kernel
+
+
+def quantize_rows_reference(
+    x: torch.Tensor, levels: int = INT8_LEVELS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 per block of 32 as the kernel quantizes it, codes in [-levels, levels]:
+    (codes [M, K] float64, scales [M, K/32] float32)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
-    scale = xb.abs().amax(-1) / 127.0
+    scale = xb.abs().amax(-1) / float(levels)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    q = torch.round(xb * inv[..., None]).clamp(-levels, levels)
     return q.reshape(m, k).double(), scale
 
 
-def reference_linear(x, w: QB32, bias=None, quantize_x: bool = True) -> torch.Tensor:
+def levels_of(path: str) -> int:
+    """The input codes' levels of a kernel path (PATHS): FLOAT_LEVELS for the float ones."""
+    return FLOAT_LEVELS if path.startswith("float") else INT8_LEVELS
+
+
+def reference_linear(
+    x, w: QB32, bias=None, quantize_x: bool = True, levels: int = INT8_LEVELS
+) -> torch.Tensor:
     """The native linear's contract in float64: x [M, K] times dequantize(w)^T (+ bias), x
-    quantized per block to int8 first when `quantize_x` (as the kernel does)."""
+    quantized per block first when `quantize_x` (to `levels`, as the kernel does)."""
     if quantize_x:
-        q, scale = quantize_rows_reference(x)
+        q, scale = quantize_rows_reference(x, levels)
         m, k = x.shape
         xd = (q.view(m, k // BLOCK, BLOCK) * scale.double()[..., None]).reshape(m, k)
     else:
@@ -328,8 +343,9 @@ class QB32StepsDesc(ctypes.Structure):
 
 
 # BlockKernels.linear's paths: "best" (int8 inputs: AVX-512 VNNI, else AVX2, else portable),
-# "portable", "avx2" (int8 inputs, tests), "float" (float inputs, AVX-512 only: `has_float`).
-PATHS = {"best": 0, "portable": 1, "avx2": 2, "float": 3}
+# "portable", "avx2" (int8 inputs, tests); "float" (22-bit inputs, FLOAT_LEVELS: the best path
+# this build has), "float-portable", "float-avx2" (tests).
+PATHS = {"best": 0, "portable": 1, "avx2": 2, "float": 3, "float-portable": 4, "float-avx2": 5}
 
 
 class BlockKernels:
@@ -341,7 +357,7 @@ class BlockKernels:
         self.lib = ctypes.CDLL(str(path))
         self.vnni = bool(self.lib.qb32_has_vnni())
         self.avx2 = bool(self.lib.qb32_has_avx2())
-        self.has_float = bool(self.lib.qb32_has_float())
+        self.has_float = bool(self.lib.qb32_has_float())  # every build today
         f = self.lib.qb32_linear_desc
         f.argtypes = [_P, _I, _I, _P, _P, _P, _I]
         f.restype = None
@@ -362,7 +378,7 @@ class BlockKernels:
 
     def linear(self, x: torch.Tensor, w: QB32, bias=None, path: str = "best") -> torch.Tensor:
         """x [M, K] float32 (last dim contiguous) times w^T (+ bias): [M, N] float32. `path`:
-        one of PATHS ("float": x unquantized, `reference_linear(..., quantize_x=False)`)."""
+        one of PATHS, `reference_linear(..., levels=levels_of(path))` to float32 rounding."""
         m, k = x.shape
         n, wk = w.shape
         if wk != k:
@@ -430,10 +446,8 @@ def self_check(kernels: BlockKernels) -> str | None:
         b = torch.randn(n, generator=g)
         for m in (1, 5):
             x = torch.randn(m, k, generator=g)
-            want = reference_linear(x, w, b).float()
-            for path in ("best", "portable", "avx2", "float"):
-                if path == "float":
-                    want = reference_linear(x, w, b, quantize_x=not kernels.has_float).float()
+            for path in PATHS:
+                want = reference_linear(x, w, b, levels=levels_of(path)).float()
                 got = kernels.linear(x, w, b, path=path)
                 err = (got - want).abs().max().item()
                 if not err <= 1e-3 * (1 + want.abs().max().item()):

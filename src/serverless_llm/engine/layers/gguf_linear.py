@@ -153,10 +153,11 @@ def _blocks_of(tensors: dict, parts, unpermute: bool) -> QB32 | None:
 
 
 def block_inputs() -> str:
-    """GGUF_BLOCK_INPUTS: "float" (default where the CPU has AVX-512: x multiplies the codes
-    as float32, the dequantized weight's product up to rounding) or "int8" (x quantized per
-    block to int8 and integer dots, as llama.cpp does: faster, but tokens part from the float
-    path's at near ties). Prefill steps (the GEMM) take float inputs either way."""
+    """GGUF_BLOCK_INPUTS: "float" (the default: x quantized per block of 32 to 22-bit codes,
+    within a few float32 units in the last place of x, so the product is the dequantized
+    weight's up to float32 rounding) or "int8" (x quantized per block to int8, as llama.cpp
+    does: ~10-20% faster, but tokens part from the float path's at near ties). Prefill steps
+    (the GEMM) take x as it is either way."""
     raw = os.environ.get("GGUF_BLOCK_INPUTS", "").strip().lower() or "float"
     if raw not in ("float", "int8"):
         raise ValueError(f"GGUF_BLOCK_INPUTS={raw!r}: expected float or int8")
@@ -175,10 +176,7 @@ def take_gguf_blocks(
     LM head) whose file tensors have a qb32 layout and the right shape becomes a block module
     holding them. Returns the GGUF names of the tensors taken (the loader skips those); biases
     stay parameters, loaded as float."""
-    inputs = block_inputs()
-    if inputs == "float" and not kernels.has_float:
-        inputs = "int8"  # float inputs are built for AVX-512 only
-    path = "float" if inputs == "float" else "best"
+    path = "float" if block_inputs() == "float" else "best"
     unpermute = permutes_qk(hf_config)
     taken: set[str] = set()
     for i, layer in enumerate(getattr(model, "layers", [])):
