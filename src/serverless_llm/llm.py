@@ -8,6 +8,7 @@ Beam search runs either way vLLM has offered it: `generate` with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -345,6 +346,9 @@ class LLM:
                     cumulative_logprob=req.out.cumulative_logprob,
                     logprobs=[position_logprobs(e, decode) for e in req.out.logprobs]
                     if show_logprobs
+                    else None,
+                    speculation=dataclasses.replace(req.spec_counts)
+                    if req.spec_counts.verifications
                     else None,
                 )
             )

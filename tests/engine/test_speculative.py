@@ -13,6 +13,7 @@ import pytest
 from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError, EngineConfig
+from serverless_llm.engine.outputs import SpecDecodeStats
 from serverless_llm.engine.speculative import (
     BACKOFF_RATE,
     BACKOFF_TOKENS,
@@ -279,13 +280,31 @@ def test_known_drafts_long_runs_identical_with_preemption_and_prefix_cache(tiny_
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     full = tokens(plain.generate(prompts, params))
     oracle(spec, prompts, full)
-    assert tokens(spec.generate(prompts, params)) == full
+    first = spec.generate(prompts, params)
+    assert tokens(first) == full
+    after_first = spec.engine.stats().speculation
     assert tokens(spec.generate(prompts, params)) == full  # again, from cached prefixes
     stats = spec.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert stats.spec_accepted_tokens > stats.spec_draft_tokens // 4
     assert stats.spec_accepted_tokens < stats.spec_draft_tokens  # some were rejected
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    # Visibility: each request's counts (its CompletionOutput) add up to the engine's; the
+    # rates follow from the counts.
+    per_request = [o.outputs[0].speculation for o in first]
+    assert all(s is not None and s.verifications > 0 for s in per_request)
+    for s in per_request:
+        assert s.acceptance_rate == s.accepted_tokens / s.draft_tokens
+        assert 1.0 <= s.mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
+    assert after_first.verifications == sum(s.verifications for s in per_request)
+    assert after_first.draft_tokens == sum(s.draft_tokens for s in per_request)
+    assert after_first.accepted_tokens == sum(s.accepted_tokens for s in per_request)
+    total = stats.speculation
+    assert total.mean_accepted_length == pytest.approx(
+        (stats.spec_accepted_tokens + stats.spec_drafts) / stats.spec_drafts
+    )
+    assert tokens(plain.generate(prompts[:1], params)) == full[:1]
+    assert plain.generate(prompts[:1], params)[0].outputs[0].speculation is None
 
 
 def test_the_off_rules(tiny_llama):
@@ -329,7 +348,12 @@ def test_the_off_rules(tiny_llama):
     verifications = engine.stats().spec_drafts
     assert 1 <= verifications <= -(-48 // (BACKOFF_TOKENS + 1)) + 1, verifications
 
-    fields = {"output_token_ids": [1] * 10, "spec_rate": 0.5, "spec_skip_until": 0}
+    fields = {
+        "output_token_ids": [1] * 10,
+        "spec_rate": 0.5,
+        "spec_skip_until": 0,
+        "spec_counts": SpecDecodeStats(),
+    }
     req = type("R", (), dict(fields, spec_misses=0))()
     note_verified(req, 4, 4)
     assert req.spec_rate == 0.75 and not backing_off(req)

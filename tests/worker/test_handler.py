@@ -290,3 +290,28 @@ def test_stats_logging(make_worker, monkeypatch, caplog):
 )
 def test_generator_handler_only_where_the_sdk_iterates_it(argv, environ, expected):
     assert _iterates_generators(argv, environ) is expected
+
+
+def test_the_stats_line_says_how_speculation_goes():
+    """DISABLE_LOG_STATS=0's line gains the share of drafts accepted and the tokens a
+    verification gives once speculation has verified drafts ('' before, or when it is off)."""
+    from serverless_llm.engine.outputs import EngineStats
+    from serverless_llm.worker.handler import speculation_line
+
+    base = dict(
+        num_running=1,
+        num_waiting=0,
+        num_requests=1,
+        num_kv_blocks=8,
+        num_free_kv_blocks=4,
+        num_preemptions=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+    )
+    assert speculation_line(EngineStats(**base)) == ""
+    assert speculation_line(EngineStats(**base, speculative=True)) == ""
+    stats = EngineStats(
+        **base, speculative=True, spec_drafts=4, spec_draft_tokens=16, spec_accepted_tokens=12
+    )
+    line = speculation_line(stats)
+    assert "75% of 16 drafts accepted" in line and "4.00 tokens a verification" in line

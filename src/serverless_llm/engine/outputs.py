@@ -30,6 +30,30 @@ class RequestTimes:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts: verification runs (a step that checked drafts), draft
+    tokens verified, and those kept. For one request (`CompletionOutput.speculation`) or the
+    engine (`EngineStats.spec_*`)."""
+
+    verifications: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept drafts over drafts verified (None before any)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification step gives: its kept drafts and the target's own next token
+        (None before any)."""
+        if not self.verifications:
+            return None
+        return (self.accepted_tokens + self.verifications) / self.verifications
+
+
+@dataclass
 class EngineOutput:
     """One request's progress in one step (or its end)."""
 
@@ -81,6 +105,12 @@ class EngineStats:
     def num_used_kv_blocks(self) -> int:
         return self.num_kv_blocks - self.num_free_kv_blocks
 
+    @property
+    def speculation(self) -> SpecDecodeStats:
+        """The speculative counts as one SpecDecodeStats (its acceptance rate and mean
+        accepted length)."""
+        return SpecDecodeStats(self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens)
+
 
 @dataclass
 class Logprob:
@@ -105,6 +135,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
+    # Speculative decoding's counts for this sequence (None where it did not speculate).
+    speculation: SpecDecodeStats | None = None
 
 
 @dataclass

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .outputs import RequestTimes
+from .outputs import RequestTimes, SpecDecodeStats
 from .sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class Request:
     spec_rate: float = 0.5  # speculative.SPEC_RATE_START
     spec_skip_until: int = 0
     spec_misses: int = 0  # poor runs in a row (each doubles the next backoff)
+    spec_counts: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # its verifications
 
     @property
     def lora_id(self) -> int:

@@ -60,11 +60,15 @@ BACKOFF_MAX = 256
 
 
 def note_verified(req: Request, drafted: int, kept: int) -> None:
-    """Updates `req`'s running share of kept drafts after a verification of `drafted` drafts,
-    `kept` of them kept, and starts a backoff when it is poor (longer for each poor run in a
-    row)."""
+    """Counts a verification of `drafted` drafts, `kept` of them kept, in `req`'s speculative
+    counts, updates its running share of kept drafts, and starts a backoff when it is poor
+    (longer for each poor run in a row)."""
     if drafted < 1:
         return
+    counts = req.spec_counts
+    counts.verifications += 1
+    counts.draft_tokens += drafted
+    counts.accepted_tokens += kept
     req.spec_rate += SPEC_RATE_WEIGHT * (kept / drafted - req.spec_rate)
     if req.spec_rate < BACKOFF_RATE:
         span = min(BACKOFF_TOKENS << req.spec_misses, BACKOFF_MAX)

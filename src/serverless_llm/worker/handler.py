@@ -293,7 +293,7 @@ class Worker:
             alive = sum(1 for r in stats.ranks if r["alive"])
             logger.info(
                 "stats: %d jobs running, %d finished; engine: %d running, %d waiting requests; "
-                "KV cache %d/%d blocks in use%s",
+                "KV cache %d/%d blocks in use%s%s",
                 self.active_jobs,
                 self.finished_jobs,
                 stats.num_running,
@@ -301,7 +301,20 @@ class Worker:
                 stats.num_used_kv_blocks,
                 stats.num_kv_blocks,
                 f"; tensor-parallel ranks {alive}/{len(stats.ranks)} alive" if stats.ranks else "",
+                speculation_line(stats),
             )
+
+
+def speculation_line(stats: Any) -> str:
+    """The stats line's speculative decoding part ('' when it is off or has verified nothing
+    yet): the share of drafts kept and the tokens a verification step gives."""
+    spec = stats.speculation
+    if not stats.speculative or spec.acceptance_rate is None:
+        return ""
+    return (
+        f"; speculation: {spec.acceptance_rate:.0%} of {spec.draft_tokens} drafts accepted, "
+        f"{spec.mean_accepted_length:.2f} tokens a verification"
+    )
 
 
 def _internal_openai_error(message: str) -> dict[str, Any]:
