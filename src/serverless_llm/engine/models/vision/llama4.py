@@ -49,7 +49,6 @@ from ...multimodal.base import (
     prefixed_name,
 )
 from ...multimodal.registry import vision_family
-from .llama4_image import Llama4ImageProcessorPil
 
 # checkpoint prefix -> the tower's own module prefix (transformers 5.23 and Meta's
 # checkpoints write `vision_model.` and `multi_modal_projector.`; a wrapped state dict has
@@ -367,6 +366,11 @@ class Llama4Family(VisionFamily):
                 return processor
         except (ImportError, OSError, ValueError, TypeError):
             pass
+        # Here, not with the module: it imports transformers' image processing stack, which
+        # every engine start paid through the vision registry (text models included): ~0.5 s
+        # of CPU, of which ~0.25 s stays (the tokenizer's load imports part of it).
+        from .llama4_image import Llama4ImageProcessorPil
+
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         image_processor = Llama4ImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
         saved = _read_json(os.path.join(model_dir, "processor_config.json"))
