@@ -16,6 +16,10 @@ scores token p + 2:
   concat(enorm(embedding), hnorm(hidden)), one decoder block of the model's own kind (layer N of
   `model.layers.N.`, N = num_hidden_layers: MLA and MoE for DeepSeek V3), then
   `shared_head.norm` and `shared_head.head` (or the target's head when the checkpoint has none).
+- mtp (Qwen3-Next, Qwen3.5: `mtp.`): `fc` Linear(2h -> h) over concat(pre_fc_norm_embedding(
+  embedding), pre_fc_norm_hidden(hidden)) (no zeroed position 0), `layers.0` (a full-attention
+  layer of the model's own kind), `norm`, the target's LM head; the normed output is also what
+  the next draft step fuses (`DraftHead.qwen`). Every norm is zero-centred (1 + w).
 
 EAGLE-3 reads the residual streams entering three target layers instead (fc over their concat,
 3h -> h), attends over [input_layernorm(embedding), hidden_norm(hidden)] (2h wide) with the
@@ -38,6 +42,12 @@ prefix cache (or that lost its draft blocks) has no hidden states before some po
 track starts there (`base`, cache index = position - base), the head then attends to the tokens
 from there on only (rotary positions stay absolute). That costs acceptance, never correctness:
 the target verifies every draft.
+
+On a model with recurrent layers a partly rejected verification sends the request back to the
+state copied before the step (kv_cache_manager.snapshot_state): no row of that step is kept
+(`observe` keeps only rows below num_computed_tokens), and the kept tokens come again as a chunk
+in the next step, whose rows continue the track; the head's draft entries past the track are
+rolled back at its next feeding, as always.
 """
 
 from __future__ import annotations
@@ -68,6 +78,8 @@ EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Targets whose MTP layers are stored DeepSeek-V3's way (`model.layers.<num_hidden_layers>.`).
 MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+# ... and Qwen3-Next's way (`mtp.`: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0, norm).
+QWEN_MTP_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # Per-layer fields of a DecoderSpec (tuples over its layers).
 _PER_LAYER = (
     "windows",
@@ -128,11 +140,16 @@ class DraftHead(nn.Module):
     """The input fusion around the core and the output's logits (`method` eagle, eagle3 or
     mtp)."""
 
-    def __init__(self, method: str, core: DraftCore, target: DecoderModel, fc_bias: bool):
+    def __init__(
+        self, method: str, core: DraftCore, target: DecoderModel, fc_bias: bool, qwen: bool = False
+    ):
         super().__init__()
         h = target.full_spec.hidden_size
         eps = target.full_spec.norm.eps
         self.method = method
+        # mtp stored Qwen3-Next's way: no zeroed embedding at position 0, and the layer's output
+        # normed (mtp.norm) before the LM head and before the next draft step fuses it
+        self.qwen = qwen
         self.core = core
         self._target = [target]  # not a submodule: its weights are the target's
         self.tap: AuxTap | None = None  # eagle3's
@@ -169,13 +186,15 @@ class DraftHead(nn.Module):
         if self.method == "eagle":
             x = self.fc(torch.cat([e, hidden], dim=-1))
         else:
-            e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)  # DeepSeek's MTP does
+            if not self.qwen:
+                e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)  # DeepSeek's MTP does
             x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
         self.core.fused = x
         try:
-            return self.core(ids, positions, kv_caches, meta)
+            out = self.core(ids, positions, kv_caches, meta)
         finally:
             self.core.fused = None
+        return self.head_norm(out) if self.qwen else out
 
     def _eagle3(self, e, positions, kv_caches, meta, hidden) -> torch.Tensor:
         """EAGLE-3's midlayer: attention over [input_layernorm(embedding), hidden_norm(hidden)]
@@ -210,7 +229,7 @@ class DraftHead(nn.Module):
             return self.target.compute_logits(out)
         if self.method == "eagle3":
             return self.head(self.norm(out))
-        x = self.head_norm(out)
+        x = out if self.qwen else self.head_norm(out)
         return self.head(x) if self.head is not None else self.target.compute_logits(x)
 
     def propose(self, out: torch.Tensor) -> list[int]:
@@ -436,7 +455,14 @@ def _core_spec(spec: DecoderSpec, i: int, **changes) -> DecoderSpec:
 
 
 def _build(
-    method, spec, hf_config, config: EngineConfig, target: LoadedModel, layer_weights, fc_bias
+    method,
+    spec,
+    hf_config,
+    config: EngineConfig,
+    target: LoadedModel,
+    layer_weights,
+    fc_bias,
+    qwen: bool = False,
 ):
     """The head on the target's device and dtype, its core's layer loaded from
     `layer_weights` ((name inside the layer, tensor))."""
@@ -452,7 +478,7 @@ def _build(
     core.backend = backend
     core.load_weights((f"{spec.names.layers_prefix}.0.{k}", v) for k, v in layer_weights)
     core = core.to(target.dtype).eval()
-    head = DraftHead(method, core, target.model, fc_bias)
+    head = DraftHead(method, core, target.model, fc_bias, qwen)
     return core, head
 
 
@@ -649,17 +675,23 @@ def check_mtp_target(target: LoadedModel) -> None:
     """ConfigError unless the target ships MTP layers in a layout served here."""
     hf = target.hf_config
     arch = (getattr(hf, "architectures", None) or ["(none)"])[0]
-    if arch not in MTP_ARCHS:
+    if arch not in MTP_ARCHS + QWEN_MTP_ARCHS:
         raise ConfigError(
             f"speculative_config method 'mtp': {arch} is not served with its multi-token-"
-            f"prediction layers here (only DeepSeek-V3's layout, model.layers.<N>.: "
-            f"{', '.join(MTP_ARCHS)})"
+            f"prediction layers here (DeepSeek-V3's layout, model.layers.<N>.: "
+            f"{', '.join(MTP_ARCHS)}; Qwen3-Next's, mtp.: {', '.join(QWEN_MTP_ARCHS)})"
         )
-    count = getattr(hf, "num_nextn_predict_layers", None) or 0
+    key = "mtp_num_hidden_layers" if arch in QWEN_MTP_ARCHS else "num_nextn_predict_layers"
+    count = getattr(hf, key, None) or getattr(hf, "num_nextn_predict_layers", None) or 0
     if count < 1:
         raise ConfigError(
             f"speculative_config method 'mtp': {target.resolved.source} ({arch}) has no "
-            "multi-token-prediction layers (num_nextn_predict_layers is 0)"
+            f"multi-token-prediction layers ({key} is 0)"
+        )
+    if getattr(hf, "mtp_use_dedicated_embeddings", False):
+        raise ConfigError(
+            f"speculative_config method 'mtp': {target.resolved.source}'s MTP layer has an "
+            "embedding of its own (mtp_use_dedicated_embeddings): not served yet"
         )
     if getattr(target.model, "quantization", "none") != "none":
         raise ConfigError(
@@ -678,6 +710,8 @@ def load_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
     own checkpoint (`check_mtp_target` first)."""
     check_mtp_target(target)
     hf = target.hf_config
+    if hf.architectures[0] in QWEN_MTP_ARCHS:
+        return _load_qwen_mtp(config, target)
     count = hf.num_nextn_predict_layers
     n = hf.num_hidden_layers
     prefix = f"model.layers.{n}."
@@ -724,6 +758,74 @@ def load_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
     _finish(core, head, target)
     loaded = _core_loaded(target.resolved, hf, head, target)
     return HeadLoad("mtp", loaded, head, f"{target.resolved.source} {prefix}")
+
+
+def _load_qwen_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
+    """Qwen3-Next's (and Qwen3.5's) first MTP layer, stored under `mtp.`: fc (2h -> h) over
+    concat(pre_fc_norm_embedding(embedding), pre_fc_norm_hidden(hidden)), layers.0 (a full-
+    attention layer of the model's own kind: gated attention, partial rotary, a MoE or a dense
+    MLP as its tensors say), norm, then the target's LM head; every norm zero-centred (1 + w)."""
+    hf = target.hf_config
+    n = hf.num_hidden_layers
+    prefix, where = "mtp.", "method 'mtp' (mtp.)"
+    head_names = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+                  "norm.weight")  # fmt: skip
+    layer, extra, other = [], {}, []
+    try:
+        for name, lazy in iter_weights(target.resolved, show_progress=False, lazy=True):
+            if not name.startswith(prefix):
+                continue
+            local = name.removeprefix(prefix)
+            if local.startswith("layers.0."):
+                tensor = lazy.full() if hasattr(lazy, "full") else lazy
+                layer.append((local.removeprefix("layers.0."), tensor))
+            elif local in head_names:
+                extra[local] = lazy.full() if hasattr(lazy, "full") else lazy
+            elif not local.startswith("layers."):  # later MTP layers are not run
+                other.append(name)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config method 'mtp': {e}") from e
+    missing = [k for k in head_names if k not in extra]
+    if not layer or missing:
+        raise ConfigError(
+            f"speculative_config method 'mtp': {target.resolved.source} says it has MTP "
+            f"layers, but its checkpoint lacks the layer's tensors under {prefix} (e.g. "
+            f"{(missing or ['layers.0'])[:2]})"
+        )
+    if other:
+        raise ConfigError(
+            f"speculative_config {where}: tensors outside Qwen3-Next's MTP layout, e.g. {other[:3]}"
+        )
+    full = copy.deepcopy(hf)
+    full.num_hidden_layers = n + 1
+    full.layer_types = [*hf.layer_types[:n], "full_attention"]
+    if getattr(hf, "num_experts", 0) and hasattr(hf, "mlp_only_layers"):  # Qwen3-Next
+        # the MTP layer's MLP is what its tensors hold (a MoE or a dense MLP); the others' stay
+        moe = any(k.startswith("mlp.experts.") for k, _ in layer)
+        full.decoder_sparse_step = 1
+        full.mlp_only_layers = [i for i in range(n) if not _sparse(hf, i)] + ([] if moe else [n])
+    core_spec = _core_spec(describe_model(full), n)
+    try:
+        core, head = _build("mtp", core_spec, hf, config, target, layer, False, qwen=True)
+    except KeyError as e:
+        raise ConfigError(f"speculative_config {where}: layers.0: {e}") from e
+    offset = core_spec.norm_weight_offset
+    for param, name in (
+        (head.enorm.weight, "pre_fc_norm_embedding.weight"),
+        (head.hnorm.weight, "pre_fc_norm_hidden.weight"),
+        (head.head_norm.weight, "norm.weight"),
+    ):
+        _copy(param, extra[name].float() + offset, name, where)
+    _copy(head.eh_proj.weight, extra["fc.weight"], "fc.weight", where)
+    _finish(core, head, target)
+    loaded = _core_loaded(target.resolved, hf, head, target)
+    return HeadLoad("mtp", loaded, head, f"{target.resolved.source} {prefix}")
+
+
+def _sparse(hf, i: int) -> bool:
+    """Whether Qwen3-Next's layer i has a MoE (families_moe._qwen_sparse_layers' rule)."""
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    return i not in (hf.mlp_only_layers or ()) and (i + 1) % step == 0
 
 
 def _core_loaded(resolved, hf, head: DraftHead, target: LoadedModel) -> LoadedModel:

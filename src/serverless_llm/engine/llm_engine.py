@@ -438,11 +438,10 @@ class LLMEngine:
         can). With tensor parallelism, ngram and draft_model run on rank 0 (the draft model
         whole, like vLLM's draft_tensor_parallel_size 1; the other ranks verify the drafts'
         rows as any other rows of the step); eagle and mtp heads read the target's embedding
-        and LM head, which the ranks hold in shares. With recurrent layers, ngram and
-        draft_model run: a speculating request's state is copied aside before the step and a
-        partly rejected run goes back to it (kv_cache_manager.snapshot_state)."""
-        if layout.has_state and method not in ("ngram", "draft_model"):
-            return f"{method} not yet for models with recurrent layers (ngram and draft_model run)"
+        and LM head, which the ranks hold in shares. With recurrent layers every method runs:
+        a speculating request's state is copied aside before the step and a partly rejected
+        run goes back to it (kv_cache_manager.snapshot_state); a hidden-state head gets the
+        kept tokens' rows when they are computed again (eagle.HiddenDraft.observe)."""
         if self.ranks is not None and method not in ("ngram", "draft_model"):
             return f"{method} not yet with tensor parallelism (ngram and draft_model run)"
         return None

@@ -231,9 +231,9 @@ def snapshot_slots(value, max_num_seqs: int) -> int:
     """Spare state slots a model with recurrent layers gets for speculation (`value`: the
     speculative config): one for each request that may speculate in a step (its state copied
     aside before verification, kv_cache_manager.snapshot_state), so max_num_seqs requests can
-    all speculate; 0 without speculation, or for a method that does not run on such models."""
+    all speculate; 0 without speculation."""
     spec = parse_speculative_config(value)
-    if spec is None or spec.method not in ("ngram", "draft_model"):
+    if spec is None:
         return 0
     off = spec.disable_by_batch_size
     return max_num_seqs if off is None else min(max_num_seqs, off)

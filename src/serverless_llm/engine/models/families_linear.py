@@ -10,7 +10,8 @@ What differs from Llama:
   zero-centred RMSNorms, (1 + w), everywhere but the Gated DeltaNet's own gated norm; a MoE on
   the sparse layers (`mlp_only_layers`, `decoder_sparse_step`) with a shared expert behind a
   sigmoid gate, a dense MLP on the others. Its Gated DeltaNet's in_proj_qkvz and in_proj_ba are
-  interleaved per key head. Its multi-token-prediction tensors (`mtp.*`) are not used yet.
+  interleaved per key head. Its multi-token-prediction tensors (`mtp.*`) are skipped here and
+  read by speculative decoding's `mtp` method (engine/eagle.py).
 - Qwen3.5: Qwen3-Next's shape with the Gated DeltaNet projections apart (in_proj_qkv, in_proj_z,
   in_proj_b, in_proj_a); a dense MLP on every layer (Qwen3.5) or a MoE with a shared expert on
   every layer (Qwen3.5-MoE, top-k always renormalised). Its multimodal rope (M-RoPE, Qwen3-VL's
