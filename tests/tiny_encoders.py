@@ -36,6 +36,11 @@ CONFIGS = {
     "xlmr-cls": (transformers.XLMRobertaConfig, transformers.XLMRobertaForSequenceClassification),
     "nomic": (transformers.NomicBertConfig, transformers.NomicBertModel),
     "nomic-cls": (transformers.NomicBertConfig, transformers.NomicBertForSequenceClassification),
+    "jina": (transformers.JinaEmbeddingsV3Config, transformers.JinaEmbeddingsV3Model),
+    "jina-cls": (
+        transformers.JinaEmbeddingsV3Config,
+        transformers.JinaEmbeddingsV3ForSequenceClassification,
+    ),
     "modernbert": (transformers.ModernBertConfig, transformers.ModernBertModel),
     "modernbert-cls": (
         transformers.ModernBertConfig,
@@ -58,7 +63,7 @@ def build_tiny_encoder(path: str, kind: str = "bert", seed: int = 0, **overrides
         pad_token_id=tok.pad_token_id,
         hidden_act="gelu",
     )
-    if kind.startswith("xlmr"):
+    if kind.startswith(("xlmr", "jina")):
         dims.update(type_vocab_size=1, max_position_embeddings=130)
     if kind.startswith("nomic"):
         dims.update(hidden_act="silu")

@@ -48,7 +48,7 @@ def _ragged_forward(model, ids: list[list[int]]) -> list[torch.Tensor]:
     return list(hidden.split([len(x) for x in ids]))
 
 
-@pytest.fixture(scope="module", params=["bert", "xlmr", "modernbert", "nomic"])
+@pytest.fixture(scope="module", params=["bert", "xlmr", "modernbert", "nomic", "jina"])
 def encoder(request, tmp_path_factory):
     return request.param, build_tiny_encoder(
         str(tmp_path_factory.mktemp(request.param)), request.param
@@ -68,7 +68,9 @@ def test_hidden_states_equal_transformers(encoder):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["bert-cls", "xlmr-cls", "modernbert-cls", "nomic-cls"])
+@pytest.mark.parametrize(
+    "kind", ["bert-cls", "xlmr-cls", "modernbert-cls", "nomic-cls", "jina-cls"]
+)
 def test_cross_encoder_logits_equal_transformers(kind, tmp_path):
     path = build_tiny_encoder(str(tmp_path / kind), kind, num_labels=3)
     loaded = load_model(EngineConfig(model=path, dtype="float32"))
@@ -86,7 +88,7 @@ def test_cross_encoder_logits_equal_transformers(kind, tmp_path):
         ours = model.classify(torch.stack([h[0] for h in hidden]))
     ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
     for e, got in zip(enc, ours):
-        if kind[:4] in ("xlmr", "mode"):  # one token type: their tokenizers give no type ids
+        if kind[:4] in ("xlmr", "mode", "jina"):  # one token type: no type ids from them
             e = {k: v for k, v in e.items() if k != "token_type_ids"}
         with torch.no_grad():
             want = ref_model(**{k: torch.tensor([v]) for k, v in e.items()}).logits[0]
@@ -154,7 +156,9 @@ def test_encoder_over_long_input_is_refused_or_truncated(encoder):
         LLM(path, dtype="float32", max_model_len=1000)
 
 
-@pytest.mark.parametrize("kind", ["bert-cls", "xlmr-cls", "modernbert-cls", "nomic-cls"])
+@pytest.mark.parametrize(
+    "kind", ["bert-cls", "xlmr-cls", "modernbert-cls", "nomic-cls", "jina-cls"]
+)
 def test_cross_encoder_score_and_classify_equal_transformers(kind, tmp_path):
     path = build_tiny_encoder(str(tmp_path / kind), kind)
     llm = LLM(path, dtype="float32")
@@ -165,7 +169,7 @@ def test_cross_encoder_score_and_classify_equal_transformers(kind, tmp_path):
     outs = llm.score("hello there", docs)
     for doc, out in zip(docs, outs):
         enc = tok("hello there", doc, return_tensors="pt")
-        if kind[:4] in ("xlmr", "mode"):
+        if kind[:4] in ("xlmr", "mode", "jina"):
             enc.pop("token_type_ids", None)
         with torch.no_grad():
             logit = ref(**enc).logits[0, 0]
@@ -175,7 +179,7 @@ def test_cross_encoder_score_and_classify_equal_transformers(kind, tmp_path):
 def test_unsupported_architecture_lists_the_encoders():
     from serverless_llm.engine.models.registry import UnsupportedModelError, describe_model
 
-    config = transformers.BertConfig(architectures=["NewModel"])
+    config = transformers.BertConfig(architectures=["MysteryEncoderModel"])
     with pytest.raises(UnsupportedModelError, match="BertModel.*ModernBertModel.*NomicBertModel"):
         describe_model(config)
 

@@ -54,6 +54,9 @@ class EncoderNames:
     rules: list[tuple[str, str]]
     ignore: tuple[str, ...] = ()
     qkv: dict[str, str] = field(default_factory=lambda: {"query": "q", "key": "k", "value": "v"})
+    # The checkpoint's fused MLP input holds [up | gate] with the activation on the second half
+    # (gte's up_gate_proj); this model's is [activated | multiplier]: the halves are swapped.
+    swap_up_halves: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,11 @@ class EncoderSpec:
     head_pooling: str = "cls"
     head_act: str = "gelu"
     head_bias: bool = True
+    # gte (NewModel): the MLP's input projection without a bias while the other linears have
+    # one (None: as linear_bias); NTK-scaled rotary (the factor, and the "mixed" exponent b).
+    up_bias: bool | None = None
+    rope_ntk: float | None = None
+    rope_mixed_b: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -145,7 +153,8 @@ class EncoderLayer(nn.Module):
         self.o_proj = nn.Linear(h, h, bias=b)
         first_pre = s.pre_norm and i == 0  # ModernBERT's first layer reads the embedding norm
         self.attn_norm = None if first_pre else _norm(s, use_kernels)
-        self.up = nn.Linear(h, s.intermediate_size * (2 if s.gated_mlp else 1), bias=b)
+        up_bias = b if s.up_bias is None else s.up_bias
+        self.up = nn.Linear(h, s.intermediate_size * (2 if s.gated_mlp else 1), bias=up_bias)
         self.down = nn.Linear(s.intermediate_size, h, bias=b)
         self.mlp_norm = _norm(s, use_kernels)
         window = s.windows[i] if s.windows else None
@@ -229,6 +238,8 @@ class EncoderModel(nn.Module):
             if target is None:
                 continue
             tensor = tensor.full() if hasattr(tensor, "full") else tensor
+            if names.swap_up_halves and re.match(r"^layers\.\d+\.up\.(weight|bias)$", target):
+                tensor = torch.cat(tensor.chunk(2, dim=0)[::-1])
             m = FUSED_PART.match(target)
             if m:  # one part of a fused linear: its rows
                 n = rows[m.group(2)]
@@ -325,7 +336,9 @@ class EncoderModel(nn.Module):
             q, k, v = layer.qkv(h).view(-1, 3, H, D).unbind(1)
             if layer.rope_theta is not None:
                 if layer.rope_theta not in rope:
-                    rope[layer.rope_theta] = _rope_cos_sin(positions, D, layer.rope_theta)
+                    rope[layer.rope_theta] = _rope_cos_sin(
+                        positions, D, layer.rope_theta, s.rope_ntk, s.rope_mixed_b
+                    )
                 q, k = _rotate(q, *rope[layer.rope_theta]), _rotate(k, *rope[layer.rope_theta])
             attn = self.backend.encoder_attention(q, k, v, meta, layer.attn_spec)
             if s.pre_norm:
@@ -387,9 +400,32 @@ class EncoderModel(nn.Module):
         return hidden if self.num_labels is None else self.classify(hidden)
 
 
-def _rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
+def rope_inv_freq(
+    dim: int, theta: float, ntk: float | None = None, mixed_b: float | None = None, device=None
+) -> torch.Tensor:
+    """The rotary frequencies [dim / 2], float32. With an NTK factor f > 1 (gte's "ntk" rope
+    scaling), fixed NTK: base theta * f and every frequency divided by f^(2 / dim); mixed NTK
+    (exponent b): the base kept and frequency i (from 1) divided by exp(a * i^b), where
+    a = ln(f) / (dim / 2)^b, so the lowest frequency is divided by f."""
+    idx = torch.arange(0, dim, 2, device=device).float() / dim
+    if ntk is None or ntk <= 1.0:
+        return 1.0 / (theta**idx)
+    if mixed_b is None:
+        return 1.0 / ((theta * ntk) ** idx) / ntk ** (2.0 / dim)
+    a = torch.tensor(float(ntk)).log() / (dim / 2) ** mixed_b
+    steps = torch.arange(1, dim // 2 + 1, device=device).float()
+    return 1.0 / (theta**idx) / (a * steps**mixed_b).exp()
+
+
+def _rope_cos_sin(
+    positions: torch.Tensor,
+    dim: int,
+    theta: float,
+    ntk: float | None = None,
+    mixed_b: float | None = None,
+):
     """cos and sin [T, 1, dim] of the rotary angles (halves layout), in float32."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
+    inv = rope_inv_freq(dim, theta, ntk, mixed_b, positions.device)
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
     return emb.cos(), emb.sin()
