@@ -99,4 +99,5 @@ def test_hidden_state_heads_stay_off_with_tensor_parallelism():
     assert LLMEngine._speculation_off(one_rank, layout, "eagle") is None
     recurrent = types.SimpleNamespace(has_state=True)  # test_speculative_hybrid.py
     assert LLMEngine._speculation_off(one_rank, recurrent, "ngram") is None
-    assert "recurrent" in LLMEngine._speculation_off(one_rank, recurrent, "eagle")
+    for method in ("eagle", "eagle3", "mtp"):  # test_speculative_eagle_hybrid.py
+        assert LLMEngine._speculation_off(one_rank, recurrent, method) is None
