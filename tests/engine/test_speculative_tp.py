@@ -2,9 +2,9 @@
 prompt lookup; a draft model loaded whole on rank 0, vLLM's draft_tensor_parallel_size 1) and
 the other rank computes the drafts' rows as any other rows of the step. Greedy tokens equal one
 rank's plain decoding, drafts are verified and kept, and no KV block of either cache is left
-behind; a model with recurrent layers restores its state snapshots on both ranks. eagle and
-mtp stay off with tensor parallelism (their heads read the target's embedding
-and LM head, which the ranks hold in shares): said at start, output unchanged."""
+behind; a model with recurrent layers restores its state snapshots on both ranks. eagle and mtp
+heads run on rank 0 with whole copies of the target's embedding and LM head (the ranks hold
+them in vocab shares) and propose there what they propose on one rank."""
 
 from __future__ import annotations
 
@@ -87,17 +87,71 @@ def test_a_recurrent_model_on_two_ranks_goes_back_to_its_snapshots(tmp_path):
         assert e.state_pool.num_free == e.state_pool.num_slots - 1, "state slots leaked"
 
 
-def test_hidden_state_heads_stay_off_with_tensor_parallelism():
+def _recording(llm) -> list[list[int]]:
+    """Every draft run the engine's head proposes, in order."""
+    drafter = llm.engine.drafter
+    seen: list[list[int]] = []
+    propose = drafter.propose_for
+
+    def recording(wanted):
+        propose(wanted)
+        seen.extend(list(v) for v in drafter.proposals.values())
+
+    drafter.propose_for = recording
+    return seen
+
+
+def _two_ranks_like_one(path: str, spec: dict, prompts, params, **kw) -> None:
+    """Greedy tokens on two ranks equal one rank's plain decoding, and the head (on rank 0 with
+    whole copies of the target's embedding and LM head) proposes what it proposes on one rank;
+    no block of either cache, nor a state slot, is left."""
+    full = tokens(LLM(path, **BASE, **kw).generate(prompts, params))
+    one = LLM(path, speculative_config=spec, **BASE, **kw)
+    one_seen = _recording(one)
+    assert tokens(one.generate(prompts, params)) == full
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **BASE, **kw) as llm:
+        e = llm.engine
+        assert e.spec is not None and e.drafter.head.vocab is not None
+        seen = _recording(llm)
+        assert tokens(llm.generate(prompts, params)) == full
+        assert e.stats().spec_draft_tokens > 0
+        assert seen == one_seen
+        assert e.block_pool.num_free == e.block_pool.num_blocks, "KV blocks leaked"
+        assert e.drafter.pool.num_free == e.drafter.num_blocks and not e.drafter.fed
+        if e.state_pool is not None:
+            assert e.state_pool.num_free == e.state_pool.num_slots - 1, "state slots leaked"
+
+
+def test_an_eagle_head_on_two_ranks(tiny_llama, tmp_path):
+    import transformers
+
+    from tests.engine.test_speculative_eagle_hybrid import _head
+
+    config = transformers.AutoConfig.from_pretrained(tiny_llama)
+    head = _head(str(tmp_path / "head"), config.hidden_size, config.vocab_size, False, 1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts(config.vocab_size, 5)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    _two_ranks_like_one(tiny_llama, spec, prompts, params)
+
+
+def test_qwen3_next_mtp_on_two_ranks(tmp_path):
+    """Qwen3-Next's own MTP layer (test_speculative_mtp_qwen.py) beside its Gated DeltaNet
+    layers split over two ranks: snapshots restored on both, drafts as on one rank."""
+    from tests.engine.test_speculative_mtp_qwen import _prompts, _with_mtp
+
+    path = _with_mtp("qwen3_next", tmp_path)["target"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    # no prefix cache: every state slot but the scratch one comes back
+    _two_ranks_like_one(path, spec, _prompts(path)[:4], params, enable_prefix_caching=False)
+
+
+def test_every_method_may_run_with_tensor_parallelism_and_recurrent_layers():
     layout = types.SimpleNamespace(has_state=False)
-    two_ranks = types.SimpleNamespace(ranks=object())
-    for method in ("eagle", "mtp"):
-        why = LLMEngine._speculation_off(two_ranks, layout, method)
-        assert why is not None and "tensor parallelism" in why and method in why
-    for method in ("ngram", "draft_model"):
-        assert LLMEngine._speculation_off(two_ranks, layout, method) is None
-    one_rank = types.SimpleNamespace(ranks=None)
-    assert LLMEngine._speculation_off(one_rank, layout, "eagle") is None
     recurrent = types.SimpleNamespace(has_state=True)  # test_speculative_hybrid.py
-    assert LLMEngine._speculation_off(one_rank, recurrent, "ngram") is None
-    for method in ("eagle", "eagle3", "mtp"):  # test_speculative_eagle_hybrid.py
-        assert LLMEngine._speculation_off(one_rank, recurrent, method) is None
+    for ranks in (object(), None):
+        engine = types.SimpleNamespace(ranks=ranks)
+        for method in ("ngram", "draft_model", "eagle", "eagle3", "mtp"):
+            assert LLMEngine._speculation_off(engine, layout, method) is None
+            assert LLMEngine._speculation_off(engine, recurrent, method) is None

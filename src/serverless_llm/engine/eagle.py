@@ -58,6 +58,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, EngineConfig
@@ -168,6 +169,9 @@ class DraftHead(nn.Module):
             self.eh_proj = nn.Linear(2 * h, h, bias=False)
             self.head_norm = RMSNorm(h, eps, uk)
         self.head: nn.Linear | None = None  # mtp's own shared_head.head, when it has one
+        # With tensor parallelism the target's ranks hold its embedding and LM head in vocab
+        # shares: the head (on rank 0 alone) reads whole copies of both (`vocab_tables`).
+        self.vocab: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def target(self) -> DecoderModel:
@@ -177,7 +181,7 @@ class DraftHead(nn.Module):
         """The layer's output [T, h] for rows (token ids, positions, the hidden state each row
         fuses: the target's or the head's own previous output)."""
         target = self.target
-        e = target._embed(ids)
+        e = target._embed(ids) if self.vocab is None else F.embedding(ids, self.vocab[0])
         if target.spec.embed_scale is not None:
             e = e * torch.tensor(target.spec.embed_scale, dtype=e.dtype)
         hidden = hidden.to(e.dtype)
@@ -226,11 +230,23 @@ class DraftHead(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.method == "eagle":
-            return self.target.compute_logits(out)
+            return self.target_logits(out)
         if self.method == "eagle3":
             return self.head(self.norm(out))
         x = out if self.qwen else self.head_norm(out)
-        return self.head(x) if self.head is not None else self.target.compute_logits(x)
+        return self.head(x) if self.head is not None else self.target_logits(x)
+
+    def target_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over `x` (its whole copy with tensor parallelism)."""
+        if self.vocab is None:
+            return self.target.compute_logits(x)
+        s = self.target.full_spec
+        logits = F.linear(x, self.vocab[1])
+        if s.logit_scale != 1.0:
+            logits = logits * s.logit_scale
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return logits
 
     def propose(self, out: torch.Tensor) -> list[int]:
         """The greedy draft of each row: the argmax, mapped to the target's ids (eagle3's
@@ -484,6 +500,12 @@ def _build(
 
 def _finish(core: DraftCore, head: DraftHead, target: LoadedModel) -> None:
     head.to(device=target.device, dtype=target.dtype).eval()
+    if target.model.tp.enabled:
+        embed, lm_head = vocab_tables(target)
+        head.vocab = (
+            embed.to(target.device, target.dtype),
+            lm_head.to(target.device, target.dtype),
+        )
     if target.device.type == "cpu":
         core.packed_lm_head = nn.Identity()  # never read: the logits are the head's
         core.optimize_for_cpu()
@@ -828,11 +850,53 @@ def _sparse(hf, i: int) -> bool:
     return i not in (hf.mlp_only_layers or ()) and (i + 1) % step == 0
 
 
+def vocab_tables(target: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's whole embedding and LM head weights, read again from its checkpoint: with
+    tensor parallelism each rank holds a vocab share of them, and the head runs on rank 0
+    alone (no collective in its steps)."""
+    model = target.model
+    names = model.full_spec.names
+    where = "with tensor parallelism"
+    if (
+        getattr(model, "quantization", "none") != "none"
+        or getattr(model, "lm_head_bias", None) is not None
+    ):
+        raise ConfigError(
+            f"speculative_config {where}: a head for a quantized target or one whose LM head "
+            "has a bias is not run yet (ngram and draft_model run)"
+        )
+    found: dict[str, torch.Tensor] = {}
+    try:
+        for name, lazy in iter_weights(target.resolved, show_progress=False, lazy=True):
+            module, _, kind = name.rpartition(".")
+            if kind != "weight":
+                continue
+            if names.base_prefix and not module.startswith(names.base_prefix):
+                if not any(module == t or module.startswith(t + ".") for t in names.top):
+                    module = names.base_prefix + module
+            internal = names.top.get(module)
+            if internal in ("embed_tokens", "lm_head"):
+                found[internal] = lazy.full() if hasattr(lazy, "full") else lazy
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config {where}: {e}") from e
+    embed = found.get("embed_tokens")
+    head = embed if model.tied else found.get("lm_head")
+    vocab = model.full_spec.vocab_size
+    if embed is None or head is None or embed.shape[0] < vocab or head.shape[0] < vocab:
+        raise ConfigError(
+            f"speculative_config {where}: {target.resolved.source} has no whole embedding and "
+            "LM head in a form a head on one rank can read"
+        )
+    return embed[:vocab], head[:vocab]
+
+
 def _core_loaded(resolved, hf, head: DraftHead, target: LoadedModel) -> LoadedModel:
     """The head's core as a LoadedModel (its cache layout and allocation), holding the bytes
     of the whole head (the target's shared embedding and LM head not counted)."""
     core = head.core
     held = sum(t.numel() * t.element_size() for t in head.state_dict().values())
+    if head.vocab is not None:  # whole copies of the target's embedding and LM head
+        held += sum(t.numel() * t.element_size() for t in {id(t): t for t in head.vocab}.values())
     return LoadedModel(
         resolved,
         hf,

@@ -435,15 +435,13 @@ class LLMEngine:
 
     def _speculation_off(self, layout, method: str) -> str | None:
         """Why speculative decoding by `method` cannot run with this model and engine (None: it
-        can). With tensor parallelism, ngram and draft_model run on rank 0 (the draft model
-        whole, like vLLM's draft_tensor_parallel_size 1; the other ranks verify the drafts'
-        rows as any other rows of the step); eagle and mtp heads read the target's embedding
-        and LM head, which the ranks hold in shares. With recurrent layers every method runs:
+        can). With tensor parallelism every method proposes on rank 0 (a draft model whole,
+        like vLLM's draft_tensor_parallel_size 1; an eagle/mtp head with whole copies of the
+        target's embedding and LM head, eagle.vocab_tables; the other ranks verify the drafts'
+        rows as any other rows of the step). With recurrent layers every method runs:
         a speculating request's state is copied aside before the step and a partly rejected
         run goes back to it (kv_cache_manager.snapshot_state); a hidden-state head gets the
         kept tokens' rows when they are computed again (eagle.HiddenDraft.observe)."""
-        if self.ranks is not None and method not in ("ngram", "draft_model"):
-            return f"{method} not yet with tensor parallelism (ngram and draft_model run)"
         return None
 
     def _load_draft(self, config: EngineConfig, loaded):
