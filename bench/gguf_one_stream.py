@@ -5,7 +5,8 @@ copy (QUANTIZED_WEIGHTS=auto), in one run, each in its own process, alternating,
 Decode tokens/s = (M - 1) / (time of M tokens - time of 1 token), one greedy request alone
 (EOS ignored). Also prints the CPU flags that matter, each mode's resident memory after load,
 and whether the modes' greedy tokens agree on a few chat prompts (and how many tokens do).
-No llama.cpp here: no bench in bench/ runs it yet (issue 39's bench/llamacpp.py is to come).
+No llama.cpp here: bench/llamacpp.py runs it, bench/gguf_agreement.py measures greedy agreement
+with llama.cpp's and teacher-forced agreement too.
 
     .venv/bin/python bench/gguf_one_stream.py                 # 64 tokens, 3 rounds
     .venv/bin/python bench/gguf_one_stream.py --tokens 128 --rounds 5 --json out.json
