@@ -187,3 +187,10 @@ def test_tensor_table_refuses_other_files(tmp_path):
     path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(4))
     with pytest.raises(ValueError, match="ends early"):
         gb.read_tensors(str(path))
+
+
+def test_self_check_passes_and_catches_a_wrong_kernel(kernels, monkeypatch):
+    assert gb.self_check(kernels) is None
+    right = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *a, **k: right(*a, **k) + 0.01)
+    assert "qb32 linear (Q4_0, 1 rows, best)" in gb.self_check(kernels)
