@@ -185,3 +185,22 @@ def test_the_head_never_holds_a_rolled_back_row(lfm2):
     llm.generate(_prompts(target), PARAMS)
     assert checked[0] > 0 and restores[0] > 0
     assert_head_books_whole(llm)
+
+
+def test_an_attention_free_target_leaves_its_head_the_memory_its_states_do_not_take(tmp_path):
+    """Mamba-2 has no KV blocks to split the cache memory with: the head's cache gets what the
+    state slots leave (it had one block, and so almost never drafted)."""
+    models = _models("mamba2", tmp_path)
+    target = models["target"]
+    prompts = _prompts(target)
+    full = tokens(engine(target).generate(prompts, PARAMS))
+    spec = {"method": "eagle", "model": models["random"], "num_speculative_tokens": 3}
+    llm = engine(
+        target, num_kv_blocks=None, kv_cache_space_gib=0.01, max_num_seqs=4, speculative_config=spec
+    )
+    e = llm.engine
+    assert e.drafter.num_blocks * e.block_size >= 4 * e.max_model_len
+    assert tokens(llm.generate(prompts, PARAMS)) == full
+    # every draft rejected, so every other step verifies (the next recomputes the kept token)
+    assert e.stats().spec_draft_tokens >= 0.5 * 3 * (NEW // 2) * len(prompts)
+    assert_head_books_whole(llm)

@@ -200,10 +200,14 @@ class LLMEngine:
         draft = self._load_draft(config, loaded)  # before the cache is sized: its weights count
         capacity = cache_capacity(config, loaded, self.block_size, self.max_num_batched_tokens)
         num_blocks, num_slots = capacity.num_blocks, capacity.num_slots
+        draft_blocks = None
         if draft is not None and config.num_kv_blocks is None:
             num_blocks = split_blocks(
                 num_blocks, loaded.kv_bytes_per_token(), draft.kv_bytes_per_token()
             )
+            if not loaded.kv_bytes_per_token():  # no attention: what the states leave
+                per_block = draft.kv_bytes_per_token() * self.block_size
+                draft_blocks = max(1, capacity.left_bytes // per_block)
         if self.ranks is not None:  # every rank's cache holds the same blocks: the fewest
             try:
                 num_blocks = self.tp.min_int(num_blocks, self.device)
@@ -285,7 +289,9 @@ class LLMEngine:
         self.drafter: DraftModel | None = None
         if draft is not None:
             kind = HiddenDraft if isinstance(draft, HeadLoad) else DraftModel
-            self.drafter = kind(draft, num_blocks, self.block_size, self.max_num_batched_tokens)
+            self.drafter = kind(
+                draft, draft_blocks or num_blocks, self.block_size, self.max_num_batched_tokens
+            )
             self.scheduler.on_free = self.drafter.free
             # eagle/mtp draft from the target's hidden states (eagle.py)
             self.runner.keep_hidden = isinstance(draft, HeadLoad)

@@ -459,6 +459,9 @@ class CacheCapacity:
 
     num_blocks: int
     num_slots: int = 0
+    # Memory neither blocks nor slots take: an attention-free model's, after its slots (a
+    # speculative head's or draft's KV cache is sized from it).
+    left_bytes: int = 0
 
 
 def cache_capacity(
@@ -503,7 +506,8 @@ def cache_capacity(
     if config.num_kv_blocks is not None:
         return CacheCapacity(config.num_kv_blocks, slots)
     if not layout.num_groups:
-        return CacheCapacity(1, slots)  # no attention: the block pool is never drawn on
+        # no attention: the block pool is never drawn on
+        return CacheCapacity(1, slots, budget - slots * slot_bytes)
     return CacheCapacity(max(1, (budget - slots * slot_bytes) // per_block), slots)
 
 
