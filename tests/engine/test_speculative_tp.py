@@ -18,6 +18,7 @@ from serverless_llm.engine.llm_engine import LLMEngine
 from tests.engine.family_check import save_family_model
 from tests.engine.test_hybrid_engine import HYBRIDS
 from tests.engine.test_speculative import NGRAM, oracle, random_prompts, repeating_prompts, tokens
+from tests.engine.test_speculative_eagle import eagle3_models  # noqa: F401 (a fixture)
 from tests.tiny_models import build_tokenizer
 
 BASE = dict(block_size=8, max_model_len=256, dtype="float32", num_kv_blocks=160)
@@ -133,6 +134,16 @@ def test_an_eagle_head_on_two_ranks(tiny_llama, tmp_path):
     prompts = random_prompts(config.vocab_size, 5)
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
     _two_ranks_like_one(tiny_llama, spec, prompts, params)
+
+
+def test_an_eagle3_head_on_two_ranks(eagle3_models):  # noqa: F811 (the fixture)
+    """EAGLE-3's streams entering three target layers, caught on rank 0 (its layers' inputs are
+    whole there: the residual stream is all-reduced), and its own reduced-vocabulary head."""
+    target = eagle3_models["target"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts(LLM(target, **BASE).engine.vocab_size, 5)
+    spec = {"method": "eagle3", "model": eagle3_models["head"], "num_speculative_tokens": 3}
+    _two_ranks_like_one(target, spec, prompts, params)
 
 
 def test_qwen3_next_mtp_on_two_ranks(tmp_path):
