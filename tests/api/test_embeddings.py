@@ -234,14 +234,63 @@ def test_generation_routes_refuse_on_an_embedding_model(embed_core):
         assert "TASK=embed" in exc.message and "/v1/embeddings" in exc.message
 
 
-def test_embeddings_refused_on_a_generating_model(core):
+def test_mixed_embeddings_and_chat_on_one_generating_model(core, hf_model):
+    """One decoder served with TASK=generate answers /v1/embeddings and /v1/chat/completions
+    at once (the official client, all requests in flight together): each chat completion
+    equals the same request alone, each embedding equals the same request alone and
+    transformers' last hidden state (normalised)."""
+    tok = core.tokenizer
+    chats = [[{"role": "user", "content": t}] for t in TEXTS[:3]]
+
+    async def chat(client, messages):
+        r = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0.0, seed=0
+        )
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    async def embed(client, inputs):
+        r = await client.embeddings.create(model=MODEL, input=inputs, encoding_format="float")
+        return [d.embedding for d in r.data]
+
+    async def fn(client, _):
+        alone_chats = [await chat(client, m) for m in chats]
+        alone_embs = [await embed(client, [t]) for t in TEXTS]
+        mixed = await asyncio.gather(
+            *(chat(client, m) for m in chats),
+            embed(client, TEXTS[:2]),
+            embed(client, TEXTS[2:]),
+            embed(client, TEXTS[1]),
+        )
+        return alone_chats, alone_embs, mixed
+
+    alone_chats, alone_embs, mixed = run_client(core, fn)
+    mixed_chats, first, second, single = mixed[:3], mixed[3], mixed[4], mixed[5]
+    assert mixed_chats == alone_chats
+    assert all(n == 10 for _, n in alone_chats)
+    for got, want in zip(first + second + single, alone_embs + [alone_embs[1]]):
+        np.testing.assert_allclose(got, want[0], atol=1e-5)
+    for text, want in zip(TEXTS, alone_embs):
+        np.testing.assert_allclose(want[0], reference(hf_model, tok.encode(text)), atol=1e-5)
+
+
+def test_embeddings_refused_on_a_classifier(tmp_path):
+    """TASK=classify (and score) do not embed: /v1/embeddings is a 400 naming TASK=embed."""
+    from tests.tiny_scorers import build_classifier
+
+    path = build_classifier(str(tmp_path / "cls"), "qwen3", 2)
+    engine = AsyncEngine.from_config(
+        EngineConfig(
+            model=path, dtype="float32", num_kv_blocks=16, max_model_len=64, show_progress=False
+        )
+    )
+
     async def fn(client, _):
         with pytest.raises(openai.BadRequestError) as info:
             await client.embeddings.create(model=MODEL, input="hi")
         return info.value
 
-    exc = run_client(core, fn)
-    assert "TASK=embed" in exc.message
+    exc = run_client(engine.core, fn)
+    assert "TASK=embed" in exc.message and "TASK=classify" in exc.message
 
 
 def test_llm_embed_mean_pooling_and_frees_blocks(tiny_llama, hf_model):

@@ -8,6 +8,8 @@ TASK=embed (the engine's pooling requests: engine/pooling.py).
     -> {"object": "list", "model": "...", "usage": {"prompt_tokens": n, "total_tokens": n},
         "data": [{"object": "embedding", "index": 0, "embedding": [...] | "base64..."}]}
 
+A model served with TASK=generate answers here too, beside its generation routes (one decoder
+for chat and embeddings); TASK=classify and score do not.
 `dimensions` keeps the first k dimensions (Matryoshka), renormalised when the model's pooling
 normalises. base64 is the float32 vector's little-endian bytes, as OpenAI sends it. An input
 longer than max_model_len - 1 tokens is a 400 naming the limit unless truncate_prompt_tokens
@@ -39,8 +41,12 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs in one request
 
 NOT_EMBEDDING = (
     "This model is served for {what} (TASK={task}): /v1/embeddings needs the worker "
-    "started with TASK=embed."
+    "started with TASK=embed (or TASK=generate, embedding beside generation)."
 )
+# The tasks /v1/embeddings answers: a model served for embeddings, and a generating model, which
+# embeds its final hidden states next to its generations (its pooling: POOLING_TYPE and
+# NORMALIZE, else its sentence-transformers files, else the last token's, normalised).
+EMBEDDING_TASKS = ("embed", "generate")
 
 
 class EmbeddingRequest(_Strict):
@@ -85,7 +91,7 @@ def _prepare_all(serving: OpenAIServing, body: Any) -> tuple[EmbeddingRequest, s
     request: EmbeddingRequest = serving._parse(EmbeddingRequest, body)
     model = serving._check_model(request.model)
     engine = serving.engine
-    if getattr(engine, "task", "generate") != "embed":
+    if getattr(engine, "task", "generate") not in EMBEDDING_TASKS:
         task = getattr(engine, "task", "generate")
         what = "generation" if task == "generate" else task
         raise OpenAIServingError.bad_request(

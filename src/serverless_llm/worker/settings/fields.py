@@ -202,8 +202,10 @@ class SettingsFields(BaseSettings):
             "from a classifier head (a `...ForSequenceClassification` checkpoint; with one "
             "label `/score` and `/rerank` too). `score`: `/score` and `/rerank` from a one-label "
             "cross-encoder, or from a causal LM as Qwen3-Reranker's recipe (P(yes) over its "
-            '"yes"/"no" tokens). With `generate`, the pooling routes answer a 400 '
-            "naming the `TASK` to set."
+            '"yes"/"no" tokens). With `generate`, `/v1/embeddings` is served beside the '
+            "generation routes (one decoder for both; pooled per `POOLING_TYPE` and "
+            "`NORMALIZE`, else the last token's, normalised); the other pooling routes answer "
+            "a 400 naming the `TASK` to set."
         ),
         choices=TASKS,
     )
@@ -212,7 +214,7 @@ class SettingsFields(BaseSettings):
         "POOLING_TYPE",
         title="Pooling Type",
         description=(
-            "With `TASK=embed`: `last` (the last token's hidden state: causal embedders such as "
+            "For embeddings: `last` (the last token's hidden state: causal embedders such as "
             "Qwen3-Embedding, e5-mistral, gte-Qwen2), `mean` (the mean over the input's "
             "tokens) or `cls` (the first token's: BERT-family encoders such as bge). Unset: what "
             "the model's sentence-transformers files say (`modules.json`, "
@@ -225,7 +227,7 @@ class SettingsFields(BaseSettings):
         "NORMALIZE",
         title="Normalize Embeddings",
         description=(
-            "With `TASK=embed`: L2-normalise each embedding (after `dimensions` truncation). "
+            "For embeddings: L2-normalise each embedding (after `dimensions` truncation). "
             "Unset: as the model's sentence-transformers files say (a `Normalize` module in "
             "`modules.json`), else on."
         ),
