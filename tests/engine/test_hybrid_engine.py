@@ -87,7 +87,8 @@ def greedy(llm: LLM, prompts) -> list[list[int]]:
 
 
 def assert_books_whole(llm: LLM) -> None:
-    """Every block and state slot is back in its pool and the manager's books balance."""
+    """Every block and state slot is back in its pool (a slot keeping a cached prefix's state
+    counts as free, like a cached block) and the manager's books balance."""
     e = llm.engine
     e.kv.check()
     assert e.block_pool.num_free == e.block_pool.num_blocks, "KV blocks leaked"
@@ -114,7 +115,7 @@ def test_state_slots_beside_the_kv_cache(hybrid):
     assert e.cache_layout.has_state and e.state_pool is not None
     # max_num_seqs requests' states, plus the scratch slot
     assert e.state_pool.num_slots == 6
-    assert not e.block_pool.enable_prefix_caching  # a state cannot be rebuilt from blocks
+    assert e.block_pool.enable_prefix_caching  # with the states of prefixes kept beside
 
 
 @pytest.mark.parametrize("budget", [1, 7, 64])
@@ -138,17 +139,28 @@ def test_preemption_gives_the_same_tokens(hybrid, prompts, reference):
 
 
 def test_shared_prefixes_with_prefix_caching_on_and_off(hybrid, prompts):
-    """Two requests sharing a long prefix give transformers' tokens with prefix caching asked
-    for (the engine turns it off for a state model) and without."""
+    """Two requests sharing a long prefix give transformers' tokens with prefix caching on
+    (the second starts from the first's blocks and the state cached at its prompt's last block
+    boundary) and off; a conversation's next turn starts after the previous turn's prompt and
+    answer (states cached where decode steps crossed block boundaries)."""
     base = prompts[-1]
     pair = [base + [7, 8, 9], base + [10, 11]]
     wanted = [want(hybrid, p) for p in pair]
     for caching in (True, False):
         llm = engine(hybrid, enable_prefix_caching=caching)
-        assert greedy(llm, pair[:1]) == wanted[:1]  # the first fills the cache, if there were one
+        assert greedy(llm, pair[:1]) == wanted[:1]  # the first fills the cache
+        hits = llm.engine.block_pool.hits
         assert greedy(llm, pair) == wanted
-        assert llm.engine.block_pool.hits == 0
+        assert (llm.engine.block_pool.hits > hits) is caching
+        assert bool(llm.engine.state_pool.cached) is caching
         assert_books_whole(llm)
+    llm = engine(hybrid, enable_prefix_caching=True)
+    turn = greedy(llm, pair[:1])[0]
+    follow = pair[0] + turn + [12, 13]
+    hits = llm.engine.block_pool.hits
+    assert greedy(llm, [follow]) == [want(hybrid, follow)]
+    assert llm.engine.block_pool.hits - hits > len(pair[0]) // 8  # past the first prompt
+    assert_books_whole(llm)
 
 
 def test_more_requests_than_slots_queue(hybrid, prompts, reference):

@@ -43,6 +43,7 @@ search asks it to hand a finished beam's blocks to the beams that extend it (`fo
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -242,7 +243,11 @@ def plan_cache_groups(
 
 
 class StatePool:
-    """The recurrent-state slots 1 .. num_slots - 1 (slot 0 is scratch), the last freed first."""
+    """The recurrent-state slots 1 .. num_slots - 1 (slot 0 is scratch), the last freed first.
+
+    A free slot may hold a cached prefix's state (prefix caching, `cache`): like a cached KV
+    block it counts as free, and `allocate` takes the least recently used one when no slot is
+    free otherwise."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 2:
@@ -251,22 +256,48 @@ class StatePool:
             )
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, 0, -1))  # a stack: pop() gives the lowest
+        # digest of a prefix's last block -> the slot holding the state after that prefix,
+        # least recently used first
+        self.cached: OrderedDict[bytes, int] = OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self.cached)
 
     def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if self._free:
+            return self._free.pop()
+        if self.cached:
+            return self.cached.popitem(last=False)[1]
+        return None
 
     def free(self, slot: int) -> None:
-        assert 0 < slot < self.num_slots and slot not in self._free, (
+        assert 0 < slot < self.num_slots and not self.is_free(slot), (
             f"state slot {slot} freed twice"
         )
         self._free.append(slot)
 
     def is_free(self, slot: int) -> bool:
-        return slot in self._free
+        return slot in self._free or slot in self.cached.values()
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The slot holding the state cached under `digest` (None: none), made the most
+        recently used."""
+        slot = self.cached.get(digest)
+        if slot is not None:
+            self.cached.move_to_end(digest)
+        return slot
+
+    def cache(self, digest: bytes) -> int | None:
+        """A slot to keep the state of the prefix `digest` names in (None: already kept, or no
+        slot free); the caller copies the state into it."""
+        if digest in self.cached:
+            self.cached.move_to_end(digest)
+            return None
+        slot = self.allocate()
+        if slot is not None:
+            self.cached[digest] = slot
+        return slot
 
 
 # -- the manager --------------------------------------------------------------------------------
@@ -286,6 +317,9 @@ class HeldBlocks:
     # the tokens computed when it was taken: a rollback goes back to it (NO_SLOT: none).
     snapshot: int = NO_SLOT
     snapshot_tokens: int = 0
+    # Its state went back to a snapshot in this step (set by rollback, cleared when the step's
+    # blocks are keyed): no prefix state is cached from it then (cache_full_blocks).
+    restored: bool = False
 
 
 class KVCacheManager:
@@ -304,6 +338,9 @@ class KVCacheManager:
         self.specs = [g.spec for g in layout.groups]
         self.state_pool = state_pool if layout.has_state else None
         self._held: dict[Hashable, HeldBlocks] = {}
+        # State copies the manager decided on outside a step's update (a cached prefix's state
+        # into its new owner's slot): the scheduler takes them (take_copies).
+        self._copies: list[tuple[int, int]] = []
 
     # -- looking --------------------------------------------------------------------------------
 
@@ -340,6 +377,11 @@ class KVCacheManager:
     def _key(self, group: int, digest: bytes) -> tuple[int, bytes]:
         return (group, digest)
 
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The state copies decided outside a step's update, to run before the next forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
     # -- a new request's cached prefix ----------------------------------------------------------
 
     def take_cached_prefix(
@@ -354,8 +396,8 @@ class KVCacheManager:
         none). The owner must hold nothing yet."""
         assert owner not in self._held, f"{owner} already holds blocks"
         pool, bs = self.pool, self.block_size
-        if not pool.enable_prefix_caching or max_blocks <= 0 or self.state_pool is not None:
-            return 0  # a recurrent state cannot be rebuilt from blocks
+        if not pool.enable_prefix_caching or max_blocks <= 0:
+            return 0
         full_groups = [g for g, s in enumerate(self.specs) if isinstance(s, FullAttentionSpec)]
         digests: list[bytes] = []
         found: list[list[int | None]] = [[] for _ in self.specs]
@@ -376,11 +418,24 @@ class KVCacheManager:
         for g in full_groups:
             run = next((i for i, b in enumerate(found[g]) if b is None), len(found[g]))
             length = min(length, run)
-        while length > 0 and not self._serves(found, length):
+        states = self.state_pool  # with recurrent layers, the state after the prefix too
+        while length > 0 and (
+            not self._serves(found, length)
+            or (states is not None and digests[length - 1] not in states.cached)
+        ):
             length -= 1
         if length == 0:
             return 0
         held = self._new()
+        if states is not None:
+            cached = states.lookup(digests[length - 1])
+            # (if this takes the cached slot itself, the least recently used, it holds the
+            # state already: the copy is onto itself)
+            slot = states.allocate()
+            if slot is None:
+                return 0
+            held.state = slot
+            self._copies.append(StateCopy(cached, slot))
         for g, spec in enumerate(self.specs):
             first = spec.first_needed_block(length * bs, bs)
             blocks = list(found[g][first:length])
@@ -484,6 +539,23 @@ class KVCacheManager:
             for g, table in enumerate(held.tables):
                 if i >= held.released[g] and i < len(table):
                     self.pool.register(table[i], self._key(g, parent), tokens)
+        if self.state_pool is not None:
+            self._cache_state(held, num_computed)
+
+    def _cache_state(self, held: HeldBlocks, num_computed: int) -> None:
+        """With recurrent layers: when the owner's computed tokens end on a block boundary
+        after a step, its state is that of the prefix of whole blocks: a copy goes into a slot
+        of its own under the last block's digest (a free slot, else the least recently used
+        cached state's). Not after a rollback in this step (the state is being restored) or
+        without a state."""
+        restored, held.restored = held.restored, False
+        if restored or held.state == NO_SLOT or num_computed == 0:
+            return
+        if num_computed % self.block_size or len(held.hashes) != num_computed // self.block_size:
+            return
+        slot = self.state_pool.cache(held.hashes[-1])
+        if slot is not None:
+            self._copies.append(StateCopy(held.state, slot))
 
     def free(self, owner: Hashable) -> None:
         """Gives back every block the owner holds (full ones stay cached until evicted)."""
@@ -547,6 +619,7 @@ class KVCacheManager:
                 )
             num_tokens = held.snapshot_tokens
             restore.append(StateCopy(held.snapshot, held.state))
+            held.restored = True
             # Freed now: a copy into it taken later reads after this copy (all of a batch of
             # copies read their sources before any writes; kv_cache.copy_blocks).
             self.state_pool.free(held.snapshot)

@@ -232,16 +232,9 @@ class LLMEngine:
         self.kv_caches = loaded.allocate_kv_cache(num_blocks, self.block_size, max(num_slots, 2))
         self.start_phases["KV allocation"] = time.perf_counter() - t_kv
         prefix_caching = config.enable_prefix_caching
-        if prefix_caching and layout.has_state:
-            # A recurrent state is known only at the end of each step's chunk, not at every
-            # block boundary, and cannot be rebuilt from KV blocks: a prefix hit would start
-            # from a state that does not match its prefix (docs/engine.md).
-            logger.info(
-                "prefix caching off: the model's %d recurrent layers keep a state that cached "
-                "blocks cannot restore",
-                len(layout.state_layers),
-            )
-            prefix_caching = False
+        # With recurrent layers a cached prefix also needs the state after it: kept in spare
+        # state slots at block boundaries where a step ends (a prompt's chunk ends at its last
+        # one), and a prefix serves only where its state is kept (kv_cache_manager).
         self.block_pool = BlockPool(num_blocks, prefix_caching)
         self.state_pool = StatePool(num_slots) if layout.has_state else None
         self.kv = KVCacheManager(self.block_pool, layout, self.block_size, self.state_pool)

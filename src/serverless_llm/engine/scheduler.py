@@ -318,6 +318,9 @@ class Scheduler:
                 self.cache_computed_blocks(req)
             if self.kv.state_pool is not None and req.request_id in batch.drafts:
                 self.kv.drop_snapshot(req)  # every draft kept (a rollback took it otherwise)
+        copies = self.kv.take_copies()  # recurrent states of prefixes, kept for later requests
+        if copies:
+            self.copy_blocks(copies)
         for req, stop in ended:
             req.finish_reason = stop.reason
             req.stop_reason = stop.stop_reason
@@ -367,10 +370,17 @@ class Scheduler:
         `whole_prompts`, the whole prompt or nothing."""
         if self.whole_prompts:
             return num_new if num_new >= req.num_tokens - req.num_computed_tokens else 0
-        if not self.whole_images or req.mm is None:
-            return num_new
         start = req.num_computed_tokens
         end = start + num_new
+        if self.kv.state_pool is not None and self.kv.pool.enable_prefix_caching:
+            # Recurrent layers keep their state only as of a step's end: a prompt's chunk ends
+            # at its last block boundary first, so that prefix's state is cached for later
+            # requests (kv_cache_manager.cache_full_blocks).
+            boundary = req.num_prompt_tokens // self.block_size * self.block_size
+            if start < boundary < end:
+                end, num_new = boundary, boundary - start
+        if not self.whole_images or req.mm is None:
+            return num_new
         for item in req.mm.items:
             if item.offset < end < item.end:
                 end = max(start, item.offset)
@@ -399,6 +409,9 @@ class Scheduler:
         req.num_computed_tokens = self.kv.take_cached_prefix(
             req, tokens, max_blocks, req.prefix_salt(self.kv.block_size)
         )
+        copies = self.kv.take_copies()  # a cached prefix's recurrent state into its slot
+        if copies:
+            self.copy_blocks(copies)
 
     def cache_computed_blocks(self, req: Request) -> None:
         """After a step: keys each block of `req` that has just become full and computed, and
