@@ -12,6 +12,9 @@ over a context, and 0-17 decodes with one to four prompts (or chunks) after them
 the same steps with an adapter on every row; each step with block tables of each width class. An
 encoder's steps are whole prompts only (`SweepLimits.whole_prompts`: every length class, one to
 max_num_seqs of them, no decode, no context), through its bidirectional (DENSE_KV) attention.
+Guided decoding's mask kernel (xgrammar's, on CUDA) through the sampler's calls of it
+(`_grammar_launches`). Not listed: the vision towers' attention kernel and image steps (their
+launches follow the image sizes each family's processor gives; docs/engine.md says more).
 The rows write no KV (slot -1) and the outputs are never read, so the sweep changes nothing in
 the cache. A launch the sweep missed would still compile at its first use; the engine then logs
 it by name (`watch_request_path`), so the gap is visible.
