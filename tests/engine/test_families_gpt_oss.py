@@ -255,7 +255,8 @@ def test_mxfp4_experts_are_the_checkpoints_values(mxfp4_model):
     )
     down = mxfp4_unpack(tensors[f"{layer}.down_proj_blocks"], tensors[f"{layer}.down_proj_scales"])
     experts = model.layers[1].mlp.experts
-    # the CPU path packs each expert for oneDNN: compare through it, one expert at a time
+    # the CPU path packs each expert (for oneDNN, or in the native GEMM's panels): compare
+    # through it, one expert at a time
     eye = torch.eye(up.shape[2])
     inter = up.shape[1] // 2
     for e in range(up.shape[0]):
@@ -269,10 +270,10 @@ def test_mxfp4_experts_are_the_checkpoints_values(mxfp4_model):
 
 
 def packed_rows(x: torch.Tensor, w: torch.Tensor, packed: bool) -> torch.Tensor:
-    """x @ W^T for a plain or oneDNN-packed (`pack_weight`) weight."""
-    from serverless_llm.engine.layers.linear import packed_linear
+    """x @ W^T for a plain weight or an expert's packed one (`Experts.pack_for_cpu`)."""
+    from serverless_llm.engine.layers.moe import _expert_linear
 
-    return packed_linear(x, w) if packed else torch.nn.functional.linear(x, w)
+    return _expert_linear(x, w) if packed else torch.nn.functional.linear(x, w)
 
 
 def test_tiny_config_builds_without_tokenizer_argument():

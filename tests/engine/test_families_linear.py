@@ -136,6 +136,26 @@ def _rewritten(src: str, dst: str, rewrite) -> str:
     return dst
 
 
+def test_native_linears_and_experts_equal_transformers(family_models, monkeypatch):
+    """Qwen3-Next with its linears on the native GEMM at every decode step and its experts in
+    the native GEMM's panels (every step), on the native backend: greedy tokens equal
+    transformers'."""
+    from serverless_llm.engine.layers import moe
+    from tests.engine.family_check import assert_matches_transformers
+
+    monkeypatch.setenv("NATIVE_LINEAR_ROWS", "64")
+    native_rows = []
+    real = moe._expert_linear
+
+    def counted(rows, weight):
+        native_rows.append(isinstance(weight, moe._PanelWeight))
+        return real(rows, weight)
+
+    monkeypatch.setattr(moe, "_expert_linear", counted)
+    assert_matches_transformers(family_models("qwen3_next"), attention_backend="native")
+    assert native_rows and all(native_rows)
+
+
 def test_multimodal_checkpoint_serves_text_and_images(vl_model, caplog):
     """The composite config's text part drives the decoder (vocabulary, context, layers), the
     language model's tensors load from under model.language_model., the vision tower's into

@@ -853,6 +853,7 @@ static void linear_panel(const float *x, int64_t xs, const float *wp, const floa
  * roundings as the AVX2 kernel above, so results do not depend on which of the two ran. */
 #define Z_MR 12
 #define Z_MIN_ROWS 2 /* one row: the AVX2 kernel measured faster (both bound by memory there) */
+#define Z_CHUNK_ROWS 256
 #define ZK_DECL2(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
 #define ZK_STEP2(i)                                                                               \
     {                                                                                             \
@@ -956,7 +957,18 @@ static int linear_panels_z(const float *x, int64_t xs, const float *wp, const fl
 void linear_panels_f32(const float *x, int64_t x_stride, const float *wp, const float *b,
                        float *out, int64_t M, int64_t N, int64_t K) {
 #ifdef __AVX512F__
-    if (M >= Z_MIN_ROWS && linear_panels_z(x, x_stride, wp, b, out, M, N, K)) return;
+    /* Many rows (a prefill's, an expert's share of one) in balanced chunks of at most
+     * Z_CHUNK_ROWS: each chunk's k-major copy of x stays in L2 while every unit reads it
+     * (unchunked, 1,000 rows ran 1.1-1.4x oneDNN's time; chunked, as fast). */
+    if (M >= Z_MIN_ROWS) {
+        int64_t chunks = (M + Z_CHUNK_ROWS - 1) / Z_CHUNK_ROWS, done = 1;
+        for (int64_t c = 0; c < chunks && done; c++) {
+            int64_t r0 = c * M / chunks, r1 = (c + 1) * M / chunks;
+            done = linear_panels_z(x + r0 * x_stride, x_stride, wp, b, out + r0 * N, r1 - r0, N,
+                                   K);
+        }
+        if (done) return;
+    }
 #endif
     int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) if (M * N * K > 262144)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu_native import pack_panels
 from ..kernels.fused_moe import (
     Fp8BlockExperts,
     Fp8Experts,
@@ -248,6 +249,23 @@ def experts_forward(
     if use_kernels:
         return fused_moe(x, w13, w2, weights, ids, act, gated, b13, b2)
     return fused_moe_reference(x, w13, w2, weights, ids, act, linear, gated, b13, b2)
+
+
+class _PanelWeight:
+    """An expert's weight in the native GEMM's panels (`Experts.pack_for_cpu`)."""
+
+    def __init__(self, panels: torch.Tensor, out_features: int, native) -> None:
+        self.panels, self.out_features, self.native = panels, out_features, native
+
+
+def _expert_linear(rows: torch.Tensor, w) -> torch.Tensor:
+    """One expert's projection of its rows (`fused_moe_reference`'s `linear`): a oneDNN-packed
+    weight, or one in panels for the native GEMM."""
+    if isinstance(w, _PanelWeight):
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return w.native.linear(rows, w.panels, None, w.out_features)
+    return packed_linear(rows, w)
 
 
 class Experts(nn.Module):
@@ -531,7 +549,7 @@ class Experts(nn.Module):
         if self.packed is not None:
             w13, w2 = self.packed
             return experts_forward(
-                x, w13, w2, weights, ids, self.act, False, packed_linear, self.gated,
+                x, w13, w2, weights, ids, self.act, False, _expert_linear, self.gated,
                 *self.biases(),
             )  # fmt: skip
         w13, w2 = self.w13.weight, self.w2.weight
@@ -540,15 +558,24 @@ class Experts(nn.Module):
             *self.biases(),
         )  # fmt: skip
 
-    def pack_for_cpu(self) -> None:
-        """Each expert's matrices packed for oneDNN in place of the stacked float32 weights (the
-        CPU path: measured 10x faster than F.linear on expert slices at 4 rows per expert; the
-        Triton path keeps the stacked tensors). One projection at a time, so the peak holds one
-        projection twice, not the layer."""
+    def pack_for_cpu(self, native=None) -> None:
+        """Each expert's matrices packed in place of the stacked float32 weights (the CPU path;
+        the Triton path keeps the stacked tensors), one projection at a time, so the peak holds
+        one projection twice, not the layer: for oneDNN (measured 10x faster than F.linear on
+        expert slices at 4 rows per expert), or, with the native kernels (`native`, float32),
+        in the native GEMM's panels instead (`pack_panels`: the same bytes, no second copy).
+        An expert's rows of a decode step are few (32 requests, top 2 of 8: ~8), where the
+        AVX-512 panels took ~0.7-0.8x oneDNN's time with the weights streamed from memory,
+        and as much at 128-1,000 rows (a prefill's share); at one row (one request) ~1.2x."""
         if self.quantized or not hasattr(self, "w13"):
             return
+        native = native if native is not None and self.w13.weight.dtype == torch.float32 else None
         packed = []
         for name in ("w13", "w2"):
-            packed.append([pack_weight(w) for w in getattr(self, name).weight])
+            ws = getattr(self, name).weight
+            if native is not None:
+                packed.append([_PanelWeight(pack_panels(w), w.shape[0], native) for w in ws])
+            else:
+                packed.append([pack_weight(w) for w in ws])
             delattr(self, name)
         self.packed = (packed[0], packed[1])

@@ -1362,7 +1362,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             return None
         for m in self.modules():
             if isinstance(m, Experts) and not m.use_kernels:
-                m.pack_for_cpu()
+                m.pack_for_cpu(self.native if native else None)
         if self.num_labels is not None:
             pass  # a classifier has no LM head to pack
         elif self.packed_lm_head is not None:
