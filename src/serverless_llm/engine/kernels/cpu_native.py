@@ -13,6 +13,9 @@ group in one call, float32, reading the paged cache in place:
 - `latent_step`: a multi-head latent attention (MLA) layer's row write and its decodes'
   absorbed attention over the latent cache (one row of latent | rotary key a token, read once
   for all heads), `mla_attention.latent_decode_reference`'s contract;
+- `encoder_attention`: an encoder step's bidirectional attention, every request and head in one
+  call, reading q, k, v in place (views into the QKV output), with a two-sided window or none
+  (`paged_attention.encoder_attention_reference`'s contract);
 - `add_norm`: the residual add and RMSNorm or LayerNorm;
 - `linear`: F.linear on a weight in panels (`pack_panels`), for the row counts of decode steps
   where it measures faster than oneDNN (layers/linear.py chooses);
