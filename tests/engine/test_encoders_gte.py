@@ -251,3 +251,35 @@ def test_jina_embeddings_v3_is_refused_with_its_name(tmp_path):
     with pytest.raises(ConfigError, match="jina-embeddings-v3") as info:
         load_model(EngineConfig(model=path, dtype="float32"))
     assert "LoRA" in str(info.value)
+
+
+def test_transformers_gte_port_equals_ours(tmp_path):
+    """transformers 5.23 ports NewModel as GteModel (the same tensor names): a tiny random one
+    through the same family equals transformers' hidden states over a ragged step."""
+    import transformers
+
+    path = str(tmp_path / "port")
+    tok = build_wordpiece_tokenizer(path)
+    config = transformers.GteConfig(
+        vocab_size=len(tok),
+        hidden_size=H,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTER,
+        max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    ref = transformers.GteModel(config).eval()
+    with torch.no_grad():  # norms away from 1 and 0, so a misplaced norm shows
+        for name, p in ref.named_parameters():
+            if "norm" in name.lower() or "_ln" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(path)
+    loaded = load_model(EngineConfig(model=path, dtype="float32"))
+    assert loaded.model.spec.arch == "GteModel"
+    ids = [list(tok.encode(t)) for t in TEXTS]
+    for x, got in zip(ids, _ragged_forward(loaded.model, ids)):
+        with torch.no_grad():
+            want = ref(torch.tensor([x])).last_hidden_state[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

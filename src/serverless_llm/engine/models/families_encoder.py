@@ -294,6 +294,7 @@ REFUSED_ARCHITECTURES = {
 
 
 ENCODER_FAMILIES = {
+    "GteModel": gte,  # transformers' port of NewModel: the same tensor names
     "JinaEmbeddingsV3Model": jina_v3,
     "JinaEmbeddingsV3ForSequenceClassification": lambda c: jina_v3(c, "roberta"),
     "NewModel": gte,
