@@ -717,3 +717,38 @@ def test_guided_requests_speculate_with_the_grammar_at_each_draft(copying_model)
     stats = spec.engine.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_verification_steps_run_captured(tiny_model_dirs, kind):
+    """A step of decodes and verifications runs in the captured decode graphs (here their
+    eager-replay twin): each verification row a decode of its own, row j of a request attending
+    to its keys up to its own position through the request's table (mistral: through its
+    sliding window too). Greedy tokens equal plain decoding's, drafts are kept and cut, and the
+    verifying steps did run captured, in buckets sized by rows, not requests."""
+    path = tiny_model_dirs[kind]
+    kw = dict(block_size=8, num_kv_blocks=96, max_model_len=128, dtype="float32")
+    plain = LLM(path, **kw)
+    prompts = random_prompts(plain.engine.vocab_size, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = tokens(plain.generate(prompts, params))
+    spec = dict(NGRAM, num_speculative_tokens=3)
+    # buckets up to 32 rows: 5 requests' decodes and 3 drafts each fit
+    llm = LLM(path, speculative_config=spec, decode_capture="replay", max_num_seqs=32, **kw)
+    captured = llm.engine.runner.captured
+    assert captured is not None and captured.enabled
+    oracle(llm, prompts, full)
+    runs = []
+    run = captured.run
+
+    def counting(size, input_ids, *args, **kwargs):
+        runs.append((size, len(input_ids)))
+        return run(size, input_ids, *args, **kwargs)
+
+    captured.run = counting
+    assert tokens(llm.generate(prompts, params)) == full
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    # steps of more rows than requests (verifications) ran captured
+    assert any(rows > 5 for _, rows in runs), runs
+    assert all(size >= rows for size, rows in runs)

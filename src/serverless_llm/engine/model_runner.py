@@ -401,13 +401,14 @@ class ModelRunner:
             copy_blocks(self.kv_caches, h.block_copies)
         size = None if h.lora_rows else self._captured_bucket(h)
         if size is not None:
+            seq_lens, tables = _rows_as_decodes(h)
             hidden = self.captured.run(
                 size,
                 h.input_ids,
                 h.positions,
                 h.slots,
-                h.seq_lens,
-                h.block_tables,
+                seq_lens,
+                tables,
                 h.state_slots,
                 h.prompt_rows,
             )
@@ -514,16 +515,20 @@ class ModelRunner:
         return pos
 
     def _captured_bucket(self, h: HostBatch) -> int | None:
-        """The capture bucket of a decode-only step without prompt logprobs or images, else
-        None."""
+        """The capture bucket of a step of decodes (and speculative verifications: each of
+        their rows runs as a decode of its own, `_rows_as_decodes`) without prompt logprobs or
+        images, else None."""
         if self.captured is None or h.prompt_work.requests:
             return None
         if h.mm_rows or h.mrope_runs or h.key_limits is not None:  # image rows, M-RoPE, spans
             return None
-        rows = len(h.query_lens)
-        if h.num_decodes != rows:
-            return None
-        return self.captured.bucket(rows, max(h.seq_lens))
+        requests = len(h.query_lens)
+        if h.num_decodes != requests:
+            # Verifications only besides the decodes, on a model without recurrent layers (a
+            # recurrent state runs through a request's rows in order, not row by row).
+            if self.layout.has_state or h.num_decodes + len(h.verify) != requests:
+                return None
+        return self.captured.bucket(len(h.input_ids), max(h.seq_lens))
 
     @staticmethod
     def _give_prompt_logprobs(entries: list, work: PromptLogprobWork) -> None:
@@ -536,6 +541,21 @@ class ModelRunner:
                     entry.top_logprobs = entry.top_logprobs[:mine]
                 req.out.prompt_logprobs.append(entry)
             start += count
+
+
+def _rows_as_decodes(h: HostBatch) -> tuple[list[int], list[torch.Tensor]]:
+    """Per-row sequence lengths and block tables of a captured step: a decode's own; a
+    speculative verification's n rows each as a decode of its own, row j of a request whose
+    step ends at length L attending to its first L - n + 1 + j keys through the request's
+    table. The step writes every row's K and V before any row attends, so row j sees its own
+    key and those before it, as the causal prefill of those rows would."""
+    if len(h.query_lens) == len(h.input_ids):
+        return h.seq_lens, h.block_tables
+    seq_lens: list[int] = []
+    for n, end in zip(h.query_lens, h.seq_lens):
+        seq_lens.extend(range(end - n + 1, end + 1))
+    counts = torch.tensor(h.query_lens)
+    return seq_lens, [t.repeat_interleave(counts, dim=0) for t in h.block_tables]
 
 
 def _key_limits(req: Request, start: int, end: int) -> list[int] | None:
