@@ -20,6 +20,12 @@ scores token p + 2:
   embedding), pre_fc_norm_hidden(hidden)) (no zeroed position 0), `layers.0` (a full-attention
   layer of the model's own kind), `norm`, the target's LM head; the normed output is also what
   the next draft step fuses (`DraftHead.qwen`). Every norm is zero-centred (1 + w).
+- mtp (MiMo: `model.mtp_layers.0.`): the embedding zeroed at position 0 (as vLLM and SGLang
+  run it), `input_proj` Linear(2h -> h) over concat(hidden_layernorm(hidden),
+  token_layernorm(embedding)) (the hidden state first: the reverse of DeepSeek's order), one
+  Qwen2 decoder block (input_layernorm, self_attn with q/k/v bias, post_attention_layernorm,
+  mlp), `final_layernorm`, the target's LM head; the normed output is what the next draft step
+  fuses, as Qwen3-Next's (`DraftHead.mimo`).
 
 EAGLE-3 reads the residual streams entering three target layers instead (fc over their concat,
 3h -> h), attends over [input_layernorm(embedding), hidden_norm(hidden)] (2h wide) with the
@@ -81,6 +87,9 @@ EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 # ... and Qwen3-Next's way (`mtp.`: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0, norm).
 QWEN_MTP_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# ... and MiMo's (`model.mtp_layers.<i>.`: token_layernorm, hidden_layernorm, input_proj, a Qwen2
+# decoder block, final_layernorm).
+MIMO_MTP_ARCHS = ("MiMoForCausalLM",)
 # Per-layer fields of a DecoderSpec (tuples over its layers).
 _PER_LAYER = (
     "windows",
@@ -142,7 +151,13 @@ class DraftHead(nn.Module):
     mtp)."""
 
     def __init__(
-        self, method: str, core: DraftCore, target: DecoderModel, fc_bias: bool, qwen: bool = False
+        self,
+        method: str,
+        core: DraftCore,
+        target: DecoderModel,
+        fc_bias: bool,
+        qwen: bool = False,
+        mimo: bool = False,
     ):
         super().__init__()
         h = target.full_spec.hidden_size
@@ -151,6 +166,10 @@ class DraftHead(nn.Module):
         # mtp stored Qwen3-Next's way: no zeroed embedding at position 0, and the layer's output
         # normed (mtp.norm) before the LM head and before the next draft step fuses it
         self.qwen = qwen
+        # mtp stored MiMo's way: position 0 zeroed as DeepSeek's, the hidden state first in the
+        # concat, and the output normed (final_layernorm) as Qwen3-Next's
+        self.mimo = mimo
+        self.normed_out = qwen or mimo
         self.core = core
         self._target = [target]  # not a submodule: its weights are the target's
         self.tap: AuxTap | None = None  # eagle3's
@@ -192,13 +211,14 @@ class DraftHead(nn.Module):
         else:
             if not self.qwen:
                 e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)  # DeepSeek's MTP does
-            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
+            parts = [self.enorm(e), self.hnorm(hidden)]
+            x = self.eh_proj(torch.cat(parts[::-1] if self.mimo else parts, dim=-1))
         self.core.fused = x
         try:
             out = self.core(ids, positions, kv_caches, meta)
         finally:
             self.core.fused = None
-        return self.head_norm(out) if self.qwen else out
+        return self.head_norm(out) if self.normed_out else out
 
     def _eagle3(self, e, positions, kv_caches, meta, hidden) -> torch.Tensor:
         """EAGLE-3's midlayer: attention over [input_layernorm(embedding), hidden_norm(hidden)]
@@ -233,7 +253,7 @@ class DraftHead(nn.Module):
             return self.target_logits(out)
         if self.method == "eagle3":
             return self.head(self.norm(out))
-        x = out if self.qwen else self.head_norm(out)
+        x = out if self.normed_out else self.head_norm(out)
         return self.head(x) if self.head is not None else self.target_logits(x)
 
     def target_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -479,6 +499,7 @@ def _build(
     layer_weights,
     fc_bias,
     qwen: bool = False,
+    mimo: bool = False,
 ):
     """The head on the target's device and dtype, its core's layer loaded from
     `layer_weights` ((name inside the layer, tensor))."""
@@ -494,7 +515,7 @@ def _build(
     core.backend = backend
     core.load_weights((f"{spec.names.layers_prefix}.0.{k}", v) for k, v in layer_weights)
     core = core.to(target.dtype).eval()
-    head = DraftHead(method, core, target.model, fc_bias, qwen)
+    head = DraftHead(method, core, target.model, fc_bias, qwen, mimo)
     return core, head
 
 
@@ -697,11 +718,12 @@ def check_mtp_target(target: LoadedModel) -> None:
     """ConfigError unless the target ships MTP layers in a layout served here."""
     hf = target.hf_config
     arch = (getattr(hf, "architectures", None) or ["(none)"])[0]
-    if arch not in MTP_ARCHS + QWEN_MTP_ARCHS:
+    if arch not in MTP_ARCHS + QWEN_MTP_ARCHS + MIMO_MTP_ARCHS:
         raise ConfigError(
             f"speculative_config method 'mtp': {arch} is not served with its multi-token-"
             f"prediction layers here (DeepSeek-V3's layout, model.layers.<N>.: "
-            f"{', '.join(MTP_ARCHS)}; Qwen3-Next's, mtp.: {', '.join(QWEN_MTP_ARCHS)})"
+            f"{', '.join(MTP_ARCHS)}; Qwen3-Next's, mtp.: {', '.join(QWEN_MTP_ARCHS)}; "
+            f"MiMo's, model.mtp_layers.<i>.: {', '.join(MIMO_MTP_ARCHS)})"
         )
     key = "mtp_num_hidden_layers" if arch in QWEN_MTP_ARCHS else "num_nextn_predict_layers"
     count = getattr(hf, key, None) or getattr(hf, "num_nextn_predict_layers", None) or 0
@@ -734,6 +756,8 @@ def load_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
     hf = target.hf_config
     if hf.architectures[0] in QWEN_MTP_ARCHS:
         return _load_qwen_mtp(config, target)
+    if hf.architectures[0] in MIMO_MTP_ARCHS:
+        return _load_mimo_mtp(config, target)
     count = hf.num_nextn_predict_layers
     n = hf.num_hidden_layers
     prefix = f"model.layers.{n}."
@@ -839,6 +863,52 @@ def _load_qwen_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
     ):
         _copy(param, extra[name].float() + offset, name, where)
     _copy(head.eh_proj.weight, extra["fc.weight"], "fc.weight", where)
+    _finish(core, head, target)
+    loaded = _core_loaded(target.resolved, hf, head, target)
+    return HeadLoad("mtp", loaded, head, f"{target.resolved.source} {prefix}")
+
+
+def _load_mimo_mtp(config: EngineConfig, target: LoadedModel) -> HeadLoad:
+    """MiMo's first MTP layer, stored under `model.mtp_layers.0.`: token_layernorm and
+    hidden_layernorm, input_proj (2h -> h) over [normed hidden, normed embedding], one Qwen2
+    decoder block of the target's shape (its input_layernorm, self_attn, post_attention_layernorm
+    and mlp under Qwen2's names), final_layernorm, then the target's LM head."""
+    hf = target.hf_config
+    prefix, where = "model.mtp_layers.0.", "method 'mtp' (model.mtp_layers.0.)"
+    head_names = ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+                  "final_layernorm.weight")  # fmt: skip
+    layer, extra = [], {}
+    try:
+        for name, lazy in iter_weights(target.resolved, show_progress=False, lazy=True):
+            if not name.startswith(prefix):
+                continue  # later MTP layers are not run
+            local = name.removeprefix(prefix)
+            tensor = lazy.full() if hasattr(lazy, "full") else lazy
+            if local in head_names:
+                extra[local] = tensor
+            else:
+                layer.append((local, tensor))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config method 'mtp': {e}") from e
+    missing = [k for k in head_names if k not in extra]
+    if not layer or missing:
+        raise ConfigError(
+            f"speculative_config method 'mtp': {target.resolved.source} says "
+            f"num_nextn_predict_layers={hf.num_nextn_predict_layers}, but its checkpoint lacks "
+            f"the layer's tensors under {prefix} (e.g. {(missing or ['the decoder block'])[:2]})"
+        )
+    core_spec = _core_spec(describe_model(hf), 0)  # a Qwen2 layer like each of MiMo's
+    try:
+        core, head = _build("mtp", core_spec, hf, config, target, layer, False, mimo=True)
+    except KeyError as e:
+        raise ConfigError(f"speculative_config {where}: {e}") from e
+    for param, name in (
+        (head.enorm.weight, "token_layernorm.weight"),
+        (head.hnorm.weight, "hidden_layernorm.weight"),
+        (head.head_norm.weight, "final_layernorm.weight"),
+        (head.eh_proj.weight, "input_proj.weight"),
+    ):
+        _copy(param, extra[name], name, where)
     _finish(core, head, target)
     loaded = _core_loaded(target.resolved, hf, head, target)
     return HeadLoad("mtp", loaded, head, f"{target.resolved.source} {prefix}")

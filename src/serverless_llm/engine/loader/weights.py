@@ -76,16 +76,46 @@ def local_weight_files(model_dir: str, load_format: str) -> tuple[str, list[str]
     return select_weight_files(os.listdir(model_dir), load_format, read_index)
 
 
+# model_type -> the transformers model_type whose config class reads it: families whose config
+# code lives only in their hub repositories (trust_remote_code) but holds exactly that class's
+# fields plus keys kept as plain attributes (MiMo: Qwen2's, and num_nextn_predict_layers).
+CONFIG_STANDINS = {"mimo": "qwen2"}
+
+
+def _standin_config(model_dir: str) -> transformers.PretrainedConfig | None:
+    """The config.json of a `CONFIG_STANDINS` model type read by its stand-in's config class
+    (its own model_type and architectures kept), or None for any other model type."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    standin = CONFIG_STANDINS.get(data.get("model_type")) if isinstance(data, dict) else None
+    if standin is None:
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    data = {k: v for k, v in data.items() if k != "auto_map"}
+    config = CONFIG_MAPPING[standin].from_dict(data)
+    config.model_type = data["model_type"]
+    return config
+
+
 def load_hf_config(
     resolved: ResolvedModel, trust_remote_code: bool = False
 ) -> transformers.PretrainedConfig:
     """The model's transformers config, read from disk only (resolution already fetched it);
-    for a multimodal checkpoint, the config of its text decoder (`multimodal.text_part`)."""
+    for a multimodal checkpoint, the config of its text decoder (`multimodal.text_part`). A
+    model type transformers does not know and `CONFIG_STANDINS` names (its code only in its
+    repository) is read by its stand-in's config class, without the repository's code."""
     try:
         config = transformers.AutoConfig.from_pretrained(
             resolved.model_dir, trust_remote_code=trust_remote_code, local_files_only=True
         )
     except Exception as e:  # transformers raises ValueError, OSError, KeyError for bad configs
+        standin = _standin_config(resolved.model_dir)
+        if standin is not None:
+            return text_part(standin)
         hint = "" if trust_remote_code else " (a custom architecture needs trust_remote_code)"
         raise ModelLoadError(
             f"cannot read the model config of {resolved.source} in {resolved.model_dir}: "

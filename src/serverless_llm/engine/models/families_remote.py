@@ -10,6 +10,11 @@ repository's own configuration file, so each description reads the fields that f
   computes w1(x) * silu(w2(x)), so w2 is the gate; `intermediate_size` counts both halves.
   Its long-context tricks (dynamic NTK, log-n attention scaling) act only past `seq_length`,
   which the engine's context limit keeps it within.
+- MiMo (`MiMoForCausalLM`, XiaomiMiMo/MiMo-7B-Base, -RL; model_type "mimo"): Qwen2 (q/k/v
+  bias) under Qwen2's names; its config is read by Qwen2's config class without the
+  repository's code (loader/weights.CONFIG_STANDINS). Its multi-token-prediction layers
+  (`model.mtp_layers.<i>.`, num_nextn_predict_layers of them) are skipped here; speculative
+  decoding's `mtp` method runs the first (engine/eagle.py).
 
 Families of worker-vllm's list that are not served: Baichuan (ALiBi for 13B chosen by model size
 in its code, and a normalised head), ChatGLM (its own 2D rotary), Jais (muP scalings with
@@ -19,7 +24,7 @@ ALiBi and SwiGLU), MiniCPM and Orion; docs/models.md says so.
 from __future__ import annotations
 
 from .decoder import DecoderSpec, NormSpec, WeightNames
-from .families import _get, family, llama_like, rope_of
+from .families import _get, family, llama_like, qwen2, rope_of
 
 
 @family("InternLM2ForCausalLM")
@@ -88,3 +93,14 @@ def qwen_v1(config) -> DecoderSpec:
         ),
         windows=(None,) * config.num_hidden_layers,
     )
+
+
+@family("MiMoForCausalLM")
+def mimo(config) -> DecoderSpec:
+    spec = qwen2(config)
+    spec.names.skip_prefixes = ("model.mtp_layers.",)
+    # Its repository's config class (trust_remote_code) keeps sliding_window without
+    # use_sliding_window; Qwen2's rule: no window unless use_sliding_window.
+    if not getattr(config, "use_sliding_window", False):
+        spec.windows = (None,) * config.num_hidden_layers
+    return spec
