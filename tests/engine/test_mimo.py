@@ -29,6 +29,7 @@ from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError
 from serverless_llm.engine.eagle import HiddenDraft
+from serverless_llm.engine.loader import ResolvedModel, load_hf_config
 from tests.engine.family_check import (
     assert_matches_transformers,
     assert_pool_whole,
@@ -118,6 +119,10 @@ def test_mimo_config_needs_no_remote_code_and_matches_qwen2(models):
     hf = llm.engine.hf_config
     assert hf.model_type == "mimo" and hf.num_nextn_predict_layers == 1
     assert isinstance(hf, transformers.Qwen2Config) and hf.sliding_window is None
+    # with trust_remote_code but without the repository's files, the same stand-in is read
+    t = models["target"]
+    hf = load_hf_config(ResolvedModel(t, t, "safetensors", t), trust_remote_code=True)
+    assert hf.model_type == "mimo" and hf.architectures == ["MiMoForCausalLM"]
     vocab = transformers.AutoConfig.from_pretrained(models["plain"]).vocab_size
     assert_matches_transformers(models["target"], new_tokens=NEW, lengths=(2, 9, 33),
                                 reference=models["plain"], vocab=vocab)  # fmt: skip
