@@ -115,7 +115,9 @@ def modernbert(config, classifier: str | None = None) -> EncoderSpec:
     )
 
 
-NOMIC_RULES = [
+# transformers' names for the rotary encoders (NomicBert, JinaEmbeddingsV3): embeddings and
+# attention, the same in both; each family's own rules follow.
+ROTARY_ENCODER_RULES = [
     (r"^embeddings\.word_embeddings\.", "embed_tokens."),
     (r"^embeddings\.token_type_embeddings\.", "embed_types."),
     (r"^embeddings\.LayerNorm\.", "embed_norm."),
@@ -124,6 +126,10 @@ NOMIC_RULES = [
     (r"^layers\.(\d+)\.self_attn\.v_proj\.", r"layers.\1.qkv.value."),
     (r"^layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.o_proj."),
     (r"^layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.attn_norm."),
+]
+
+
+NOMIC_RULES = ROTARY_ENCODER_RULES + [
     (r"^layers\.(\d+)\.mlp\.gate_proj\.", r"layers.\1.up.act."),
     (r"^layers\.(\d+)\.mlp\.up_proj\.", r"layers.\1.up.gate."),
     (r"^layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.down."),
@@ -234,15 +240,7 @@ def gte(config, classifier: str | None = None) -> EncoderSpec:
     )
 
 
-JINA_RULES = [
-    (r"^embeddings\.word_embeddings\.", "embed_tokens."),
-    (r"^embeddings\.token_type_embeddings\.", "embed_types."),
-    (r"^embeddings\.LayerNorm\.", "embed_norm."),
-    (r"^layers\.(\d+)\.self_attn\.q_proj\.", r"layers.\1.qkv.query."),
-    (r"^layers\.(\d+)\.self_attn\.k_proj\.", r"layers.\1.qkv.key."),
-    (r"^layers\.(\d+)\.self_attn\.v_proj\.", r"layers.\1.qkv.value."),
-    (r"^layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.o_proj."),
-    (r"^layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.attn_norm."),
+JINA_RULES = ROTARY_ENCODER_RULES + [
     (r"^layers\.(\d+)\.mlp\.fc1\.", r"layers.\1.up."),
     (r"^layers\.(\d+)\.mlp\.fc2\.", r"layers.\1.down."),
     (r"^layers\.(\d+)\.post_mlp_layernorm\.", r"layers.\1.mlp_norm."),
