@@ -30,6 +30,7 @@ from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError
 from serverless_llm.engine.eagle import HiddenDraft
 from serverless_llm.engine.loader import ResolvedModel, load_hf_config
+from tests.engine.draft_recording import record_drafts
 from tests.engine.family_check import (
     assert_matches_transformers,
     assert_pool_whole,
@@ -150,15 +151,7 @@ def test_drafts_equal_mimo_mtp_layer_in_torch(models):
     llm = LLM(models["target"], num_kv_blocks=160, max_num_batched_tokens=16,
               speculative_config=mtp(3), **KW)  # fmt: skip
     drafter = llm.engine.drafter
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose_for
-
-    def recording(wanted):
-        propose(wanted)
-        for req, got in drafter.proposals.items():
-            seen.append((req.prompt_token_ids + req.output_token_ids, list(got)))
-
-    drafter.propose_for = recording
+    seen = record_drafts(drafter)
     llm.generate(_prompts(models)[2:5], SamplingParams(temperature=0.0, max_tokens=16))
     assert len(seen) > 10
     whole = transformers.Qwen2ForCausalLM.from_pretrained(models["whole"]).eval()

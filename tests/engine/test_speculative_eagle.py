@@ -24,6 +24,7 @@ from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError, EngineConfig
 from serverless_llm.engine.eagle import HiddenDraft
 from serverless_llm.engine.speculative import parse_speculative_config
+from tests.engine.draft_recording import record_drafts
 from tests.tiny_models import build_tokenizer, make_config
 
 
@@ -214,15 +215,7 @@ def test_drafts_equal_eagle_computed_from_transformers(models):
         dtype="float32",
     )
     drafter = llm.engine.drafter
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose_for
-
-    def recording(wanted):
-        propose(wanted)
-        for req, got in drafter.proposals.items():
-            seen.append((req.prompt_token_ids + req.output_token_ids, list(got)))
-
-    drafter.propose_for = recording
+    seen = record_drafts(drafter)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm.generate(prompts(3, seed=5), params)
     assert len(seen) > 10
@@ -412,15 +405,7 @@ def test_eagle3_drafts_equal_the_published_computation(eagle3_models):
         dtype="float32",
     )
     drafter = llm.engine.drafter
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose_for
-
-    def recording(wanted):
-        propose(wanted)
-        for req, got in drafter.proposals.items():
-            seen.append((req.prompt_token_ids + req.output_token_ids, list(got)))
-
-    drafter.propose_for = recording
+    seen = record_drafts(drafter)
     llm.generate(
         prompts(3, seed=5), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     )

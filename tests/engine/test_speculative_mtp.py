@@ -22,6 +22,7 @@ from serverless_llm import LLM, SamplingParams
 from serverless_llm.engine import speculative
 from serverless_llm.engine.config import ConfigError
 from serverless_llm.engine.eagle import HiddenDraft
+from tests.engine.draft_recording import record_drafts
 from tests.tiny_models import build_tokenizer, make_config, tiny_dims
 
 MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, q_lora_rank=24)
@@ -207,15 +208,7 @@ def test_drafts_equal_the_mtp_layer_computed_from_transformers(models):
         dtype="float32",
     )
     drafter = llm.engine.drafter
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose_for
-
-    def recording(wanted):
-        propose(wanted)
-        for req, got in drafter.proposals.items():
-            seen.append((req.prompt_token_ids + req.output_token_ids, list(got)))
-
-    drafter.propose_for = recording
+    seen = record_drafts(drafter)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm.generate(prompts(3, seed=5), params)
     assert len(seen) > 10
