@@ -643,7 +643,8 @@ class KVCacheManager:
         shared = [g for g, t in enumerate(held.tables) if not self.pool.forget(t[keep - 1])]
         new = self.pool.allocate(len(shared)) if shared else []
         if new is None:  # no room for copies: the partial block is computed again
-            if restore:  # (never: no prefix cache with recurrent layers, no shared blocks)
+            if restore:  # (never: the snapshot's partial block was partly filled when it was
+                # taken, so never keyed in the prefix cache nor shared)
                 raise ValueError(f"cannot roll {owner} back: its last block is shared")
             for table in held.tables:
                 self.pool.free(table[keep - 1 :])
