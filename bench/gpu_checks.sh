@@ -56,6 +56,10 @@ mxfp4=${PIPESTATUS[0]}
 # bf16 matmul, M = 1/16/256.
 "$PY" bench/fp8_block_gemm.py 2>&1 | tee "$OUT/fp8_block_gemm.log"
 fp8_block=${PIPESTATUS[0]}
+# Issue 40: verification steps of hybrid models (Qwen3-Next, Jamba, LFM2) with ngram, replayed
+# in CUDA graphs against eager (its correctness tests: tests/engine/test_captured_verification_gpu.py).
+"$PY" bench/verification_capture.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/verification_capture.log"
+verify_capture=${PIPESTATUS[0]}
 # Last, every other kernel test compiled on this GPU (on CPU they run under the interpreter): the
 # references at small shapes, the e4m3 byte codec, the FP8 W8A16 GEMM, LoRA and MoE kernels.
 # Bounded, so the figures above always come back within a device call.
@@ -67,5 +71,6 @@ echo "pytest -m gpu exit $tests; bench/kernels.py exit $bench; bench/capture.py 
     "bench/recurrent_kernels.py exit $recurrent; bench/vision_attention.py exit $vision;" \
     "bench/mla_decode.py exit $mla; bench/mxfp4_gemm.py exit $mxfp4;" \
     "bench/fp8_block_gemm.py exit $fp8_block;" \
+    "bench/verification_capture.py exit $verify_capture;" \
     "compiled kernel tests exit $kernel_tests"
-exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || mxfp4 || fp8_block || kernel_tests))
+exit $((tests || bench || capture || w4a16 || moe || recurrent || vision || mla || mxfp4 || fp8_block || verify_capture || kernel_tests))

@@ -21,10 +21,25 @@ Two ways to "capture", one set of buffers and checks:
   nothing; it is the twin that lets CPU tests exercise the bucketing, padding and self-check
   every CUDA step depends on.
 
+Verification steps of a model with recurrent layers (`verify_rows` > 0: speculation is on): a
+step whose requests bring up to `verify_rows` rows each (a decode; a verification, its last
+token and its drafts; the kept tokens computed again after a rollback) runs in a second set of
+graphs, one per bucket of rows. Attention sees every row as a decode of its own (row j of a
+request attending to its keys up to its own position, as on a model without recurrent layers);
+the recurrent layers get metadata of their own (`StaticDecodeBatch.recurrent_metadata`): one
+entry per row of the bucket, the step's requests first, each with its rows in order from its
+state slot (the multi-token form of the kernels, which launch from shapes alone), then padding
+entries of one row each while rows are left and of none after, all in the scratch slot 0
+started from zeros. The snapshot a rollback goes back to is copied before the step's forward,
+as for an eager step. A model whose layers keep attention and a state side by side (Falcon-H1)
+verifies eagerly: one layer would need both metadata at once.
+
 Capture ends with a self-check: per bucket, a probe batch (one row short of the bucket, so
 padding is exercised) with contexts of different lengths runs eagerly and replayed, and the
 hidden states must agree. Any capture error or mismatch turns capture off with a warning line,
-so a bad capture can never serve wrong tokens.
+so a bad capture can never serve wrong tokens. The verification graphs have a check of their own
+(a probe of requests of 1 .. `verify_rows` rows, one row short of the bucket); it failing turns
+off the verification graphs only.
 """
 
 from __future__ import annotations
@@ -48,6 +63,8 @@ PROBE_MAX_CONTEXT = 2048  # the self-check's longest probe context
 # A test hook: when set, applied to every replayed probe result of the self-check (so a test can
 # make an engine's capture mismatch).
 SELF_CHECK_HOOK: Callable[[torch.Tensor], torch.Tensor] | None = None
+# The same for the verification graphs' self-check.
+VERIFY_CHECK_HOOK: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def capture_sizes(max_num_seqs: int, limit: int | None = None) -> list[int]:
@@ -98,6 +115,11 @@ class StaticDecodeBatch:
         self.prompt_rows = (
             torch.zeros(max_rows, dtype=torch.bool, device=device) if has_state else None
         )
+        # Verification steps: the recurrent layers' request entries (one per row of the bucket;
+        # `state_slots` and `has_initial_state` then hold the entries', not the rows').
+        self.entry_start_loc = (
+            torch.arange(max_rows + 1, dtype=i32, device=device) if has_state else None
+        )
 
     def fill(
         self,
@@ -130,10 +152,33 @@ class StaticDecodeBatch:
         self.seq_lens[:n].copy_(lens, non_blocking=True)
         self.context_lens[:n].copy_(lens - 1, non_blocking=True)
         if self.state_slots is not None:
-            self.state_slots[:n].copy_(torch.tensor(state_slots, dtype=torch.int32))
-            self.has_initial_state[:n].copy_(lens > 1)
+            if state_slots is not None:  # a decode step: each row its request's
+                self.state_slots[:n].copy_(torch.tensor(state_slots, dtype=torch.int32))
+                self.has_initial_state[:n].copy_(lens > 1)
             self.prompt_rows[:n].copy_(torch.tensor(prompt_rows or [False] * n))
         self.pad(n, size)
+
+    def fill_entries(
+        self, size: int, query_lens: list[int], state_slots: list[int], seq_lens: list[int]
+    ) -> None:
+        """A verification step's request entries for the recurrent layers (after `fill` of its
+        rows): request i's rows follow request i-1's from its state slot, continuing its state
+        when its first row is not at position 0 (`seq_lens`: per row, as `fill` took them);
+        entries past the requests are padding, one row each while rows are left, then none, in
+        the scratch slot 0 from zeros."""
+        r, rows = len(query_lens), sum(query_lens)
+        if r > size or rows > size:
+            raise ValueError(f"{r} requests of {rows} rows do not fit bucket {size}")
+        bounds = [0]
+        for q in query_lens:
+            bounds.append(bounds[-1] + q)
+        firsts = bounds[:-1]
+        bounds.extend(min(rows + i, size) for i in range(1, size - r + 1))
+        self.entry_start_loc[: size + 1].copy_(torch.tensor(bounds, dtype=torch.int32))
+        self.state_slots[:r].copy_(torch.tensor(state_slots, dtype=torch.int32))
+        self.state_slots[r:size].zero_()
+        self.has_initial_state[:r].copy_(torch.tensor([seq_lens[f] > 1 for f in firsts]))
+        self.has_initial_state[r:size].fill_(False)
 
     def pad(self, start: int, end: int) -> None:
         """Rows start..end-1 as padding: token 0 at position 0, no cache write, one key of
@@ -181,6 +226,27 @@ class StaticDecodeBatch:
         ]
         return metas
 
+    def recurrent_metadata(
+        self, size: int, max_query_len: int, max_seq_len: int, block_size: int
+    ) -> AttentionMetadata:
+        """The recurrent layers' metadata of a verification step in bucket `size`: its `size`
+        request entries (`fill_entries`), none a decode, none longer than `max_query_len` rows
+        (what a kernel's grid covers), over the rows' tokens."""
+        return AttentionMetadata(
+            query_start_loc=self.entry_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[0, :size],
+            slot_mapping=self.slot_mapping[0, :size],
+            num_decodes=0,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            state_slots=self.state_slots[:size],
+            has_initial_state=self.has_initial_state[:size],
+            prompt_rows=self.prompt_rows[:size],
+        )
+
 
 class CapturedDecode:
     """Decode buckets captured (`mode="cuda"`) or replayed eagerly on the same buffers
@@ -198,6 +264,7 @@ class CapturedDecode:
         mode: str = "cuda",
         *,
         layout: CacheLayout,
+        verify_rows: int = 0,
     ) -> None:
         if mode not in ("cuda", "replay"):
             raise ValueError(f"capture mode {mode!r}: allowed cuda, replay")
@@ -219,6 +286,20 @@ class CapturedDecode:
         self.enabled = False
         self.capture_seconds = 0.0
         self.replays = 0  # steps served captured (tests, stats)
+        # Verification steps of a model with recurrent layers (see the module docstring): the
+        # most rows a request brings (0: none captured), their buckets (every one past 1 row)
+        # and graphs; `verify_off` says why there are none where asked for.
+        self.verify_rows = verify_rows if layout.has_state else 0
+        self.verify_off: str | None = None
+        side_by_side = set(layout.state_layers) & {i for g in layout.groups for i in g.layers}
+        if self.verify_rows and side_by_side:
+            self.verify_off = "its layers keep attention and a recurrent state side by side"
+            self.verify_rows = 0
+        self.verify_sizes = [x for x in self.sizes if x > 1] if self.verify_rows > 1 else []
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self.verify_enabled = False
+        self.verify_replays = 0  # verification steps served captured
+        self._pool = None  # the graphs' shared memory pool
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -244,7 +325,37 @@ class CapturedDecode:
             self.max_seq_len,
             self.capture_seconds,
         )
+        if self.verify_off is not None:
+            logger.info("verification steps run eagerly: %s", self.verify_off)
+        if self.verify_sizes:
+            self._capture_verification()
         return True
+
+    def _capture_verification(self) -> None:
+        """The verification graphs and their self-check; any failure turns them off alone."""
+        t0 = time.perf_counter()
+        try:
+            if self.mode == "cuda":
+                self._capture_cuda(verify=True)
+            self._self_check_verify()
+        except Exception as exc:  # eager verification is always right
+            self.verify_enabled = False
+            self.verify_graphs.clear()
+            self.verify_replays = 0
+            logger.warning(
+                "verification capture turned off, verification steps run eagerly: %s: %s",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        finally:
+            self.capture_seconds += time.perf_counter() - t0
+        logger.info(
+            "verification steps captured for %s rows, requests of up to %d rows each; "
+            "self-check passed",
+            _sizes_text(self.verify_sizes),
+            self.verify_rows,
+        )
 
     def _turn_off(self, reason: str) -> None:
         self.enabled = False
@@ -252,13 +363,21 @@ class CapturedDecode:
         logger.warning("decode capture turned off, every step runs eagerly: %s", reason)
 
     @torch.inference_mode()
-    def _capture_cuda(self) -> None:
+    def _capture_cuda(self, verify: bool = False) -> None:
         s = self.static
         s.pad(0, s.max_rows)  # captures write no cache slot and read block 0 only
-        pool = None
-        for size in reversed(self.sizes):
+        pool = self._pool
+        graphs = self.verify_graphs if verify else self.graphs
+        for size in reversed(self.verify_sizes if verify else self.sizes):
+            if verify:
+                s.fill_entries(size, [], [], [])  # every entry padding: one row each
             metas = s.metadata(size, [self.max_seq_len] * size, self.block_size)
-            meta = self._prepare(metas)
+            if verify:
+                metas = [metas, s.recurrent_metadata(size, self.verify_rows, self.max_seq_len,
+                                                     self.block_size)]  # fmt: skip
+                meta = self._verify_metas(*metas)
+            else:
+                meta = self._prepare(metas)
             ids, pos = s.input_ids[:size], s.positions[:size]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -270,10 +389,10 @@ class CapturedDecode:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(ids, pos, self.kv_caches, meta)
-            pool = graph.pool()
+            pool = self._pool = graph.pool()
             # The metadata stays alive with its graph: the backend's per-step plans cached in it
             # during the warm-up were made outside the graph's pool, and the graph reads them.
-            self.graphs[size] = (graph, out, metas)
+            graphs[size] = (graph, out, metas)
         torch.cuda.synchronize(self.device)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -283,6 +402,15 @@ class CapturedDecode:
         if not self.enabled or max_seq_len > self.max_seq_len:
             return None
         return bucket_for(rows, self.sizes)
+
+    def verify_bucket(self, rows: int, max_seq_len: int, longest_query: int) -> int | None:
+        """The bucket a step of `rows` rows whose requests bring up to `longest_query` rows each
+        runs in on a model with recurrent layers (the verification graphs), or None (eager)."""
+        if not (self.enabled and self.verify_enabled) or longest_query > self.verify_rows:
+            return None
+        if max_seq_len > self.max_seq_len:
+            return None
+        return bucket_for(max(rows, 2), self.verify_sizes)
 
     def run(
         self,
@@ -294,25 +422,41 @@ class CapturedDecode:
         block_tables: list[torch.Tensor],
         state_slots: list[int] | None = None,
         prompt_rows: list[bool] | None = None,
+        query_lens: list[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only step's n rows, through bucket `size`. The
-        result is a view of the capture's output buffer: valid until the next step."""
+        """Hidden states [n, hidden] of a step's n rows, through bucket `size`: each row a decode
+        (`seq_lens` and `block_tables` per row); on a model with recurrent layers, requests of
+        several rows (`query_lens` per request, `state_slots` per request) run in the
+        verification graphs (`verify_bucket` chose the bucket). The result is a view of the
+        capture's output buffer: valid until the next step."""
         n = len(input_ids)
-        self.static.fill(
-            size, input_ids, positions, slots, seq_lens, block_tables, state_slots, prompt_rows
-        )
-        self.replays += 1
-        return self._replay(size, seq_lens + [1] * (size - n))[:n]
+        verify = query_lens is not None and len(query_lens) != n and self.verify_rows > 0
+        if not verify:
+            self.static.fill(
+                size, input_ids, positions, slots, seq_lens, block_tables, state_slots, prompt_rows
+            )
+            self.replays += 1
+            return self._replay(size, seq_lens + [1] * (size - n))[:n]
+        s = self.static
+        s.fill(size, input_ids, positions, slots, seq_lens, block_tables, None, prompt_rows)
+        s.fill_entries(size, query_lens, state_slots, seq_lens)
+        self.verify_replays += 1
+        return self._replay(size, seq_lens + [1] * (size - n), verify=True)[:n]
 
-    def _replay(self, size: int, seq_lens_host: list[int]) -> torch.Tensor:
+    def _replay(self, size: int, seq_lens_host: list[int], verify: bool = False) -> torch.Tensor:
         if self.mode == "cuda":
-            graph, out, _ = self.graphs[size]
+            graph, out, _ = (self.verify_graphs if verify else self.graphs)[size]
             graph.replay()
             return out
         # The twin: the same buffers and metadata shape, run now (host lengths are the step's,
         # which the torch backend sizes its gather by).
-        meta = self._prepare(self.static.metadata(size, seq_lens_host, self.block_size))
         s = self.static
+        metas = s.metadata(size, seq_lens_host, self.block_size)
+        if verify:
+            own = s.recurrent_metadata(size, self.verify_rows, max(seq_lens_host), self.block_size)
+            meta = self._verify_metas(metas, own)
+        else:
+            meta = self._prepare(metas)
         return self.model(s.input_ids[:size], s.positions[:size], self.kv_caches, meta)
 
     def _prepare(self, metas: list[AttentionMetadata]):
@@ -320,6 +464,14 @@ class CapturedDecode:
         for meta in metas:
             self.backend.prepare(meta)
         return self.layout.per_layer(metas)
+
+    def _verify_metas(self, metas: list[AttentionMetadata], own: AttentionMetadata) -> list:
+        """Per layer, a verification step's metadata: the recurrent layers' `own`, the others'
+        their cache group's (prepared by the backend)."""
+        for meta in metas:
+            self.backend.prepare(meta)
+        state = set(self.layout.state_layers)
+        return [own if i in state else metas[g] for i, g in enumerate(self.layout.group_of_layer)]
 
     # -- the self-check ----------------------------------------------------------------------------
 
@@ -405,6 +557,174 @@ class CapturedDecode:
                     f"(tolerance {tol:g})"
                 )
         self.replays = 0
+
+    def _probe_requests(self, rows: int) -> list[int]:
+        """Row counts of the verification probe's requests, `rows` in all: the one-row requests
+        first (as the runner orders a step), then 2 .. verify_rows rows each, the longest
+        first."""
+        lens, left, q = [], rows, self.verify_rows
+        while left:
+            lens.append(min(q, left))
+            left -= lens[-1]
+            q = q - 1 if q > 1 else self.verify_rows
+        return sorted(lens, key=lambda x: x != 1)
+
+    @torch.inference_mode()
+    def _self_check_verify(self) -> None:
+        """Each verification bucket against the eager forward on a probe step; sets
+        `verify_enabled`. Requests with a state slot continue a state in it (after finite
+        random values) at distinct positions; those past the slots there are start from zeros
+        in slot 0 at position 0, as a fresh prompt's chunk does. The twin is checked against
+        the eager step as the runner makes it (every request's rows one ragged query); CUDA
+        graphs against the same forward with the graph's metadata made anew, run eagerly."""
+        kv = kv_tensors(self.kv_caches)
+        states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
+        bs = self.block_size
+        groups = max(self.layout.num_groups, 1)
+        longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT))
+        if kv:
+            longest = min(longest, kv[0].shape[1] // groups * bs)
+        if longest <= self.verify_rows:
+            raise RuntimeError(f"contexts of {longest} tokens leave no room for a probe")
+        probe_blocks = -(-longest // bs)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        for layer_cache in kv:  # finite keys in the blocks the probe reads (see _self_check)
+            junk = torch.randn(
+                (layer_cache.shape[0], groups * probe_blocks, *layer_cache.shape[2:]),
+                generator=g,
+                dtype=torch.float32,
+            )
+            layer_cache[:, : groups * probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
+        num_slots = states[0][0].shape[0]
+        for layer in states:
+            for t in layer.tensors:
+                t.copy_((torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.1).to(t.dtype))
+        tables_of = [
+            torch.arange(probe_blocks, dtype=torch.int32) + grp * probe_blocks
+            for grp in range(groups)
+        ]
+        vocab = self.model.embed_tokens.num_embeddings
+        dtype = self.model.embed_tokens.weight.dtype
+        tol = 1e-3 if dtype == torch.float32 else 3e-2
+        self.verify_enabled = True  # for `run` below; reset on any failure
+        for size in self.verify_sizes:
+            query_lens = self._probe_requests(max(2, size - 1))
+            state_slots = [i + 1 if i + 1 < num_slots else 0 for i in range(len(query_lens))]
+            # Distinct positions for the requests with a slot, from the longest context down;
+            # a position written twice in one step (the fresh requests' 0.., or no room left)
+            # is written by its first row only, as in the decode check.
+            starts, top = [], longest
+            for q, slot in zip(query_lens, state_slots):
+                start = min(max(1, top - q), longest - q) if slot else 0
+                starts.append(start)
+                top = start if slot else top
+            positions = [p for st, q in zip(starts, query_lens) for p in range(st, st + q)]
+            writes = [p not in positions[:r] for r, p in enumerate(positions)]
+            slots = [
+                [int(t[p // bs]) * bs + p % bs if w else -1 for p, w in zip(positions, writes)]
+                for t in tables_of
+            ]
+            ends = [st + q for st, q in zip(starts, query_lens)]
+            width = max(-(-x // bs) for x in ends)
+            tables = [t[:width] for t in tables_of]
+            ids = torch.randint(0, vocab, (len(positions),), generator=g).tolist()
+            prompt_rows = [(r % 3) == 0 for r in range(len(positions))]
+            saved = [[t.clone() for t in layer.tensors] for layer in states]
+            expected = self._eager_verify(
+                ids, positions, slots, query_lens, ends, tables, state_slots, prompt_rows
+            )
+            for layer, kept in zip(states, saved):
+                for t, k in zip(layer.tensors, kept):
+                    t.copy_(k)
+            rows_lens = [p + 1 for p in positions]
+            counts = torch.tensor(query_lens)
+            row_tables = [t.expand(len(query_lens), -1).repeat_interleave(counts, 0)
+                          for t in tables]  # fmt: skip
+            got = self.run(size, ids, positions, slots, rows_lens, row_tables, state_slots,
+                           prompt_rows, query_lens).clone()  # fmt: skip
+            if VERIFY_CHECK_HOOK is not None:
+                got = VERIFY_CHECK_HOOK(got)
+            err = _mismatch(got, expected)
+            if not err <= tol:
+                self.verify_enabled = False
+                raise RuntimeError(
+                    f"self-check: verification bucket {size} differs from the eager forward by "
+                    f"{err:.3g} (tolerance {tol:g})"
+                )
+        self.verify_replays = 0
+
+    def _eager_verify(
+        self, ids, positions, slots, query_lens, ends, tables, state_slots, prompt_rows
+    ) -> torch.Tensor:
+        """The probe's eager forward, built without StaticDecodeBatch. The twin's: one ragged
+        query per request (the one-row ones as decodes), as the runner's eager step. CUDA's: the
+        graph's structure (rows as decodes at the capture's host lengths, the requests' rows
+        through the recurrent layers' multi-token form), so both launch the same kernels."""
+        dev = self.device
+        n, r = len(ids), len(query_lens)
+        bounds = [0]
+        for q in query_lens:
+            bounds.append(bounds[-1] + q)
+        i32 = dict(dtype=torch.int32, device=dev)
+        slots_t = torch.tensor(state_slots, **i32)
+        init = torch.tensor([e - q > 0 for e, q in zip(ends, query_lens)], device=dev)
+        rows_t = torch.tensor(prompt_rows, dtype=torch.bool, device=dev)
+        metas = []
+        as_graph = self.mode == "cuda"
+        for group_slots, table in zip(slots, tables):
+            if as_graph:  # every row a decode, row j of a request at its own length
+                lens = [p + 1 for p in positions]
+                host = [self.max_seq_len] * n
+                qsl, nd, longest_query = list(range(n + 1)), n, 1
+                table = table.expand(n, -1)
+            else:
+                lens, host = ends, ends
+                qsl, longest_query = bounds, max(query_lens)
+                nd = next((i for i, q in enumerate(query_lens) if q != 1), r)
+                table = table.expand(r, -1)
+            lens_t = torch.tensor(lens, **i32)
+            q_t = torch.tensor(qsl, **i32)
+            meta = AttentionMetadata(
+                query_start_loc=q_t,
+                seq_lens=lens_t,
+                context_lens=lens_t - (q_t[1:] - q_t[:-1]),
+                block_tables=table.contiguous().to(dev),
+                slot_mapping=torch.tensor(group_slots, dtype=torch.int64).to(dev),
+                num_decodes=nd,
+                max_query_len=longest_query,
+                max_seq_len=max(host),
+                query_lens_host=[b - a for a, b in zip(qsl, qsl[1:])],
+                seq_lens_host=list(host),
+                block_size=self.block_size,
+            )
+            if not as_graph:
+                meta.state_slots, meta.has_initial_state, meta.prompt_rows = slots_t, init, rows_t
+            self.backend.prepare(meta)
+            metas.append(meta)
+        if as_graph:
+            own = AttentionMetadata(
+                query_start_loc=torch.tensor(bounds, **i32),
+                seq_lens=torch.tensor(ends, **i32),
+                context_lens=torch.tensor([e - q for e, q in zip(ends, query_lens)], **i32),
+                block_tables=metas[0].block_tables[:r],
+                slot_mapping=metas[0].slot_mapping,
+                num_decodes=0,
+                max_query_len=self.verify_rows,
+                max_seq_len=self.max_seq_len,
+                block_size=self.block_size,
+                state_slots=slots_t,
+                has_initial_state=init,
+                prompt_rows=rows_t,
+            )
+            state = set(self.layout.state_layers)
+            meta = [
+                own if i in state else metas[g] for i, g in enumerate(self.layout.group_of_layer)
+            ]
+        else:
+            meta = self.layout.per_layer(metas)
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev)
+        return self.model(ids_t, pos_t, self.kv_caches, meta).clone()
 
     def _eager(self, ids, positions, slots, lens, tables, host_lens, state_slots) -> torch.Tensor:
         # Built without StaticDecodeBatch on purpose: the check must not share the code it checks.

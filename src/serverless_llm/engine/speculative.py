@@ -239,6 +239,14 @@ def snapshot_slots(value, max_num_seqs: int) -> int:
     return max_num_seqs if off is None else min(max_num_seqs, off)
 
 
+def verify_rows(spec: SpeculativeConfig | None) -> int:
+    """The most rows one request brings to a step while speculating: its last token and k drafts
+    (a verification), or, on a model with recurrent layers after a rollback, the kept tokens
+    computed again (the last token and up to k drafts) and the new one; 0 without speculation.
+    What a captured verification step of such a model must hold (decode_capture.py)."""
+    return 0 if spec is None else spec.num_speculative_tokens + 2
+
+
 def can_speculate(req: Request) -> bool:
     """Whether `req` may verify drafts: any request that samples one sequence, whatever its
     sampling parameters (greedy ones through `accept_greedy`, the others through rejection
