@@ -1,7 +1,8 @@
 """A tiny Llama written as a GGUF file with the types a Q4_K_M download mixes (Q4_K, Q5_K and
 Q6_K, plus Q5_0, Q5_1, Q4_0, Q8_0 and one Q2_K tensor), served with QUANTIZED_WEIGHTS=packed:
-every linear whose tensors have a qb32 layout reads the file's blocks (fused linears of mixed
-types widened to one layout), the Q2_K one stays float with a start-up line naming the type,
+every linear whose tensors have a block layout reads the file's blocks (a linear with a Q4_K or
+Q6_K part on the dense K-quant records, kernels/gguf_kquants.py, each part of a fused linear in
+its own layout; the others on qb32), the Q2_K one stays float with a start-up line naming the type,
 and with float inputs (AVX-512) greedy tokens equal the same model run from the dequantized
 float weights (QUANTIZED_WEIGHTS=auto on a safetensors copy of gguf's own dequantization).
 
@@ -26,6 +27,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from serverless_llm import LLM, SamplingParams  # noqa: E402
 from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
+from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
+from serverless_llm.engine.layers.gguf_kquant_linear import KQuantLinear  # noqa: E402
 from serverless_llm.engine.layers.gguf_linear import GGUFBlockLinear  # noqa: E402
 from serverless_llm.engine.loader import gguf as gguf_loader  # noqa: E402
 from tests.kernels.gguf_packers import quantize  # noqa: E402
@@ -144,26 +147,31 @@ def test_linears_read_the_files_blocks(engines):
     _, packed, records = engines
     model = packed.engine.runner.model
     l0, l1 = model.layers
-    for lin in (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj,
-                l0.mlp.down_proj, l1.self_attn.qkv_proj, l1.self_attn.o_proj,
-                l1.mlp.down_proj, model.packed_lm_head):  # fmt: skip
-        assert isinstance(lin, GGUFBlockLinear)
-    assert not isinstance(l1.mlp.gate_up_proj, GGUFBlockLinear)  # its up is Q2_K
-    qkv = l0.self_attn.qkv_proj.blocks  # Q4_K q, k with a Q6_K v: widened to 6-bit, per 16
-    assert (qkv.bits, qkv.group, qkv.d.dtype) == (6, 16, torch.float32)
-    down = l0.mlp.down_proj.blocks
-    assert (down.bits, down.group) == (6, 16)
-    assert l0.mlp.gate_up_proj.blocks.bits == 5  # Q4_K gate with a Q5_0 up
+    for lin in (l0.self_attn.o_proj, l1.self_attn.qkv_proj, l1.self_attn.o_proj,
+                l1.mlp.down_proj):  # fmt: skip
+        assert isinstance(lin, GGUFBlockLinear)  # Q5_K, Q5_1, Q8_0, Q4_0: qb32
+    for lin in (l0.self_attn.qkv_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj,
+                model.packed_lm_head):  # fmt: skip
+        assert isinstance(lin, KQuantLinear)  # a Q4_K or Q6_K part
+    assert not isinstance(l1.mlp.gate_up_proj, (GGUFBlockLinear, KQuantLinear))  # up is Q2_K
+
+    def kinds(lin):
+        return [p.type_name if isinstance(p, gk.KQ) else p.bits for p in lin.parts]
+
+    # each part in its own layout: Q4_K q and k joined, the Q6_K v apart; no widening
+    assert kinds(l0.self_attn.qkv_proj) == ["Q4_K", "Q6_K"]
+    assert [p.shape[0] for p in l0.self_attn.qkv_proj.parts] == [256 + 128, 128]
+    assert kinds(l0.mlp.gate_up_proj) == ["Q4_K", 5]  # Q4_K gate with a Q5_0 up
+    assert kinds(l0.mlp.down_proj) == ["Q6_K"]
+    assert kinds(model.packed_lm_head) == ["Q6_K"]  # output.weight
     assert (l1.self_attn.qkv_proj.blocks.bits, l1.self_attn.qkv_proj.blocks.d.dtype) == (
         5, torch.float16)  # fmt: skip
-    head = model.packed_lm_head.blocks
-    assert (head.bits, head.group) == (6, 16)  # output.weight is Q6_K
     assert any("dequantized to float at load: Q2_K (1 tensors)" in r for r in records), records
     assert any(r.startswith("GGUF blocks: 8 linears") for r in records), records
-    # layer 0's whole-layer native decode reads its blocks (mixed layouts) through their
-    # descriptors; layer 1, with a float gate|up, keeps the per-op path
+    # layer 0's whole-layer native decode reads its parts (mixed layouts) through the per-part
+    # dispatch; layer 1, with a float gate|up, keeps the per-op path
     w = l0.native_decode.weights
-    assert w.qlinear == model.packed_lm_head.kernels.steps_desc_address
+    assert w.qlinear == model.packed_lm_head.kernels.multi_address
     assert all((w.qkv_q, w.o_q, w.up_q, w.down_q))
     assert l1.native_decode is None
 
@@ -174,7 +182,9 @@ def test_blocks_equal_the_float_weights(engines):
     ref = reference.engine.runner.model.layers[0].self_attn.qkv_proj
     got = packed.engine.runner.model.layers[0].self_attn.qkv_proj
     x = torch.randn(2, ref.in_features, generator=torch.Generator().manual_seed(0))
-    want = x.double() @ gb.dequantize(got.blocks, torch.float64).T
+    full = torch.cat([gk.dequantize(p) if isinstance(p, gk.KQ) else gb.dequantize(p)
+                      for p in got.parts])  # fmt: skip
+    want = x.double() @ full.double().T
     assert torch.allclose(ref(x).double(), want, atol=1e-4)
 
 

@@ -176,9 +176,13 @@ def take_gguf_blocks(
     LM head) whose file tensors have a qb32 layout and the right shape becomes a block module
     holding them. Returns the GGUF names of the tensors taken (the loader skips those); biases
     stay parameters, loaded as float."""
+    from .gguf_kquant_linear import take_kquants
+
     path = "float" if block_inputs() == "float" else "best"
     unpermute = permutes_qk(hf_config)
-    taken: set[str] = set()
+    # K-quant tensors first, on their dense records (what they take is no longer an nn.Linear
+    # or nn.Embedding below)
+    taken: set[str] = take_kquants(model, tensors, hf_config, path)
     for i, layer in enumerate(getattr(model, "layers", [])):
         for where, parts in _parts(hf_config, i).items():
             parent_name, _, name = where.rpartition(".")
@@ -204,7 +208,11 @@ def take_gguf_blocks(
     if getattr(model, "num_labels", None) is not None:
         return taken  # a classifier: no LM head
     if getattr(model, "tied", False):
-        if emb_blocks is not None and getattr(model, "lm_head_bias", None) is None:
+        if (
+            emb_blocks is not None
+            and getattr(model, "lm_head_bias", None) is None
+            and getattr(model, "packed_lm_head", None) is None
+        ):
             model.packed_lm_head = GGUFBlockLinear(emb_blocks, kernels, path)
     else:
         head = getattr(model, "lm_head", None)
@@ -310,9 +318,10 @@ def _whole_layer(layer, kernels: BlockKernels, native):
     steps of up to WHOLE_LAYER_ROWS rows, where the layer's shape fits it; None (the per-op
     path) otherwise, or unless all four linears have blocks."""
     from ..models.decoder import NativeDecodeLayer
+    from .gguf_kquant_linear import KQuantLinear, layer_descs
 
     linears = NativeDecodeLayer.linears_of(layer)
-    if not all(isinstance(lin, GGUFBlockLinear) for lin in linears):
+    if not all(isinstance(lin, (GGUFBlockLinear, KQuantLinear)) for lin in linears):
         return None
     rows = WHOLE_LAYER_ROWS
     # attach() asks for panels and native rows; the blocks stand in for both
@@ -327,8 +336,11 @@ def _whole_layer(layer, kernels: BlockKernels, native):
     if whole is not None:
         w = whole.weights
         w.qkv_w = w.o_w = w.up_w = w.down_w = None
-        w.qlinear = kernels.steps_desc_address
-        w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.steps) for lin in linears)
+        if any(isinstance(lin, KQuantLinear) for lin in linears):  # per-part dispatch
+            w.qlinear, (w.qkv_q, w.o_q, w.up_q, w.down_q) = layer_descs(linears)
+        else:
+            w.qlinear = kernels.steps_desc_address
+            w.qkv_q, w.o_q, w.up_q, w.down_q = (ctypes.addressof(lin.steps) for lin in linears)
     return whole
 
 
@@ -336,27 +348,37 @@ def finish_gguf_blocks(model: nn.Module, kernels: BlockKernels) -> str:
     """After loading (and `optimize_for_cpu`): each block linear's row threshold, and the
     whole-layer native decode on the blocks where a layer's four linears have them. Returns the
     start-up line."""
+    from .gguf_kquant_linear import KQuantEmbedding, KQuantLinear
+
     linears = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
     head = getattr(model, "packed_lm_head", None)
     if isinstance(head, GGUFBlockLinear) and head not in linears:
         linears.append(head)
-    if not linears:
+    kq = [m for m in model.modules() if isinstance(m, KQuantLinear)]
+    if isinstance(head, KQuantLinear) and head not in kq:
+        kq.append(head)
+    if not linears and not kq:
         return "GGUF blocks: no tensor of the file has a block layout; all float"
-    rows_line = set_block_rows(linears, kernels)
+    rows_line = set_block_rows(linears, kernels) if linears else "no qb32 linears"
+    if kq:
+        rows_line += (f"; {len(kq)} linears with K-quant parts on their dense records, few-row "
+                      f"kernel up to {kq[0].block_rows} rows")  # fmt: skip
     native = getattr(model, "native", None)
     whole = 0
     for layer in getattr(model, "layers", []):
         if hasattr(layer, "native_decode") and native is not None:
             layer.native_decode = _whole_layer(layer, kernels, native)
             whole += layer.native_decode is not None
-    held = sum(lin.blocks.nbytes() for lin in linears)
+    held = sum(lin.blocks.nbytes() for lin in linears + kq)
     emb = getattr(model, "embed_tokens", None)
-    if isinstance(emb, GGUFBlockEmbedding) and not any(lin.blocks is emb.blocks for lin in linears):
+    if isinstance(emb, (GGUFBlockEmbedding, KQuantEmbedding)) and not any(
+        lin.blocks is emb.blocks for lin in linears + kq
+    ):
         held += emb.blocks.nbytes()
-    inputs = "float" if linears[0].path == "float" else "int8"
+    inputs = "float" if (linears + kq)[0].path == "float" else "int8"
     isa = "AVX-512" if kernels.vnni else "AVX2" if kernels.avx2 else "portable C"
-    what = f"{len(linears)} linears"
-    if isinstance(emb, GGUFBlockEmbedding):
+    what = f"{len(linears) + len(kq)} linears"
+    if isinstance(emb, (GGUFBlockEmbedding, KQuantEmbedding)):
         what += " and the token embedding"
     return (
         f"GGUF blocks: {what} kept in the file's blocks ({held / 2**20:.0f} MiB, no float copy; "
