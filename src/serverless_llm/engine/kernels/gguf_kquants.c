@@ -36,6 +36,12 @@
 #define HAVE_VNNI512 0
 #endif
 
+#if HAVE_VNNI512 && defined(__GFNI__)
+#define HAVE_GFNI 1
+#else
+#define HAVE_GFNI 0
+#endif
+
 #define QK 256
 #define LEVELS22 2080768 /* 127 * 2^14: "float" inputs */
 enum { KQ_Q4K = 0, KQ_Q6K = 1 };
@@ -274,9 +280,23 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
         for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
     const __m512i halves = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i split = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+#if HAVE_GFNI
+    /* GF2P8AFFINEQB matrices: byte 7 - i of a qword is the mask of input bits whose parity is
+     * output bit i. nib_hi: bits 4-7 to 0-3. pair_lo: in the first half bits 4-5 stay, in the
+     * second bits 6-7 move to 4-5; pair_hi: bits 0-1 (first half) or 2-3 (second) to 4-5. */
+#define KQ_BITS(o4, o5) (((long long)(1 << (o4)) << 24) | ((long long)(1 << (o5)) << 16))
+    const __m512i nib_hi = _mm512_set1_epi64(0x1020408000000000LL);
+    const __m512i pair_lo = _mm512_inserti64x4(_mm512_set1_epi64(KQ_BITS(4, 5)),
+                                               _mm256_set1_epi64x(KQ_BITS(6, 7)), 1);
+    const __m512i pair_hi = _mm512_inserti64x4(_mm512_set1_epi64(KQ_BITS(0, 1)),
+                                               _mm256_set1_epi64x(KQ_BITS(2, 3)), 1);
+#undef KQ_BITS
+#else
+    const __m512i top = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+#endif
     for (int64_t j = 0; j < nsb; j++) {
         const int8_t *xj[MT];
         for (int m = 0; m < MT; m++) xj[m] = X->xs + ((m0 + m) * nsb + j) * P * 256;
@@ -313,6 +333,20 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
             __m512i lo[2], hi[2];
             for (int s = 0; s < 2; s++) {
                 __m512i U = _mm512_loadu_si512(b + 64 * s);
+#if HAVE_GFNI
+                /* GF(2) affine maps pick bits within each byte: U's high nibble down, and Q6_K's
+                 * top pairs into bits 4-5 (the half decides which pair: one matrix a qword) */
+                hi[s] = _mm512_gf2p8affine_epi64_epi8(U, nib_hi, 0);
+                if (T == KQ_Q6K) {
+                    __m512i H = _mm512_broadcast_i64x4(
+                        _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * s)));
+                    lo[s] = _mm512_ternarylogic_epi32(
+                        U, _mm512_gf2p8affine_epi64_epi8(H, pair_lo, 0), low, 0xEC); /* (U & low) | pairs */
+                    hi[s] = _mm512_or_si512(hi[s], _mm512_gf2p8affine_epi64_epi8(H, pair_hi, 0));
+                } else {
+                    lo[s] = _mm512_and_si512(U, low);
+                }
+#else
                 lo[s] = _mm512_and_si512(U, low);
                 hi[s] = _mm512_and_si512(_mm512_srli_epi16(U, 4), low);
                 if (T == KQ_Q6K) {
@@ -321,6 +355,7 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
                     lo[s] = _mm512_or_si512(lo[s], _mm512_and_si512(_mm512_srlv_epi16(H, shr), top));
                     hi[s] = _mm512_or_si512(hi[s], _mm512_and_si512(_mm512_sllv_epi16(H, shl), top));
                 }
+#endif
             }
             for (int m = 0; m < MT; m++) {
                 const int8_t *xr = xj[m];
