@@ -167,6 +167,81 @@ class ModelRunner:
 
     def host_inputs(self, batch: ScheduledBatch) -> HostBatch:
         """The step's flat inputs as host lists, decodes first."""
+        if self._plain_decodes(batch):
+            return self._decode_inputs(batch)
+        return self._any_inputs(batch)
+
+    def _plain_decodes(self, batch: ScheduledBatch) -> bool:
+        """Whether every request of the step is a plain one-token grant (no drafts, prompt
+        logprobs, adapter, images or pooling): most steps of generation, which
+        `_decode_inputs` builds without the general path's per-request branches."""
+        if batch.drafts or self.bidirectional_images:
+            return False
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if (
+                n != 1
+                or req.mm is not None
+                or req.lora is not None
+                or req.pooling is not None
+                or req.needs_prompt_logprobs
+            ):
+                return False
+        return True
+
+    def _decode_inputs(self, batch: ScheduledBatch) -> HostBatch:
+        """`_any_inputs` of a step of plain one-token grants (`_plain_decodes`), the same
+        HostBatch with fewer steps per request."""
+        bs = self.block_size
+        kv = self.kv
+        reqs = batch.requests
+        num_groups = self.layout.num_groups
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        seq_lens: list[int] = []
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        sample_reqs: list[Request] = []
+        sample_idx: list[int] = []
+        for i, req in enumerate(reqs):
+            start = req.num_computed_tokens
+            prompt, out = req.prompt_token_ids, req.output_token_ids
+            p = len(prompt)
+            input_ids.append(prompt[start] if start < p else out[start - p])
+            positions.append(start)
+            block, offset = divmod(start, bs)
+            for g, blocks in enumerate(kv.block_tables(req)):
+                slots[g].append(blocks[block] * bs + offset)
+                tables[g].append(blocks)
+            seq_lens.append(start + 1)
+            if start + 1 == p + len(out):
+                sample_reqs.append(req)
+                sample_idx.append(i)
+        n = len(reqs)
+        state_slots = prompt_rows = None
+        if self.layout.has_state:
+            state_slots = [kv.state_slot(req) for req in reqs]
+            prompt_rows = [req.num_computed_tokens < req.num_prompt_tokens for req in reqs]
+        h = HostBatch(
+            input_ids,
+            positions,
+            slots,
+            [1] * n,
+            seq_lens,
+            [_table_tensor(t) for t in tables],
+            n,
+            sample_reqs,
+            sample_idx,
+            PromptLogprobWork(),
+            [],
+            state_slots,
+            prompt_rows,
+        )
+        if self.keep_hidden:
+            h.spans = [(req, i, req.num_computed_tokens, 1) for i, req in enumerate(reqs)]
+        return h
+
+    def _any_inputs(self, batch: ScheduledBatch) -> HostBatch:
+        """`host_inputs` of any step."""
         # Decodes first: the backend then finds them as one contiguous run of tokens.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         bs = self.block_size
@@ -301,21 +376,25 @@ class ModelRunner:
         """input_ids, positions and the attention metadata on the model's device: one per cache
         group (the groups share everything but their block tables and slots)."""
         dev = self.device
+        on_host = dev.type == "cpu"  # host tensors are the device's: no copies to make
+
+        def to_dev(t: torch.Tensor) -> torch.Tensor:
+            return t if on_host else t.to(dev)
+
         qsl = [0]
         for n in h.query_lens:
             qsl.append(qsl[-1] + n)
-        seq_t = torch.tensor(h.seq_lens, dtype=torch.int32)
-        q_t = torch.tensor(h.query_lens, dtype=torch.int32)
-        context = seq_t - q_t
+        context_host = [s - q for s, q in zip(h.seq_lens, h.query_lens)]
+        context = torch.tensor(context_host, dtype=torch.int32)
         # A model of recurrent layers alone has no block group: its one metadata has no tables.
         table = h.block_tables[0] if h.block_tables else torch.zeros(len(h.seq_lens), 0)
         slots = h.slots[0] if h.slots else []
         first = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
-            seq_lens=seq_t.to(dev),
-            context_lens=context.to(dev),
+            query_start_loc=to_dev(torch.tensor(qsl, dtype=torch.int32)),
+            seq_lens=to_dev(torch.tensor(h.seq_lens, dtype=torch.int32)),
+            context_lens=to_dev(context),
             block_tables=table.to(dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            slot_mapping=to_dev(torch.tensor(slots, dtype=torch.int64)),
             num_decodes=h.num_decodes,
             max_query_len=max(h.query_lens),
             max_seq_len=max(h.seq_lens),
@@ -341,8 +420,8 @@ class ModelRunner:
             for meta, limited in zip(metas, self._limited_groups):
                 if not limited:  # a global layers' group of "sliding": causal
                     meta.key_limits_host = None
-        ids_t = torch.tensor(h.input_ids, dtype=torch.int64).to(dev)
-        pos_t = torch.tensor(h.positions, dtype=torch.int64).to(dev)
+        ids_t = to_dev(torch.tensor(h.input_ids, dtype=torch.int64))
+        pos_t = to_dev(torch.tensor(h.positions, dtype=torch.int64))
         return ids_t, pos_t, metas
 
     def lora_groups(self, h: HostBatch, slots: dict[int, int]) -> tuple[list, torch.Tensor]:
@@ -579,8 +658,9 @@ def _to(value, device):
 
 
 def _table_tensor(tables: list[list[int]]) -> torch.Tensor:
-    """[requests, longest] int32, padded with block 0."""
-    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for r, t in enumerate(tables):
-        table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return table
+    """[requests, longest] int32, padded with block 0 (one tensor made from padded lists)."""
+    width = max(len(t) for t in tables)
+    if width == 0:
+        return torch.zeros(len(tables), 0, dtype=torch.int32)
+    padded = [t if len(t) == width else t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32)

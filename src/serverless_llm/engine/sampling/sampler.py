@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
-from .logits_processors import SparseRows, apply_processors
+from .logits_processors import RequestSamplingState, SparseRows, apply_processors
 from .logprobs import TokenLogprob, finish_logprobs, prepare_logprobs
-from .ops import block_argmax
+from .ops import NUMPY_FLOATS, argmax_rows, block_argmax
 from .structured.bitmask import apply_bitmask
 from .truncation import TruncationParams, sample_plain, sample_truncated
 
@@ -98,6 +98,8 @@ class SamplingBatch:
         allowed_token_ids and logit_bias do not change while the same requests sit in the same
         rows (most decode steps), so they are reused instead of rebuilt."""
         states = [r.sampling for r in requests]
+        if all(_plain_greedy(s) for s in states):
+            return cls._all_greedy(len(states), vocab_size, device, cache)
 
         def cached(kind: str, rows: list[int], make):
             if cache is None:
@@ -222,6 +224,55 @@ class SamplingBatch:
             batch.all_greedy = False
         return batch
 
+    @classmethod
+    def _all_greedy(
+        cls, n: int, vocab_size: int, device: torch.device, cache: dict | None
+    ) -> SamplingBatch:
+        """`build`'s batch when every row is greedy with nothing that changes its logits or asks
+        for logprobs (most decode steps): a plain argmax. The row index is reused across steps
+        of the same size."""
+        key = ("greedy_rows", n, device)
+        rows = cache.get(key) if cache is not None else None
+        if rows is None:
+            rows = _index(list(range(n)), device)
+            if cache is not None:
+                cache[key] = rows
+        return cls(
+            num_rows=n,
+            vocab_size=vocab_size,
+            all_greedy=True,
+            greedy_rows=rows,
+            plain_rows=None,
+            truncated_rows=None,
+            plain_temperature=None,
+            plain_smoothing=None,
+            truncated_temperature=None,
+            truncation=None,
+            allowed=None,
+            bias=None,
+            min_tokens=None,
+            repetition=None,
+            frequency_presence=None,
+            sampled=[],
+            generators=[],
+            logprob_rows=[],
+            logprob_top=[],
+            device=device,
+        )
+
+
+def _plain_greedy(s: RequestSamplingState) -> bool:
+    """A greedy row that no processor touches and that asks for no logprobs."""
+    return (
+        s.mode == "greedy"
+        and s.allowed_ids is None
+        and s.bias_ids is None
+        and s.min_tokens_ids is None
+        and s.repetition_ids is None
+        and s.output_counts is None
+        and s.params.logprobs is None
+    )
+
 
 def _truncation_params(
     ps: list, first: list[str], vocab_size: int, device: torch.device
@@ -267,10 +318,20 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.device = torch.device(device)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [N, V] -> one token per row (and the logprobs rows asked for). The logits are
         modified in place."""
+        if (
+            batch.all_greedy
+            and not batch.logprob_rows
+            and logits.device.type == "cpu"
+            and logits.dtype in NUMPY_FLOATS
+        ):  # plain argmax rows (most decode steps): one numpy pass, no tensors made
+            return SamplerOutput(argmax_rows(logits).tolist(), None)
+        return self._sample_batch(logits, batch)
+
+    @torch.inference_mode()
+    def _sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         x = logits.float()
         lp_state = None
         if batch.logprob_rows:
