@@ -31,7 +31,9 @@ from .layers.attention import (
     TritonAttentionBackend,
 )
 from .loader import ResolvedModel, iter_weights, load_hf_config, resolve_model
+from .loader.meta_build import quiet_meta
 from .loader.multimodal import text_weights
+from .loader.prefetch import WeightPrefetch, prefetch_weights
 from .loader.quantization import check_quantization, read_side_config
 from .models import DecoderModel, DecoderSpec, describe_model
 from .models.encoder import EncoderModel, EncoderSpec
@@ -161,6 +163,7 @@ class PreparedModel:
     dtype: torch.dtype
     max_model_len: int
     spec: DecoderSpec
+    prefetch: WeightPrefetch | None = None  # the weight files read ahead (loader/prefetch.py)
 
 
 def prepare_model(config: EngineConfig) -> PreparedModel:
@@ -168,6 +171,9 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
     family's description; with tensor parallelism, checks that the model can be split."""
     device = config.resolve_device()
     resolved = resolve_model(config)
+    # The disk reads the weights while the CPU reads the config and builds the model (not
+    # with tensor parallelism: every rank prepares, and reads only its slices).
+    prefetch = prefetch_weights(resolved) if config.tensor_parallel_size == 1 else None
     hf_config = load_hf_config(resolved, trust_remote_code=config.trust_remote_code)
     apply_hf_overrides(hf_config, config.hf_overrides)
     read_side_config(hf_config, resolved.model_dir)
@@ -200,7 +206,7 @@ def prepare_model(config: EngineConfig) -> PreparedModel:
                 f"tensor_parallel_size={n} needs {n} GPUs; {torch.cuda.device_count()} visible"
             )
         check_shardable(spec, n)
-    return PreparedModel(resolved, hf_config, scheme, dtype, max_model_len, spec)
+    return PreparedModel(resolved, hf_config, scheme, dtype, max_model_len, spec, prefetch)
 
 
 def rank_device(config: EngineConfig, tp: TensorParallel) -> torch.device:
@@ -226,7 +232,7 @@ def load_model(
         cap_kernel_caches()
     torch.manual_seed(config.seed)
     backend = make_attention_backend(config.attention_backend, device)
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_meta():  # no torch._refs imports (loader/meta_build.py)
         if isinstance(spec, EncoderSpec):
             model = EncoderModel(spec, hf_config, backend)
         else:
@@ -241,7 +247,8 @@ def load_model(
         gguf_tensors, gguf_kernels, gguf_taken = gguf_blocks_on_meta(model, resolved, hf_config)
     # In the model's dtype before any storage exists: materialized in float32 and converted
     # after loading, a 7B float16 model would need 28 GB on the device for a moment.
-    model = model.to(dtype).materialize(device)
+    with quiet_meta():
+        model = model.to(dtype).materialize(device)
     family = vision_family_of(getattr(hf_config, "architectures", None))
     tower_weights: list = []
     if resolved.load_format == "dummy":
@@ -265,6 +272,8 @@ def load_model(
 
             weights = text_weights(weights, keep)
         model.load_weights(weights)
+    if p.prefetch is not None:
+        p.prefetch.stop()
     vision = None
     if family is not None:
         vision = load_vision(family, resolved, config, dtype, device, tower_weights)

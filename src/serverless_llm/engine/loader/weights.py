@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .base import ModelLoadError, ResolvedModel
+from .config_import import defer_activations
 from .multimodal import text_part
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -108,6 +109,7 @@ def load_hf_config(
     for a multimodal checkpoint, the config of its text decoder (`multimodal.text_part`). A
     model type transformers does not know and `CONFIG_STANDINS` names (its code only in its
     repository) is read by its stand-in's config class, without the repository's code."""
+    defer_activations()  # transformers' modeling imports only when something needs them
     try:
         config = transformers.AutoConfig.from_pretrained(
             resolved.model_dir, trust_remote_code=trust_remote_code, local_files_only=True

@@ -1,0 +1,95 @@
+"""Reading a model config without importing transformers' modeling machinery.
+
+In transformers 5 every model's configuration module imports `utils.type_validators`, which
+imports `activations` only for `ACT2FN`, the table one validator (`activation_fn_key`) checks
+an activation name against. `activations` imports `integrations.hub_kernels`, which pulls in
+`torch._dynamo` and `torch.distributed.tensor` (sympy included): about 1.2 s of CPU at every
+worker start (docs/benchmarks.md, issue 42), for a config that is read from a JSON file and
+never runs an activation.
+
+`defer_activations` imports `type_validators` once with `ACT2FN` bound to a mapping that
+imports the real `activations` the first time anything reads it (the validator, or anything
+else), so every config class is the one transformers builds, field for field, and the only
+change is when the modeling imports happen: only if something needs them. Nothing else is
+touched: the stand-in module lives in `sys.modules` only while `type_validators` is imported,
+and a later `import transformers.activations` gets the real module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+import types
+from collections.abc import Iterator, Mapping
+
+_ACTIVATIONS = "transformers.activations"
+_VALIDATORS = "transformers.utils.type_validators"
+_lock = threading.Lock()
+
+
+def _real_activations() -> types.ModuleType:
+    module = sys.modules.get(_ACTIVATIONS)
+    if isinstance(module, _StandIn):  # asked for while type_validators was being imported
+        del sys.modules[_ACTIVATIONS]
+    return importlib.import_module(_ACTIVATIONS)
+
+
+class DeferredActivations(Mapping):
+    """transformers' ACT2FN, imported on first use (every read goes to the real table)."""
+
+    def _table(self) -> Mapping:
+        return _real_activations().ACT2FN
+
+    def __getitem__(self, key: str):
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"DeferredActivations(imported={activations_imported()})"
+
+
+class _StandIn(types.ModuleType):
+    """`transformers.activations` while type_validators imports: ACT2FN deferred; any other
+    name (a newer transformers importing more from it) imports the real module and answers."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_real_activations(), name)
+
+
+def activations_imported() -> bool:
+    """Whether the real `transformers.activations` (and its modeling imports) is loaded."""
+    module = sys.modules.get(_ACTIVATIONS)
+    return module is not None and not isinstance(module, _StandIn)
+
+
+def defer_activations() -> bool:
+    """Imports transformers' type validators with ACT2FN deferred, unless they are imported
+    already (or this transformers has none); True when this call did it."""
+    with _lock:
+        if _VALIDATORS in sys.modules or _ACTIVATIONS in sys.modules:
+            return False
+        try:
+            if importlib.util.find_spec(_VALIDATORS) is None:
+                return False
+        except (ImportError, ValueError):
+            return False
+        stand_in = _StandIn(_ACTIVATIONS)
+        stand_in.ACT2FN = DeferredActivations()
+        sys.modules[_ACTIVATIONS] = stand_in
+        try:
+            importlib.import_module(_VALIDATORS)
+        except Exception:  # left to the config read, which imports them itself and says why
+            return False
+        finally:
+            if sys.modules.get(_ACTIVATIONS) is stand_in:
+                del sys.modules[_ACTIVATIONS]
+        return True
