@@ -623,6 +623,7 @@ def test_the_measured_choice_is_cached_per_machine_and_shape(kernels, monkeypatc
         return (2, 4), [(1, 2.0, 1.0), (2, 0.5, 1.0), (4, 0.5, 1.0), (8, 2.0, 1.0)]
 
     monkeypatch.setattr(linear_mod, "choose_native_rows", fake_choose)
+    monkeypatch.setattr(linear_mod, "others_busy_cores", lambda before, after: 0.0)
 
     def model():
         return torch.nn.Sequential(packed(24, 16)[1], packed(24, 16)[1], packed(8, 16)[1])
@@ -643,3 +644,39 @@ def test_the_measured_choice_is_cached_per_machine_and_shape(kernels, monkeypatc
     monkeypatch.setattr(linear_mod, "cpu_flags", lambda: "another machine")
     linear_mod.use_native_linears(model(), kernels)
     assert len(measured) == 6  # another CPU: measured again
+
+
+def test_a_choice_measured_under_load_is_not_cached(kernels, monkeypatch, tmp_path):
+    """Other processes busy while the rows were timed: the choice serves this start, and the
+    next start measures again (a loaded machine's timings must not outlive the load)."""
+    from serverless_llm.engine.layers import linear as linear_mod
+
+    monkeypatch.setenv("NATIVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("NATIVE_LINEAR_ROWS", raising=False)
+    measured = []
+
+    def fake_choose(group, native, timer=None):
+        measured.append(len(group))
+        return (1, 8), [(1, 0.5, 1.0), (8, 0.5, 1.0), (16, 2.0, 1.0)]
+
+    monkeypatch.setattr(linear_mod, "choose_native_rows", fake_choose)
+    busy = [1.4]
+    monkeypatch.setattr(linear_mod, "others_busy_cores", lambda before, after: busy[0])
+    model = torch.nn.Sequential(packed(24, 16)[1])
+    line = linear_mod.use_native_linears(model, kernels)
+    assert "not cached" in line and "1.40 cores" in line
+    assert model[0].native_rows == 8
+    assert not list(tmp_path.glob("linear-rows-*.json"))
+    busy[0] = 0.05  # idle now: measured again, and kept
+    line = linear_mod.use_native_linears(torch.nn.Sequential(packed(24, 16)[1]), kernels)
+    assert len(measured) == 2 and "not cached" not in line
+    assert len(list(tmp_path.glob("linear-rows-*.json"))) == 1
+
+
+def test_others_busy_cores_from_two_samples():
+    from serverless_llm.engine.layers.linear import others_busy_cores
+
+    # 2 s apart: the machine's busy CPU seconds grew by 3.0, this process's by 1.0
+    assert others_busy_cores((10.0, (100.0, 5.0)), (12.0, (103.0, 6.0))) == pytest.approx(1.0)
+    assert others_busy_cores((10.0, None), (12.0, (103.0, 6.0))) is None
+    assert others_busy_cores((10.0, (100.0, 5.0)), (10.0, (100.0, 5.0))) is None

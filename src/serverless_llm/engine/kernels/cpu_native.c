@@ -976,6 +976,71 @@ void linear_panels_f32(const float *x, int64_t x_stride, const float *wp, const 
         linear_panel(x, x_stride, wp, b, out, M, N, K, p);
 }
 
+/* -- a sparse block's experts ------------------------------------------------------------------ */
+
+/* The experts of a sparse block over a step's T tokens in one call (the CPU float32 path, each
+ * expert's weights in panels), in place of the torch glue around one GEMM call per expert
+ * (grouping, gathers, the activation, the weighted scatter: serial Python, ~20% of a MoE decode
+ * step on one thread and more on two). x [T, H] rows x_stride apart; ids [T, k] (int64) and
+ * weights [T, k] (float32), contiguous: each token's experts and their router weights; w13[e]:
+ * panels of expert e's [gate | up] rows (2 I of them; I when not gated) over H, w2[e]: panels of
+ * its [H, I]; act: activation_f32's kind. out [T, H] (contiguous): each token's sum over its
+ * choices, in ascending expert order, of weight * w2 act(w13 x), rounded as
+ * kernels/fused_moe.py's fused_moe_reference rounds it (rows grouped by expert in token order,
+ * each output row times its weight, then added into zeros in that order). work: T k (2 H + I +
+ * (gated ? 2 : 1) I) floats; idx: 2 T k + 2 E + 1 int64s. */
+void moe_experts_f32(const float *x, int64_t x_stride, const int64_t *ids, const float *weights,
+                     const float *const *w13, const float *const *w2, float *out, int64_t T,
+                     int64_t k, int64_t E, int64_t H, int64_t I, int64_t act, int64_t gated,
+                     float *work, int64_t *idx) {
+    int64_t n = T * k, I13 = gated ? 2 * I : I;
+    int64_t *start = idx, *cursor = start + E + 1, *order = cursor + E, *pos = order + n;
+    float *rows = work, *h13 = rows + n * H, *a = h13 + n * I13, *y = a + n * I;
+    /* a stable counting sort of the choices by expert: order[r] is the choice (t k + i) at row
+     * r of the grouped rows, pos[choice] its row */
+    for (int64_t e = 0; e <= E; e++) start[e] = 0;
+    for (int64_t j = 0; j < n; j++) start[ids[j] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t e = 0; e < E; e++) cursor[e] = start[e];
+    for (int64_t j = 0; j < n; j++) {
+        int64_t r = cursor[ids[j]]++;
+        order[r] = j;
+        pos[j] = r;
+    }
+#pragma omp parallel for schedule(static) if (n * H > PARALLEL_WORK)
+    for (int64_t r = 0; r < n; r++)
+        memcpy(rows + r * H, x + (order[r] / k) * x_stride, sizeof(float) * H);
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e])
+            linear_panels_f32(rows + start[e] * H, H, w13[e], NULL, h13 + start[e] * I13,
+                              start[e + 1] - start[e], I13, H);
+    activation_f32(h13, I13, a, n, I, act, gated);
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e])
+            linear_panels_f32(a + start[e] * I, I, w2[e], NULL, y + start[e] * H,
+                              start[e + 1] - start[e], H, I);
+#pragma omp parallel for schedule(static) if (n * H > PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t p[k];
+        for (int64_t i = 0; i < k; i++) { /* this token's rows, ascending (expert order) */
+            int64_t r = pos[t * k + i], j = i;
+            for (; j > 0 && p[j - 1] > r; j--) p[j] = p[j - 1];
+            p[j] = r;
+        }
+        float *o = out + t * H;
+        const float *y0 = y + p[0] * H;
+        float w0 = weights[order[p[0]]];
+#pragma omp simd
+        for (int64_t h = 0; h < H; h++) o[h] = 0.0f + y0[h] * w0;
+        for (int64_t i = 1; i < k; i++) {
+            const float *yi = y + p[i] * H;
+            float wi = weights[order[p[i]]];
+#pragma omp simd
+            for (int64_t h = 0; h < H; h++) o[h] += yi[h] * wi;
+        }
+    }
+}
+
 /* -- a whole decoder layer for a decode step of a few rows -------------------------------- */
 
 /* One pre-norm decoder layer: norm, QKV, attention, O, then the MLP (gated: act(gate) * up, or

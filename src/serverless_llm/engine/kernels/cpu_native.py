@@ -163,6 +163,16 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return panels
 
 
+class PanelPointers:
+    """The addresses of several weights in panels (one per expert), as one C array for
+    `NativeKernels.moe_experts`; it keeps the panels alive. `in_features`: their K."""
+
+    def __init__(self, panels: list[torch.Tensor]) -> None:
+        self.panels = panels
+        self.in_features = panels[0].shape[1]
+        self.ptrs = (ctypes.c_void_p * len(panels))(*[p.data_ptr() for p in panels])
+
+
 # -- build and load ----------------------------------------------------------------------------
 
 
@@ -281,6 +291,10 @@ class NativeKernels:
         f.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P] + [_I] * 5
         f.restype = None
         self._conv1d = f
+        f = self.lib.moe_experts_f32
+        f.argtypes = [_P, _I] + [_P] * 5 + [_I] * 7 + [_P, _P]
+        f.restype = None
+        self._moe_experts = f
 
     def activation(self, x, code: int, gated: bool):
         """act(x) of ACT_CODES' `code` (one of NATIVE_ACT_CODES) for x [M, n] (last dim
@@ -384,6 +398,43 @@ class NativeKernels:
             M,
             N,
             K,
+        )
+        return out
+
+    def moe_experts(
+        self, x, ids, weights, w13: PanelPointers, w2: PanelPointers, act: int, gated: bool
+    ):
+        """A sparse block's experts in one call: for x [T, H] float32 (last dim contiguous),
+        ids [T, k] and router weights [T, k], each token's sum over its experts of weight *
+        w2 act(w13 x), with each expert's weights in panels (`w13`, `w2`: `panel_pointers` of
+        their [gate | up] (gated) or up rows, and of their down projections); act: an
+        ACT_CODES code of 0-3. Rounded as kernels/fused_moe.py's fused_moe_reference with the
+        native GEMM and activation."""
+        T, H = x.shape
+        k = ids.shape[1]
+        n, E, inter = T * k, len(w13.ptrs), w2.in_features
+        ids = ids.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        out = torch.empty(T, H, dtype=x.dtype)
+        work = torch.empty(n * (2 * H + (3 if gated else 2) * inter), dtype=x.dtype)
+        idx = torch.empty(2 * n + 2 * E + 1, dtype=torch.int64)
+        self._moe_experts(
+            x.data_ptr(),
+            x.stride(0),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            w13.ptrs,
+            w2.ptrs,
+            out.data_ptr(),
+            T,
+            k,
+            E,
+            H,
+            inter,
+            act,
+            int(gated),
+            work.data_ptr(),
+            idx.data_ptr(),
         )
         return out
 

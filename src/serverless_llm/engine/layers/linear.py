@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cpu_tuning import cpu_times
 from ..kernels.cpu_native import cache_dir, cpu_flags, pack_panels
 
 logger = logging.getLogger(__name__)
@@ -271,6 +272,24 @@ def time_pass(linears: list[PackedLinear], x: dict, native: bool, repeats: int =
 
 
 MEASURE_BYTES = 64 << 20  # weights timed per shape: past the caches, bounded on a large model
+# A choice measured while other processes kept more cores than this busy is used for that start
+# only, not cached: on a shared machine the wall-clock timings picked oneDNN for 32-row steps
+# (768x2048: [0, 0]) where one thread of the native kernel takes 0.74-0.80x oneDNN's time, and
+# every later start read that choice.
+BUSY_CORES_LIMIT = 0.25
+
+
+def load_sample() -> tuple[float, tuple[float, float] | None]:
+    """(monotonic seconds, `cpu_times()`): two of these give others' busy cores between them."""
+    return time.monotonic(), cpu_times()
+
+
+def others_busy_cores(before, after) -> float | None:
+    """The cores other processes kept busy between two `load_sample`s (None: not known)."""
+    (t0, c0), (t1, c1) = before, after
+    if c0 is None or c1 is None or t1 <= t0:
+        return None
+    return max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / (t1 - t0)
 
 
 def timed_instances(group: list[PackedLinear], budget: int = MEASURE_BYTES) -> list:
@@ -330,16 +349,21 @@ def use_native_linears(model: nn.Module, native) -> str:
     how = f"cached in {path}"
     if rows is None:
         rows, ratios = {}, {}
+        before = load_sample()
         for shape, group in shapes.items():
             rows[shape], timings = choose_native_rows(timed_instances(group), native)
             ratios[shape] = "/".join(f"{tn / tp:.2f}" for _, tn, tp in timings)
+        busy = others_busy_cores(before, load_sample())
         how = "measured (native/oneDNN time at " + "/".join(map(str, NATIVE_ROW_CANDIDATES))
         how += " rows: " + "; ".join(f"{k}->{n} {r}" for (n, k), r in ratios.items()) + ")"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({f"{n}x{k}": list(r) for (n, k), r in rows.items()}))
-        except OSError:
-            pass  # measured again at the next start
+        if busy is not None and busy > BUSY_CORES_LIMIT:
+            how += f"; not cached: other processes kept {busy:.2f} cores busy while it measured"
+        else:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({f"{n}x{k}": list(r) for (n, k), r in rows.items()}))
+            except OSError:
+                pass  # measured again at the next start
     for shape, group in shapes.items():
         lo, hi = rows[shape]
         for lin in group:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu_native import pack_panels
+from ..kernels.activation import ACT_CODES
+from ..kernels.cpu_native import PanelPointers, pack_panels
 from ..kernels.fused_moe import (
     Fp8BlockExperts,
     Fp8Experts,
@@ -310,6 +311,7 @@ class Experts(nn.Module):
         self.act = check_activation(act)
         self.use_kernels = use_kernels
         self.packed: tuple[list, list] | None = None  # `pack_for_cpu`
+        self.native_call: tuple | None = None  # `pack_for_cpu`: the experts in one native call
         self.scheme = None  # a quantized checkpoint's scheme (`quantize`)
         self.mode = "float"
         self.receivers: dict[tuple[str, int], QuantLinear] = {}
@@ -546,6 +548,11 @@ class Experts(nn.Module):
             else:
                 fn = fused_moe_w4a16 if self.use_kernels else fused_moe_w4a16_reference
             return fn(x, w13, w2, weights, ids, self.act)
+        if self.native_call is not None and x.dtype == torch.float32 and x.dim() == 2:
+            native, w13, w2, code = self.native_call
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return native.moe_experts(x, ids, weights, w13, w2, code, self.gated)
         if self.packed is not None:
             w13, w2 = self.packed
             return experts_forward(
@@ -579,3 +586,13 @@ class Experts(nn.Module):
                 packed.append([pack_weight(w) for w in ws])
             delattr(self, name)
         self.packed = (packed[0], packed[1])
+        # In panels, with no biases and an activation of the native kernel's: the whole
+        # block's experts in one native call (grouping, GEMMs, activation, weighted sum).
+        code = ACT_CODES.get(self.act) if isinstance(self.act, str) else None
+        if native is not None and self.w13_bias is None and code is not None and code <= 3:
+            self.native_call = (
+                native,
+                PanelPointers([w.panels for w in packed[0]]),
+                PanelPointers([w.panels for w in packed[1]]),
+                code,
+            )
