@@ -807,11 +807,12 @@ static inline __mmask16 mask16(int64_t left) {
 
 /* xt[k, 0..mp) = rows 0..mc of x (row stride ldx) at input k, zeros past mc; K a multiple of 32,
  * mp of 16. AVX-512: 16 x 16 tiles transposed in registers (a scalar loop here took ~2% of a
- * 32-row decode step). */
+ * 32-row decode step). Called inside the GEMM's parallel region: its rows are shared out by an
+ * orphaned `omp for` (one fork a call, not two). */
 static void gemm_transpose_x(const float *x, int64_t ldx, int64_t mc, int64_t mp, int64_t K,
                              float *xt) {
 #if defined(__AVX512F__)
-#pragma omp parallel for schedule(static) if (mc * K > (1 << 15))
+#pragma omp for schedule(static)
     for (int64_t mb = 0; mb < mp; mb += 16) {
         for (int64_t k = 0; k < K; k += 16) {
             __m512 r[16];
@@ -825,7 +826,7 @@ static void gemm_transpose_x(const float *x, int64_t ldx, int64_t mc, int64_t mp
     }
 #else
     /* eight rows of x at a time: eight sequential reads, eight adjacent writes per k */
-#pragma omp parallel for schedule(static) if (mc * K > (1 << 15))
+#pragma omp for schedule(static)
     for (int64_t mb = 0; mb < mp; mb += 8) {
         for (int64_t k = 0; k < K; k++) {
             float *dst = xt + k * mp + mb;
@@ -881,10 +882,10 @@ void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) {
         int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
         int64_t mp = (mc + step - 1) / step * step;
-        gemm_transpose_x(x + m0 * ldx, ldx, mc, mp, K, xt);
         int64_t tiles = (N + GEMM_NB - 1) / GEMM_NB;
 #pragma omp parallel if (mc * N * K > (1 << 18))
         {
+            gemm_transpose_x(x + m0 * ldx, ldx, mc, mp, K, xt); /* ends on the for's barrier */
             float *buf = malloc(sizeof(float) * GEMM_NB * GEMM_KC);
             float *acc = malloc(sizeof(float) * (size_t)(GEMM_NB * mp));
 #pragma omp for schedule(static)
