@@ -262,9 +262,11 @@ static void row_portable(const kq_t *w, const xq_t *X, int64_t n, float *out, in
 #if HAVE_VNNI512
 #define KQ_AHEAD 16 /* rows ahead that a tile prefetches */
 
-/* R output rows from n0 times rows m0 .. m0 + MT of x, one super-block at a time: int32 lane t
- * of a dot holds group t (16 inputs) alone, 8 of its codes a step, so both steps and all parts
- * of the input codes accumulate in one integer dot per row (VPDPBUSD, parts joined by shifts;
+/* R output rows from n0 times rows m0 .. m0 + MT of x (16 rows for one row of x, 4 for two, 2
+ * for three or four), one super-block at a time: int32 lane t of a dot holds group t (16
+ * inputs) alone, 8 of its codes a step, so both steps and all parts of the input codes
+ * accumulate in one integer dot per row (two chains, a step each, added at the end; VPDPBUSD,
+ * parts joined by shifts;
  * |sum| <= 16 * 63 * LEVELS22 < 2^31), converted and scaled once a super-block: the lane's
  * scale is the group's (Q4_K: d * sc of its sub-block t / 2; Q6_K: d * scale[t]) times its input
  * block's (E). Q6_K's top bit pairs are or'ed in from 32 bytes a step. The offsets once a
@@ -359,15 +361,17 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
             }
             for (int m = 0; m < MT; m++) {
                 const int8_t *xr = xj[m];
-                __m512i dot = _mm512_setzero_si512();
+                /* two chains (one a step), joined at the end: half the latency of one */
+                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
                 for (int p = 0; p < P; p++) {
-                    if (p) dot = _mm512_slli_epi32(dot, 7);
-                    for (int s = 0; s < 2; s++) {
-                        const int8_t *xp = xr + (s * P + p) * 128;
-                        dot = _mm512_dpbusd_epi32(dot, lo[s], _mm512_load_si512(xp));
-                        dot = _mm512_dpbusd_epi32(dot, hi[s], _mm512_load_si512(xp + 64));
-                    }
+                    if (p) d0 = _mm512_slli_epi32(d0, 7), d1 = _mm512_slli_epi32(d1, 7);
+                    const int8_t *x0 = xr + p * 128, *x1 = xr + (P + p) * 128;
+                    d0 = _mm512_dpbusd_epi32(d0, lo[0], _mm512_load_si512(x0));
+                    d1 = _mm512_dpbusd_epi32(d1, lo[1], _mm512_load_si512(x1));
+                    d0 = _mm512_dpbusd_epi32(d0, hi[0], _mm512_load_si512(x0 + 64));
+                    d1 = _mm512_dpbusd_epi32(d1, hi[1], _mm512_load_si512(x1 + 64));
                 }
+                __m512i dot = _mm512_add_epi32(d0, d1);
                 __m512 E = _mm512_mul_ps(D, _mm512_load_ps(X->ag + ((m0 + m) * nsb + j) * 16));
                 acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), E, acc[r][m]);
             }
@@ -377,18 +381,18 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
         for (int m = 0; m < MT; m++) res[r * MT + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-#define KQ_ROWS 8
+#define KQ_ROWS 16
 #define KQ_COPY(NAME, P, T)                                                                       \
     static void NAME(const kq_t *w, const xq_t *X, const float *bias, float *out, int64_t ldo,   \
                      int64_t n0, int64_t nr) {                                                    \
         float res[KQ_ROWS * 4];                                                                   \
         for (int64_t m0 = 0; m0 < X->M; m0 += 4) {                                                \
             int mt = X->M - m0 < 4 ? (int)(X->M - m0) : 4;                                        \
-            int R = mt == 1 ? 8 : (mt == 2 ? 4 : 2);                                              \
+            int R = mt == 1 ? 16 : (mt == 2 ? 4 : 2);                                              \
             int64_t n = n0;                                                                       \
             for (; n + R <= n0 + nr; n += R) {                                                    \
                 switch (mt) {                                                                     \
-                case 1: kq_tile(w, X, m0, n, 8, 1, P, T, res); break;                             \
+                case 1: kq_tile(w, X, m0, n, 16, 1, P, T, res); break;                             \
                 case 2: kq_tile(w, X, m0, n, 4, 2, P, T, res); break;                             \
                 case 3: kq_tile(w, X, m0, n, 2, 3, P, T, res); break;                             \
                 default: kq_tile(w, X, m0, n, 2, 4, P, T, res); break;                            \
