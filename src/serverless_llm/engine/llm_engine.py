@@ -71,6 +71,7 @@ from .speculative import (
     plain_argmax,
     probe_drafts,
     propose_ngram,
+    verify_rows,
 )
 from .tokenizer import eos_token_ids, load_generation_config, load_tokenizer
 
@@ -684,6 +685,7 @@ class LLMEngine:
             max_seq_len=min(config.max_seq_len_to_capture, self.max_model_len),
             mode=mode,
             layout=self.cache_layout,
+            verify_rows=verify_rows(self.spec),
         )
         return captured if captured.capture() else None
 

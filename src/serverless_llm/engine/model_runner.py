@@ -490,6 +490,7 @@ class ModelRunner:
                 tables,
                 h.state_slots,
                 h.prompt_rows,
+                h.query_lens,
             )
         else:
             input_ids, positions, metas = self.device_inputs(h)
@@ -595,17 +596,23 @@ class ModelRunner:
 
     def _captured_bucket(self, h: HostBatch) -> int | None:
         """The capture bucket of a step of decodes (and speculative verifications: each of
-        their rows runs as a decode of its own, `_rows_as_decodes`) without prompt logprobs or
-        images, else None."""
+        their rows runs as a decode of its own, `_rows_as_decodes`; with recurrent layers, any
+        request of up to the capture's `verify_rows` rows) without prompt logprobs or images,
+        else None."""
         if self.captured is None or h.prompt_work.requests:
             return None
         if h.mm_rows or h.mrope_runs or h.key_limits is not None:  # image rows, M-RoPE, spans
             return None
         requests = len(h.query_lens)
         if h.num_decodes != requests:
-            # Verifications only besides the decodes, on a model without recurrent layers (a
-            # recurrent state runs through a request's rows in order, not row by row).
-            if self.layout.has_state or h.num_decodes + len(h.verify) != requests:
+            if self.layout.has_state:
+                # Recurrent layers: requests of a few rows each (verifications, and the kept
+                # tokens computed again after a rollback) in the verification graphs, each
+                # request's rows in order from its state slot.
+                rows, longest = len(h.input_ids), max(h.query_lens)
+                return self.captured.verify_bucket(rows, max(h.seq_lens), longest)
+            # Verifications only besides the decodes on a model without recurrent layers.
+            if h.num_decodes + len(h.verify) != requests:
                 return None
         return self.captured.bucket(len(h.input_ids), max(h.seq_lens))
 
