@@ -10,6 +10,10 @@ on one thread, in CPU time (a loaded machine moves it less than wall time).
   time.
 - decode: the engine (QUANTIZED_WEIGHTS=packed) generating --tokens greedy tokens for one chat
   prompt, CPU time per token = (t(M tokens) - t(1 token)) / (M - 1), best of --repeats.
+- where a decode token's time goes: the same runs with every native call (the whole-layer
+  decode, the block linears, the norms) timed in thread CPU time; the rest is the engine's step
+  around them (Python, scheduling, metadata, sampling, output), best of --repeats (the timers
+  add about 1 us a call to the rest).
 
     .venv/bin/python bench/gguf_bandwidth.py                  # the embedded SmolLM2 Q4_1
     GGUF_BLOCK_INPUTS=int8 .venv/bin/python bench/gguf_bandwidth.py
@@ -104,8 +108,56 @@ def main() -> int:
     step = (tm - t1) / (a.tokens - 1)
     print(f"decode: {step * 1e3:.2f} ms a token ({1 / step:.1f} tok/s), {per_token / step / 1e9:.1f} "
           f"GB/s over the bytes it reads ({100 * per_token / step / 1e9 / near:.0f}% of the read "
-          "bandwidth; issue 39's bar: 70%)")  # fmt: skip
+          "bandwidth; issue 39's bar: 70%)", flush=True)  # fmt: skip
+    native, rest = split_native(model, linears, gen, a.tokens, a.repeats)
+    print(f"decode, split: native calls {native * 1e3:.2f} ms a token, the engine's step around "
+          f"them {rest * 1e3:.2f} ms ({100 * rest / (native + rest):.0f}%)")  # fmt: skip
     return 0
+
+
+def split_native(model, linears, gen, tokens: int, repeats: int) -> tuple[float, float]:
+    """(native calls, the rest) of a decode token's CPU time, best of `repeats` by the rest:
+    every ctypes function of the model's native kernels and block kernels timed in thread CPU
+    time while the engine generates, (t(M) - t(1)) / (M - 1) of each."""
+    import ctypes
+
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args):
+            t = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] += time.thread_time() - t
+
+        return call
+
+    owners = {id(o): o for o in (getattr(model, "native", None), linears[0].kernels) if o}
+    patched = []
+    for owner in owners.values():
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, ctypes._CFuncPtr):
+                setattr(owner, name, timed(value))
+                patched.append((owner, name, value))
+    best = None
+    try:
+        for _ in range(repeats):
+            parts = []
+            for n in (1, tokens):
+                spent[0] = 0.0
+                t = time.process_time()
+                gen(n)()
+                parts.append((time.process_time() - t, spent[0]))
+            (t1, n1), (tm, nm) = parts
+            native = (nm - n1) / (tokens - 1)
+            rest = (tm - t1) / (tokens - 1) - native
+            if best is None or rest < best[1]:
+                best = (native, rest)
+    finally:
+        for owner, name, value in patched:
+            setattr(owner, name, value)
+    return best
 
 
 if __name__ == "__main__":
