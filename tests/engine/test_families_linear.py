@@ -138,22 +138,28 @@ def _rewritten(src: str, dst: str, rewrite) -> str:
 
 def test_native_linears_and_experts_equal_transformers(family_models, monkeypatch):
     """Qwen3-Next with its linears on the native GEMM at every decode step and its experts in
-    the native GEMM's panels (every step), on the native backend: greedy tokens equal
-    transformers'."""
+    the native GEMM's panels, each block's experts in one native call (every step), on the
+    native backend: greedy tokens equal transformers'."""
+    from serverless_llm.engine.kernels.cpu_native import NativeKernels
     from serverless_llm.engine.layers import moe
     from tests.engine.family_check import assert_matches_transformers
 
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "64")
-    native_rows = []
-    real = moe._expert_linear
+    calls = {"one call": 0, "per expert": 0}
+    real_call, real_linear = NativeKernels.moe_experts, moe._expert_linear
 
-    def counted(rows, weight):
-        native_rows.append(isinstance(weight, moe._PanelWeight))
-        return real(rows, weight)
+    def one_call(self, *args, **kw):
+        calls["one call"] += 1
+        return real_call(self, *args, **kw)
 
-    monkeypatch.setattr(moe, "_expert_linear", counted)
+    def per_expert(rows, weight):
+        calls["per expert"] += 1
+        return real_linear(rows, weight)
+
+    monkeypatch.setattr(NativeKernels, "moe_experts", one_call)
+    monkeypatch.setattr(moe, "_expert_linear", per_expert)
     assert_matches_transformers(family_models("qwen3_next"), attention_backend="native")
-    assert native_rows and all(native_rows)
+    assert calls["one call"] > 0 and calls["per expert"] == 0, calls
 
 
 def test_multimodal_checkpoint_serves_text_and_images(vl_model, caplog):

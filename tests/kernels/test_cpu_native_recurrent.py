@@ -38,7 +38,8 @@ def kernels():
 def calls(kernels, monkeypatch):
     """The native decode methods' return values, recorded as the references call them."""
     seen: dict[str, list[bool]] = {}
-    for name in ("gated_delta_decode", "ssd_decode", "selective_scan_decode", "conv1d_decode"):
+    names = ("gated_delta_decode", "gated_delta_prefill", "ssd_decode", "selective_scan_decode")
+    for name in (*names, "conv1d_decode"):
         method = getattr(kernels, name)
 
         def spy(*args, _method=method, _name=name, **kw):
@@ -150,6 +151,46 @@ def test_gated_delta_decode(kernels, calls, hk, hv, dk, dv, per_channel, l2norm,
     rows = real_rows(qsl, nd, 3)
     check((ref[0][rows], ref[1]), (nat[0][rows], nat[1]), len(rows), "gated delta")
     assert calls["gated_delta_decode"] == [True]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "hk, hv, dk, dv, per_channel, l2norm",
+    [(2, 4, 16, 16, False, True), (1, 3, 7, 5, True, False), (4, 8, 64, 64, False, True)],
+)
+def test_gated_delta_prompt_chunks(kernels, calls, hk, hv, dk, dv, per_channel, l2norm, threads):
+    """Prompt chunks after two decodes (gated_delta_prefill_f32, token after token) against the
+    torch forms: chunks of 1-24 tokens (its per-token loop) and 25-70 (its chunked form; 48
+    and more for a per-channel g), fresh (slot full of NaN) and continuing, an empty entry."""
+    g = torch.Generator().manual_seed(hk * 10 + dk + threads)
+    lens = [1, 1, 1, 5, 0, 24, 25, 70, 3]  # two decodes, then the chunks
+    fresh_flags = [False, True, True, False, False, True, False, True, False]
+    nd = 2
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    T = int(qsl[-1])
+    slots = torch.tensor([3, 5, 7, 9, 11, 13, 15, 17, 19], dtype=torch.int32)
+    init = torch.tensor([not f for f in fresh_flags])
+    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=g)
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
+    gl = -torch.rand((T, hv, dk) if per_channel else (T, hv), generator=g) * 0.5
+    beta = torch.rand(T, hv, generator=g)
+    state = states(g, (hv, dk, dv), [s for s, f in zip(slots.tolist(), fresh_flags) if f])
+    scale = None if l2norm else 0.2
+
+    def fn(st):
+        return gated_delta_rule_ref(
+            q, k, v, gl, beta, st, qsl, slots, init, scale, l2norm, num_decodes=nd
+        )
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, nat = run_both(fn, state)
+    finally:
+        torch.set_num_threads(old)
+    check(ref, nat, T, "gated delta prompts")
+    assert calls["gated_delta_decode"] == [True] and calls["gated_delta_prefill"] == [True]
 
 
 def test_gated_delta_state_read_once_decay_applies(kernels, calls):

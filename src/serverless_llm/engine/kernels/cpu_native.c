@@ -1463,6 +1463,62 @@ static inline float exp_any(float x) {
  * q, k [n, Hk, Dk], v [n, Hv, Dv], g [n, Hv] or [n, Hv, Dk], beta [n, Hv]: strides in floats
  * (rows, heads; the last dim contiguous). state [slots, Hv, Dk, Dv] contiguous; out [n, Hv, Dv]
  * contiguous. */
+/* One token of one (request, value head): the body of both functions below; S is the head's
+ * [Dk, Dv] state (read only where init), o its Dv outputs. */
+static inline void gated_delta_token(const float *qr, const float *kr, const float *vr,
+                                     const float *gr, int64_t per_channel, float bt, float *S,
+                                     int init, float *o, int64_t Dk, int64_t Dv, float scale,
+                                     int64_t l2norm) {
+    float qv[Dk], kv[Dk], e[Dk], rk[Dv], rq[Dv];
+    float rq_norm = 1.0f, rk_norm = 1.0f;
+    if (l2norm) {
+        rq_norm = 1.0f / sqrtf(sum_squares(qr, Dk) + 1e-6f);
+        rk_norm = 1.0f / sqrtf(sum_squares(kr, Dk) + 1e-6f);
+    }
+    float qk = 0.0f;
+    for (int64_t i = 0; i < Dk; i++) {
+        qv[i] = (l2norm ? qr[i] * rq_norm : qr[i]) * scale;
+        kv[i] = l2norm ? kr[i] * rk_norm : kr[i];
+    }
+#pragma omp simd reduction(+ : qk)
+    for (int64_t i = 0; i < Dk; i++) qk += qv[i] * kv[i];
+    if (per_channel) {
+#pragma omp simd
+        for (int64_t i = 0; i < Dk; i++) e[i] = exp_any(gr[i]);
+    } else {
+        float eh = expf(gr[0]);
+        for (int64_t i = 0; i < Dk; i++) e[i] = eh;
+    }
+    for (int64_t j = 0; j < Dv; j++) rk[j] = rq[j] = 0.0f;
+    if (init) {
+        for (int64_t i = 0; i < Dk; i++) {
+            const float *Si = S + i * Dv;
+            float ek = kv[i] * e[i], eq = qv[i] * e[i];
+#pragma omp simd
+            for (int64_t j = 0; j < Dv; j++) {
+                rk[j] += ek * Si[j];
+                rq[j] += eq * Si[j];
+            }
+        }
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < Dv; j++) {
+        rk[j] = (vr[j] - rk[j]) * bt; /* delta */
+        o[j] = rq[j] + qk * rk[j];
+    }
+    for (int64_t i = 0; i < Dk; i++) {
+        float *Si = S + i * Dv;
+        float ki = kv[i], ei = e[i];
+        if (init) {
+#pragma omp simd
+            for (int64_t j = 0; j < Dv; j++) Si[j] = Si[j] * ei + ki * rk[j];
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < Dv; j++) Si[j] = ki * rk[j];
+        }
+    }
+}
+
 void gated_delta_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const float *k,
                             int64_t k_st, int64_t k_sh, const float *v, int64_t v_st,
                             int64_t v_sh, const float *g, int64_t g_st, int64_t g_sh,
@@ -1474,61 +1530,37 @@ void gated_delta_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const fl
 #pragma omp parallel for schedule(static) if (tasks * Dk * Dv > PARALLEL_WORK)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t b = task / Hv, h = task % Hv, hk = h / group;
-        float qv[Dk], kv[Dk], e[Dk], rk[Dv], rq[Dv];
-        const float *qr = q + b * q_st + hk * q_sh, *kr = k + b * k_st + hk * k_sh;
-        float rq_norm = 1.0f, rk_norm = 1.0f;
-        if (l2norm) {
-            rq_norm = 1.0f / sqrtf(sum_squares(qr, Dk) + 1e-6f);
-            rk_norm = 1.0f / sqrtf(sum_squares(kr, Dk) + 1e-6f);
-        }
-        float qk = 0.0f;
-        for (int64_t i = 0; i < Dk; i++) {
-            qv[i] = (l2norm ? qr[i] * rq_norm : qr[i]) * scale;
-            kv[i] = l2norm ? kr[i] * rk_norm : kr[i];
-        }
-#pragma omp simd reduction(+ : qk)
-        for (int64_t i = 0; i < Dk; i++) qk += qv[i] * kv[i];
-        const float *gr = g + b * g_st + h * g_sh;
-        if (per_channel) {
-#pragma omp simd
-            for (int64_t i = 0; i < Dk; i++) e[i] = exp_any(gr[i]);
-        } else {
-            float eh = expf(gr[0]);
-            for (int64_t i = 0; i < Dk; i++) e[i] = eh;
-        }
+        gated_delta_token(q + b * q_st + hk * q_sh, k + b * k_st + hk * k_sh, v + b * v_st + h * v_sh,
+                          g + b * g_st + h * g_sh, per_channel, beta[b * b_st + h * b_sh],
+                          state + ((int64_t)slots[b] * Hv + h) * Dk * Dv, has_init[b] != 0,
+                          out + (b * Hv + h) * Dv, Dk, Dv, scale, l2norm);
+    }
+}
+
+/* The same rule over prompt chunks, token after token (the recurrent form: each token's state
+ * read and written once, in its slot, no chunked matrices): requests b of [0, n), request b's
+ * tokens rows starts[b] .. starts[b + 1] - 1 (empty: skipped) in its slot slots[b], from its
+ * state where has_init[b] (else zeros); tasks are (request, value head), so a step's prompts
+ * share the team. Arguments as gated_delta_decode_f32's, rows indexed by token; out [T, Hv, Dv]
+ * contiguous. */
+void gated_delta_prefill_f32(const float *q, int64_t q_st, int64_t q_sh, const float *k,
+                             int64_t k_st, int64_t k_sh, const float *v, int64_t v_st,
+                             int64_t v_sh, const float *g, int64_t g_st, int64_t g_sh,
+                             int64_t per_channel, const float *beta, int64_t b_st, int64_t b_sh,
+                             float *state, const int32_t *slots, const uint8_t *has_init,
+                             const int32_t *starts, float *out, int64_t n, int64_t Hk, int64_t Hv,
+                             int64_t Dk, int64_t Dv, float scale, int64_t l2norm) {
+    int64_t group = Hv / Hk, tasks = n * Hv;
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = task / Hv, h = task % Hv, hk = h / group;
         float *S = state + ((int64_t)slots[b] * Hv + h) * Dk * Dv;
         int init = has_init[b] != 0;
-        for (int64_t j = 0; j < Dv; j++) rk[j] = rq[j] = 0.0f;
-        if (init) {
-            for (int64_t i = 0; i < Dk; i++) {
-                const float *Si = S + i * Dv;
-                float ek = kv[i] * e[i], eq = qv[i] * e[i];
-#pragma omp simd
-                for (int64_t j = 0; j < Dv; j++) {
-                    rk[j] += ek * Si[j];
-                    rq[j] += eq * Si[j];
-                }
-            }
-        }
-        const float *vr = v + b * v_st + h * v_sh;
-        float bt = beta[b * b_st + h * b_sh];
-        float *o = out + (b * Hv + h) * Dv;
-#pragma omp simd
-        for (int64_t j = 0; j < Dv; j++) {
-            rk[j] = (vr[j] - rk[j]) * bt; /* delta */
-            o[j] = rq[j] + qk * rk[j];
-        }
-        for (int64_t i = 0; i < Dk; i++) {
-            float *Si = S + i * Dv;
-            float ki = kv[i], ei = e[i];
-            if (init) {
-#pragma omp simd
-                for (int64_t j = 0; j < Dv; j++) Si[j] = Si[j] * ei + ki * rk[j];
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < Dv; j++) Si[j] = ki * rk[j];
-            }
-        }
+        for (int64_t t = starts[b]; t < starts[b + 1]; t++, init = 1)
+            gated_delta_token(q + t * q_st + hk * q_sh, k + t * k_st + hk * k_sh,
+                              v + t * v_st + h * v_sh, g + t * g_st + h * g_sh, per_channel,
+                              beta[t * b_st + h * b_sh], S, init, out + (t * Hv + h) * Dv, Dk, Dv,
+                              scale, l2norm);
     }
 }
 

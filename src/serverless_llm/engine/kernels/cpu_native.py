@@ -279,6 +279,11 @@ class NativeKernels:
         f.argtypes += [_F, _I]
         f.restype = None
         self._gated_delta = f
+        f = self.lib.gated_delta_prefill_f32
+        f.argtypes = [_P, _I, _I] * 3 + [_P, _I, _I, _I, _P, _I, _I] + [_P] * 5 + [_I] * 5
+        f.argtypes += [_F, _I]
+        f.restype = None
+        self._gated_delta_prefill = f
         f = self.lib.ssd_decode_f32
         f.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I, _I] + [_P] * 5 + [_I] * 5
         f.restype = None
@@ -511,6 +516,36 @@ class NativeKernels:
             beta.data_ptr(), beta.stride(0), beta.stride(1),
             state.data_ptr(), slots.data_ptr(), has_init.data_ptr(), out.data_ptr(),
             n, Hk, Hv, Dk, Dv, scale, int(l2norm),
+        )  # fmt: skip
+        return True
+
+    def gated_delta_prefill(
+        self, q, k, v, g, beta, state, starts, slots, has_init, scale: float, l2norm: bool, out
+    ) -> bool:
+        """kernels/gated_delta.py's prompt chunks, token after token in their slots: requests
+        b = 0..len(slots)-1 with rows starts[b]..starts[b+1]-1 (`starts`: the chunks' part of
+        query_start_loc, len(slots) + 1 entries), tensors as `gated_delta_decode`'s, out
+        [T, Hv, Dv] contiguous float32."""
+        per_channel = g.dim() == 3
+        if not (_f32_cpu(q, k, v, g, beta, state, out) and state.is_contiguous()):
+            return False
+        if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not out.is_contiguous():
+            return False
+        if per_channel and g.stride(2) != 1:
+            return False
+        n = slots.shape[0]
+        slots, has_init = _slots_flags(slots, has_init, n)
+        starts = starts.to(torch.int32).contiguous()
+        _, Hk, Dk = q.shape
+        Hv, Dv = v.shape[1:]
+        self._gated_delta_prefill(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1),
+            g.data_ptr(), g.stride(0), g.stride(1), int(per_channel),
+            beta.data_ptr(), beta.stride(0), beta.stride(1),
+            state.data_ptr(), slots.data_ptr(), has_init.data_ptr(), starts.data_ptr(),
+            out.data_ptr(), n, Hk, Hv, Dk, Dv, scale, int(l2norm),
         )  # fmt: skip
         return True
 

@@ -248,22 +248,32 @@ def gated_delta_rule_ref(
     int32, has_initial_state [B] bool. Returns o [T, Hv, Dv] in v's dtype (zeros on rows of no
     request). Decodes step all at once; a prompt chunk of more than RECURRENT_MAX tokens
     (RECURRENT_MAX_PER_CHANNEL for a per-channel g) runs the chunked form, shorter ones the
-    per-token loop."""
+    per-token loop. In float32 on CPU, where the native kernels are loaded
+    (`cpu_native.recurrent_kernels`), the decodes and the prompt chunks run in them instead
+    (the chunks token after token, all in one call)."""
     _check(q, k, v, g, beta, state, state_slots)
     Hv = v.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    nd = num_decodes
-    # The native kernel (float32 on CPU) reads and writes each decode's state once, in its slot.
-    native = nd and cpu_native.recurrent_kernels()
-    if native and native.gated_delta_decode(
-        q, k, v, g, beta, state, state_slots, has_initial_state, scale, use_qk_l2norm, out, nd
-    ):
-        if nd == q.shape[0]:
-            return out
-        nd_torch = 0
-    else:
-        nd_torch = nd
+    nd, B = num_decodes, state_slots.shape[0]
+    # The native kernels (float32 on CPU) read and write each decode's state once, in its slot,
+    # and run the prompt chunks token after token in their slots (one call for all of them,
+    # shared by the threads: the torch forms below are many small ops a request, on one thread).
+    native = cpu_native.recurrent_kernels()
+    decodes_done = (
+        bool(nd)
+        and bool(native)
+        and native.gated_delta_decode(
+            q, k, v, g, beta, state, state_slots, has_initial_state, scale, use_qk_l2norm, out, nd
+        )
+    )
+    prompts_done = B > nd and bool(native) and native.gated_delta_prefill(
+        q, k, v, g, beta, state, query_start_loc[nd : B + 1], state_slots[nd:],
+        has_initial_state[nd:], scale, use_qk_l2norm, out,
+    )  # fmt: skip
+    if (decodes_done or not nd) and (prompts_done or B == nd):
+        return out.to(v.dtype)
+    nd_torch = 0 if decodes_done else nd
     qp, kp = _prepare_qk(q, k, Hv, scale, use_qk_l2norm)
     v32, g32, b32 = v.float(), g.float(), beta.float()
     if nd_torch:
@@ -278,7 +288,7 @@ def gated_delta_rule_ref(
     bounds = query_start_loc.tolist()
     slots_list = state_slots.tolist()
     init_list = has_initial_state.tolist()
-    for b in range(nd, len(slots_list)):
+    for b in range(nd, 0 if prompts_done else len(slots_list)):
         s, e = bounds[b], bounds[b + 1]
         if e <= s:
             continue
