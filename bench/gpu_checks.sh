@@ -56,7 +56,7 @@ mxfp4=${PIPESTATUS[0]}
 # bf16 matmul, M = 1/16/256.
 "$PY" bench/fp8_block_gemm.py 2>&1 | tee "$OUT/fp8_block_gemm.log"
 fp8_block=${PIPESTATUS[0]}
-# Issue 40: verification steps of hybrid models (Qwen3-Next, Jamba, LFM2) with ngram, replayed
+# Issue 40: verification steps of hybrid models (Qwen3-Next, Jamba, LFM2), k = 3, replayed
 # in CUDA graphs against eager (its correctness tests: tests/engine/test_captured_verification_gpu.py).
 "$PY" bench/verification_capture.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/verification_capture.log"
 verify_capture=${PIPESTATUS[0]}
