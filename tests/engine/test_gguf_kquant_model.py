@@ -146,6 +146,8 @@ def engines(tmp_path_factory):
 def test_linears_read_the_files_blocks(engines):
     _, packed, records = engines
     model = packed.engine.runner.model
+    if not gk.load().vnni:
+        pytest.skip("no AVX-512 VNNI here: the K-quants stay on qb32 (kernel tests cover both)")
     l0, l1 = model.layers
     for lin in (l0.self_attn.o_proj, l1.self_attn.qkv_proj, l1.self_attn.o_proj,
                 l1.mlp.down_proj):  # fmt: skip
@@ -183,7 +185,7 @@ def test_blocks_equal_the_float_weights(engines):
     got = packed.engine.runner.model.layers[0].self_attn.qkv_proj
     x = torch.randn(2, ref.in_features, generator=torch.Generator().manual_seed(0))
     full = torch.cat([gk.dequantize(p) if isinstance(p, gk.KQ) else gb.dequantize(p)
-                      for p in got.parts])  # fmt: skip
+                      for p in getattr(got, "parts", [got.blocks])])  # fmt: skip
     want = x.double() @ full.double().T
     assert torch.allclose(ref(x).double(), want, atol=1e-4)
 

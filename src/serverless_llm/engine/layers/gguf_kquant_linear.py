@@ -134,14 +134,16 @@ def parts_of(tensors: dict, parts, unpermute: bool) -> list | None:
 def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[str]:
     """On a model still on meta: each decoder linear with a K-quant part, the token embedding
     of a K-quant type and a tied LM head over it, on K-quant records (see the module's text).
-    Returns the GGUF names taken; without the K-quant kernels (their warning says why) nothing,
-    and gguf_blocks' qb32 form takes them as before."""
+    Returns the GGUF names taken; without the K-quant kernels (their warning says why) or
+    AVX-512 VNNI nothing, and gguf_blocks' qb32 form takes them as before."""
     from .gguf_linear import _meta_bias, _parts, permutes_qk
 
     if not any(t.type_name in gk.TYPES for t in tensors.values()):
         return set()
     kernels = gk.load()
-    if kernels is None or kernels.qb32_steps_address is None:
+    if kernels is None or kernels.qb32_steps_address is None or not kernels.vnni:
+        # without AVX-512 VNNI the records have only the portable loop, slower than qb32's
+        # AVX2 path: the K-quants stay on qb32 there
         return set()
     unpermute = permutes_qk(hf_config)
     taken: set[str] = set()
