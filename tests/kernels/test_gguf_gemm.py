@@ -1,8 +1,9 @@
 """The many-row GEMM on GGUF blocks (kernels/gguf_blocks.c's qb32_gemm, the prefill path) and the
 row gather (qb32_rows, the token embedding's lookup) against a float64 dequantize-then-matmul
-reference: every type of the layout, rows 1 to 300 (past the kernel's 256-row pass and off its
-two-vector row step), outputs off its 6-row micro-kernel and 48-row tile, inputs off its 256-input
-tile. The GEMM takes x as it is, so it equals the reference up to float32 summation order."""
+reference: every type of the layout, rows 1 to 300 (past the kernel's 256-row pass; whole pairs
+of row vectors, a lone last vector (rows 1-16 past the pairs) and both), outputs off its 12- and
+24-row micro-kernels and 48-row tile, inputs off its 128-input tile. The GEMM takes x as it is,
+so it equals the reference up to float32 summation order."""
 
 from __future__ import annotations
 

@@ -600,8 +600,10 @@ void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
 #define GEMM_KC 128 /* inputs per tile: 4 blocks */
 #if defined(__AVX512F__)
 #define GEMM_NR 12 /* weight rows per micro-kernel: 24 accumulators of AVX-512's 32 registers */
+#define GEMM_NR1 24 /* the same for one vector of x rows (a step's last <= 16 rows) */
 #else
 #define GEMM_NR 6 /* 12 accumulators of AVX2's 16 */
+#define GEMM_NR1 12
 #endif
 #define GEMM_MC 256 /* rows of x per pass (bounds the transposed copy and the accumulators) */
 
@@ -698,6 +700,73 @@ static const gemm_micro_t GEMM_MICROS[GEMM_NR + 1] = {
 #else
 static const gemm_micro_t GEMM_MICROS[GEMM_NR + 1] = {
     NULL, gemm_micro_1, gemm_micro_2, gemm_micro_3, gemm_micro_4, gemm_micro_5, gemm_micro_6,
+};
+#endif
+
+/* The same for one vector of x rows (GV): GEMM_NR1 weight rows, so that a step's last rows past
+ * whole pairs of vectors (a batch of 16 decodes, 48, a prefill's tail) are not padded to two
+ * vectors of zeros. */
+#define GM1_DECL(i) gvec c##i##0 = first ? G_ZERO() : G_LOAD(acc + i * lda);
+#define GM1_STEP(i) c##i##0 = G_FMA(G_BCAST(w + i * ldw + k), x0, c##i##0);
+#define GM1_STORE(i) G_STORE(acc + i * lda, c##i##0);
+#define GM_ROWS13(M) GM_ROWS12(M) M(12)
+#define GM_ROWS14(M) GM_ROWS13(M) M(13)
+#define GM_ROWS15(M) GM_ROWS14(M) M(14)
+#define GM_ROWS16(M) GM_ROWS15(M) M(15)
+#define GM_ROWS17(M) GM_ROWS16(M) M(16)
+#define GM_ROWS18(M) GM_ROWS17(M) M(17)
+#define GM_ROWS19(M) GM_ROWS18(M) M(18)
+#define GM_ROWS20(M) GM_ROWS19(M) M(19)
+#define GM_ROWS21(M) GM_ROWS20(M) M(20)
+#define GM_ROWS22(M) GM_ROWS21(M) M(21)
+#define GM_ROWS23(M) GM_ROWS22(M) M(22)
+#define GM_ROWS24(M) GM_ROWS23(M) M(23)
+#define GEMM_MICRO1(n)                                                                            \
+    static void gemm_micro1_##n(const float *w, int64_t ldw, const float *xt, int64_t ldx,       \
+                                int64_t kc, float *acc, int64_t lda, int first) {                 \
+        GM_ROWS##n(GM1_DECL) for (int64_t k = 0; k < kc; k++) {                                   \
+            gvec x0 = G_LOAD(xt + k * ldx);                                                       \
+            GM_ROWS##n(GM1_STEP)                                                                  \
+        }                                                                                         \
+        GM_ROWS##n(GM1_STORE)                                                                     \
+    }
+GEMM_MICRO1(1)
+GEMM_MICRO1(2)
+GEMM_MICRO1(3)
+GEMM_MICRO1(4)
+GEMM_MICRO1(5)
+GEMM_MICRO1(6)
+GEMM_MICRO1(7)
+GEMM_MICRO1(8)
+GEMM_MICRO1(9)
+GEMM_MICRO1(10)
+GEMM_MICRO1(11)
+GEMM_MICRO1(12)
+#if GEMM_NR1 == 24
+GEMM_MICRO1(13)
+GEMM_MICRO1(14)
+GEMM_MICRO1(15)
+GEMM_MICRO1(16)
+GEMM_MICRO1(17)
+GEMM_MICRO1(18)
+GEMM_MICRO1(19)
+GEMM_MICRO1(20)
+GEMM_MICRO1(21)
+GEMM_MICRO1(22)
+GEMM_MICRO1(23)
+GEMM_MICRO1(24)
+static const gemm_micro_t GEMM_MICROS1[GEMM_NR1 + 1] = {
+    NULL,            gemm_micro1_1,  gemm_micro1_2,  gemm_micro1_3,  gemm_micro1_4,
+    gemm_micro1_5,   gemm_micro1_6,  gemm_micro1_7,  gemm_micro1_8,  gemm_micro1_9,
+    gemm_micro1_10,  gemm_micro1_11, gemm_micro1_12, gemm_micro1_13, gemm_micro1_14,
+    gemm_micro1_15,  gemm_micro1_16, gemm_micro1_17, gemm_micro1_18, gemm_micro1_19,
+    gemm_micro1_20,  gemm_micro1_21, gemm_micro1_22, gemm_micro1_23, gemm_micro1_24,
+};
+#else
+static const gemm_micro_t GEMM_MICROS1[GEMM_NR1 + 1] = {
+    NULL,           gemm_micro1_1, gemm_micro1_2, gemm_micro1_3,  gemm_micro1_4,  gemm_micro1_5,
+    gemm_micro1_6,  gemm_micro1_7, gemm_micro1_8, gemm_micro1_9, gemm_micro1_10, gemm_micro1_11,
+    gemm_micro1_12,
 };
 #endif
 
@@ -871,7 +940,7 @@ void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
                     float *out, int64_t ldo) {
     const qb32_t *w = desc;
     int64_t K = w->K, N = w->N;
-    int64_t step = 2 * GV;
+    int64_t step = GV; /* x's rows are padded to whole vectors; pairs of them a micro-kernel */
     dequant_t deq = dequant_for(w);
     /* a weight row's code bytes and its scales' bytes (each of d and c) */
     int64_t bb = w->bits == 4 ? 16 : 32, rowbytes = K / 32 * bb;
@@ -912,11 +981,18 @@ void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
                         }
                         deq(w, n0 + i, k0 / 32, kc / 32, buf + i * GEMM_KC);
                     }
-                    for (int64_t mm = 0; mm < mp; mm += step)
+                    int64_t mm = 0;
+                    for (; mm + 2 * GV <= mp; mm += 2 * GV)
                         for (int64_t i0 = 0; i0 < nt; i0 += GEMM_NR) {
                             int nr = nt - i0 < GEMM_NR ? (int)(nt - i0) : GEMM_NR;
                             GEMM_MICROS[nr](buf + i0 * GEMM_KC, GEMM_KC, xt + k0 * mp + mm, mp,
                                             kc, acc + i0 * mp + mm, mp, k0 == 0);
+                        }
+                    if (mm < mp) /* one vector of rows left */
+                        for (int64_t i0 = 0; i0 < nt; i0 += GEMM_NR1) {
+                            int nr = nt - i0 < GEMM_NR1 ? (int)(nt - i0) : GEMM_NR1;
+                            GEMM_MICROS1[nr](buf + i0 * GEMM_KC, GEMM_KC, xt + k0 * mp + mm,
+                                             mp, kc, acc + i0 * mp + mm, mp, k0 == 0);
                         }
                 }
                 gemm_store(acc, mp, nt, mc, bias ? bias + n0 : NULL, out + m0 * ldo + n0, ldo);
