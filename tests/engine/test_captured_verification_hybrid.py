@@ -24,6 +24,9 @@ from tests.engine.test_speculative import NGRAM, repeating_prompts
 from tests.engine.test_speculative_mtp_qwen import _with_mtp
 from tests.tiny_models import build_tokenizer
 
+# The other kinds of recurrent layers (Mamba-2 beside attention and alone, Nemotron-H's one-kind
+# blocks with the prompt-only time-step limit, Kimi Delta Attention)
+OTHER_KINDS = ("granitemoehybrid", "mamba2", "nemotron_h", "kimi_linear")
 KW = dict(block_size=8, num_kv_blocks=96, max_model_len=96, dtype="float32", max_num_seqs=16)
 
 
@@ -36,7 +39,7 @@ def no_backoff(monkeypatch):
 def models(tmp_path_factory) -> dict[str, str]:
     tok = build_tokenizer()
     out = {}
-    for kind in ("qwen3_next", "jamba", "lfm2"):
+    for kind in ("qwen3_next", "jamba", "lfm2", *OTHER_KINDS):
         out[kind] = save_family_model(str(tmp_path_factory.mktemp(kind)), HYBRIDS[kind](tok))
     return out
 
@@ -148,6 +151,25 @@ def test_ngram_verification_runs_captured(models, kind, k):
     assert captured.verify_replays > 0 and captured.replays > 0
     assert any(verify and rows > size // 2 for size, rows, verify in steps), steps
     assert all(size >= rows for size, rows, _ in steps)
+    assert_books_whole(llm)
+
+
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_other_recurrent_kinds(models, kind):
+    """k = 3, drafts from plain decoding's tokens: as above."""
+    path = models[kind]
+    prompts = _prompts(path)
+    params = _params(len(prompts))
+    plain = staggered(LLM(path, **KW), prompts, params)
+    spec = dict(NGRAM, num_speculative_tokens=3)
+    llm = LLM(path, speculative_config=spec, decode_capture="replay", **KW)
+    captured = llm.engine.runner.captured
+    assert captured.verify_enabled
+    oracle(llm, prompts, plain)
+    eager = count_eager(llm)
+    assert staggered(llm, prompts, params) == plain
+    assert captured.verify_replays > 0
+    assert only_long_steps_eager(eager, 5, 16), eager
     assert_books_whole(llm)
 
 
