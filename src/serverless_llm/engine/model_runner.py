@@ -608,7 +608,10 @@ class ModelRunner:
             if self.layout.has_state:
                 # Recurrent layers: requests of a few rows each (verifications, and the kept
                 # tokens computed again after a rollback) in the verification graphs, each
-                # request's rows in order from its state slot.
+                # request's rows in order from its state slot. Not pooling prompts' chunks:
+                # their pools may keep views of the graph's output past the step.
+                if h.pool_work:
+                    return None
                 rows, longest = len(h.input_ids), max(h.query_lens)
                 return self.captured.verify_bucket(rows, max(h.seq_lens), longest)
             # Verifications only besides the decodes on a model without recurrent layers.
