@@ -2,7 +2,7 @@
 tests/kernels/gguf_packers.py (the `gguf` package only dequantizes them) and random file bytes
 read back equal to the package's dequantization and to gguf_blocks' qb32 form of the same
 blocks; the records keep the file's bytes (Q4_K 148 of 144, Q6_K 210 of 210); the few-row kernel
-(every path this machine has, the portable ones everywhere) equals its float64 reference for
+(VNNI and AVX2 where this machine has them, the portable loop everywhere) equals its float64 reference for
 1 to 128 rows, outputs off every tile and 1, 2, 5 super-blocks, also at the integer extremes;
 steps past the few-row threshold run the many-row GEMM (x as it is); the row lookup equals
 dequantize bit for bit; a linear stacked from parts of different layouts equals the stacked
@@ -22,7 +22,16 @@ from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
 from tests.kernels.gguf_packers import quantize  # noqa: E402
 
 TYPES = ("Q4_K", "Q6_K")
-PATHS = ("best", "portable", "float", "float-portable")
+PATHS = ("best", "portable", "avx2", "float", "float-portable", "float-avx2")
+
+
+def skip_unless_built(kernels, path):
+    """Skip a path this CPU or build does not have ("best"/"float": VNNI, else AVX2, else the
+    portable loop; the portable ones run everywhere)."""
+    if path in ("best", "float") and not (kernels.vnni or kernels.avx2):
+        pytest.skip("neither AVX-512 VNNI nor AVX2 here: the portable path is tested below")
+    if path.endswith("avx2") and not kernels.avx2:
+        pytest.skip("this CPU (or build) has no AVX2")
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +111,7 @@ def check(got: torch.Tensor, want: torch.Tensor, what) -> None:
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("path", PATHS)
 def test_kernel_equals_the_float64_reference(kernels, type_name, path):
-    if path in ("best", "float") and not kernels.vnni:
-        pytest.skip("no AVX-512 VNNI here: the best path is the portable one, tested below")
+    skip_unless_built(kernels, path)
     for n, supers in ((1, 1), (19, 2), (37, 5)):  # outputs off the 8-row tiles
         k = 256 * supers
         w = gk.from_file_blocks(quantize(weight(n, k, n), type_name), type_name, k)
@@ -124,8 +132,7 @@ def test_kernel_equals_the_float64_reference(kernels, type_name, path):
 def test_integer_extremes(kernels, type_name, path):
     """Every code at its largest and inputs at +-L in every lane: the 22-bit inputs' int32 dot
     of 16 products of 63 * L is within 2^31 of zero (a wrap or a saturation would show)."""
-    if path in ("best", "float") and not kernels.vnni:
-        pytest.skip("no AVX-512 VNNI here")
+    skip_unless_built(kernels, path)
     size = gk.TYPES[type_name][2]
     raw = np.full((9, size), 255, np.uint8)  # codes 15 / 63, sub-scales and mins 63, scales -1
     for at in gb._HALF_FIELDS[type_name]:

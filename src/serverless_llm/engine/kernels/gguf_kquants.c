@@ -42,20 +42,29 @@
 #define HAVE_GFNI 0
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
 #define QK 256
 #define LEVELS22 2080768 /* 127 * 2^14: "float" inputs */
 enum { KQ_Q4K = 0, KQ_Q6K = 1 };
 static const int64_t REC_BYTES[2] = {148, 210};
 
 int kq_has_vnni(void) { return HAVE_VNNI512; }
+int kq_has_avx2(void) { return HAVE_AVX2; }
 
 typedef void (*linear_fn)(const float *, int64_t, int64_t, const void *, const float *, float *,
                           int64_t);
 
 /* A kq weight (gguf_kquants.py's KQDesc). path: 0 int8 inputs on the best path, 1 int8 on the
- * portable loop, 3 float inputs on the best path, 4 float on the portable loop (gguf_blocks.c's
- * numbering; 2 and 5 are taken as 1 and 4). Steps of more than few_rows rows go to `gemm`
- * (gguf_blocks.c's qb32_gemm_desc) where it is set. */
+ * portable loop, 2 int8 on AVX2, 3 float inputs on the best path, 4 float on the portable loop,
+ * 5 float on AVX2 (gguf_blocks.c's numbering); the best path is VNNI, else AVX2, else
+ * portable. Steps of more than few_rows rows go to `gemm` (gguf_blocks.c's qb32_gemm_desc)
+ * where it is set. */
 typedef struct {
     const uint8_t *data; /* [N][K / 256][record] */
     int64_t N, K, type, path, few_rows;
@@ -217,6 +226,9 @@ static int quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, int par
     }
     return 0;
 }
+
+typedef void (*kq_rows_t)(const kq_t *, const xq_t *, const float *, float *, int64_t, int64_t,
+                          int64_t);
 
 static void free_x(xq_t *X) {
     free(X->q);
@@ -418,9 +430,142 @@ KQ_COPY(kq_p1_q6k, 1, KQ_Q6K)
 KQ_COPY(kq_p3_q4k, 3, KQ_Q4K)
 KQ_COPY(kq_p3_q6k, 3, KQ_Q6K)
 #undef KQ_COPY
-typedef void (*kq_rows_t)(const kq_t *, const xq_t *, const float *, float *, int64_t, int64_t,
-                          int64_t);
 static const kq_rows_t KQ_RUNS[2][2] = {{kq_p1_q4k, kq_p1_q6k}, {kq_p3_q4k, kq_p3_q6k}};
+#endif
+
+
+/* -- the AVX2 path --------------------------------------------------------------------------- */
+
+#if HAVE_AVX2
+/* As kq_tile with 256-bit vectors: each 64-byte step is two halves of 8 int32 lanes (groups
+ * 0-7 and 8-15), VPMADDUBSW on the low- and high-nibble codes against their input bytes (each
+ * pair sum <= 2 * 63 * 127, and the two added <= 32004: no int16 saturates), VPMADDWD to int32,
+ * both steps and all parts of a half into one dot, scaled once a super-block. */
+static inline __attribute__((always_inline)) void kq_tile_avx2(const kq_t *w, const xq_t *X,
+                                                                int64_t m0, int64_t n0,
+                                                                const int R, const int MT,
+                                                                const int P, const int T,
+                                                                float *res) {
+    const int64_t rec = T == KQ_Q4K ? 148 : 210, nsb = X->nsb, rowb = nsb * rec;
+    __m256 acc[R][MT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i first = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    const __m256i second = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+    for (int64_t j = 0; j < nsb; j++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = w->data + (n0 + r) * rowb + j * rec;
+            __m128 dd = _mm_cvtph_ps(
+                _mm_cvtsi32_si128(*(const int32_t *)(b + (T == KQ_Q4K ? 144 : 208))));
+            __m256 d = _mm256_broadcastss_ps(dd), D0, D1;
+            if (T == KQ_Q4K) {
+                __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                              _mm_loadl_epi64((const __m128i *)(b + 128)))),
+                                          d);
+                __m256 C = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(b + 136)))),
+                                         _mm256_broadcastss_ps(_mm_movehdup_ps(dd)));
+                for (int m = 0; m < MT; m++)
+                    acc[r][m] = _mm256_fnmadd_ps(
+                        C, _mm256_loadu_ps(X->s32 + ((m0 + m) * nsb + j) * 16 + 8), acc[r][m]);
+                D0 = _mm256_permutevar8x32_ps(sc, first);
+                D1 = _mm256_permutevar8x32_ps(sc, second);
+            } else {
+                D0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                       _mm_loadl_epi64((const __m128i *)(b + 192)))),
+                                   d);
+                D1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                       _mm_loadl_epi64((const __m128i *)(b + 200)))),
+                                   d);
+                for (int m = 0; m < MT; m++) {
+                    const float *s16 = X->s16 + ((m0 + m) * nsb + j) * 16;
+                    acc[r][m] = _mm256_fmadd_ps(D0, _mm256_loadu_ps(s16), acc[r][m]);
+                    acc[r][m] = _mm256_fmadd_ps(D1, _mm256_loadu_ps(s16 + 8), acc[r][m]);
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                __m256i lo[2], hi[2];
+                for (int s = 0; s < 2; s++) {
+                    __m256i U = _mm256_loadu_si256((const __m256i *)(b + 64 * s + 32 * h));
+                    lo[s] = _mm256_and_si256(U, low);
+                    hi[s] = _mm256_and_si256(_mm256_srli_epi16(U, 4), low);
+                    if (T == KQ_Q6K) {
+                        __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * s));
+                        __m256i pl = h ? _mm256_srli_epi32(H, 2) : H;
+                        __m256i ph = h ? _mm256_slli_epi32(H, 2) : _mm256_slli_epi32(H, 4);
+                        lo[s] = _mm256_or_si256(lo[s], _mm256_and_si256(pl, top));
+                        hi[s] = _mm256_or_si256(hi[s], _mm256_and_si256(ph, top));
+                    }
+                }
+                for (int m = 0; m < MT; m++) {
+                    const int8_t *xr = X->xs + ((m0 + m) * nsb + j) * P * 256 + 32 * h;
+                    __m256i dot = _mm256_setzero_si256();
+                    for (int p = 0; p < P; p++) {
+                        if (p) dot = _mm256_slli_epi32(dot, 7);
+                        for (int s = 0; s < 2; s++) {
+                            const int8_t *xp = xr + (s * P + p) * 128;
+                            __m256i pr = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo[s], _mm256_load_si256((const __m256i *)xp)),
+                                _mm256_maddubs_epi16(hi[s],
+                                                     _mm256_load_si256((const __m256i *)(xp + 64))));
+                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
+                        }
+                    }
+                    __m256 E = _mm256_mul_ps(
+                        h ? D1 : D0, _mm256_load_ps(X->ag + ((m0 + m) * nsb + j) * 16 + 8 * h));
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), E, acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]),
+                                  _mm256_extractf128_ps(acc[r][m], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            res[r * MT + m] = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+        }
+}
+
+#define KQ2_ROWS 4
+#define KQ2_COPY(NAME, P, T)                                                                      \
+    static void NAME(const kq_t *w, const xq_t *X, const float *bias, float *out, int64_t ldo,   \
+                     int64_t n0, int64_t nr) {                                                    \
+        float res[KQ2_ROWS * 4];                                                                  \
+        for (int64_t m0 = 0; m0 < X->M; m0 += 4) {                                                \
+            int mt = X->M - m0 < 4 ? (int)(X->M - m0) : 4;                                        \
+            int R = mt == 1 ? 4 : (mt == 2 ? 2 : 1);                                              \
+            int64_t n = n0;                                                                       \
+            for (; n + R <= n0 + nr; n += R) {                                                    \
+                switch (mt) {                                                                     \
+                case 1: kq_tile_avx2(w, X, m0, n, 4, 1, P, T, res); break;                        \
+                case 2: kq_tile_avx2(w, X, m0, n, 2, 2, P, T, res); break;                        \
+                case 3: kq_tile_avx2(w, X, m0, n, 1, 3, P, T, res); break;                        \
+                default: kq_tile_avx2(w, X, m0, n, 1, 4, P, T, res); break;                       \
+                }                                                                                 \
+                for (int r = 0; r < R; r++)                                                       \
+                    for (int m = 0; m < mt; m++)                                                  \
+                        out[(m0 + m) * ldo + n + r] = res[r * mt + m] + (bias ? bias[n + r] : 0.0f); \
+            }                                                                                     \
+            for (; n < n0 + nr; n++) {                                                            \
+                switch (mt) {                                                                     \
+                case 1: kq_tile_avx2(w, X, m0, n, 1, 1, P, T, res); break;                        \
+                case 2: kq_tile_avx2(w, X, m0, n, 1, 2, P, T, res); break;                        \
+                default: break; /* R is 1 for three or four rows: never left over */              \
+                }                                                                                 \
+                for (int m = 0; m < mt; m++)                                                      \
+                    out[(m0 + m) * ldo + n] = res[m] + (bias ? bias[n] : 0.0f);                   \
+            }                                                                                     \
+        }                                                                                         \
+    }
+KQ2_COPY(kq2_p1_q4k, 1, KQ_Q4K)
+KQ2_COPY(kq2_p1_q6k, 1, KQ_Q6K)
+KQ2_COPY(kq2_p3_q4k, 3, KQ_Q4K)
+KQ2_COPY(kq2_p3_q6k, 3, KQ_Q6K)
+#undef KQ2_COPY
+static const kq_rows_t KQ2_RUNS[2][2] = {{kq2_p1_q4k, kq2_p1_q6k}, {kq2_p3_q4k, kq2_p3_q6k}};
 #endif
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias), x quantized
@@ -429,10 +574,11 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
                     float *out, int64_t ldo) {
     const kq_t *w = desc;
     int64_t N = w->N, K = w->K, path = w->path;
-    int parts = path >= 3 ? 3 : 1, best = path % 3 == 0;
-    int use_vnni = HAVE_VNNI512 && best;
+    int parts = path >= 3 ? 3 : 1, how = (int)(path % 3); /* 0 best, 1 portable, 2 AVX2 */
+    int use_vnni = HAVE_VNNI512 && how == 0;
+    int use_avx2 = HAVE_AVX2 && (how == 2 || (how == 0 && !HAVE_VNNI512));
     xq_t X;
-    if (quantize_x(x, ldx, M, K, parts, use_vnni, &X)) { /* out of memory: NaNs, never garbage */
+    if (quantize_x(x, ldx, M, K, parts, use_vnni || use_avx2, &X)) { /* out of memory: NaNs, never garbage */
         free_x(&X);
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) out[m * ldo + n] = NAN;
@@ -452,6 +598,20 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
         return;
     }
 #endif
+#if HAVE_AVX2
+    if (use_avx2) {
+        kq_rows_t run = KQ2_RUNS[parts == 3][w->type == KQ_Q6K];
+        int64_t tiles = (N + KQ2_ROWS - 1) / KQ2_ROWS;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n0 = t * KQ2_ROWS;
+            run(w, &X, bias, out, ldo, n0, N - n0 < KQ2_ROWS ? N - n0 : KQ2_ROWS);
+        }
+        free_x(&X);
+        return;
+    }
+#endif
+    (void)use_avx2;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++) row_portable(w, &X, n, out, ldo, bias);
     free_x(&X);

@@ -220,6 +220,7 @@ class KQuantKernels:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.vnni = bool(self.lib.kq_has_vnni())
+        self.avx2 = bool(self.lib.kq_has_avx2())
         self.blocks = blocks
         for name in ("kq_linear_desc", "kq_steps_desc", "kq_multi_desc"):
             f = getattr(self.lib, name)
@@ -252,7 +253,8 @@ class KQuantKernels:
     def linear(self, x: torch.Tensor, w: KQ, bias=None, path: str = "best") -> torch.Tensor:
         """The few-row kernel, any row count: x [M, K] times w^T (+ bias), equal to
         `gb.reference_linear(x, <dequantize(w)>, levels=gb.levels_of(path))` to float32
-        rounding. `path`: "best", "portable", "float", "float-portable"."""
+        rounding. `path`: "best" (int8 inputs: VNNI, else AVX2, else portable), "portable",
+        "avx2" (where built), and "float", "float-portable", "float-avx2" (22-bit inputs)."""
         if x.shape[1] != w.k:
             raise ValueError(f"x has {x.shape[1]} inputs, the weight {w.k}")
         return self._run(self.lib.kq_linear_desc, x, w.shape[0], self.desc(w, path), bias)

@@ -142,8 +142,9 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
         return set()
     kernels = gk.load()
     if kernels is None or kernels.qb32_steps_address is None or not kernels.vnni:
-        # without AVX-512 VNNI the records have only the portable loop, slower than qb32's
-        # AVX2 path: the K-quants stay on qb32 there
+        # without AVX-512 VNNI the K-quants stay on qb32: the records' AVX2 path measured ~8%
+        # slower than qb32's on the AVX-512 machine (float inputs, compute-bound there); not yet
+        # measured on an AVX2-only one, where fewer bytes may win
         return set()
     unpermute = permutes_qk(hf_config)
     taken: set[str] = set()
