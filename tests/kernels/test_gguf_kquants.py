@@ -1,12 +1,13 @@
 """The dense K-quant layout (kernels/gguf_kquants.py): Q4_K and Q6_K tensors written by
 tests/kernels/gguf_packers.py (the `gguf` package only dequantizes them) and random file bytes
 read back equal to the package's dequantization and to gguf_blocks' qb32 form of the same
-blocks; the records keep the file's bytes (Q4_K 148 of 144, Q6_K 210 of 210); the few-row kernel
-(VNNI and AVX2 where this machine has them, the portable loop everywhere) equals its float64 reference for
-1 to 128 rows, outputs off every tile and 1, 2, 5 super-blocks, also at the integer extremes;
-steps past the few-row threshold run the many-row GEMM (x as it is); the row lookup equals
-dequantize bit for bit; a linear stacked from parts of different layouts equals the stacked
-reference, each part in its own layout."""
+blocks; the records keep the file's bytes (Q4_K 148 of 144, Q6_K 210 of 210); the C repack
+writes the numpy one's records; the few-row kernel (VNNI and AVX2 where this machine has them,
+the portable loop everywhere) equals its float64 reference for 1 to 128 rows, outputs off every
+tile and 1, 2, 5 super-blocks, also at the integer extremes; steps past the few-row threshold
+run the many-row GEMM (x as it is); the row lookup equals dequantize bit for bit; a linear
+stacked from parts of different layouts equals the stacked reference, each part in its own
+layout."""
 
 from __future__ import annotations
 
@@ -213,3 +214,13 @@ def test_stacked_parts_keep_their_layouts(kernels):
             xd = (q.view(m, k // 32, 32) * scale.double()[..., None]).reshape(m, k)
         want = xd @ full.double().T + bias.double()
         check(got, want, m)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_c_repack_equals_numpys(kernels, type_name):
+    """kq_from_file (the load's repack) writes the same records as the numpy one, for random
+    file bytes (every bit pattern of codes, pairs, scales) and for a quantized tensor."""
+    for raw in (random_blocks(type_name, 9, 3, 5), quantize(weight(4, 768, 6), type_name)):
+        want = gk.from_file_blocks(raw, type_name, 768)
+        got = gk.from_file_blocks(raw, type_name, 768, kernels)
+        assert torch.equal(got.data, want.data)

@@ -724,3 +724,64 @@ void kq_multi_desc(const float *x, int64_t ldx, int64_t M, const void *desc, con
         p->fn(x, ldx, M, p->desc, bias ? bias + p->n0 : NULL, out + p->n0, ldo);
     }
 }
+
+/* -- the repack from the file's blocks (what gguf_kquants.py's from_file_blocks does in numpy,
+ * done here at load: ~10x faster) ------------------------------------------------------------ */
+
+/* The record's code bytes (and Q6_K's pair bytes) from codes u[256] in input order. */
+static void pack_codes(const uint8_t *u, int type, uint8_t *rec) {
+    for (int s = 0; s < 2; s++)
+        for (int k = 0; k < 64; k++) {
+            int t = k / 4, i = k % 4;
+            uint8_t lo = u[16 * t + 8 * s + i], hi = u[16 * t + 8 * s + 4 + i];
+            rec[64 * s + k] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
+        }
+    if (type != KQ_Q6K) return;
+    for (int s = 0; s < 2; s++)
+        for (int k = 0; k < 32; k++) {
+            int t0 = k / 4, t1 = (k + 32) / 4, i = k % 4;
+            int pl0 = u[16 * t0 + 8 * s + i] >> 4, ph0 = u[16 * t0 + 8 * s + 4 + i] >> 4;
+            int pl1 = u[16 * t1 + 8 * s + i] >> 4, ph1 = u[16 * t1 + 8 * s + 4 + i] >> 4;
+            rec[128 + 32 * s + k] = (uint8_t)((pl0 << 4) | (pl1 << 6) | ph0 | (ph1 << 2));
+        }
+}
+
+/* `count` file super-blocks of `type` (Q4_K: 144 bytes, Q6_K: 210) at `raw` into records at
+ * `out` (148 or 210 bytes each). */
+void kq_from_file(const uint8_t *raw, int64_t count, int64_t type, uint8_t *out) {
+#pragma omp parallel for schedule(static) if (count > 4096)
+    for (int64_t j = 0; j < count; j++) {
+        uint8_t u[QK];
+        if (type == KQ_Q4K) {
+            const uint8_t *b = raw + j * 144, *q = b + 16, *sc = b + 4;
+            uint8_t *r = out + j * 148;
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++) {
+                    u[64 * k + l] = q[32 * k + l] & 15;
+                    u[64 * k + 32 + l] = q[32 * k + l] >> 4;
+                }
+            pack_codes(u, KQ_Q4K, r);
+            for (int i = 0; i < 4; i++) { /* 6-bit sub-scales and sub-mins: gguf_blocks._k_scales */
+                r[128 + i] = sc[i] & 63;
+                r[136 + i] = sc[4 + i] & 63;
+                r[128 + 4 + i] = (uint8_t)((sc[8 + i] & 15) | ((sc[i] >> 6) << 4));
+                r[136 + 4 + i] = (uint8_t)((sc[8 + i] >> 4) | ((sc[4 + i] >> 6) << 4));
+            }
+            memcpy(r + 144, b, 4); /* d, dmin */
+        } else {
+            const uint8_t *b = raw + j * 210;
+            for (int n = 0; n < 2; n++) {
+                const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+                for (int l = 0; l < 32; l++) {
+                    u[128 * n + l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
+                    u[128 * n + l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+                    u[128 * n + l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    u[128 * n + l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
+            }
+            uint8_t *r = out + j * 210;
+            pack_codes(u, KQ_Q6K, r);
+            memcpy(r + 192, b + 192, 18); /* scales, d */
+        }
+    }
+}

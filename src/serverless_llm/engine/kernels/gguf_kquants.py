@@ -73,16 +73,21 @@ def _step_order(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return v[:, :, 0].reshape(-1, 2, 64), v[:, :, 1].reshape(-1, 2, 64)
 
 
-def from_file_blocks(raw: np.ndarray, type_name: str, k: int) -> KQ:
+def from_file_blocks(raw: np.ndarray, type_name: str, k: int, kernels=None) -> KQ:
     """Our records from a GGUF tensor's raw blocks (uint8 [N, row bytes]) of `type_name` (Q4_K
-    or Q6_K) with `k` inputs. Exact."""
+    or Q6_K) with `k` inputs. Exact. With `kernels` (KQuantKernels) the repack runs in C
+    (kq_from_file, the same bytes), else in numpy."""
     if type_name not in TYPES:
         raise ValueError(f"GGUF type {type_name} has no kq layout")
-    _, rec, size = TYPES[type_name]
+    code, rec, size = TYPES[type_name]
     if k % SUPER:
         raise ValueError(f"{k} inputs are not whole super-blocks of {SUPER}")
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size)
     n = b.shape[0] // (k // SUPER)
+    if kernels is not None:
+        out = torch.empty(n, k // SUPER * rec, dtype=torch.uint8)
+        kernels.lib.kq_from_file(b.ctypes.data, b.shape[0], code, out.data_ptr())
+        return KQ(out, type_name, k)
     if type_name == "Q4_K":
         scale, mins = gb._k_scales(b[:, 4:16])
         low = b[:, 16:144].reshape(-1, 4, 32)  # per 64 inputs: 32 bytes, two sub-blocks
@@ -229,6 +234,9 @@ class KQuantKernels:
         r = self.lib.kq_rows_desc
         r.argtypes = [_P, _P, _I, _P]
         r.restype = None
+        f = self.lib.kq_from_file
+        f.argtypes = [_P, _I, _I, _P]
+        f.restype = None
         self.steps_address = ctypes.cast(self.lib.kq_steps_desc, ctypes.c_void_p).value
         self.multi_address = ctypes.cast(self.lib.kq_multi_desc, ctypes.c_void_p).value
         # gguf_blocks.c's GEMM (steps of many rows) and its few-row/GEMM switch for qb32 parts
@@ -300,6 +308,10 @@ def self_check(kernels: KQuantKernels) -> str | None:
     for name in TYPES:
         n, k = 19, 2 * SUPER
         w = probe(name, n, k, g)
+        raw = torch.randint(0, 256, (3, 2 * TYPES[name][2]), generator=g, dtype=torch.uint8)
+        if not torch.equal(from_file_blocks(raw.numpy(), name, k, kernels).data,
+                           from_file_blocks(raw.numpy(), name, k).data):  # fmt: skip
+            return f"kq repack ({name}): C and numpy differ"
         ref_w = to_qb32(w)
         b = torch.randn(n, generator=g)
         for m in (1, 5):

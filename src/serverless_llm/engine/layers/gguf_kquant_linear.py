@@ -100,7 +100,7 @@ def _same_layout(a, b) -> bool:
     return (a.bits, a.group, a.d.dtype) == (b.bits, b.group, b.d.dtype)
 
 
-def parts_of(tensors: dict, parts, unpermute: bool) -> list | None:
+def parts_of(tensors: dict, parts, unpermute: bool, kernels=None) -> list | None:
     """The layouts of a fused linear's GGUF tensors (K-quant records for Q4_K/Q6_K, qb32 blocks
     for the other block types), adjacent ones of one layout joined; None where a tensor is
     missing, of a type with neither layout, or none of them is a K-quant."""
@@ -115,7 +115,7 @@ def parts_of(tensors: dict, parts, unpermute: bool) -> list | None:
             return None
         try:
             if t.type_name in gk.TYPES:
-                w = gk.from_file_blocks(t.data, t.type_name, t.shape[0])
+                w = gk.from_file_blocks(t.data, t.type_name, t.shape[0], kernels)
             else:
                 w = gb.from_gguf_blocks(t.data, t.type_name, t.shape[0])
         except ValueError:  # inputs that are not whole blocks
@@ -155,7 +155,7 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
             lin = getattr(parent, name, None)
             if type(lin) is not nn.Linear:
                 continue
-            got = parts_of(tensors, parts, unpermute)
+            got = parts_of(tensors, parts, unpermute, kernels)
             if got is None or (sum(p.shape[0] for p in got), got[0].shape[1]) != (
                 lin.out_features,
                 lin.in_features,
@@ -167,7 +167,7 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
     emb = getattr(model, "embed_tokens", None)
     if isinstance(emb, nn.Embedding) and emb_t is not None and emb_t.type_name in gk.TYPES:
         try:
-            w = gk.from_file_blocks(emb_t.data, emb_t.type_name, emb_t.shape[0])
+            w = gk.from_file_blocks(emb_t.data, emb_t.type_name, emb_t.shape[0], kernels)
         except ValueError:
             w = None
         if w is not None and w.shape == tuple(emb.weight.shape):
@@ -183,7 +183,7 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
         and type(head) is nn.Linear
         and head.bias is None
     ):
-        got = parts_of(tensors, [("output.weight", None)], False)
+        got = parts_of(tensors, [("output.weight", None)], False, kernels)
         if got is not None and (got[0].shape == (head.out_features, head.in_features)):
             model.lm_head = KQuantLinear(got, kernels, path)
             taken.add("output.weight")
