@@ -9,10 +9,11 @@ naming that kernel: a launcher that starts launching something the sweep cannot 
 for this family too. Encoders, guided decoding's mask kernel and speculative verify steps are
 checked the same way below.
 
-Not here, because the warm-up does not list them (docs/engine.md, "Cold start"): the vision
-towers' attention kernel and a VLM's image steps (the tower's launches follow the image sizes
-its family's processor gives, and image steps take the paged kernel's HAS_LIMITS variant; the
-sweep runs neither), and kernels/rejection.py's kernel, which no engine path launches
+A VLM's image steps (the paged kernel's HAS_LIMITS variant where image tokens attend both
+ways) are checked on a tiny Gemma 3. Not here, because the warm-up does not list them
+(docs/engine.md, "Cold start"): the vision towers' own launches (they follow the image sizes
+its family's processor gives; the test of image steps records them apart), and
+kernels/rejection.py's kernel, which no engine path launches
 (test_speculative_verify_launches_are_listed asserts it never runs)."""
 
 from __future__ import annotations
@@ -213,3 +214,53 @@ def test_speculative_verify_launches_are_listed(tiny_llama, monkeypatch):
     assert llm.engine.spec_drafts > 0  # drafts were verified
     assert "_rejection_kernel" not in {s.name for s in served}
     _assert_listed(served, listed)
+
+
+def test_image_step_launches_are_listed(tmp_path, monkeypatch):
+    """Gemma 3 (its image tokens attend both ways; a sliding-window layer and a global one):
+    prompts with one or two images, served on the Triton backend, launch the paged kernel's
+    HAS_LIMITS variant for their image spans, and every launch outside the vision tower's own
+    (recorded apart, not listed) is in the sweep's list. Without the sweep's image steps the
+    image spans' launches are missing."""
+    from serverless_llm import LLM
+    from serverless_llm.engine.kernel_warmup import SweepLimits, list_launches
+    from tests.engine.vision_gemma3_models import BOI, sample_images, save_tiny_gemma3
+
+    path = save_tiny_gemma3(str(tmp_path / "gemma3"))
+    llm = LLM(path, attention_backend="triton", dtype="float32", block_size=8,
+              num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=64,
+              max_num_seqs=4)  # fmt: skip
+    e = llm.engine
+    assert e.runner.bidirectional_images
+    limits = SweepLimits(e.max_num_batched_tokens, 4, e.max_model_len)
+    listed = set(list_launches(e.runner, limits))
+
+    tower = e.runner.vision_tower
+    encode = tower.encode
+    tower_specs: set = set()
+
+    def encode_recorded(items):
+        with record_launches() as rec:
+            out = encode(items)
+        tower_specs.update(rec.specs)
+        return out
+
+    monkeypatch.setattr(tower, "encode", encode_recorded)
+    a, b, c = sample_images()[:3]
+    prompts = [
+        {"prompt": f"Look: {BOI} what is it?", "multi_modal_data": {"image": [a]}},
+        {"prompt": f"First {BOI} then {BOI}.", "multi_modal_data": {"image": [b, c]}},
+        "A text-only prompt of a few words.",
+    ]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with record_launches() as rec:
+        llm.generate(prompts, params)
+    assert tower_specs, "the tower ran no kernel"
+    served = set(rec.specs) - tower_specs
+    _assert_listed(served, listed)
+
+    # The same sweep without its image steps misses the image spans' launches: the paged
+    # kernel's HAS_LIMITS variant, which only they take
+    monkeypatch.setattr(e.runner, "bidirectional_images", False)
+    spans = served - set(list_launches(e.runner, limits))
+    assert spans and {s.name for s in spans} == {"_paged_attention_kernel"}, spans

@@ -13,8 +13,12 @@ the same steps with an adapter on every row; each step with block tables of each
 encoder's steps are whole prompts only (`SweepLimits.whole_prompts`: every length class, one to
 max_num_seqs of them, no decode, no context), through its bidirectional (DENSE_KV) attention.
 Guided decoding's mask kernel (xgrammar's, on CUDA) through the sampler's calls of it
-(`_grammar_launches`). Not listed: the vision towers' attention kernel and image steps (their
-launches follow the image sizes each family's processor gives; docs/engine.md says more).
+(`_grammar_launches`). A vision-language model whose image tokens attend both ways (Gemma 3's
+rule: `ModelRunner.bidirectional_images`) runs its image steps through the paged kernel's
+HAS_LIMITS variant: the sweep's steps with prompts run again with each prompt one image span
+(`_host_batch(image_spans=True)`). Not listed: the vision towers' own launches (their attention
+kernel and layers follow the image sizes each family's processor gives; docs/engine.md says
+more).
 The rows write no KV (slot -1) and the outputs are never read, so the sweep changes nothing in
 the cache. A launch the sweep missed would still compile at its first use; the engine then logs
 it by name (`watch_request_path`), so the gap is visible.
@@ -155,10 +159,16 @@ def sweep_tables(limits: SweepLimits, block_size: int) -> list[tuple[list[int], 
 
 
 def _host_batch(
-    runner: ModelRunner, query_lens: list[int], seq_lens: list[int], lora: bool, width: int = 0
+    runner: ModelRunner,
+    query_lens: list[int],
+    seq_lens: list[int],
+    lora: bool,
+    width: int = 0,
+    image_spans: bool = False,
 ):
     """A HostBatch of dummy tokens that write no KV (slot -1), its block tables (all block 0)
-    `width` blocks wide (default: what the longest request needs)."""
+    `width` blocks wide (default: what the longest request needs). `image_spans`: each prompt
+    row (more than one token) is an image whose tokens attend both ways, to its last key."""
     bs = runner.block_size
     groups = runner.layout.num_groups
     encoder = is_encoder(runner)
@@ -176,6 +186,9 @@ def _host_batch(
     blocks = width or max(1, -(-max(seq_lens) // bs))
     table = torch.zeros(len(seq_lens), blocks, dtype=torch.int32)
     has_state = runner.layout.has_state
+    key_limits = None
+    if image_spans and any(q > 1 for q in query_lens):
+        key_limits = [[s - 1] * q if q > 1 else None for q, s in zip(query_lens, seq_lens)]
     return HostBatch(
         input_ids=ids,
         positions=positions,
@@ -190,6 +203,7 @@ def _host_batch(
         lora_rows=lora_rows,
         state_slots=[1] * len(seq_lens) if has_state else None,
         prompt_rows=[True] * len(ids) if has_state else None,
+        key_limits=key_limits,
     )
 
 
@@ -201,6 +215,7 @@ def is_encoder(runner: ModelRunner) -> bool:
 def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
     """Every specialisation the runner's model launches over the sweep (see the module doc)."""
     variants = [False] + ([True] if runner.lora_step is not None else [])
+    images = bool(getattr(runner, "bidirectional_images", False))
     captured, runner.captured = runner.captured, None  # the sweep runs eagerly
     runner.lora_slots[SWEEP_LORA_ID] = 0
     try:
@@ -208,6 +223,8 @@ def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
             for lora in variants:
                 for q, s, width in sweep_tables(limits, runner.block_size):
                     runner.run(_host_batch(runner, q, s, lora, width))
+                    if images and any(n > 1 for n in q):  # the same step as image spans
+                        runner.run(_host_batch(runner, q, s, lora, width, image_spans=True))
             if not is_encoder(runner):
                 _grammar_launches(runner, limits)
     finally:

@@ -113,7 +113,7 @@ def spec_of(fn, args: tuple, kwargs: dict) -> LaunchSpec:
     )
 
 
-@dataclass
+@dataclass(eq=False)  # each is itself: nested recorders that saw the same launches stay apart
 class LaunchRecorder:
     """The LaunchSpecs launched inside `record_launches`, in first-launch order, with how many
     times each was launched."""
