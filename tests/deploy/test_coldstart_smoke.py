@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_coldstart_tiny(tiny_llama: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--cpu-time"]], ids=["wall", "cpu-time"])
+def test_coldstart_tiny(tiny_llama: str, tmp_path: Path, extra: list[str]) -> None:
     out = tmp_path / "coldstart.json"
     proc = subprocess.run(
         [
@@ -29,6 +32,7 @@ def test_coldstart_tiny(tiny_llama: str, tmp_path: Path) -> None:
             "0.02",
             "--json",
             str(out),
+            *extra,
         ],
         cwd=REPO,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -48,3 +52,8 @@ def test_coldstart_tiny(tiny_llama: str, tmp_path: Path) -> None:
     phases = report["phases"]
     engine_rows = [k for k in phases if k.startswith("engine")]
     assert all("KV cache allocation" in runs[0] for runs in (phases[k] for k in engine_rows))
+    cpu_line = [line for line in proc.stdout.splitlines() if line.startswith("CPU (one thread)")]
+    assert len(cpu_line) == (1 if extra else 0), proc.stdout[-4000:]
+    if extra:  # CPU seconds since the interpreter started, more than the phases it covers
+        runs = [runs[0] for runs in phases.values()]
+        assert all(r["CPU to first token"] > r["import torch"] > 0 for r in runs), runs
