@@ -43,7 +43,7 @@ from .linear import PackedLinear
 logger = logging.getLogger(__name__)
 
 BLOCK_ROWS = 16  # steps of at most this many rows take the few-row linear, until measured
-# One row always takes the few-row kernel (the GEMM pads its rows to 32: ~30x the arithmetic; a
+# One row always takes the few-row kernel (the GEMM pads its rows to 16: ~15x the arithmetic; a
 # busy machine's timings once chose the GEMM there); past 32 rows the GEMM's cost grows with the
 # rows while the few-row kernel re-reads the weight every 4 rows: never measured there.
 ROW_CANDIDATES = (2, 4, 8, 16, 32)
