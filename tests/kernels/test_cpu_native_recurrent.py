@@ -39,7 +39,7 @@ def calls(kernels, monkeypatch):
     """The native decode methods' return values, recorded as the references call them."""
     seen: dict[str, list[bool]] = {}
     names = ("gated_delta_decode", "gated_delta_prefill", "ssd_decode", "selective_scan_decode")
-    for name in (*names, "conv1d_decode"):
+    for name in (*names, "conv1d_decode", "conv1d_prefill"):
         method = getattr(kernels, name)
 
         def spy(*args, _method=method, _name=name, **kw):
@@ -343,3 +343,38 @@ def test_conv1d_decode(kernels, calls, C, K, with_bias, activation, prompt):
     rows = real_rows(qsl, nd, 3)
     check((ref[0][rows], ref[1]), (nat[0][rows], nat[1]), len(rows), "conv1d")
     assert calls["conv1d_decode"] == [True]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "C, K, with_bias, activation",
+    [(70, 4, True, "silu"), (200, 3, False, None), (48, 7, True, None)],
+)
+def test_conv1d_prompt_chunks(kernels, calls, C, K, with_bias, activation, threads):
+    """Prompt chunks after two decodes (conv1d_prefill_f32, token after token through each
+    window, channels in blocks of 64) against the torch conv1d a request: chunks shorter and
+    longer than the window, fresh (slot full of NaN) and continuing, an empty entry."""
+    g = torch.Generator().manual_seed(C + K + threads)
+    lens = [1, 1, 1, 2, 0, 9, 40, 3]
+    fresh_flags = [False, True, True, False, False, True, False, False]
+    nd = 2
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    T = int(qsl[-1])
+    slots = torch.tensor([3, 5, 7, 9, 11, 13, 15, 17], dtype=torch.int32)
+    init = torch.tensor([not f for f in fresh_flags])
+    x = torch.randn(T, C + 5, generator=g)[:, 2 : C + 2]  # a column slice of the projection
+    w = torch.randn(C, K, generator=g)
+    bias = torch.randn(C, generator=g) if with_bias else None
+    state = states(g, (C, K - 1), [s for s, f in zip(slots.tolist(), fresh_flags) if f])
+
+    def fn(st):
+        return causal_conv1d_ref(x, w, bias, st, qsl, slots, init, activation, num_decodes=nd)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, nat = run_both(fn, state)
+    finally:
+        torch.set_num_threads(old)
+    check(ref, nat, T, "conv1d prompts")
+    assert calls["conv1d_decode"] == [True] and calls["conv1d_prefill"] == [True]

@@ -91,6 +91,14 @@ def causal_conv1d_ref(
         out[:nd] = _act(y, activation).to(x.dtype)
         conv_state.index_copy_(0, slots, window[..., 1:].to(conv_state.dtype))
     B = state_slots.shape[0]
+    # The prompt chunks in one native call (float32 on CPU), token after token through each
+    # request's window as its decodes run, the threads sharing them; else a conv1d a request.
+    native = B > nd and cpu_native.recurrent_kernels()
+    if native and native.conv1d_prefill(
+        x, w, b32, conv_state, query_start_loc[nd : B + 1], state_slots[nd:],
+        has_initial_state[nd:], activation == "silu", out,
+    ):  # fmt: skip
+        return out
     if B > nd:
         starts = query_start_loc.tolist()
         slots = state_slots.tolist()

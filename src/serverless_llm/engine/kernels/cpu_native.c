@@ -1741,3 +1741,32 @@ void conv1d_decode_f32(const float *x, int64_t x_st, const float *w, const float
             conv_channels(xb, w, bias, sb, ob, C, K, init, silu != 0);
     }
 }
+
+/* The same convolution over prompt chunks, token after token through each request's window (as
+ * its decodes read it, so a prompt and its decodes round alike): requests b of [0, n), request
+ * b's tokens rows starts[b] .. starts[b + 1] - 1 (empty: skipped), slot slots[b], from its window
+ * where has_init[b] (else zeros); tasks are (request, block of channels), so a step's prompts
+ * share the team. x rows x_st apart, out rows out_st apart (channels contiguous). */
+#define CONV_BLOCK 64
+void conv1d_prefill_f32(const float *x, int64_t x_st, const float *w, const float *bias,
+                        float *conv_state, const int32_t *slots, const uint8_t *has_init,
+                        const int32_t *starts, float *out, int64_t out_st, int64_t n, int64_t C,
+                        int64_t K, int64_t silu) {
+    int64_t Km = K - 1, blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK, tasks = n * blocks;
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = task / blocks, c0 = (task % blocks) * CONV_BLOCK;
+        int64_t cb = C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK;
+        float *sb = conv_state + (int64_t)slots[b] * C * Km + c0 * Km;
+        const float *wb = w + c0 * K, *bb = bias ? bias + c0 : NULL;
+        int init = has_init[b] != 0;
+        for (int64_t t = starts[b]; t < starts[b + 1]; t++, init = 1) {
+            if (K == 4)
+                conv_channels(x + t * x_st + c0, wb, bb, sb, out + t * out_st + c0, cb, 4, init,
+                              silu != 0);
+            else
+                conv_channels(x + t * x_st + c0, wb, bb, sb, out + t * out_st + c0, cb, K, init,
+                              silu != 0);
+        }
+    }
+}

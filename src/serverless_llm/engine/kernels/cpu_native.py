@@ -296,6 +296,10 @@ class NativeKernels:
         f.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P] + [_I] * 5
         f.restype = None
         self._conv1d = f
+        f = self.lib.conv1d_prefill_f32
+        f.argtypes = [_P, _I] + [_P] * 7 + [_I] * 4
+        f.restype = None
+        self._conv1d_prefill = f
         f = self.lib.moe_experts_f32
         f.argtypes = [_P, _I] + [_P] * 5 + [_I] * 7 + [_P, _P]
         f.restype = None
@@ -613,6 +617,28 @@ class NativeKernels:
             x.data_ptr(), x.stride(0), weight.data_ptr(), ptr_or_null(bias),
             conv_state.data_ptr(), slots.data_ptr(), has_init.data_ptr(), out.data_ptr(),
             out.stride(0), n, C, K, int(silu),
+        )  # fmt: skip
+        return True
+
+    def conv1d_prefill(self, x, weight, bias, conv_state, starts, slots, has_init, silu, out):
+        """kernels/causal_conv1d.py's prompt chunks, token after token through each request's
+        window: requests b = 0..len(slots)-1 with rows starts[b]..starts[b+1]-1 (`starts`: the
+        chunks' part of query_start_loc, len(slots) + 1 entries); tensors as
+        `conv1d_decode`'s."""
+        if not (_f32_cpu(x, weight, conv_state, out) and conv_state.is_contiguous()):
+            return False
+        if bias is not None and not (_f32_cpu(bias) and bias.is_contiguous()):
+            return False
+        if x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
+            return False
+        n = slots.shape[0]
+        slots, has_init = _slots_flags(slots, has_init, n)
+        starts = starts.to(torch.int32).contiguous()
+        C, K = weight.shape
+        self._conv1d_prefill(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), ptr_or_null(bias),
+            conv_state.data_ptr(), slots.data_ptr(), has_init.data_ptr(), starts.data_ptr(),
+            out.data_ptr(), out.stride(0), n, C, K, int(silu),
         )  # fmt: skip
         return True
 
