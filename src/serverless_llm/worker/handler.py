@@ -74,6 +74,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 10.0
+# Guided decoding's warm-up (the tokenizer's grammar tables, a compile process) starts at the
+# first output, or this long after the model is ready if no job comes first: started at ready
+# it ran beside the first request and, on 2 cores, slowed its one forward ~2x (issue 42,
+# docs/benchmarks.md). A structured first request builds what it needs itself, as before.
+GRAMMAR_WARM_UP_DELAY_S = 5.0
 
 # What loading raises for a model or settings the worker cannot serve: reported in one line,
 # never as a traceback.
@@ -101,6 +106,9 @@ class Worker:
         # Set when the engine can never serve again; `on_fatal` (main's: exit non-zero) is told.
         self.fatal: BaseException | None = None
         self.on_fatal = None
+        # Set by load: the grammar warm-up's timer (an engine handed in is not warmed up).
+        self._grammar_warm_up: threading.Timer | None = None
+        self._grammar_lock = threading.Lock()
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -117,11 +125,25 @@ class Worker:
                 self.start_phases.engine = dict(getattr(self.engine.core, "start_phases", {}))
                 logger.info("%s", self.start_phases.line())
                 self.engine.on_fatal = self._engine_stopped
-                self.engine.warm_up_grammars()
+                self._grammar_warm_up = threading.Timer(
+                    GRAMMAR_WARM_UP_DELAY_S, self._warm_up_grammars
+                )
+                self._grammar_warm_up.daemon = True
+                self._grammar_warm_up.start()
                 logger.info("%s", sampling_defaults_line(self.settings, self.engine))
                 self.loras = self._load_loras(self.engine)
                 self.metrics = self._metrics(self.engine)
             return self.engine
+
+    def _warm_up_grammars(self) -> None:
+        """The engine's grammar warm-up (in its own thread), once: at the first output or on
+        the timer, whichever comes first."""
+        with self._grammar_lock:
+            timer, self._grammar_warm_up = self._grammar_warm_up, None
+        if timer is None or self.engine is None:
+            return
+        timer.cancel()
+        self.engine.warm_up_grammars()
 
     def _metrics(self, engine: AsyncEngine) -> EngineMetrics | None:
         if not self.settings.enable_metrics:
@@ -167,6 +189,8 @@ class Worker:
             self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
 
     async def shutdown(self) -> None:
+        if self._grammar_warm_up is not None:
+            self._grammar_warm_up.cancel()
         if self._stats_task is not None:
             self._stats_task.cancel()
             await asyncio.gather(self._stats_task, return_exceptions=True)
@@ -219,6 +243,7 @@ class Worker:
                         self.start_phases.first_token = self.start_phases.now()
                         logger.info("first output %.1fs after process start (ready at %.1fs)",
                                     self.start_phases.first_token, self.start_phases.ready or 0.0)  # fmt: skip
+                        self._warm_up_grammars()
                     yield item
         except asyncio.CancelledError:
             raise
