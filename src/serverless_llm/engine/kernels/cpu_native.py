@@ -244,6 +244,9 @@ class NativeKernels:
     def __init__(self, path: Path) -> None:
         torch.get_num_threads()  # torch (and its libgomp) are loaded before the library
         self.path = path
+        # decoder_layer's scratch, reused from call to call (per thread: two engines of one
+        # process may step at once)
+        self._scratch = threading.local()
         self.lib = ctypes.CDLL(str(path))
         f = self.lib.attention_step_f32
         f.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Step)] + [_P, _I] * 4
@@ -455,7 +458,10 @@ class NativeKernels:
         mlp_out = torch.empty(M, hd, dtype=x.dtype)
         res_out = torch.empty(M, hd, dtype=x.dtype)
         w = weights
-        work = torch.empty(M * (4 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter))
+        need = M * (4 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter)
+        work = getattr(self._scratch, "work", None)
+        if work is None or work.numel() < need:
+            work = self._scratch.work = torch.empty(need)
         self._decoder_layer(
             ctypes.byref(weights),
             ctypes.byref(layer),

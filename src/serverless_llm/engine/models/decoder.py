@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ..kernels.activation import ACT_CODES, ClampedSwiGLU
 from ..kernels.cpu_native import (
@@ -586,14 +587,15 @@ class Attention(nn.Module):
         (loading copies into those in place): rebuilt when the cache, table or spec is another
         object."""
         table = None if rope is None else rope.cache
-        key = (kv_cache, table, self.spec)
         cached = self._native_layer
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            prep = self._prep(rope)
-            ok = native_cache_ok(kv_cache)
-            layer = self.backend.layer(self.spec, kv_cache, prep) if ok else None
-            cached = self._native_layer = (key, layer, prep)
-        return cached[1], cached[2]
+        if cached is not None:  # (unpacked: this runs for every layer of every step)
+            cache0, table0, spec0 = cached[0]
+            if cache0 is kv_cache and table0 is table and spec0 is self.spec:
+                return cached[1], cached[2]
+        prep = self._prep(rope)
+        layer = self.backend.layer(self.spec, kv_cache, prep) if native_cache_ok(kv_cache) else None
+        self._native_layer = ((kv_cache, table, self.spec), layer, prep)
+        return layer, prep
 
     def _prep(self, rope: RotaryStep | None) -> LayerPrep:
         norms = biases = (None, None)
@@ -776,6 +778,15 @@ class SparseMoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return self.tp.all_reduce(out)
+
+
+def _global_hooks() -> bool:
+    """Whether any forward hook is registered for every module (torch's global hooks)."""
+    return bool(
+        torch_module._global_forward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_hooks_always_called
+    )
 
 
 def _add_norm(norm, x, residual):
@@ -994,7 +1005,24 @@ class NativeDecodeLayer:
             and x.dtype == torch.float32
             and x.is_contiguous()
             and (residual is None or residual.is_contiguous())
-            and self.linears_of(layer) == self.linears
+            and self.same_linears(layer)
+        )
+
+    def same_linears(self, layer: DecoderLayer) -> bool:
+        """`linears_of(layer) == self.linears`, read from the modules' own tables (a linear
+        replaced since, by a LoRA wrapper or anything else, is another entry there); each
+        step asks it of every layer, and nn.Module's attribute fallback is the slow part."""
+        qkv, o, up, down = self.linears
+        attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
+        if attn is None or mlp is None:
+            return False
+        a, m = attn._modules, mlp._modules
+        up_name = "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj"
+        return (
+            a.get("qkv_proj") is qkv
+            and a.get("o_proj") is o
+            and m.get(up_name) is up
+            and m.get("down_proj") is down
         )
 
     def __call__(self, layer: DecoderLayer, x, residual, rope, kv_cache, meta):
@@ -1084,6 +1112,7 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
         # layer's rotary runs inside them (then the step gathers no cos/sin for the torch path).
         self.native = backend.kernels if isinstance(backend, NativeCpuBackend) else None
         self.native_rotary = False
+        self._plain_layers: bool | None = None  # DecoderModel._whole_native_step
         self.project_out = (
             nn.Linear(s.hidden_size, embed_dim, bias=False) if s.project_dim else None
         )
@@ -1244,6 +1273,21 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
             temps = attention_temperature(positions, *s.attn_temperature)
         # One metadata for every layer, or (cache groups) a list: each layer's group's.
         metas = meta if isinstance(meta, list) else itertools.repeat(meta)
+        if self._whole_native_step(x, meta, per_layer, temps, images):
+            # Every layer in one native call each: no module call or per-layer branches.
+            native = True
+            layers = zip(self.layers, kv_caches, self.rope_of_layer, metas)
+            for layer, cache, r, m in layers:
+                rope = None if r is None else steps[r]
+                native = native and layer.native_decode.same_linears(layer)
+                if native:
+                    x, residual = layer.native_decode(layer, x, residual, rope, cache, m)
+                else:  # a linear replaced since (LoRA): this and later layers as modules
+                    x, residual = layer(x, residual, rope, cache, m)
+            x, _ = _add_norm(self.norm, x, residual)
+            if self.project_out is not None:
+                x = self.project_out(x)
+            return x
         layers = zip(self.layers, kv_caches, self.rope_of_layer, metas)
         for i, (layer, cache, r, m) in enumerate(layers):
             src = s.kv_source[i]
@@ -1267,6 +1311,33 @@ class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
 
     def _ropes(self):
         return zip(self.rope_caches, self.rope_specs)
+
+    def _whole_native_step(self, x, meta, per_layer, temps, images) -> bool:
+        """Whether every layer takes this step in its whole-layer native call (a decode step of
+        plain layers, NativeDecodeLayer.takes): the layer loop then calls them directly. What
+        `takes` asks of x and the residual holds for every layer once it holds for the first
+        (each layer's outputs are new contiguous float32 rows of the same shape)."""
+        if per_layer is not None or temps is not None or images is not None:
+            return False
+        if self._plain_layers is None:  # what the model's shape allows, once
+            self._plain_layers = all(src is None for src in self.spec.kv_source) and all(
+                lay.ple_gate is None and lay.layer_scalar is None for lay in self.layers
+            )
+        if not self._plain_layers:
+            return False
+        T = x.shape[0]
+        first = meta[0] if isinstance(meta, list) else meta
+        if first.num_decodes != T or x.dtype != torch.float32 or not x.is_contiguous():
+            return False
+        if _global_hooks():
+            return False
+        for layer in self.layers:
+            nd = layer.native_decode
+            if nd is None or not nd.min_rows <= T <= nd.rows:
+                return False
+            if layer._forward_pre_hooks or layer._forward_hooks:  # (eagle.py's taps) as modules
+                return False
+        return True
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gemma 4's per-layer inputs [T, layers, width]: the per-layer embedding (times
