@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from serverless_llm.engine.kernels import cpu_native
-from serverless_llm.engine.kernels.causal_conv1d import causal_conv1d_ref
+from serverless_llm.engine.kernels.causal_conv1d import causal_conv1d_ref, gated_rms_norm_ref
 from serverless_llm.engine.kernels.gated_delta import gated_delta_rule_ref
 from serverless_llm.engine.kernels.selective_scan import selective_scan_ref
 from serverless_llm.engine.kernels.ssd import ssd_scan_ref
@@ -39,7 +39,7 @@ def calls(kernels, monkeypatch):
     """The native decode methods' return values, recorded as the references call them."""
     seen: dict[str, list[bool]] = {}
     names = ("gated_delta_decode", "gated_delta_prefill", "ssd_decode", "selective_scan_decode")
-    for name in (*names, "conv1d_decode", "conv1d_prefill"):
+    for name in (*names, "selective_scan_prefill", "conv1d_decode", "conv1d_prefill"):
         method = getattr(kernels, name)
 
         def spy(*args, _method=method, _name=name, **kw):
@@ -378,3 +378,78 @@ def test_conv1d_prompt_chunks(kernels, calls, C, K, with_bias, activation, threa
         torch.set_num_threads(old)
     check(ref, nat, T, "conv1d prompts")
     assert calls["conv1d_decode"] == [True] and calls["conv1d_prefill"] == [True]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "rows, heads, D, group, before",
+    [(32, 8, 64, 64, True), (200, 4, 32, 32, True), (7, 0, 96, 32, False), (40, 0, 256, 64, False)],
+)
+def test_gated_rms_norm(kernels, monkeypatch, rows, heads, D, group, before, threads):
+    """gated_rms_norm_f32 against the torch ops of `gated_rms_norm_ref`: Gated DeltaNet's form
+    (x [T, heads, D], the gate a view into the projection's rows) and Mamba-2's (x [T, D],
+    several groups a row), one and two threads."""
+    g = torch.Generator().manual_seed(rows + D)
+    shape = (rows, heads, D) if heads else (rows, D)
+    width = (heads or 1) * D
+    x = torch.randn(shape, generator=g) * 3
+    z = torch.randn(rows, 2 * width + 5, generator=g)[:, 5 : 5 + width].view(shape)
+    w = torch.randn(D, generator=g)
+    ran = []
+    method = kernels.gated_rms_norm
+
+    def spy(*args, **kw):
+        out = method(*args, **kw)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "gated_rms_norm", spy)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with cpu_native.torch_decodes():
+            want = gated_rms_norm_ref(x, z, w, 1e-6, group, before)
+        got = gated_rms_norm_ref(x, z, w, 1e-6, group, before)
+    finally:
+        torch.set_num_threads(old)
+    assert ran == [True]
+    assert_agree(got, want, "gated rms norm")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("Dn, N, gate", [(40, 16, True), (300, 8, False)])
+def test_selective_scan_prompt_chunks(kernels, calls, Dn, N, gate, threads):
+    """Mamba-1's prompt chunks after two decodes (selective_scan_prefill_f32, token after token,
+    the D skip and the gate included) against the torch loop a request: chunks of 1-30 tokens,
+    fresh (slot full of NaN) and continuing, an empty entry."""
+    g = torch.Generator().manual_seed(Dn + N + threads)
+    lens = [1, 1, 1, 4, 0, 30, 2]
+    fresh_flags = [False, True, True, False, False, True, False]
+    nd = 2
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    T = int(qsl[-1])
+    slots = torch.tensor([3, 5, 7, 9, 11, 13, 15], dtype=torch.int32)
+    init = torch.tensor([not f for f in fresh_flags])
+    proj = torch.randn(T, 3 * Dn + 4, generator=g)
+    u, delta, z = proj[:, :Dn], proj[:, Dn : 2 * Dn], proj[:, 2 * Dn : 3 * Dn]
+    BC = torch.randn(T, 2 * N, generator=g)
+    A = -torch.rand(Dn, N, generator=g) * 2
+    D = torch.randn(Dn, generator=g)
+    bias = torch.randn(Dn, generator=g) * 0.1
+    state = states(g, (Dn, N), [s for s, f in zip(slots.tolist(), fresh_flags) if f])
+
+    def fn(st):
+        return selective_scan_ref(
+            u, delta, A, BC[:, :N], BC[:, N:], D, z if gate else None, bias, True, st, qsl,
+            slots, init, num_decodes=nd,
+        )  # fmt: skip
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, nat = run_both(fn, state)
+    finally:
+        torch.set_num_threads(old)
+    check(ref, nat, T, "selective scan prompts")
+    assert calls["selective_scan_decode"] == [True]
+    assert calls["selective_scan_prefill"] == [True]

@@ -130,7 +130,12 @@ def gated_rms_norm_ref(
     Mamba-2's weight * rmsnorm(x * silu(z)) (Bamba, NemotronH, Falcon-H1). The casts are
     transformers' (Qwen3NextRMSNormGated, MambaRMSNormGated): statistics in float32, the
     normalised row rounded to x's dtype before the weight multiplies it (in torch's promoted
-    dtype), the gate in float32. Returns [..., D] in x's dtype."""
+    dtype), the gate in float32. Returns [..., D] in x's dtype. In float32 on CPU, where the
+    native kernels are loaded (`cpu_native.recurrent_kernels`), one native call computes it."""
+    native = cpu_native.recurrent_kernels()  # float32 on CPU: one call, the rows in threads
+    y = native.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate) if native else None
+    if y is not None:
+        return y
     dtype = x.dtype
     gate = F.silu(z.float())
     h = x.float()

@@ -1770,3 +1770,70 @@ void conv1d_prefill_f32(const float *x, int64_t x_st, const float *w, const floa
         }
     }
 }
+
+/* kernels/causal_conv1d.py's gated_rms_norm_ref in float32, in one call (prefill and decode
+ * rows alike): rows (a, b) of x and z [n0, n1, D] (strides s0, s1 in floats; D contiguous),
+ * each row's groups of G channels normalised by their own root mean square, gated by silu(z):
+ * before: y = w * (x r) * silu(z); else y = w * (h r) with h = x silu(z); r = 1 / sqrt(mean of
+ * the group's squares + eps); w [D]; y [n0, n1, D] contiguous. The torch op order (the gate and
+ * the row in float32, the weight then the gate multiplied last). */
+void gated_rms_norm_f32(const float *x, int64_t x_s0, int64_t x_s1, const float *z, int64_t z_s0,
+                        int64_t z_s1, const float *w, float *y, int64_t n0, int64_t n1, int64_t D,
+                        int64_t G, float eps, int64_t before) {
+    int64_t rows = n0 * n1;
+#pragma omp parallel for schedule(static) if (rows * D > PARALLEL_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t a = r / n1, b = r % n1;
+        const float *xr = x + a * x_s0 + b * x_s1, *zr = z + a * z_s0 + b * z_s1;
+        float *yr = y + r * D;
+        float gate[D], h[D];
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) gate[i] = act_silu(zr[i]);
+        if (before) {
+            for (int64_t i = 0; i < D; i++) h[i] = xr[i];
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) h[i] = xr[i] * gate[i];
+        }
+        for (int64_t g0 = 0; g0 < D; g0 += G) {
+            float inv = 1.0f / sqrtf(sum_squares(h + g0, G) / (float)G + eps);
+            if (before) {
+#pragma omp simd
+                for (int64_t i = g0; i < g0 + G; i++) yr[i] = w[i] * (h[i] * inv) * gate[i];
+            } else {
+#pragma omp simd
+                for (int64_t i = g0; i < g0 + G; i++) yr[i] = w[i] * (h[i] * inv);
+            }
+        }
+    }
+}
+
+/* Mamba-1's selective scan over prompt chunks, token after token in each request's slot (the
+ * decode's per-token body, the D skip and the z gate included): requests b of [0, n), request
+ * b's tokens rows starts[b] .. starts[b + 1] - 1 (empty: skipped), from its state where
+ * has_init[b] (else zeros); tasks are (request, block of channels). Arguments as
+ * selective_scan_decode_f32's, rows indexed by token. */
+void selective_scan_prefill_f32(const float *u, int64_t u_st, const float *dt, int64_t dt_st,
+                                const float *A, const float *B, int64_t B_st, const float *C,
+                                int64_t C_st, const float *D, const float *z, int64_t z_st,
+                                float *state, const int32_t *slots, const uint8_t *has_init,
+                                const int32_t *starts, float *y, int64_t y_st, int64_t n,
+                                int64_t Dn, int64_t N) {
+    int64_t blocks = (Dn + SCAN_CHANNELS - 1) / SCAN_CHANNELS, tasks = n * blocks;
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = task / blocks, d0 = task % blocks * SCAN_CHANNELS;
+        int64_t d1 = d0 + SCAN_CHANNELS < Dn ? d0 + SCAN_CHANNELS : Dn;
+        float *Sb = state + (int64_t)slots[b] * Dn * N;
+        int init = has_init[b] != 0;
+        for (int64_t t = starts[b]; t < starts[b + 1]; t++, init = 1) {
+            const float *ut = u + t * u_st, *dtt = dt + t * dt_st, *zt = z ? z + t * z_st : NULL;
+            const float *Bt = B + t * B_st, *Ct = C + t * C_st;
+            float *yt = y + t * y_st;
+            if (N == 16)
+                scan_channels(ut, dtt, A, Bt, Ct, D, zt, Sb, yt, d0, d1, 16, init);
+            else
+                scan_channels(ut, dtt, A, Bt, Ct, D, zt, Sb, yt, d0, d1, N, init);
+        }
+    }
+}

@@ -303,6 +303,14 @@ class NativeKernels:
         f.argtypes = [_P, _I] + [_P] * 7 + [_I] * 4
         f.restype = None
         self._conv1d_prefill = f
+        f = self.lib.gated_rms_norm_f32
+        f.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P] + [_I] * 4 + [_F, _I]
+        f.restype = None
+        self._gated_rms_norm = f
+        f = self.lib.selective_scan_prefill_f32
+        f.argtypes = [_P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _I] + [_P] * 5 + [_I] * 4
+        f.restype = None
+        self._selective_scan_prefill = f
         f = self.lib.moe_experts_f32
         f.argtypes = [_P, _I] + [_P] * 5 + [_I] * 7 + [_P, _P]
         f.restype = None
@@ -606,6 +614,33 @@ class NativeKernels:
         )  # fmt: skip
         return True
 
+    def selective_scan_prefill(
+        self, u, dt, A, B, C, D, z, state, starts, slots, has_init, y
+    ) -> bool:
+        """kernels/selective_scan.py's prompt chunks, token after token in their slots (the D
+        skip and the z gate included): requests b = 0..len(slots)-1 with rows
+        starts[b]..starts[b+1]-1 (`starts`: the chunks' part of query_start_loc, len(slots) + 1
+        entries); tensors as `selective_scan_decode`'s."""
+        if not (_f32_cpu(u, dt, A, B, C, state, y) and state.is_contiguous()):
+            return False
+        if D is not None and not (_f32_cpu(D) and D.is_contiguous()):
+            return False
+        if z is not None and not (_f32_cpu(z) and z.stride(1) == 1):
+            return False
+        if any(t.stride(1) != 1 for t in (u, dt, B, C, y)) or not A.is_contiguous():
+            return False
+        n = slots.shape[0]
+        slots, has_init = _slots_flags(slots, has_init, n)
+        starts = starts.to(torch.int32).contiguous()
+        Dn, N = A.shape
+        self._selective_scan_prefill(
+            u.data_ptr(), u.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(),
+            B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0), ptr_or_null(D),
+            ptr_or_null(z), 0 if z is None else z.stride(0), state.data_ptr(), slots.data_ptr(),
+            has_init.data_ptr(), starts.data_ptr(), y.data_ptr(), y.stride(0), n, Dn, N,
+        )  # fmt: skip
+        return True
+
     def conv1d_decode(self, x, weight, bias, conv_state, slots, has_init, silu, out, n) -> bool:
         """kernels/causal_conv1d.py's decode branch for rows 0..n-1: x [T, C] (any row stride,
         channels contiguous), weight [C, K], bias [C] or None, conv_state [slots, C, K-1] (updated
@@ -647,6 +682,25 @@ class NativeKernels:
             out.data_ptr(), out.stride(0), n, C, K, int(silu),
         )  # fmt: skip
         return True
+
+    def gated_rms_norm(self, x, z, weight, eps: float, group_size: int, norm_before_gate: bool):
+        """kernels/causal_conv1d.py's `gated_rms_norm_ref` for float32 x, z [..., D] (two or
+        three dims, D contiguous, any other strides) and weight [D]: the result [..., D]
+        contiguous, or None where the tensors do not qualify (the torch code runs)."""
+        if x.shape != z.shape or x.dim() not in (2, 3) or not _f32_cpu(x, z, weight):
+            return None
+        D = x.shape[-1]
+        if x.stride(-1) != 1 or z.stride(-1) != 1 or weight.shape != (D,) or D % group_size:
+            return None
+        weight = weight.contiguous()
+        x3, z3 = (x, z) if x.dim() == 3 else (x.unsqueeze(1), z.unsqueeze(1))
+        n0, n1 = x3.shape[:2]
+        y = torch.empty(x.shape, dtype=torch.float32)
+        self._gated_rms_norm(
+            x3.data_ptr(), x3.stride(0), x3.stride(1), z3.data_ptr(), z3.stride(0), z3.stride(1),
+            weight.data_ptr(), y.data_ptr(), n0, n1, D, group_size, eps, int(norm_before_gate),
+        )  # fmt: skip
+        return y
 
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:

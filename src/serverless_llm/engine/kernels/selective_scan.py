@@ -120,14 +120,26 @@ def selective_scan_ref(
         # The native kernel (float32 on CPU) reads and writes each decode's state once, in its
         # slot, and applies the D skip and the gate to its rows: the torch code below does rows
         # `first` onwards.
-        native = nd and cpu_native.recurrent_kernels()
+        native = cpu_native.recurrent_kernels()
         first = 0
-        if native and native.selective_scan_decode(
-            u, dt, A, B, C, D, z, state, state_slots, has_initial_state, y, nd
+        if (
+            nd
+            and native
+            and native.selective_scan_decode(
+                u, dt, A, B, C, D, z, state, state_slots, has_initial_state, y, nd
+            )
         ):
             first = nd
             if nd == T:
                 return y
+        # The prompt chunks too, token after token in their slots, in one call the threads
+        # share (the loop below runs a request at a time, on one thread).
+        nreq = state_slots.shape[0]
+        if first == nd and nreq > nd and native and native.selective_scan_prefill(
+            u, dt, A, B, C, D, z, state, query_start_loc[nd : nreq + 1], state_slots[nd:],
+            has_initial_state[nd:], y,
+        ):  # fmt: skip
+            return y.to(u.dtype)
         uf = u.float()
         du = dt * uf
         Bf, Cf = B.float(), C.float()
