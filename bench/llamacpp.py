@@ -76,7 +76,10 @@ def timed_pair(run, prompts, tokens: int, repeats: int) -> tuple[float, list, fl
         bestm = min(bestm, time.perf_counter() - t)
         cpum = min(cpum, time.process_time() - c)
     n = len(prompts) * (tokens - 1)
-    return n / (bestm - best1), out, n / max(cpum - cpu1, 1e-9)
+    # nan where the M-token run took no more CPU than the 1-token one (threads spinning at a
+    # barrier on a loaded machine can do that), not an absurd rate
+    cpu_rate = n / (cpum - cpu1) if cpum > cpu1 else float("nan")
+    return n / (bestm - best1), out, cpu_rate
 
 
 def engine_child(a) -> dict:
