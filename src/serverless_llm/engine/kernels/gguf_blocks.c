@@ -591,10 +591,13 @@ void qb32_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
  * dequantizes that tile of blocks once into a float buffer (d * u + c: d * u is exact in
  * float32, so the one rounding is the dequantized reference's own) that every row of x then
  * reuses from cache. The rows of x are transposed once per call (xt [K, MP], MP the rows padded
- * to whole micro-kernel widths with zeros), so the micro-kernel broadcasts one weight value and
- * multiplies it into two vectors of rows: GEMM_NR weight rows x 2 vectors of x rows in
- * registers. Each output is sum over k in order, one accumulator per output: the dequantized
- * weight's product up to float32 summation order. */
+ * to whole vectors with zeros), so the micro-kernel broadcasts one weight value and multiplies
+ * it into two vectors of rows: GEMM_NR weight rows x 2 vectors of x rows in registers (a last
+ * lone vector: GEMM_NR1 weight rows x 1). Each output is sum over k in order, one accumulator
+ * per output: the dequantized weight's product up to float32 summation order. At 32 rows this
+ * runs at ~80% of the core's float32 FMA peak (the micro-kernel itself at the peak; each
+ * dequantized value feeds only two FMAs there); why not the few-row kernel's integer dot:
+ * docs/quantization.md. */
 
 #define GEMM_NB 48  /* weight rows a thread dequantizes at a time (a multiple of GEMM_NR) */
 #define GEMM_KC 128 /* inputs per tile: 4 blocks */
