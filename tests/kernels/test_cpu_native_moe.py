@@ -45,10 +45,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", CASES)
-def test_experts_in_one_native_call(kernels, case, threads, monkeypatch):
+def test_experts_in_one_native_call(kernels, case, threads, chunked, monkeypatch):
+    """`chunked`: the scratch bound set so low that the tokens go 3 at a time (a long
+    prompt's case): the same bits."""
     T, H, inter, E, k, gated, act = case
+    if chunked:
+        monkeypatch.setattr(cpu_native, "MOE_WORK_BYTES", 3 * 4 * k * (2 * H + 3 * inter))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -163,6 +163,9 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return panels
 
 
+MOE_WORK_BYTES = 256 << 20  # `moe_experts`' scratch at most (one chunk of tokens' intermediates)
+
+
 class PanelPointers:
     """The addresses of several weights in panels (one per expert), as one C array for
     `NativeKernels.moe_experts`; it keeps the panels alive. `in_features`: their K."""
@@ -432,30 +435,24 @@ class NativeKernels:
         native GEMM and activation."""
         T, H = x.shape
         k = ids.shape[1]
-        n, E, inter = T * k, len(w13.ptrs), w2.in_features
+        E, inter = len(w13.ptrs), w2.in_features
         ids = ids.to(torch.int64).contiguous()
         weights = weights.to(torch.float32).contiguous()
         out = torch.empty(T, H, dtype=x.dtype)
-        work = torch.empty(n * (2 * H + (3 if gated else 2) * inter), dtype=x.dtype)
-        idx = torch.empty(2 * n + 2 * E + 1, dtype=torch.int64)
-        self._moe_experts(
-            x.data_ptr(),
-            x.stride(0),
-            ids.data_ptr(),
-            weights.data_ptr(),
-            w13.ptrs,
-            w2.ptrs,
-            out.data_ptr(),
-            T,
-            k,
-            E,
-            H,
-            inter,
-            act,
-            int(gated),
-            work.data_ptr(),
-            idx.data_ptr(),
-        )
+        # Every chosen row's intermediates are held at once: a long prompt goes in chunks of
+        # tokens whose scratch fits MOE_WORK_BYTES (each token's result is its own, so the
+        # chunks change no bit; a decode step or the bench's prompts are one chunk).
+        per_token = k * (2 * H + (3 if gated else 2) * inter)
+        step = max(1, MOE_WORK_BYTES // (4 * per_token))
+        work = torch.empty(min(T, step) * per_token, dtype=x.dtype)
+        idx = torch.empty(2 * min(T, step) * k + 2 * E + 1, dtype=torch.int64)
+        for t0 in range(0, T, step):
+            t = min(step, T - t0)
+            self._moe_experts(
+                x[t0].data_ptr(), x.stride(0), ids[t0].data_ptr(), weights[t0].data_ptr(),
+                w13.ptrs, w2.ptrs, out[t0].data_ptr(), t, k, E, H, inter, act, int(gated),
+                work.data_ptr(), idx.data_ptr(),
+            )  # fmt: skip
         return out
 
     def decoder_layer(self, weights: DecoderLayerWeights, layer: Layer, step: Step, x, residual):
