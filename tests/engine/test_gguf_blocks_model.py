@@ -69,18 +69,21 @@ def test_packed_gguf_reads_blocks(engines):
     assert not [m for m in model.modules() if type(m) in (PackedLinear, torch.nn.Linear)]
 
 
-def test_blocks_only_when_asked_for(model_cache_dir):
-    """QUANTIZED_WEIGHTS=packed on CPU serves a GGUF from its blocks; unset (auto) it is
-    converted to float32 (measured: a batch of 32 decodes faster there), as with dequantize;
-    a dummy load or tensor parallelism converts too."""
+def test_blocks_by_default_on_cpu(model_cache_dir):
+    """On CPU a GGUF is served from its blocks, asked for (packed) or by default (auto: one
+    request decodes ~3x faster than from float32 and a batch as fast, measured); auto with
+    LoRA adapters, dequantize, a dummy load or tensor parallelism convert to float32."""
     from serverless_llm.engine.config import EngineConfig
     from serverless_llm.engine.loader.resolve import gguf_kept_quantized
 
     cpu = dict(model=None, device="cpu", download_dir=model_cache_dir)
     assert gguf_kept_quantized(EngineConfig(**cpu, quantized_weights="packed"))
     assert gguf_kept_quantized(EngineConfig(**cpu, dtype="bfloat16", quantized_weights="packed"))
-    assert not gguf_kept_quantized(EngineConfig(**cpu))
+    assert gguf_kept_quantized(EngineConfig(**cpu))
+    assert not gguf_kept_quantized(EngineConfig(**cpu, enable_lora=True))
+    assert gguf_kept_quantized(EngineConfig(**cpu, enable_lora=True, quantized_weights="packed"))
     assert not gguf_kept_quantized(EngineConfig(**cpu, quantized_weights="dequantize"))
+    assert not gguf_kept_quantized(EngineConfig(**cpu, tensor_parallel_size=2))
     assert not gguf_kept_quantized(
         EngineConfig(**cpu, quantized_weights="packed", load_format="dummy")
     )
@@ -124,3 +127,24 @@ def test_int8_inputs_follow_the_float_path_up_to_near_ties(engines, model_cache_
             assert abs(want.logprobs[i][a].logprob - got.logprobs[i][b].logprob) < CLOSE
             agreed += 1
     assert agreed >= len(PROMPTS) * 8  # most of the way, not a divergence at every start
+
+
+def test_auto_keeps_blocks_for_tested_families_only(tmp_path, monkeypatch):
+    """QUANTIZED_WEIGHTS=auto serves the blocks only for the families whose direct read is
+    tested (llama); another family's file is converted as before, unless packed is asked."""
+    import json
+
+    from serverless_llm.engine.config import EngineConfig
+    from serverless_llm.engine.loader import resolve
+
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    monkeypatch.setattr(resolve, "gguf_metadata_dir", lambda *a: str(meta))
+    monkeypatch.setattr(resolve, "converted_gguf_dir", lambda *a: str(tmp_path / "converted"))
+    cfg = dict(model=None, device="cpu", download_dir=str(tmp_path))
+    for model_type, auto_format in (("llama", "gguf"), ("qwen2", "safetensors")):
+        (meta / "config.json").write_text(json.dumps({"model_type": model_type}))
+        _, got = resolve._from_gguf("x.gguf", EngineConfig(**cfg))
+        assert got == auto_format, model_type
+        _, got = resolve._from_gguf("x.gguf", EngineConfig(**cfg, quantized_weights="packed"))
+        assert got == "gguf"

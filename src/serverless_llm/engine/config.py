@@ -64,7 +64,8 @@ class EngineConfig:
     quantization: str | None = None  # None: as the checkpoint says (loader/quantization.py)
     # How GPTQ/AWQ weights are held (layers/quant_linear.py): "packed" (at their bit width,
     # dequantized inside the matmul), "dequantize" (float once at load), or "auto": packed on
-    # CUDA, dequantized elsewhere (faster on CPU: docs/quantization.md).
+    # CUDA, dequantized elsewhere (faster on CPU: docs/quantization.md). A GGUF file on CPU:
+    # "auto" and "packed" serve its own blocks (loader/resolve.gguf_kept_quantized).
     quantized_weights: str = "auto"
     # "auto" (the model dtype) or an 8-bit float: fp8 / fp8_e4m3, fp8_e5m2 (kv_cache.py).
     kv_cache_dtype: str = "auto"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -29,23 +30,50 @@ def _weights_format(load_format: str) -> str | None:
 
 def gguf_kept_quantized(cfg: EngineConfig) -> bool:
     """Whether a GGUF model is served from the file's own blocks (layers/gguf_linear.py: no
-    float copy, on disk or in memory): QUANTIZED_WEIGHTS=packed on a CPU, one process. Not the
-    default (`auto` converts): measured, a batch of 32 decodes slower from the blocks than from
-    float32 (docs/benchmarks.md). Anywhere else the file is converted once to a float
-    safetensors copy."""
+    float copy, on disk or in memory): QUANTIZED_WEIGHTS=packed or auto on a CPU, one process
+    (auto: not with LoRA adapters, which wrap float linears). The default since the blocks'
+    many-row GEMM batches as fast as the float32 copy and one request decodes 3x faster, in
+    ~0.4x the memory (docs/benchmarks.md, issue 39). Anywhere else, or with
+    QUANTIZED_WEIGHTS=dequantize, the file is converted once to a float safetensors copy."""
+    wanted = cfg.quantized_weights == "packed" or (
+        cfg.quantized_weights == "auto" and not cfg.enable_lora
+    )
     return (
-        cfg.quantized_weights == "packed"
+        wanted
         and cfg.load_format != "dummy"
         and cfg.tensor_parallel_size == 1
         and cfg.resolve_device().type == "cpu"
     )
 
 
+# The families whose GGUF files are served from their blocks by default (QUANTIZED_WEIGHTS=auto):
+# those whose direct read of the file (loader/gguf_direct.py) is tested against the converted
+# checkpoint (tests/engine/test_gguf_direct.py, test_gguf_blocks_model.py). Any other family
+# converts under auto, as before, and takes the blocks with QUANTIZED_WEIGHTS=packed.
+GGUF_BLOCKS_BY_DEFAULT = frozenset({"llama"})
+
+
+def _gguf_model_type(meta_dir: str) -> str | None:
+    try:
+        with open(os.path.join(meta_dir, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def _from_gguf(gguf_path: str, cfg: EngineConfig) -> tuple[str, str]:
     if cfg.load_format == "pt":
         raise ModelLoadError(f"load_format=pt cannot read GGUF file {gguf_path}")
     if gguf_kept_quantized(cfg):  # config and tokenizer only; weights read from the file
-        return gguf_metadata_dir(gguf_path, cfg.download_dir, cfg.show_progress), "gguf"
+        meta_dir = gguf_metadata_dir(gguf_path, cfg.download_dir, cfg.show_progress)
+        if (
+            cfg.quantized_weights == "packed"
+            or _gguf_model_type(meta_dir) in GGUF_BLOCKS_BY_DEFAULT
+        ):
+            return meta_dir, "gguf"
+        logger.info("GGUF %s: converted to float32 (QUANTIZED_WEIGHTS=packed serves this family "
+                    "from the file's blocks; by default only %s do)", gguf_path,
+                    ", ".join(sorted(GGUF_BLOCKS_BY_DEFAULT)))  # fmt: skip
     model_dir = converted_gguf_dir(gguf_path, cfg.download_dir, cfg.show_progress)
     return model_dir, "dummy" if cfg.load_format == "dummy" else "safetensors"
 
