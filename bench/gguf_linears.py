@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,14 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-
-def best_cpu(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best
+from bench.gguf_bandwidth import best_cpu  # noqa: E402
 
 
 def kind_of(lin) -> str:

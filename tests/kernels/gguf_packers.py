@@ -11,6 +11,22 @@ import numpy as np
 QK = 256
 
 
+def weight(n: int, k: int, seed: int) -> np.ndarray:
+    """A random float32 [n, k] weight with a per-row offset (so blocks' mins matter)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01
+    return w.astype(np.float32)
+
+
+def gguf_dequantize(raw: np.ndarray, type_name: str):
+    """The `gguf` package's own dequantization of a tensor's file bytes, as a torch tensor."""
+    import gguf
+    import torch
+    from gguf import quants
+
+    return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
+
+
 def _f16(v: np.ndarray) -> np.ndarray:
     return np.asarray(v, np.float32).astype(np.float16)
 

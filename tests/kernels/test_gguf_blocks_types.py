@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
 from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
-from tests.kernels.gguf_packers import quantize  # noqa: E402
+from tests.kernels.gguf_packers import gguf_dequantize, quantize, weight  # noqa: E402
 
 NEW_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 ALL_TYPES = ("Q4_0", "Q4_1", "Q8_0") + NEW_TYPES
@@ -42,16 +42,6 @@ def kernels():
     k = gb.load()
     assert k is not None, "the GGUF block kernels did not build (is a C compiler installed?)"
     return k
-
-
-def weight(n: int, k: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01
-    return w.astype(np.float32)
-
-
-def gguf_dequantize(raw: np.ndarray, type_name: str) -> torch.Tensor:
-    return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
 
 
 def inputs_of(type_name: str, blocks: int) -> int:

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-from gguf import quants  # noqa: E402
 
 from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
 from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
-from tests.kernels.gguf_packers import quantize  # noqa: E402
+from tests.kernels.gguf_packers import gguf_dequantize, quantize, weight  # noqa: E402
 
 TYPES = ("Q4_K", "Q6_K")
 PATHS = ("best", "portable", "avx2", "float", "float-portable", "float-avx2")
@@ -40,16 +39,6 @@ def kernels():
     k = gk.load()
     assert k is not None, "the K-quant kernels did not build (is a C compiler installed?)"
     return k
-
-
-def weight(n: int, k: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01
-    return w.astype(np.float32)
-
-
-def gguf_dequantize(raw: np.ndarray, type_name: str) -> torch.Tensor:
-    return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
 
 
 def random_blocks(type_name: str, n: int, supers: int, seed: int) -> np.ndarray:
