@@ -514,11 +514,7 @@ class NativeKernels:
         out [>= n, Hv, Dv] contiguous float32 gets o (q scaled by `scale`, l2-normalised with
         q and k when `l2norm`)."""
         per_channel = g.dim() == 3
-        if not (_f32_cpu(q, k, v, g, beta, state, out) and state.is_contiguous()):
-            return False
-        if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not out.is_contiguous():
-            return False
-        if per_channel and g.stride(2) != 1:
+        if not _gated_delta_fits(q, k, v, g, beta, state, out):
             return False
         slots, has_init = _slots_flags(slots, has_init, n)
         _, Hk, Dk = q.shape
@@ -542,11 +538,7 @@ class NativeKernels:
         query_start_loc, len(slots) + 1 entries), tensors as `gated_delta_decode`'s, out
         [T, Hv, Dv] contiguous float32."""
         per_channel = g.dim() == 3
-        if not (_f32_cpu(q, k, v, g, beta, state, out) and state.is_contiguous()):
-            return False
-        if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not out.is_contiguous():
-            return False
-        if per_channel and g.stride(2) != 1:
+        if not _gated_delta_fits(q, k, v, g, beta, state, out):
             return False
         n = slots.shape[0]
         slots, has_init = _slots_flags(slots, has_init, n)
@@ -593,13 +585,7 @@ class NativeKernels:
         0..n-1: u, dt (processed: bias and softplus applied), z [T, Dn], B, C [T, N] (any row
         strides, last dims contiguous), A [Dn, N], D [Dn] or None, z or None, all float32;
         state [slots, Dn, N] updated in place; y [>= n, Dn] (last dim contiguous) gets y."""
-        if not (_f32_cpu(u, dt, A, B, C, state, y) and state.is_contiguous()):
-            return False
-        if D is not None and not (_f32_cpu(D) and D.is_contiguous()):
-            return False
-        if z is not None and not (_f32_cpu(z) and z.stride(1) == 1):
-            return False
-        if any(t.stride(1) != 1 for t in (u, dt, B, C, y)) or not A.is_contiguous():
+        if not _selective_scan_fits(u, dt, A, B, C, D, z, state, y):
             return False
         slots, has_init = _slots_flags(slots, has_init, n)
         Dn, N = A.shape
@@ -618,13 +604,7 @@ class NativeKernels:
         skip and the z gate included): requests b = 0..len(slots)-1 with rows
         starts[b]..starts[b+1]-1 (`starts`: the chunks' part of query_start_loc, len(slots) + 1
         entries); tensors as `selective_scan_decode`'s."""
-        if not (_f32_cpu(u, dt, A, B, C, state, y) and state.is_contiguous()):
-            return False
-        if D is not None and not (_f32_cpu(D) and D.is_contiguous()):
-            return False
-        if z is not None and not (_f32_cpu(z) and z.stride(1) == 1):
-            return False
-        if any(t.stride(1) != 1 for t in (u, dt, B, C, y)) or not A.is_contiguous():
+        if not _selective_scan_fits(u, dt, A, B, C, D, z, state, y):
             return False
         n = slots.shape[0]
         slots, has_init = _slots_flags(slots, has_init, n)
@@ -643,11 +623,7 @@ class NativeKernels:
         channels contiguous), weight [C, K], bias [C] or None, conv_state [slots, C, K-1] (updated
         in place), all float32; out [>= n, C] (channels contiguous) gets act(conv) (SiLU when
         `silu`)."""
-        if not (_f32_cpu(x, weight, conv_state, out) and conv_state.is_contiguous()):
-            return False
-        if bias is not None and not (_f32_cpu(bias) and bias.is_contiguous()):
-            return False
-        if x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
+        if not _conv1d_fits(x, weight, bias, conv_state, out):
             return False
         slots, has_init = _slots_flags(slots, has_init, n)
         C, K = weight.shape
@@ -663,11 +639,7 @@ class NativeKernels:
         window: requests b = 0..len(slots)-1 with rows starts[b]..starts[b+1]-1 (`starts`: the
         chunks' part of query_start_loc, len(slots) + 1 entries); tensors as
         `conv1d_decode`'s."""
-        if not (_f32_cpu(x, weight, conv_state, out) and conv_state.is_contiguous()):
-            return False
-        if bias is not None and not (_f32_cpu(bias) and bias.is_contiguous()):
-            return False
-        if x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
+        if not _conv1d_fits(x, weight, bias, conv_state, out):
             return False
         n = slots.shape[0]
         slots, has_init = _slots_flags(slots, has_init, n)
@@ -702,6 +674,36 @@ class NativeKernels:
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+# What the recurrent layers' native calls read (one check for a layer's decode and prompt
+# forms): float32 on the CPU, the strides the C loops assume.
+
+
+def _gated_delta_fits(q, k, v, g, beta, state, out) -> bool:
+    if not (_f32_cpu(q, k, v, g, beta, state, out) and state.is_contiguous()):
+        return False
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not out.is_contiguous():
+        return False
+    return g.dim() != 3 or g.stride(2) == 1
+
+
+def _selective_scan_fits(u, dt, A, B, C, D, z, state, y) -> bool:
+    if not (_f32_cpu(u, dt, A, B, C, state, y) and state.is_contiguous()):
+        return False
+    if D is not None and not (_f32_cpu(D) and D.is_contiguous()):
+        return False
+    if z is not None and not (_f32_cpu(z) and z.stride(1) == 1):
+        return False
+    return all(t.stride(1) == 1 for t in (u, dt, B, C, y)) and A.is_contiguous()
+
+
+def _conv1d_fits(x, weight, bias, conv_state, out) -> bool:
+    if not (_f32_cpu(x, weight, conv_state, out) and conv_state.is_contiguous()):
+        return False
+    if bias is not None and not (_f32_cpu(bias) and bias.is_contiguous()):
+        return False
+    return x.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
 
 
 def _slots_flags(slots: torch.Tensor, has_init: torch.Tensor, n: int):
