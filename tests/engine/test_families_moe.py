@@ -207,7 +207,8 @@ def test_moe_load_peak_memory_stays_near_the_weights(tmp_path, family_models):
     """Loading a ~150 MB Qwen3-MoE checkpoint (20 MB shards) raises the process's peak resident
     memory by less than 1.3x the model's weight bytes: each expert tensor goes straight into its
     slice of the stacked weights, with no second copy of the model at any point (the CPU
-    packing after the load also goes one projection at a time). A tiny MoE
+    packing after the load writes each expert's panels over its own slice, one expert's
+    projection held twice at a time). A tiny MoE
     model is loaded first in the same process, so imports and the tokenizer are not counted; the
     rest over 1.0x is the shard being read (its mapped pages count as resident)."""
     tok = build_tokenizer()

@@ -328,6 +328,26 @@ def test_panels_round_trip():
     )
 
 
+def test_panels_in_place_equal_panels_over_the_weights_own_memory():
+    """A stacked expert weight's slices packed in place (the MoE load's way: no second copy):
+    the same panels as pack_panels, in the stacked tensor's storage; a weight off the panel
+    width or not contiguous gets pack_panels' fresh copy and stays as it was."""
+    from serverless_llm.engine.kernels.cpu_native import pack_panels, pack_panels_in_place
+
+    stacked = torch.randn(3, 48, 7)
+    want = [pack_panels(w) for w in stacked]
+    start = stacked.untyped_storage().data_ptr()
+    got = [pack_panels_in_place(w) for w in stacked]
+    for e, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w) and g.is_contiguous()
+        assert g.untyped_storage().data_ptr() == start  # a view of the stacked storage
+        assert g.data_ptr() == start + e * 48 * 7 * 4
+    for w in (torch.randn(37, 5), torch.randn(7, 32).T):
+        before = w.clone()
+        assert torch.equal(pack_panels_in_place(w), pack_panels(before))
+        assert torch.equal(w, before)
+
+
 # Rows: 1-6 (each micro-kernel alone), 7 and 13 (6 + a remainder), 32 and 70 (a decode batch;
 # more row blocks than prefetch lines to share); for the AVX-512 kernel (2 rows and more), 12 and
 # 24 (whole blocks of its 12), 25 (three balanced blocks, 8 + 8 + 9) and 64. Shapes: N off the

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, ConfigError, EngineConfig, resolve_dtype
-from .cpu_tuning import cap_kernel_caches, tune_allocator
+from .cpu_tuning import cap_kernel_caches, release_free_memory, tune_allocator
 from .hf_overrides import apply_hf_overrides
 from .kernels import cpu_native
 from .kv_cache import (
@@ -293,6 +293,10 @@ def load_model(
             from .layers.quant_blocks import serve_int_blocks
 
             logger.info(serve_int_blocks(model))
+        # The load's one-off copies (a shard's tensors before their slices, stacked experts
+        # before their panels) were freed into the heap, which keeps freed memory for the
+        # steps' activations (cpu_tuning.tune_allocator): give them back once, here.
+        release_free_memory()
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     return LoadedModel(
         resolved,

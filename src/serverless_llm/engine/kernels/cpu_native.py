@@ -163,6 +163,21 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return panels
 
 
+def pack_panels_in_place(w: torch.Tensor) -> torch.Tensor:
+    """`pack_panels` of a contiguous float32 [N, K] weight whose N is a multiple of PANEL,
+    written over w's own memory (one copy of w held meanwhile): the panels are a view of w's
+    storage, so a model's stacked experts become panels with no second copy of a projection.
+    Other weights: `pack_panels`."""
+    n, k = w.shape
+    if n % PANEL or not w.is_contiguous():
+        return pack_panels(w)
+    w = w.detach()
+    rows = w.clone()
+    panels = w.view(n // PANEL, k, PANEL)
+    panels.copy_(rows.view(n // PANEL, PANEL, k).transpose(1, 2))
+    return panels
+
+
 MOE_WORK_BYTES = 256 << 20  # `moe_experts`' scratch at most (one chunk of tokens' intermediates)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.activation import ACT_CODES
-from ..kernels.cpu_native import PanelPointers, pack_panels
+from ..kernels.cpu_native import PanelPointers, pack_panels_in_place
 from ..kernels.fused_moe import (
     Fp8BlockExperts,
     Fp8Experts,
@@ -570,7 +570,8 @@ class Experts(nn.Module):
         the Triton path keeps the stacked tensors), one projection at a time, so the peak holds
         one projection twice, not the layer: for oneDNN (measured 10x faster than F.linear on
         expert slices at 4 rows per expert), or, with the native kernels (`native`, float32),
-        in the native GEMM's panels instead (`pack_panels`: the same bytes, no second copy).
+        in the native GEMM's panels instead, written over the stacked weights' own memory
+        (`pack_panels_in_place`: one expert's projection held twice at a time).
         An expert's rows of a decode step are few (32 requests, top 2 of 8: ~8), where the
         AVX-512 panels took ~0.7-0.8x oneDNN's time with the weights streamed from memory,
         and as much at 128-1,000 rows (a prefill's share); at one row (one request) ~1.2x."""
@@ -581,7 +582,9 @@ class Experts(nn.Module):
         for name in ("w13", "w2"):
             ws = getattr(self, name).weight
             if native is not None:
-                packed.append([_PanelWeight(pack_panels(w), w.shape[0], native) for w in ws])
+                packed.append(
+                    [_PanelWeight(pack_panels_in_place(w), w.shape[0], native) for w in ws]
+                )
             else:
                 packed.append([pack_weight(w) for w in ws])
             delattr(self, name)
