@@ -48,6 +48,8 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -82,6 +84,19 @@ def bucket_for(rows: int, sizes: list[int]) -> int | None:
     """The smallest bucket that holds `rows`, or None past the largest."""
     i = bisect.bisect_left(sizes, rows)
     return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class _Probe:
+    """What the self-checks' probe steps share (`CapturedDecode._probe_caches`)."""
+
+    states: list  # the model's RecurrentState caches
+    num_slots: int  # state slots of each (0: none)
+    longest: int  # the longest context a probe row reads
+    tables_of: list[torch.Tensor]  # each cache group's probe blocks
+    generator: torch.Generator
+    vocab: int
+    tol: float  # the largest mismatch allowed
 
 
 class StaticDecodeBatch:
@@ -475,20 +490,26 @@ class CapturedDecode:
 
     # -- the self-check ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _self_check(self) -> None:
-        """Each bucket against the eager forward on a probe batch; sets `enabled`."""
+    def _probe_caches(self, seed: int, min_context: int = 0) -> _Probe:
+        """The self-checks' common start: finite random keys in the blocks the probe reads (an
+        unused cache may hold anything, NaN included; nothing is served yet, so the blocks are
+        free to scribble on) and in every recurrent state slot (rows past the slots there start
+        from zeros in the scratch slot 0, as padded rows do); each cache group's block table
+        of its own, as in serving (a block is one group's at a time: layers of different
+        groups share tensors, and where a layer's entries are a view of another shape, Gemma
+        4's head widths that do not nest, one group's writes in a block would land on what
+        another group's layers read there). Contexts of at most `min_context` tokens are an
+        error."""
         kv = kv_tensors(self.kv_caches)
         states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
-        bs = self.block_size
         groups = max(self.layout.num_groups, 1)
         longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT))
         if kv:
-            longest = min(longest, kv[0].shape[1] // groups * bs)
-        probe_blocks = -(-longest // bs)
-        # The probe's keys: finite values in the blocks it reads (an unused cache may hold
-        # anything, NaN included). Nothing is served yet, so the blocks are free to scribble on.
-        g = torch.Generator(device="cpu").manual_seed(0)
+            longest = min(longest, kv[0].shape[1] // groups * self.block_size)
+        if longest <= min_context:
+            raise RuntimeError(f"contexts of {longest} tokens leave no room for a probe")
+        probe_blocks = -(-longest // self.block_size)
+        g = torch.Generator(device="cpu").manual_seed(seed)
         for layer_cache in kv:
             junk = torch.randn(
                 (layer_cache.shape[0], groups * probe_blocks, *layer_cache.shape[2:]),
@@ -496,35 +517,63 @@ class CapturedDecode:
                 dtype=torch.float32,
             )
             layer_cache[:, : groups * probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
-        # Recurrent states: finite values in every slot; rows past the slots there are start
-        # from zeros in the scratch slot 0 (as padded rows do).
-        num_slots = states[0][0].shape[0] if states else 0
         for layer in states:
             for t in layer.tensors:
-                junk = torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.1
-                t.copy_(junk.to(t.dtype))
-        # Each cache group reads blocks of its own, as in serving (a block is one group's at a
-        # time): layers of different groups share tensors, and where a layer's entries are a
-        # view of another shape (Gemma 4's head widths that do not nest), one group's writes in
-        # a block would land on what another group's layers read there.
+                t.copy_((torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.1).to(t.dtype))
         tables_of = [
             torch.arange(probe_blocks, dtype=torch.int32) + grp * probe_blocks
             for grp in range(groups)
         ]
-        vocab = self.model.embed_tokens.num_embeddings
         dtype = self.model.embed_tokens.weight.dtype
-        tol = 1e-3 if dtype == torch.float32 else 3e-2
-        self.enabled = True  # for `run` below; reset on any failure
+        return _Probe(
+            states=states,
+            num_slots=states[0][0].shape[0] if states else 0,
+            longest=longest,
+            tables_of=tables_of,
+            generator=g,
+            vocab=self.model.embed_tokens.num_embeddings,
+            tol=1e-3 if dtype == torch.float32 else 3e-2,
+        )
+
+    @staticmethod
+    def _check_bucket(probe: _Probe, eager, replay, hook, what: str) -> None:
+        """One bucket's check: the eager forward and the captured step (or its twin) from the
+        same recurrent states (both advance them in place: the second starts from a copy
+        taken before the first), the captured output through `hook` (the tests' way of
+        making a mismatch), equal within the probe's tolerance or a RuntimeError naming
+        `what`."""
+        saved = [[t.clone() for t in layer.tensors] for layer in probe.states]
+        expected = eager()
+        for layer, kept in zip(probe.states, saved):
+            for t, k in zip(layer.tensors, kept):
+                t.copy_(k)
+        got = replay().clone()
+        if hook is not None:
+            got = hook(got)
+        err = _mismatch(got, expected)
+        if not err <= probe.tol:
+            raise RuntimeError(
+                f"self-check: {what} differs from the eager forward by {err:.3g} "
+                f"(tolerance {probe.tol:g})"
+            )
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        """Each bucket against the eager forward on a probe batch; sets `enabled`."""
+        probe = self._probe_caches(seed=0)
+        bs, longest, g = self.block_size, probe.longest, probe.generator
+        self.enabled = True  # for `run` below; the caller turns capture off on any failure
         for size in self.sizes:
             n = max(1, size - 1)
             # Different lengths per row, each row's new token at its own last position; rows that
             # share a length would write one slot twice, so lengths are distinct where they fit.
             lens = [1 + (longest - 1 - (r * 131) % longest) for r in range(n)]
             state_slots = None
-            if states:  # a row without a slot of its own starts a state in slot 0: its first token
-                state_slots = [r + 1 if r + 1 < num_slots else 0 for r in range(n)]
+            # A row without a slot of its own starts a state in slot 0 (its first token).
+            if probe.states:
+                state_slots = [r + 1 if r + 1 < probe.num_slots else 0 for r in range(n)]
                 lens = [x if s else 1 for x, s in zip(lens, state_slots)]
-            ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+            ids = torch.randint(0, probe.vocab, (n,), generator=g).tolist()
             positions = [x - 1 for x in lens]
             # Rows past `longest` repeat a length: they write nothing (two writes of one slot in
             # one step would race on a GPU), reading what the others wrote.
@@ -532,30 +581,20 @@ class CapturedDecode:
             width = max(-(-x // bs) for x in lens)
             slots = [
                 [int(t[p // bs]) * bs + p % bs if w else -1 for p, w in zip(positions, writes)]
-                for t in tables_of
+                for t in probe.tables_of
             ]
-            tables = [t[:width].expand(n, -1).contiguous() for t in tables_of]
+            tables = [t[:width].expand(n, -1).contiguous() for t in probe.tables_of]
             # The eager pass sees the host lengths the graph was captured with (they choose
             # the split-KV grid), so both run the same kernels on the same inputs and agree
             # to rounding whatever the dtype; the twin replays with the real lengths.
             host = lens if self.mode == "replay" else [self.max_seq_len] * n
-            # Both passes advance the states in place: each starts from the same saved ones.
-            saved = [[t.clone() for t in layer.tensors] for layer in states]
-            expected = self._eager(ids, positions, slots, lens, tables, host, state_slots)
-            for layer, kept in zip(states, saved):
-                for t, k in zip(layer.tensors, kept):
-                    t.copy_(k)
-            got = self.run(size, ids, positions, slots, lens, tables, state_slots)
-            got = got.clone()
-            if SELF_CHECK_HOOK is not None:
-                got = SELF_CHECK_HOOK(got)
-            err = _mismatch(got, expected)
-            if not err <= tol:
-                self.enabled = False
-                raise RuntimeError(
-                    f"self-check: bucket {size} differs from the eager forward by {err:.3g} "
-                    f"(tolerance {tol:g})"
-                )
+            self._check_bucket(
+                probe,
+                partial(self._eager, ids, positions, slots, lens, tables, host, state_slots),
+                partial(self.run, size, ids, positions, slots, lens, tables, state_slots),
+                SELF_CHECK_HOOK,
+                f"bucket {size}",
+            )
         self.replays = 0
 
     def _probe_requests(self, rows: int) -> list[int]:
@@ -577,39 +616,12 @@ class CapturedDecode:
         in slot 0 at position 0, as a fresh prompt's chunk does. The twin is checked against
         the eager step as the runner makes it (every request's rows one ragged query); CUDA
         graphs against the same forward with the graph's metadata made anew, run eagerly."""
-        kv = kv_tensors(self.kv_caches)
-        states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
-        bs = self.block_size
-        groups = max(self.layout.num_groups, 1)
-        longest = max(1, min(self.max_seq_len, PROBE_MAX_CONTEXT))
-        if kv:
-            longest = min(longest, kv[0].shape[1] // groups * bs)
-        if longest <= self.verify_rows:
-            raise RuntimeError(f"contexts of {longest} tokens leave no room for a probe")
-        probe_blocks = -(-longest // bs)
-        g = torch.Generator(device="cpu").manual_seed(1)
-        for layer_cache in kv:  # finite keys in the blocks the probe reads (see _self_check)
-            junk = torch.randn(
-                (layer_cache.shape[0], groups * probe_blocks, *layer_cache.shape[2:]),
-                generator=g,
-                dtype=torch.float32,
-            )
-            layer_cache[:, : groups * probe_blocks].copy_((junk * 0.5).to(layer_cache.dtype))
-        num_slots = states[0][0].shape[0]
-        for layer in states:
-            for t in layer.tensors:
-                t.copy_((torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.1).to(t.dtype))
-        tables_of = [
-            torch.arange(probe_blocks, dtype=torch.int32) + grp * probe_blocks
-            for grp in range(groups)
-        ]
-        vocab = self.model.embed_tokens.num_embeddings
-        dtype = self.model.embed_tokens.weight.dtype
-        tol = 1e-3 if dtype == torch.float32 else 3e-2
-        self.verify_enabled = True  # for `run` below; reset on any failure
+        probe = self._probe_caches(seed=1, min_context=self.verify_rows)
+        bs, longest, g = self.block_size, probe.longest, probe.generator
+        self.verify_enabled = True  # for `run` below; the caller turns it off on any failure
         for size in self.verify_sizes:
             query_lens = self._probe_requests(max(2, size - 1))
-            state_slots = [i + 1 if i + 1 < num_slots else 0 for i in range(len(query_lens))]
+            state_slots = [i + 1 if i + 1 < probe.num_slots else 0 for i in range(len(query_lens))]
             # Distinct positions for the requests with a slot, from the longest context down;
             # a position written twice in one step (the fresh requests' 0.., or no room left)
             # is written by its first row only, as in the decode check.
@@ -622,35 +634,24 @@ class CapturedDecode:
             writes = [p not in positions[:r] for r, p in enumerate(positions)]
             slots = [
                 [int(t[p // bs]) * bs + p % bs if w else -1 for p, w in zip(positions, writes)]
-                for t in tables_of
+                for t in probe.tables_of
             ]
             ends = [st + q for st, q in zip(starts, query_lens)]
             width = max(-(-x // bs) for x in ends)
-            tables = [t[:width] for t in tables_of]
-            ids = torch.randint(0, vocab, (len(positions),), generator=g).tolist()
+            tables = [t[:width] for t in probe.tables_of]
+            ids = torch.randint(0, probe.vocab, (len(positions),), generator=g).tolist()
             prompt_rows = [(r % 3) == 0 for r in range(len(positions))]
-            saved = [[t.clone() for t in layer.tensors] for layer in states]
-            expected = self._eager_verify(
-                ids, positions, slots, query_lens, ends, tables, state_slots, prompt_rows
-            )
-            for layer, kept in zip(states, saved):
-                for t, k in zip(layer.tensors, kept):
-                    t.copy_(k)
             rows_lens = [p + 1 for p in positions]
             counts = torch.tensor(query_lens)
             row_tables = [t.expand(len(query_lens), -1).repeat_interleave(counts, 0)
                           for t in tables]  # fmt: skip
-            got = self.run(size, ids, positions, slots, rows_lens, row_tables, state_slots,
-                           prompt_rows, query_lens).clone()  # fmt: skip
-            if VERIFY_CHECK_HOOK is not None:
-                got = VERIFY_CHECK_HOOK(got)
-            err = _mismatch(got, expected)
-            if not err <= tol:
-                self.verify_enabled = False
-                raise RuntimeError(
-                    f"self-check: verification bucket {size} differs from the eager forward by "
-                    f"{err:.3g} (tolerance {tol:g})"
-                )
+            eager = partial(self._eager_verify, ids, positions, slots, query_lens, ends, tables,
+                            state_slots, prompt_rows)  # fmt: skip
+            replay = partial(self.run, size, ids, positions, slots, rows_lens, row_tables,
+                             state_slots, prompt_rows, query_lens)  # fmt: skip
+            self._check_bucket(
+                probe, eager, replay, VERIFY_CHECK_HOOK, f"verification bucket {size}"
+            )
         self.verify_replays = 0
 
     def _eager_verify(
