@@ -179,41 +179,10 @@ class DraftModel:
     def _run(self, rows: list[tuple[Request, int, list[int]]], sampled: set) -> list[int]:
         """One draft forward over `rows` (request, first position, tokens); the argmax at the
         last row of each request in `sampled`, in the order of `rows`."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][2]) != 1)  # decodes first
-        bs = self.block_size
-        groups = self.kv.layout.num_groups
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(groups)]
-        tables: list[list[list[int]]] = [[] for _ in range(groups)]
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_at: dict[int, int] = {}
-        for i in order:
-            req, start, ids = rows[i]
-            end = start + len(ids)
-            input_ids.extend(ids)
-            positions.extend(range(start, end))
-            for g, blocks in enumerate(self.kv.block_tables(req)):
-                slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-                tables[g].append(blocks)
-            query_lens.append(len(ids))
-            seq_lens.append(end)
-            if req in sampled:
-                sample_at[i] = len(input_ids) - 1
-        sample_rows = [i for i in range(len(rows)) if i in sample_at]
-        h = HostBatch(
-            input_ids=input_ids,
-            positions=positions,
-            slots=slots,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=[_table(t) for t in tables],
-            num_decodes=sum(1 for n in query_lens if n == 1),
-            sample_reqs=[],
-            sample_idx=[sample_at[i] for i in sample_rows],
-            prompt_work=PromptLogprobWork(),
-        )
+        h, _ = draft_batch(
+            self.kv, self.block_size, [(req, start, start, ids) for req, start, ids in rows],
+            [i for i, (req, _, _) in enumerate(rows) if req in sampled],
+        )  # fmt: skip
         logits, _ = self.runner.run(h)
         if logits is None:
             return []
@@ -223,6 +192,48 @@ class DraftModel:
         """Asserts the draft pool's books balance and hold only known requests' blocks."""
         self.kv.check()
         assert set(self.kv.owners()) <= set(self.fed), "draft blocks of a forgotten request"
+
+
+def draft_batch(kv, block_size: int, rows, sampled: list[int]) -> tuple[HostBatch, list[int]]:
+    """A draft pool's forward as one host batch: `rows` (request, its first cache index,
+    its first position, tokens; the cache index and the position differ where a head's cache
+    starts past the prompt's start), the one-token rows first as the runner orders a step;
+    the last token of each row listed in `sampled` (indices into `rows`, in order) is
+    sampled. Returns the batch and each row's first index in it, in the order of `rows`."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][3]) != 1)  # decodes first
+    groups = kv.layout.num_groups
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(groups)]
+    tables: list[list[list[int]]] = [[] for _ in range(groups)]
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    first = [0] * len(rows)
+    for i in order:
+        req, lo, start, ids = rows[i]
+        first[i] = len(input_ids)
+        hi = lo + len(ids)  # cache indices lo .. hi - 1
+        input_ids.extend(ids)
+        positions.extend(range(start, start + len(ids)))
+        for g, blocks in enumerate(kv.block_tables(req)):
+            slots[g].extend(blocks[p // block_size] * block_size + p % block_size
+                            for p in range(lo, hi))  # fmt: skip
+            tables[g].append(blocks)
+        query_lens.append(len(ids))
+        seq_lens.append(hi)
+    h = HostBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slots=slots,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables=[_table(t) for t in tables],
+        num_decodes=sum(1 for n in query_lens if n == 1),
+        sample_reqs=[],
+        sample_idx=[first[i] + len(rows[i][3]) - 1 for i in sampled],
+        prompt_work=PromptLogprobWork(),
+    )
+    return h, first
 
 
 def _table(tables: list[list[int]]) -> torch.Tensor:

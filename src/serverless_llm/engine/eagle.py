@@ -68,12 +68,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, EngineConfig
-from .draft_model import DraftModel, _table
+from .draft_model import DraftModel, draft_batch
 from .layers.norm import RMSNorm
 from .layers.rotary import rotary_step
 from .loader import ModelLoadError, iter_weights, load_hf_config, resolve_model
 from .model_builder import LoadedModel, make_attention_backend
-from .model_runner import HostBatch, ModelRunner, PromptLogprobWork
+from .model_runner import ModelRunner
 from .models import DecoderModel, DecoderSpec, describe_model
 from .request import Request
 
@@ -417,42 +417,11 @@ class HiddenDraft(DraftModel):
     def _run(self, rows) -> list[torch.Tensor]:
         """One pass of the head over `rows` (request, track, first position, tokens, hidden
         rows [len(tokens), h]); each row's outputs [len(tokens), h], in the order of `rows`."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][3]) != 1)  # decodes first
-        bs = self.block_size
-        groups = self.kv.layout.num_groups
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(groups)]
-        tables: list[list[list[int]]] = [[] for _ in range(groups)]
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        hidden: list[torch.Tensor] = []
-        first: dict[int, int] = {}
-        for i in order:
-            req, t, start, ids, rows_h = rows[i]
-            first[i] = len(input_ids)
-            lo = start - t.base  # cache indices lo .. hi - 1
-            hi = lo + len(ids)
-            input_ids.extend(ids)
-            positions.extend(range(start, start + len(ids)))
-            hidden.append(rows_h)
-            for g, blocks in enumerate(self.kv.block_tables(req)):
-                slots[g].extend(blocks[p // bs] * bs + p % bs for p in range(lo, hi))
-                tables[g].append(blocks)
-            query_lens.append(len(ids))
-            seq_lens.append(hi)
-        h = HostBatch(
-            input_ids=input_ids,
-            positions=positions,
-            slots=slots,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=[_table(t) for t in tables],
-            num_decodes=sum(1 for n in query_lens if n == 1),
-            sample_reqs=[],
-            sample_idx=[],
-            prompt_work=PromptLogprobWork(),
-        )
+        h, first = draft_batch(
+            self.kv, self.block_size,
+            [(req, start - t.base, start, ids) for req, t, start, ids, _ in rows], [],
+        )  # fmt: skip
+        hidden = [rows[i][4] for i in sorted(range(len(rows)), key=lambda i: first[i])]
         runner = self.runner
         ids_t, pos_t, metas = runner.device_inputs(h)
         for meta in metas:
