@@ -130,21 +130,50 @@ def test_int8_inputs_follow_the_float_path_up_to_near_ties(engines, model_cache_
 
 
 def test_auto_keeps_blocks_for_tested_families_only(tmp_path, monkeypatch):
-    """QUANTIZED_WEIGHTS=auto serves the blocks only for the families whose direct read is
-    tested (llama); another family's file is converted as before, unless packed is asked."""
-    import json
-
+    """QUANTIZED_WEIGHTS=auto serves the blocks only for the architectures whose direct read is
+    tested (the file's general.architecture, read from its header before anything is written);
+    another architecture's file is converted as before, with no unused config directory
+    written for it first, unless packed is asked."""
+    gguf = pytest.importorskip("gguf")
     from serverless_llm.engine.config import EngineConfig
     from serverless_llm.engine.loader import resolve
+    from serverless_llm.engine.loader.gguf import gguf_architecture
 
-    meta = tmp_path / "meta"
-    meta.mkdir()
-    monkeypatch.setattr(resolve, "gguf_metadata_dir", lambda *a: str(meta))
+    written = []
+    monkeypatch.setattr(resolve, "gguf_metadata_dir", lambda path, *a: written.append(path))
     monkeypatch.setattr(resolve, "converted_gguf_dir", lambda *a: str(tmp_path / "converted"))
     cfg = dict(model=None, device="cpu", download_dir=str(tmp_path))
-    for model_type, auto_format in (("llama", "gguf"), ("qwen2", "safetensors")):
-        (meta / "config.json").write_text(json.dumps({"model_type": model_type}))
-        _, got = resolve._from_gguf("x.gguf", EngineConfig(**cfg))
-        assert got == auto_format, model_type
-        _, got = resolve._from_gguf("x.gguf", EngineConfig(**cfg, quantized_weights="packed"))
+    for arch, auto_format in (("llama", "gguf"), ("qwen2", "gguf"), ("gemma3", "gguf"),
+                              ("phi3", "gguf"), ("bloom", "safetensors"),
+                              ("mamba", "safetensors")):  # fmt: skip
+        path = str(tmp_path / f"{arch}.gguf")
+        writer = gguf.GGUFWriter(path, arch)  # a header only: general.architecture first
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        assert gguf_architecture(path) == arch
+        written.clear()
+        _, got = resolve._from_gguf(path, EngineConfig(**cfg))
+        assert got == auto_format, arch
+        assert written == ([path] if got == "gguf" else [])  # no meta dir for a conversion
+        _, got = resolve._from_gguf(path, EngineConfig(**cfg, quantized_weights="packed"))
         assert got == "gguf"
+    # pairs before the architecture are skipped by their types (a string array, a string, ...)
+    import struct
+
+    def text(v: str) -> bytes:
+        return struct.pack("<Q", len(v)) + v.encode()
+
+    pairs = (text("a.tokens") + struct.pack("<IIQ", 9, 8, 2) + text("x") + text("yz")
+             + text("a.name") + struct.pack("<I", 8) + text("tiny")
+             + text("a.scores") + struct.pack("<IIQ", 9, 6, 3) + bytes(12)
+             + text("a.n") + struct.pack("<IQ", 10, 7)
+             + text("general.architecture") + struct.pack("<I", 8) + text("qwen3"))  # fmt: skip
+    later = tmp_path / "later.gguf"
+    later.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + pairs)
+    assert gguf_architecture(str(later)) == "qwen3"
+    later.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + pairs[:-12])  # cut short
+    assert gguf_architecture(str(later)) is None
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(20))
+    assert gguf_architecture(str(not_gguf)) is None

@@ -66,6 +66,62 @@ def gguf_files_in(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.lower().endswith(".gguf"))
 
 
+# GGUF value types: the byte size of each fixed-size one; 8 is a string, 9 an array
+_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: str) -> str | None:
+    """`general.architecture` from a GGUF file's header (version 2 or 3), reading only the
+    key/value pairs before it (llama.cpp's writer puts it first); None when the file has none
+    or is not a GGUF file. What resolve decides from before anything is written for the file."""
+    import struct
+
+    def read(f, fmt: str):
+        size = struct.calcsize(fmt)
+        raw = f.read(size)
+        if len(raw) != size:
+            raise ValueError("the header ends early")
+        return struct.unpack(fmt, raw)
+
+    def string(f) -> bytes:
+        (n,) = read(f, "<Q")
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("the header ends early")
+        return raw
+
+    def skip(f, kind: int) -> None:
+        if kind == 8:
+            string(f)
+        elif kind == 9:
+            inner, count = read(f, "<IQ")
+            if inner in _GGUF_FIXED:
+                f.seek(count * _GGUF_FIXED[inner], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip(f, inner)
+        elif kind in _GGUF_FIXED:
+            f.seek(_GGUF_FIXED[kind], os.SEEK_CUR)
+        else:
+            raise ValueError(f"unknown value type {kind}")
+
+    try:
+        with open(path, "rb") as f:
+            magic, version = read(f, "<4sI")
+            if magic != b"GGUF" or version not in (2, 3):
+                return None
+            _, n_kv = read(f, "<QQ")
+            for _ in range(n_kv):
+                key = string(f)
+                (kind,) = read(f, "<I")
+                if key == b"general.architecture" and kind == 8:
+                    return string(f).decode("utf-8", "replace")
+                skip(f, kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None
+
+
 def convert_gguf(gguf_path: str, out_dir: str, show_progress: bool = True) -> None:
     """Dequantizes `gguf_path` into a safetensors checkpoint plus tokenizer in `out_dir`.
 

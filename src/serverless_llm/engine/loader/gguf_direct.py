@@ -31,25 +31,31 @@ def gguf_name_map(hf_config) -> tuple[dict[str, str], object]:
     from ..models import describe_model
 
     model_type = hf_config.model_type
+    # the file's architecture name: llama.cpp writes Mistral's files as llama ones
     arch_name = {"cohere": "command-r", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-                 "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}.get(model_type, model_type)  # fmt: skip
+                 "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "mistral": "llama",
+                 "minimax_m2": "minimax-m2"}.get(model_type, model_type)  # fmt: skip
     arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch_name), None)
     if arch is None:
         raise ValueError(f"the gguf package has no tensor names for {model_type}")
     layers = hf_config.num_hidden_layers
     table = get_tensor_name_map(arch, layers)
     wn = describe_model(hf_config).names
-    modules = list(wn.top) + [f"{wn.layers_prefix}.{i}.{local}" for i in range(layers)
-                              for local in wn.layer]  # fmt: skip
+    # A module that fills its target whole before one that fills a part of it: where both have
+    # the file's name (phi3's fused `mlp.gate_up_proj` and llama's `mlp.up_proj`, inherited,
+    # are both `ffn_up` to the table), the file holds the fused one, as the checkpoint did.
+    local = sorted(wn.layer, key=lambda k: not isinstance(wn.layer[k], str))
+    modules = list(wn.top) + [f"{wn.layers_prefix}.{i}.{name}" for i in range(layers)
+                              for name in local]  # fmt: skip
     names = {}
     for module in modules:
         got = table.get_name(module)
         if got is not None:
             for suffix in ("weight", "bias"):
                 names.setdefault(f"{got}.{suffix}", f"{module}.{suffix}")
-    # llama.cpp's converter permutes q/k rows for llama-style models (mistral files included)
-    processor_arch = "llama" if model_type in ("llama", "mistral") else arch_name
-    processor = TENSOR_PROCESSORS.get(processor_arch, TensorProcessor)(config=hf_config.to_dict())
+    # the values' fix-ups by the file's architecture (llama's q/k rows, permuted by llama.cpp's
+    # converter, mistral files included; gemma's norms, stored as 1 + w)
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=hf_config.to_dict())
     return names, processor
 
 

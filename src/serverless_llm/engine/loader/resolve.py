@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -12,6 +11,7 @@ from .gguf import (
     EMBEDDED_GGUF,
     converted_gguf_dir,
     embedded_model_path,
+    gguf_architecture,
     gguf_files_in,
     gguf_metadata_dir,
 )
@@ -46,33 +46,25 @@ def gguf_kept_quantized(cfg: EngineConfig) -> bool:
     )
 
 
-# The families whose GGUF files are served from their blocks by default (QUANTIZED_WEIGHTS=auto):
-# those whose direct read of the file (loader/gguf_direct.py) is tested against the converted
-# checkpoint (tests/engine/test_gguf_direct.py, test_gguf_blocks_model.py). Any other family
-# converts under auto, as before, and takes the blocks with QUANTIZED_WEIGHTS=packed.
-GGUF_BLOCKS_BY_DEFAULT = frozenset({"llama"})
-
-
-def _gguf_model_type(meta_dir: str) -> str | None:
-    try:
-        with open(os.path.join(meta_dir, "config.json")) as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError):
-        return None
+# The GGUF architectures (the file's `general.architecture`) served from their blocks by default
+# (QUANTIZED_WEIGHTS=auto): those whose direct read of the file (loader/gguf_direct.py) is tested
+# against the same weights dequantized (tests/engine/test_gguf_direct.py, test_gguf_families.py,
+# test_gguf_blocks_model.py). llama.cpp writes Mistral's files as "llama". Any other
+# architecture converts under auto, as before, and takes the blocks with QUANTIZED_WEIGHTS=packed.
+GGUF_BLOCKS_BY_DEFAULT = frozenset({"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
 
 
 def _from_gguf(gguf_path: str, cfg: EngineConfig) -> tuple[str, str]:
     if cfg.load_format == "pt":
         raise ModelLoadError(f"load_format=pt cannot read GGUF file {gguf_path}")
     if gguf_kept_quantized(cfg):  # config and tokenizer only; weights read from the file
-        meta_dir = gguf_metadata_dir(gguf_path, cfg.download_dir, cfg.show_progress)
-        if (
-            cfg.quantized_weights == "packed"
-            or _gguf_model_type(meta_dir) in GGUF_BLOCKS_BY_DEFAULT
-        ):
+        # the header's architecture first: a file that converts writes no unused config dir
+        arch = None if cfg.quantized_weights == "packed" else gguf_architecture(gguf_path)
+        if cfg.quantized_weights == "packed" or arch in GGUF_BLOCKS_BY_DEFAULT:
+            meta_dir = gguf_metadata_dir(gguf_path, cfg.download_dir, cfg.show_progress)
             return meta_dir, "gguf"
-        logger.info("GGUF %s: converted to float32 (QUANTIZED_WEIGHTS=packed serves this family "
-                    "from the file's blocks; by default only %s do)", gguf_path,
+        logger.info("GGUF %s (%s): converted to float32 (QUANTIZED_WEIGHTS=packed serves it from "
+                    "the file's blocks; by default only %s files are)", gguf_path, arch,
                     ", ".join(sorted(GGUF_BLOCKS_BY_DEFAULT)))  # fmt: skip
     model_dir = converted_gguf_dir(gguf_path, cfg.download_dir, cfg.show_progress)
     return model_dir, "dummy" if cfg.load_format == "dummy" else "safetensors"

@@ -1,0 +1,184 @@
+"""Every dense GGUF architecture the converter reads, served from the file's blocks under the
+default QUANTIZED_WEIGHTS=auto on CPU (loader/resolve.GGUF_BLOCKS_BY_DEFAULT): a tiny random
+model of each family written to a .gguf file by the `gguf` package the way llama.cpp's
+converter stores it (llama's q/k rows permuted, gemma's norms as 1 + w; linears and the token
+embedding cycling through Q8_0/Q4_1/Q4_0/Q5_0, 1-D tensors F32), and beside it the same weights
+dequantized by the `gguf` package as a float safetensors checkpoint. The start converts nothing,
+the linears the family's name map places hold blocks, and greedy tokens over a batch of prompts
+long enough for the many-row GEMM equal those of the dequantized checkpoint. The per-family
+differences (gemma's norm offset, qwen2's q/k/v biases, qwen3's and gemma3's q/k norms, tied
+heads, phi3's fused qkv and gate|up) come from the family's weight-name map
+(loader/gguf_direct.py), not from a loader of their own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants  # noqa: E402
+
+from serverless_llm import LLM, SamplingParams  # noqa: E402
+from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
+from serverless_llm.engine.layers.gguf_linear import (  # noqa: E402
+    GGUFBlockEmbedding,
+    GGUFBlockLinear,
+)
+from serverless_llm.engine.loader import gguf as gguf_mod  # noqa: E402
+from serverless_llm.engine.loader.gguf_direct import gguf_name_map  # noqa: E402
+from serverless_llm.engine.loader.resolve import GGUF_BLOCKS_BY_DEFAULT  # noqa: E402
+from tests.tiny_models import build_tokenizer, tiny_dims  # noqa: E402
+
+TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0")
+HEADS, KV_HEADS = 4, 2
+
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=24)
+# family -> (config class, options over the tiny sizes, the file's general.architecture)
+FAMILIES = {
+    "mistral": (transformers.MistralConfig, dict(sliding_window=24), "llama"),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True), "qwen2"),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16), "qwen3"),
+    "phi3": (transformers.Phi3Config, dict(), "phi3"),
+    "gemma2": (transformers.Gemma2Config, dict(GEMMA, tie_word_embeddings=True), "gemma2"),
+    "gemma3": (transformers.Gemma3TextConfig, dict(GEMMA, tie_word_embeddings=True), "gemma3"),
+}
+
+
+def build(path: Path, family: str) -> transformers.PreTrainedModel:
+    cls, options, _ = FAMILIES[family]
+    tokenizer = build_tokenizer()
+    kw = dict(tie_word_embeddings=False, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    config = cls(**tiny_dims(tokenizer, **{**kw, **options}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]
+    with torch.no_grad():  # wider than the init, so greedy picks are clear
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+            elif "norm" in name or name.endswith(".bias"):
+                p.normal_(0.0, 0.3)  # not all zeros/ones: the norm offset and biases show
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def _permute(w: np.ndarray, heads: int, inverse: bool) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (each head's rows (half, pair) -> (pair, half))."""
+    rows = w.shape[0]
+    if inverse:
+        return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
+    """`model` as a .gguf file of architecture `arch`, and in float_dir its weights as the file
+    holds them, dequantized, as a float safetensors checkpoint (config and tokenizer too)."""
+    config = model.config
+    to_gguf = {hf: g for g, hf in gguf_name_map(config)[0].items()}
+    writer = gguf.GGUFWriter(str(out), arch)
+    deq = {}
+    for i, (name, t) in enumerate(model.state_dict().items()):
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # a tied head: the file has token_embd only, as llama.cpp writes it
+        assert name in to_gguf, name
+        gname, w = to_gguf[name], t.numpy()
+        if w.ndim == 1:
+            stored = w + 1 if arch.startswith("gemma") and "norm" in gname else w
+            writer.add_tensor(gname, stored.astype(np.float32))
+            deq[name] = t
+            continue
+        heads = {"attn_q.": HEADS, "attn_k.": KV_HEADS}
+        head = next((h for k, h in heads.items() if k in gname), None) if arch == "llama" else None
+        stored = _permute(w, head, False) if head else w
+        qtype = getattr(gguf.GGMLQuantizationType, TYPES[i % len(TYPES)])
+        raw = quants.quantize(stored, qtype)
+        writer.add_tensor(gname, raw, raw_dtype=qtype)
+        back = quants.dequantize(raw, qtype)
+        back = _permute(back, head, True) if head else back
+        deq[name] = torch.from_numpy(np.ascontiguousarray(back, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_state_dict(deq, strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(float_dir, safe_serialization=True)
+
+
+@pytest.fixture
+def no_conversion(monkeypatch):
+    """The converter must not run; the config/tokenizer writer copies them from the float
+    checkpoint (these tiny files hold tensors only)."""
+
+    def must_not_convert(*args, **kwargs):
+        raise AssertionError("a float copy was converted")
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", must_not_convert)
+    written = []
+
+    def metadata(gguf_path, out_dir, show_progress=True):
+        written.append(gguf_path)
+        src = Path(gguf_path).parent / "float"
+        for f in os.listdir(src):
+            if not f.endswith(".safetensors"):
+                shutil.copy(src / f, out_dir)
+
+    monkeypatch.setattr(gguf_mod, "write_gguf_metadata", metadata)
+    return written
+
+
+def prompt_ids(n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(length)
+    return [torch.randint(5, 380, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+# linears a layer serves from blocks: q|k|v, o, gate|up, down
+BLOCK_LINEARS = {"phi3": 2}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_served_from_blocks_by_default(tmp_path, no_conversion, monkeypatch, family):
+    kernels = gb.load()
+    assert kernels is not None
+    float_dir = tmp_path / "float"
+    float_dir.mkdir()
+    model = build(float_dir, family)
+    arch = FAMILIES[family][2]
+    path = tmp_path / "tiny.gguf"
+    write_gguf(model, arch, path, float_dir)
+    tied = model.config.tie_word_embeddings
+    del model
+    assert gguf_mod.gguf_architecture(str(path)) == arch
+    assert arch in GGUF_BLOCKS_BY_DEFAULT
+    monkeypatch.setenv("GGUF_BLOCK_ROWS", "4")  # prompts past 4 rows: the GEMM
+    cache = tmp_path / "cache"
+    kw = dict(dtype="float32", max_model_len=256, device="cpu")
+    served = LLM(str(path), download_dir=str(cache), **kw)  # QUANTIZED_WEIGHTS=auto
+    assert served.engine.resolved.load_format == "gguf"
+    assert no_conversion == [str(path)]
+    assert not list(cache.rglob("*.safetensors"))  # no converted copy
+    m = served.engine.runner.model
+    linears = [x for x in m.modules() if isinstance(x, GGUFBlockLinear)]
+    per_layer = BLOCK_LINEARS.get(family, 4)
+    assert len(linears) == per_layer * len(m.layers) + 1  # and the LM head
+    assert isinstance(m.embed_tokens, GGUFBlockEmbedding)
+    assert isinstance(m.packed_lm_head if tied else m.lm_head, GGUFBlockLinear)
+    if tied:
+        assert m.packed_lm_head.blocks is m.embed_tokens.blocks
+    reference = LLM(str(float_dir), **kw)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(4, 9)]
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in served.generate(prompts, params)]
+    assert len({t for w in want for t in w}) > 2  # not a degenerate model
+    if kernels.has_float:  # float inputs: the dequantized weights' products up to rounding
+        assert got == want
+    else:  # int8 inputs for decode rows: the prefill (GEMM, float) still decides token one
+        assert [g[0] for g in got] == [w[0] for w in want]
