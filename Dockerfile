@@ -25,11 +25,19 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
+# Non-empty: a C compiler in the image, so a worker on CPU runs the native CPU kernels
+# (docs/engine.md, "CPU speed"; without one it runs the torch path), and with a baked
+# model they are built and measured at build time (below).
+ARG CPU_KERNELS=""
+
 # The distribution's Python 3.12. Versions are not pinned: the base image tag fixes the release,
 # and the archive drops superseded package versions, so exact pins would break rebuilds.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && if [ -n "$CPU_KERNELS" ]; then \
+        apt-get install -y --no-install-recommends gcc libc6-dev; \
+    fi \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
@@ -84,6 +92,16 @@ ARG KERNEL_ARCH_LIST="8.0 8.6 8.9 9.0 10.0"
 ENV BAKED_TRITON_CACHE_DIR=/opt/triton-cache
 RUN if [ -n "$MODEL_NAME" ] && [ -n "$KERNEL_ARCH_LIST" ]; then \
         TRITON_CACHE_DIR=$BAKED_TRITON_CACHE_DIR python builder/compile_kernels.py; \
+    fi
+
+# Baked native CPU kernels (docs/engine.md, "Cold start"): with a baked model and a compiler
+# (CPU_KERNELS), the library built and the linears' row choice measured for the build machine's
+# CPU into the image. A worker on the same kind of CPU skips both; on another CPU (model, flags,
+# core count) the keys differ and it builds and measures its own. With a network volume the
+# worker keeps its cache under BASE_PATH and copies these entries there (worker/native_cache.py).
+ENV BAKED_NATIVE_KERNEL_CACHE=/opt/cpu-native-cache
+RUN if [ -n "$MODEL_NAME" ] && command -v cc >/dev/null 2>&1; then \
+        NATIVE_KERNEL_CACHE=$BAKED_NATIVE_KERNEL_CACHE python builder/bake_cpu_kernels.py; \
     fi
 
 CMD ["python", "-m", "serverless_llm.worker"]

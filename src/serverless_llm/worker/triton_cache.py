@@ -20,6 +20,7 @@ import importlib.metadata
 import logging
 import os
 
+from . import native_cache
 from .settings.engine_config import download_dir
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,13 @@ def triton_cache_dir(base_path: str, arch: str | None) -> tuple[str | None, str]
 
 
 def configure(base_path: str) -> str | None:
-    """Sets TRITON_CACHE_DIR for this process (on CUDA only) and logs where it points."""
+    """Sets TRITON_CACHE_DIR for this process (on CUDA only) and logs where it points; on a
+    machine without CUDA, places the native CPU kernels' cache instead (native_cache.py: the
+    same rules for its compiled libraries and measured row choices)."""
     import torch
 
     if not torch.cuda.is_available():
+        native_cache.configure(base_path)
         return None
     major, minor = torch.cuda.get_device_capability()
     path, why = triton_cache_dir(base_path, f"sm{major}{minor}")

@@ -234,13 +234,48 @@ def native_rows_setting() -> int | str | None:
     return int(raw)
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo): two CPUs with the same flags (e.g. two generations
+    of one vendor's server parts) can still time the two kernels differently."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_identity() -> tuple:
+    """What a measured row choice depends on besides the model: the CPU (model name, flags), its
+    cores (the machine's, the process's affinity) and torch's thread count. A cache shared by
+    workers on several machines (a network volume, an image baked on a build machine) is read
+    only by a process whose every one of these matches the measuring one's."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return (cpu_model_name(), cpu_flags(), os.cpu_count(), usable, torch.get_num_threads())
+
+
 def choice_file(native, shapes: dict) -> Path:
-    """Where the measured choice for these shapes is kept: the native kernels' cache, under a
-    key of the CPU's flags, the thread count, the library and the shapes with their counts."""
-    what = (cpu_flags(), torch.get_num_threads(), Path(native.path).name)
+    """Where the measured choice for these shapes is kept: the native kernels' cache
+    (NATIVE_KERNEL_CACHE, which the worker places on a network volume or in a baked image:
+    worker/native_cache.py), under a key of `cpu_identity`, the library and the shapes with
+    their counts."""
+    what = (*cpu_identity(), Path(native.path).name)
     what += tuple(sorted((n, k, len(group)) for (n, k), group in shapes.items()))
     key = hashlib.sha256(repr(what).encode()).hexdigest()[:16]
     return cache_dir() / f"linear-rows-{key}.json"
+
+
+def linear_shapes(model: nn.Module) -> dict[tuple[int, int], list[PackedLinear]]:
+    """The model's packed linears that hold native panels, by weight shape (out, in)."""
+    shapes: dict[tuple[int, int], list[PackedLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.panels is not None:
+            shapes.setdefault((m.out_features, m.in_features), []).append(m)
+    return shapes
 
 
 def _read_choice(path: Path, shapes: dict) -> dict | None:
@@ -333,12 +368,10 @@ def use_native_linears(model: nn.Module, native) -> str:
     chosen per weight shape: measured once per machine and model shape and cached
     (`choice_file`), or NATIVE_LINEAR_ROWS (one choice for all, unmeasured); the panels
     are dropped where it never wins. Returns the start-up line for the choice."""
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
+    shapes = linear_shapes(model)
+    linears = [lin for group in shapes.values() for lin in group]
     if not linears:
         return "CPU linears: no packed linears"
-    shapes: dict[tuple[int, int], list[PackedLinear]] = {}
-    for lin in linears:
-        shapes.setdefault((lin.out_features, lin.in_features), []).append(lin)
     setting = native_rows_setting()
     if isinstance(setting, int):
         for lin in linears:
