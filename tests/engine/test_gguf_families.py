@@ -31,7 +31,6 @@ from serverless_llm.engine.layers.gguf_linear import (  # noqa: E402
     GGUFBlockLinear,
 )
 from serverless_llm.engine.loader import gguf as gguf_mod  # noqa: E402
-from serverless_llm.engine.loader.gguf_direct import gguf_name_map  # noqa: E402
 from serverless_llm.engine.loader.resolve import GGUF_BLOCKS_BY_DEFAULT  # noqa: E402
 from tests.tiny_models import build_tokenizer, tiny_dims  # noqa: E402
 
@@ -47,6 +46,8 @@ FAMILIES = {
     "phi3": (transformers.Phi3Config, dict(), "phi3"),
     "gemma2": (transformers.Gemma2Config, dict(GEMMA, tie_word_embeddings=True), "gemma2"),
     "gemma3": (transformers.Gemma3TextConfig, dict(GEMMA, tie_word_embeddings=True), "gemma3"),
+    "starcoder2": (transformers.Starcoder2Config, dict(), "starcoder2"),
+    "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
 }
 
 
@@ -62,8 +63,10 @@ def build(path: Path, family: str) -> transformers.PreTrainedModel:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
-            elif "norm" in name or name.endswith(".bias"):
-                p.normal_(0.0, 0.3)  # not all zeros/ones: the norm offset and biases show
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.3)  # not all zeros: the biases show
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)  # not all ones (gemma's: 1 + w): the norm offset shows
     tokenizer.save_pretrained(path)
     return model
 
@@ -80,14 +83,19 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
     """`model` as a .gguf file of architecture `arch`, and in float_dir its weights as the file
     holds them, dequantized, as a float safetensors checkpoint (config and tokenizer too)."""
     config = model.config
-    to_gguf = {hf: g for g, hf in gguf_name_map(config)[0].items()}
+    # the names llama.cpp's converter gives: the gguf package's table for the architecture
+    table = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers
+    )
     writer = gguf.GGUFWriter(str(out), arch)
     deq = {}
     for i, (name, t) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head: the file has token_embd only, as llama.cpp writes it
-        assert name in to_gguf, name
-        gname, w = to_gguf[name], t.numpy()
+        module, suffix = name.rsplit(".", 1)
+        gname = table.get_name(module)
+        assert gname is not None, name
+        gname, w = f"{gname}.{suffix}", t.numpy()
         if w.ndim == 1:
             stored = w + 1 if arch.startswith("gemma") and "norm" in gname else w
             writer.add_tensor(gname, stored.astype(np.float32))
@@ -140,7 +148,7 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 
 
 # linears a layer serves from blocks: q|k|v, o, gate|up, down
-BLOCK_LINEARS = {"phi3": 2}
+BLOCK_LINEARS = {"phi3": 2, "starcoder2": 3}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
