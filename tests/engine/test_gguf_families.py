@@ -48,14 +48,19 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, dict(GEMMA, tie_word_embeddings=True), "gemma3"),
     "starcoder2": (transformers.Starcoder2Config, dict(), "starcoder2"),
     "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
+    "gpt2": (transformers.GPT2Config, dict(naming="gpt2"), "gpt2"),
 }
 
 
 def build(path: Path, family: str) -> transformers.PreTrainedModel:
     cls, options, _ = FAMILIES[family]
+    options = dict(options)
+    naming = options.pop("naming", "llama")
     tokenizer = build_tokenizer()
-    kw = dict(tie_word_embeddings=False, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
-    config = cls(**tiny_dims(tokenizer, **{**kw, **options}))
+    kw = dict(tie_word_embeddings=False)
+    if naming == "llama":
+        kw.update(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    config = cls(**tiny_dims(tokenizer, naming, **{**kw, **options}))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.architectures = [type(model).__name__]
@@ -104,11 +109,15 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         heads = {"attn_q.": HEADS, "attn_k.": KV_HEADS}
         head = next((h for k, h in heads.items() if k in gname), None) if arch == "llama" else None
         stored = _permute(w, head, False) if head else w
+        conv1d = arch == "gpt2" and gname.endswith(("attn_qkv.weight", "attn_output.weight",
+                                                     "ffn_up.weight", "ffn_down.weight"))  # fmt: skip
+        stored = np.ascontiguousarray(stored.T) if conv1d else stored  # GPT-2's [in, out]
         qtype = getattr(gguf.GGMLQuantizationType, TYPES[i % len(TYPES)])
         raw = quants.quantize(stored, qtype)
         writer.add_tensor(gname, raw, raw_dtype=qtype)
         back = quants.dequantize(raw, qtype)
         back = _permute(back, head, True) if head else back
+        back = back.T if conv1d else back
         deq[name] = torch.from_numpy(np.ascontiguousarray(back, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -148,7 +157,7 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 
 
 # linears a layer serves from blocks: q|k|v, o, gate|up, down
-BLOCK_LINEARS = {"phi3": 2, "starcoder2": 3}
+BLOCK_LINEARS = {"phi3": 2, "starcoder2": 3, "gpt2": 2}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
