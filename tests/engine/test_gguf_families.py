@@ -49,6 +49,7 @@ FAMILIES = {
     "starcoder2": (transformers.Starcoder2Config, dict(), "starcoder2"),
     "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
     "gpt2": (transformers.GPT2Config, dict(naming="gpt2"), "gpt2"),
+    "lfm2": (transformers.Lfm2Config, dict(layer_types=["conv", "full_attention"]), "lfm2"),
 }
 
 
@@ -97,13 +98,13 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
     for i, (name, t) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head: the file has token_embd only, as llama.cpp writes it
-        module, suffix = name.rsplit(".", 1)
-        gname = table.get_name(module)
+        gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
-        gname, w = f"{gname}.{suffix}", t.numpy()
-        if w.ndim == 1:
+        w = t.numpy()
+        if w.ndim == 1 or "conv" in gname:  # norms, biases, convolutions: F32 as llama.cpp keeps
             stored = w + 1 if arch.startswith("gemma") and "norm" in gname else w
-            writer.add_tensor(gname, stored.astype(np.float32))
+            stored = stored.squeeze(1) if w.ndim == 3 else stored  # a conv's [C, 1, k] as [C, k]
+            writer.add_tensor(gname, np.ascontiguousarray(stored, np.float32))
             deq[name] = t
             continue
         heads = {"attn_q.": HEADS, "attn_k.": KV_HEADS}
@@ -156,8 +157,10 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
     return [torch.randint(5, 380, (length + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
-# linears a layer serves from blocks: q|k|v, o, gate|up, down
-BLOCK_LINEARS = {"phi3": 2, "starcoder2": 3, "gpt2": 2}
+# the layers' linears served from blocks, of 2 layers x (q|k|v, o, gate|up, down); the fused
+# q|k|v and gate|up of phi3 and gpt2, the plain MLPs' up and lfm2's convolution layer's
+# projections are read as float (the block linears take llama's tensor names only)
+BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -183,8 +186,8 @@ def test_family_served_from_blocks_by_default(tmp_path, no_conversion, monkeypat
     assert not list(cache.rglob("*.safetensors"))  # no converted copy
     m = served.engine.runner.model
     linears = [x for x in m.modules() if isinstance(x, GGUFBlockLinear)]
-    per_layer = BLOCK_LINEARS.get(family, 4)
-    assert len(linears) == per_layer * len(m.layers) + 1  # and the LM head
+    assert len(m.layers) == 2
+    assert len(linears) == BLOCK_LINEARS.get(family, 8) + 1  # and the LM head
     assert isinstance(m.embed_tokens, GGUFBlockEmbedding)
     assert isinstance(m.packed_lm_head if tied else m.lm_head, GGUFBlockLinear)
     if tied:

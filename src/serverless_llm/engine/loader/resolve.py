@@ -51,7 +51,10 @@ def gguf_kept_quantized(cfg: EngineConfig) -> bool:
 # against the same weights dequantized (tests/engine/test_gguf_direct.py, test_gguf_families.py,
 # test_gguf_blocks_model.py). llama.cpp writes Mistral's files as "llama". Any other
 # architecture converts under auto, as before, and takes the blocks with QUANTIZED_WEIGHTS=packed.
-GGUF_BLOCKS_BY_DEFAULT = frozenset({"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "starcoder2", "stablelm", "gpt2"})
+GGUF_BLOCKS_BY_DEFAULT = frozenset(
+    {"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "starcoder2", "stablelm", "gpt2",
+     "lfm2"}
+)  # fmt: skip
 
 
 def _from_gguf(gguf_path: str, cfg: EngineConfig) -> tuple[str, str]:
