@@ -146,8 +146,8 @@ def engines(tmp_path_factory):
 def test_linears_read_the_files_blocks(engines):
     _, packed, records = engines
     model = packed.engine.runner.model
-    if not gk.load().vnni:
-        pytest.skip("no AVX-512 VNNI here: the K-quants stay on qb32 (kernel tests cover both)")
+    if not (gk.load().vnni or gk.load().avx2):
+        pytest.skip("neither AVX-512 VNNI nor AVX2: the K-quants stay on qb32 (kernel tests)")
     l0, l1 = model.layers
     for lin in (l0.self_attn.o_proj, l1.self_attn.qkv_proj, l1.self_attn.o_proj,
                 l1.mlp.down_proj):  # fmt: skip
@@ -166,6 +166,10 @@ def test_linears_read_the_files_blocks(engines):
     assert kinds(l0.mlp.gate_up_proj) == ["Q4_K", 5]  # Q4_K gate with a Q5_0 up
     assert kinds(l0.mlp.down_proj) == ["Q6_K"]
     assert kinds(model.packed_lm_head) == ["Q6_K"]  # output.weight
+    # the K-quant records are served tiled (16 rows a stream for the few-row kernel)
+    for lin in (l0.self_attn.qkv_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj,
+                model.packed_lm_head):  # fmt: skip
+        assert all(p.tiled for p in lin.parts if isinstance(p, gk.KQ))
     assert (l1.self_attn.qkv_proj.blocks.bits, l1.self_attn.qkv_proj.blocks.d.dtype) == (
         5, torch.float16)  # fmt: skip
     assert any("dequantized to float at load: Q2_K (1 tensors)" in r for r in records), records
@@ -225,3 +229,18 @@ def test_the_files_bytes_dequantize_as_the_float_copy(engines, tmp_path):
         assert torch.equal(
             gb.tensor_to_float(ours[t.name]), torch.from_numpy(np.ascontiguousarray(want))
         )
+
+
+def test_kquant_inputs_knob(monkeypatch):
+    """GGUF_KQUANT_INPUTS picks the K-quant parts' few-row inputs alone; unset, they follow
+    GGUF_BLOCK_INPUTS' path; anything else is refused by name."""
+    from serverless_llm.engine.layers.gguf_kquant_linear import kquant_path
+
+    monkeypatch.delenv("GGUF_KQUANT_INPUTS", raising=False)
+    assert (kquant_path("float"), kquant_path("best")) == ("float", "best")
+    for raw, want in (("i15", "i15"), ("INT8", "best"), ("float", "float")):
+        monkeypatch.setenv("GGUF_KQUANT_INPUTS", raw)
+        assert kquant_path("float") == want
+    monkeypatch.setenv("GGUF_KQUANT_INPUTS", "int4")
+    with pytest.raises(ValueError, match="GGUF_KQUANT_INPUTS"):
+        kquant_path("float")

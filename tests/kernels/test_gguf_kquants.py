@@ -22,13 +22,14 @@ from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
 from tests.kernels.gguf_packers import gguf_dequantize, quantize, weight  # noqa: E402
 
 TYPES = ("Q4_K", "Q6_K")
-PATHS = ("best", "portable", "avx2", "float", "float-portable", "float-avx2")
+PATHS = ("best", "portable", "avx2", "float", "float-portable", "float-avx2", "i15",
+         "i15-portable", "i15-avx2")  # fmt: skip
 
 
 def skip_unless_built(kernels, path):
     """Skip a path this CPU or build does not have ("best"/"float": VNNI, else AVX2, else the
     portable loop; the portable ones run everywhere)."""
-    if path in ("best", "float") and not (kernels.vnni or kernels.avx2):
+    if path in ("best", "float", "i15") and not (kernels.vnni or kernels.avx2):
         pytest.skip("neither AVX-512 VNNI nor AVX2 here: the portable path is tested below")
     if path.endswith("avx2") and not kernels.avx2:
         pytest.skip("this CPU (or build) has no AVX2")
@@ -102,7 +103,8 @@ def check(got: torch.Tensor, want: torch.Tensor, what) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_kernel_equals_the_float64_reference(kernels, type_name, path):
     skip_unless_built(kernels, path)
-    for n, supers in ((1, 1), (19, 2), (37, 5)):  # outputs off the 8-row tiles
+    # outputs off the 16-row tiles (and the layout's: 37 rows tiled are 16, 16 and 5)
+    for n, supers in ((1, 1), (19, 2), (37, 5)):
         k = 256 * supers
         w = gk.from_file_blocks(quantize(weight(n, k, n), type_name), type_name, k)
         ref = gk.to_qb32(w)
@@ -112,9 +114,9 @@ def test_kernel_equals_the_float64_reference(kernels, type_name, path):
             x = torch.randn(m, k, generator=g) * 3
             x[0, :5] = 0.0
             x[-1, 32:64] = 0.0  # a whole block of zeros: scale 0
-            got = kernels.linear(x, w, bias, path=path)
-            want = gb.reference_linear(x, ref, bias, levels=gb.levels_of(path))
-            check(got, want, (n, k, m))
+            want = gb.reference_linear(x, ref, bias, levels=gk.levels_of(path))
+            for layout in (w, gk.tiled(w)):
+                check(kernels.linear(x, layout, bias, path=path), want, (n, k, m, layout.tiled))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -134,7 +136,7 @@ def test_integer_extremes(kernels, type_name, path):
         x = torch.full((2, 256), sign)
         x[1, ::2] = -sign
         check(kernels.linear(x, w, None, path=path),
-              gb.reference_linear(x, ref, None, levels=gb.levels_of(path)), sign)  # fmt: skip
+              gb.reference_linear(x, ref, None, levels=gk.levels_of(path)), sign)  # fmt: skip
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -159,10 +161,11 @@ def test_many_rows_take_the_gemm(kernels, type_name):
     for m in (5, 33):
         x = torch.randn(m, k, generator=g)
         want = gb.reference_linear(x, gk.to_qb32(w), bias, quantize_x=False)
-        check(kernels.steps(x, w, bias, few_rows=4), want, m)
-        # at or under the threshold: the few-row kernel (float inputs)
         want_few = gb.reference_linear(x[:4], gk.to_qb32(w), bias, levels=gb.FLOAT_LEVELS)
-        check(kernels.steps(x[:4], w, bias, path="float", few_rows=4), want_few, "few")
+        for layout in (w, gk.tiled(w)):  # 300 rows tiled: the last tile 12 wide
+            check(kernels.steps(x, layout, bias, few_rows=4), want, m)
+            # at or under the threshold: the few-row kernel (float inputs)
+            check(kernels.steps(x[:4], layout, bias, path="float", few_rows=4), want_few, "few")
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -170,6 +173,7 @@ def test_rows_equal_dequantize(kernels, type_name):
     w = gk.from_file_blocks(random_blocks(type_name, 13, 2, 3), type_name, 512)
     ids = torch.tensor([[12, 0], [5, 5]])
     assert torch.equal(kernels.rows(w, ids), gk.dequantize(w)[ids])
+    assert torch.equal(kernels.rows(gk.tiled(w), ids), gk.dequantize(w)[ids])
     with pytest.raises(IndexError):
         kernels.rows(w, torch.tensor([13]))
 
@@ -213,3 +217,25 @@ def test_the_c_repack_equals_numpys(kernels, type_name):
         want = gk.from_file_blocks(raw, type_name, 768)
         got = gk.from_file_blocks(raw, type_name, 768, kernels)
         assert torch.equal(got.data, want.data)
+
+
+@pytest.mark.parametrize("n", [5, 16, 35, 48])
+def test_tiled_records(n):
+    """The tiled order (tiles of 16 rows, the last n % 16 wide): record j of row r where the
+    kernels read it (kq_rec), the same values, and back to the rows' order; rows and stacking of
+    tiled weights take the rows' order."""
+    w = gk.from_file_blocks(random_blocks("Q4_K", n, 3, n), "Q4_K", 768)
+    t = gk.tiled(w)
+    assert t.tiled and t.data.shape == w.data.shape and not torch.equal(t.data, w.data)
+    flat, rec = t.data.reshape(-1), 148
+    for r in range(n):
+        t0 = r - r % 16
+        width = min(16, n - t0)
+        for j in range(3):
+            at = (t0 * 3 + j * width + r % 16) * rec
+            assert torch.equal(flat[at : at + rec], w.data[r, j * rec : (j + 1) * rec])
+    assert torch.equal(gk.dequantize(t), gk.dequantize(w))
+    assert torch.equal(gk.untiled(t).data, w.data)
+    index = torch.tensor([n - 1, 0])
+    assert torch.equal(t.rows(index).data, w.rows(index).data)
+    assert torch.equal(gk.KQ.cat([t, w]).data, torch.cat([w.data, w.data]))

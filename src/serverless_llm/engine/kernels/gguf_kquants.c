@@ -17,7 +17,7 @@
  *
  * The product: as gguf_blocks.c's few-row kernel, each row of x is quantized per block of 32
  * inputs (a = max|x| / L, q = round-half-even(x / a); L = 127, or 127 * 2^14 for "float"
- * inputs held as three bytes), and a group contributes d_g * a * sum(u * q) + c_g * a * sum(q),
+ * inputs held as three bytes, 127 * 2^7 for 15-bit ones held as two), and a group contributes d_g * a * sum(u * q) + c_g * a * sum(q),
  * c_g = -dmin * m (Q4_K) or -32 * d_g (Q6_K). VPDPBUSD on AVX-512 VNNI, a portable C loop
  * elsewhere. Steps of more rows go to gguf_blocks.c's many-row GEMM, a chunk of rows at a time
  * repacked to its layout (qb32) on the way.
@@ -51,6 +51,7 @@
 
 #define QK 256
 #define LEVELS22 2080768 /* 127 * 2^14: "float" inputs */
+#define LEVELS15 16256 /* 127 * 2^7: 15-bit inputs, two bytes */
 enum { KQ_Q4K = 0, KQ_Q6K = 1 };
 static const int64_t REC_BYTES[2] = {148, 210};
 
@@ -62,14 +63,35 @@ typedef void (*linear_fn)(const float *, int64_t, int64_t, const void *, const f
 
 /* A kq weight (gguf_kquants.py's KQDesc). path: 0 int8 inputs on the best path, 1 int8 on the
  * portable loop, 2 int8 on AVX2, 3 float inputs on the best path, 4 float on the portable loop,
- * 5 float on AVX2 (gguf_blocks.c's numbering); the best path is VNNI, else AVX2, else
- * portable. Steps of more than few_rows rows go to `gemm` (gguf_blocks.c's qb32_gemm_desc)
+ * 5 float on AVX2 (gguf_blocks.c's numbering), 6-8 the same three for 15-bit inputs (two
+ * bytes); the best path is VNNI, else AVX2, else portable. Steps of more than few_rows rows go to `gemm` (gguf_blocks.c's qb32_gemm_desc)
  * where it is set. */
 typedef struct {
-    const uint8_t *data; /* [N][K / 256][record] */
+    const uint8_t *data; /* [N][K / 256][record], or tiled (kq_rec) */
     int64_t N, K, type, path, few_rows;
     linear_fn gemm;
+    int64_t tiled; /* records in tiles of KQ_TILE rows (kq_rec) */
 } kq_t;
+
+#define KQ_TILE 16
+
+/* Record j of output row n. Row-major: row n's records in order. Tiled: rows in tiles of
+ * KQ_TILE (the last one of N % KQ_TILE rows where N is not a multiple), a tile's records
+ * super-block by super-block, the tile's rows side by side, so the few-row kernel's tile of 16
+ * rows reads one sequential stream. */
+static inline const uint8_t *kq_rec(const kq_t *w, int64_t n, int64_t j, int64_t rec) {
+    int64_t nsb = w->K / QK;
+    if (!w->tiled) return w->data + (n * nsb + j) * rec;
+    int64_t t0 = n - n % KQ_TILE, width = w->N - t0 < KQ_TILE ? w->N - t0 : KQ_TILE;
+    return w->data + (t0 * nsb + j * width + n % KQ_TILE) * rec;
+}
+
+/* What a tile prefetches: row-major records, the same super-block 16 rows ahead; tiled, 16 KiB
+ * ahead in the one stream. Measured on one thread, the weights from memory (a 7168x1280 Q4_K,
+ * int8 inputs): row-major 23-25 GB/s, tiled 2 KiB ahead ~25, 8 KiB ~32, 16 KiB ~35 (a float32
+ * sum reads 35-39); without software prefetch 11. */
+#define KQ_AHEAD 16
+#define KQ_AHEAD_BYTES 16384
 
 /* gguf_blocks.c's qb32_t, field for field (gguf_kquants.py's self-check runs the GEMM through
  * it, so a change there turns these kernels off rather than computing wrong). */
@@ -173,6 +195,7 @@ static float quantize_block(const float *xb, float levels, int32_t *q) {
 
 static inline int8_t part_of(int32_t q, int parts, int p) {
     if (parts == 1) return (int8_t)q;
+    if (parts == 2) return (int8_t)(p == 0 ? q >> 7 : q & 127);
     return (int8_t)(p == 0 ? q >> 14 : (p == 1 ? (q >> 7) & 127 : q & 127));
 }
 
@@ -191,7 +214,7 @@ static int quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, int par
         X->q = malloc(sizeof(int32_t) * (size_t)(M * K));
     }
     if (!X->a || !X->s32 || !X->s16 || (stepped ? !X->xs || !X->ag : !X->q)) return -1;
-    float levels = parts == 1 ? 127.0f : (float)LEVELS22;
+    float levels = parts == 1 ? 127.0f : (parts == 2 ? (float)LEVELS15 : (float)LEVELS22);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             int32_t q[32];
@@ -245,7 +268,6 @@ static void row_portable(const kq_t *w, const xq_t *X, int64_t n, float *out, in
                          const float *bias) {
     int type = (int)w->type;
     int64_t rec = REC_BYTES[type], nsb = X->nsb, K = X->K;
-    const uint8_t *row = w->data + n * nsb * rec;
     for (int64_t m = 0; m < X->M; m++) {
         const int32_t *q = X->q + m * K;
         const float *a = X->a + m * (K / 32);
@@ -253,8 +275,9 @@ static void row_portable(const kq_t *w, const xq_t *X, int64_t n, float *out, in
         for (int64_t j = 0; j < nsb; j++) {
             uint8_t u[QK];
             float d[16], c[16];
-            record_codes(row + j * rec, type, u);
-            int ng = record_scales(row + j * rec, type, d, c), gs = QK / ng;
+            const uint8_t *b = kq_rec(w, n, j, rec);
+            record_codes(b, type, u);
+            int ng = record_scales(b, type, d, c), gs = QK / ng;
             for (int g = 0; g < ng; g++) {
                 int64_t dot = 0;
                 for (int i = 0; i < gs; i++) dot += (int64_t)u[g * gs + i] * q[j * QK + g * gs + i];
@@ -272,7 +295,6 @@ static void row_portable(const kq_t *w, const xq_t *X, int64_t n, float *out, in
 /* -- the AVX-512 VNNI path ------------------------------------------------------------------ */
 
 #if HAVE_VNNI512
-#define KQ_AHEAD 16 /* rows ahead that a tile prefetches */
 
 /* R output rows from n0 times rows m0 .. m0 + MT of x (16 rows for one row of x, 4 for two, 2
  * for three or four), one super-block at a time: int32 lane t of a dot holds group t (16
@@ -315,8 +337,8 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
         const int8_t *xj[MT];
         for (int m = 0; m < MT; m++) xj[m] = X->xs + ((m0 + m) * nsb + j) * P * 256;
         for (int r = 0; r < R; r++) {
-            const uint8_t *b = w->data + (n0 + r) * rowb + j * rec;
-            const char *ahead = (const char *)b + KQ_AHEAD * rowb;
+            const uint8_t *b = kq_rec(w, n0 + r, j, rec);
+            const char *ahead = (const char *)b + (w->tiled ? KQ_AHEAD_BYTES : KQ_AHEAD * rowb);
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
             _mm_prefetch(ahead + 128, _MM_HINT_T0);
@@ -429,8 +451,11 @@ KQ_COPY(kq_p1_q4k, 1, KQ_Q4K)
 KQ_COPY(kq_p1_q6k, 1, KQ_Q6K)
 KQ_COPY(kq_p3_q4k, 3, KQ_Q4K)
 KQ_COPY(kq_p3_q6k, 3, KQ_Q6K)
+KQ_COPY(kq_p2_q4k, 2, KQ_Q4K)
+KQ_COPY(kq_p2_q6k, 2, KQ_Q6K)
 #undef KQ_COPY
-static const kq_rows_t KQ_RUNS[2][2] = {{kq_p1_q4k, kq_p1_q6k}, {kq_p3_q4k, kq_p3_q6k}};
+static const kq_rows_t KQ_RUNS[3][2] = {
+    {kq_p1_q4k, kq_p1_q6k}, {kq_p2_q4k, kq_p2_q6k}, {kq_p3_q4k, kq_p3_q6k}};
 #endif
 
 
@@ -456,7 +481,12 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const kq_t *w, co
     const __m256i second = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
     for (int64_t j = 0; j < nsb; j++) {
         for (int r = 0; r < R; r++) {
-            const uint8_t *b = w->data + (n0 + r) * rowb + j * rec;
+            const uint8_t *b = kq_rec(w, n0 + r, j, rec);
+            const char *ahead = (const char *)b + (w->tiled ? KQ_AHEAD_BYTES : KQ_AHEAD * rowb);
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128, _MM_HINT_T0);
+            if (T == KQ_Q6K) _mm_prefetch(ahead + 192, _MM_HINT_T0);
             __m128 dd = _mm_cvtph_ps(
                 _mm_cvtsi32_si128(*(const int32_t *)(b + (T == KQ_Q4K ? 144 : 208))));
             __m256 d = _mm256_broadcastss_ps(dd), D0, D1;
@@ -564,8 +594,11 @@ KQ2_COPY(kq2_p1_q4k, 1, KQ_Q4K)
 KQ2_COPY(kq2_p1_q6k, 1, KQ_Q6K)
 KQ2_COPY(kq2_p3_q4k, 3, KQ_Q4K)
 KQ2_COPY(kq2_p3_q6k, 3, KQ_Q6K)
+KQ2_COPY(kq2_p2_q4k, 2, KQ_Q4K)
+KQ2_COPY(kq2_p2_q6k, 2, KQ_Q6K)
 #undef KQ2_COPY
-static const kq_rows_t KQ2_RUNS[2][2] = {{kq2_p1_q4k, kq2_p1_q6k}, {kq2_p3_q4k, kq2_p3_q6k}};
+static const kq_rows_t KQ2_RUNS[3][2] = {
+    {kq2_p1_q4k, kq2_p1_q6k}, {kq2_p2_q4k, kq2_p2_q6k}, {kq2_p3_q4k, kq2_p3_q6k}};
 #endif
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias), x quantized
@@ -574,7 +607,7 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
                     float *out, int64_t ldo) {
     const kq_t *w = desc;
     int64_t N = w->N, K = w->K, path = w->path;
-    int parts = path >= 3 ? 3 : 1, how = (int)(path % 3); /* 0 best, 1 portable, 2 AVX2 */
+    int parts = path >= 6 ? 2 : (path >= 3 ? 3 : 1), how = (int)(path % 3); /* 0 best, 1 portable, 2 AVX2 */
     int use_vnni = HAVE_VNNI512 && how == 0;
     int use_avx2 = HAVE_AVX2 && (how == 2 || (how == 0 && !HAVE_VNNI512));
     xq_t X;
@@ -587,7 +620,7 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
     int parallel = N * M * K > (1 << 16);
 #if HAVE_VNNI512
     if (use_vnni) {
-        kq_rows_t run = KQ_RUNS[parts == 3][w->type == KQ_Q6K];
+        kq_rows_t run = KQ_RUNS[parts - 1][w->type == KQ_Q6K];
         int64_t tiles = (N + KQ_ROWS - 1) / KQ_ROWS;
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t t = 0; t < tiles; t++) {
@@ -600,7 +633,7 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
 #endif
 #if HAVE_AVX2
     if (use_avx2) {
-        kq_rows_t run = KQ2_RUNS[parts == 3][w->type == KQ_Q6K];
+        kq_rows_t run = KQ2_RUNS[parts - 1][w->type == KQ_Q6K];
         int64_t tiles = (N + KQ2_ROWS - 1) / KQ2_ROWS;
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t t = 0; t < tiles; t++) {
@@ -627,12 +660,12 @@ void kq_to_qb32(const void *desc, int64_t n0, int64_t nr, uint8_t *qs, float *d,
     int64_t ng = type == KQ_Q4K ? 8 : 16;
 #pragma omp parallel for schedule(static) if (nr * w->K > (1 << 18))
     for (int64_t r = 0; r < nr; r++) {
-        const uint8_t *row = w->data + (n0 + r) * nsb * rec;
         for (int64_t j = 0; j < nsb; j++) {
             uint8_t u[QK];
             int64_t at = r * nsb + j;
-            record_codes(row + j * rec, type, u);
-            record_scales(row + j * rec, type, d + at * ng, c + at * ng);
+            const uint8_t *b = kq_rec(w, n0 + r, j, rec);
+            record_codes(b, type, u);
+            record_scales(b, type, d + at * ng, c + at * ng);
             uint8_t *o = qs + at * bb;
             if (type == KQ_Q6K) {
                 memcpy(o, u, QK);
@@ -690,7 +723,7 @@ void kq_rows_desc(const void *desc, const int64_t *idx, int64_t count, float *ou
             continue;
         }
         for (int64_t j = 0; j < nsb; j++) {
-            const uint8_t *b = w->data + (n * nsb + j) * rec;
+            const uint8_t *b = kq_rec(w, n, j, rec);
             uint8_t u[QK];
             float d[16], c[16];
             record_codes(b, type, u);

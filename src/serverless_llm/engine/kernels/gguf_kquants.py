@@ -42,15 +42,28 @@ TYPES = {"Q4_K": (0, 148, 144), "Q6_K": (1, 210, 210)}  # name -> (code, record 
 # costs the GEMM ~4-6 ms a call, so the few-row kernel wins up to 32 rows (4.8 against 7.0 ms),
 # ties at 64 and loses from 128 (19.4 against 15.5 ms).
 FEW_ROWS = 64
+# The few-row kernel's paths: gguf_blocks' (int8 and 22-bit "float" inputs) and 15-bit inputs
+# ("i15": codes in [-127 * 2^7, 127 * 2^7] per block of 32, two bytes each, two byte dots per
+# code byte where "float" takes three; each input moved by at most 2^-15 of its block's largest
+# |x|, ~256x less than int8's and ~128x more than float's: docs/quantization.md).
+I15_LEVELS = 127 * 2**7
+PATHS = {**gb.PATHS, "i15": 6, "i15-portable": 7, "i15-avx2": 8}
+
+
+def levels_of(path: str) -> int:
+    """The input codes' levels of a kernel path (PATHS)."""
+    return I15_LEVELS if path.startswith("i15") else gb.levels_of(path)
 
 
 @dataclass
 class KQ:
-    """A [N, K] K-quant weight in our records: data uint8 [N, K / 256 * record bytes]."""
+    """A [N, K] K-quant weight in our records: data uint8 [N, K / 256 * record bytes], row
+    after row, or `tiled` (rows in tiles of TILE, see `tiled()`: what the layers serve)."""
 
     data: torch.Tensor
     type_name: str
     k: int
+    tiled: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,13 +73,14 @@ class KQ:
         return self.data.numel()
 
     def rows(self, index: torch.Tensor) -> KQ:
-        return KQ(self.data[index].contiguous(), self.type_name, self.k)
+        return KQ(untiled(self).data[index].contiguous(), self.type_name, self.k)
 
     @staticmethod
     def cat(parts: list[KQ]) -> KQ:
         if len({(p.type_name, p.k) for p in parts}) != 1:
             raise ValueError("stacking K-quant weights of different types or inputs")
-        return KQ(torch.cat([p.data for p in parts]).contiguous(), parts[0].type_name, parts[0].k)
+        data = torch.cat([untiled(p).data for p in parts]).contiguous()
+        return KQ(data, parts[0].type_name, parts[0].k)
 
 
 def _step_order(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +128,44 @@ def from_file_blocks(raw: np.ndarray, type_name: str, k: int, kernels=None) -> K
     return KQ(torch.from_numpy(np.ascontiguousarray(data)), type_name, k)
 
 
+TILE = 16  # gguf_kquants.c's KQ_TILE
+
+
+def _tile_order(data: torch.Tensor, rec: int, tiled: bool) -> torch.Tensor:
+    """Row-major records [N, nsb * rec] to the tiled order (rows in tiles of TILE, a tile's
+    records super-block by super-block with its rows side by side; the last tile N % TILE rows
+    wide), or back when `tiled` says the data is tiled. The same shape, its bytes moved."""
+    n, width = data.shape
+    nsb = width // rec
+    full = n - n % TILE
+    out = torch.empty_like(data)
+    for t0, w, rows in ((0, full, TILE), (full, n - full, n - full)):
+        if w == 0:
+            continue
+        if tiled:
+            src = data[t0 : t0 + w].reshape(-1, nsb, rows, rec).transpose(1, 2)
+        else:
+            src = data[t0 : t0 + w].reshape(-1, rows, nsb, rec).transpose(1, 2)
+        out[t0 : t0 + w].view(-1, rows if tiled else nsb, nsb if tiled else rows, rec).copy_(src)
+    return out
+
+
+def tiled(w: KQ) -> KQ:
+    """w with its records in the tiled order the few-row kernel streams (the same values)."""
+    if w.tiled:
+        return w
+    return KQ(_tile_order(w.data, TYPES[w.type_name][1], False), w.type_name, w.k, True)
+
+
+def untiled(w: KQ) -> KQ:
+    """w with its records row after row (the order from_file_blocks makes)."""
+    if not w.tiled:
+        return w
+    return KQ(_tile_order(w.data, TYPES[w.type_name][1], True), w.type_name, w.k, False)
+
+
 def _records(w: KQ) -> np.ndarray:
+    w = untiled(w)
     _, rec, _ = TYPES[w.type_name]
     return w.data.numpy().reshape(-1, rec)
 
@@ -190,15 +241,15 @@ class KQDesc(ctypes.Structure):
     """A KQ weight as gguf_kquants.c's kq_t (its tensor must outlive it)."""
 
     _fields_ = [("data", _P), ("N", _I), ("K", _I), ("type", _I), ("path", _I)]
-    _fields_ += [("few_rows", _I), ("gemm", _P)]
+    _fields_ += [("few_rows", _I), ("gemm", _P), ("tiled", _I)]
 
     @staticmethod
     def of(w: KQ, path: str = "best", few_rows: int = FEW_ROWS, gemm: int | None = None) -> KQDesc:
         if not w.data.is_contiguous():
             raise ValueError("kq data must be contiguous")
         n, k = w.shape
-        return KQDesc(w.data.data_ptr(), n, k, TYPES[w.type_name][0], gb.PATHS[path], few_rows,
-                      gemm)  # fmt: skip
+        return KQDesc(w.data.data_ptr(), n, k, TYPES[w.type_name][0], PATHS[path], few_rows,
+                      gemm, int(w.tiled))  # fmt: skip
 
 
 class KQPart(ctypes.Structure):
@@ -264,9 +315,10 @@ class KQuantKernels:
 
     def linear(self, x: torch.Tensor, w: KQ, bias=None, path: str = "best") -> torch.Tensor:
         """The few-row kernel, any row count: x [M, K] times w^T (+ bias), equal to
-        `gb.reference_linear(x, <dequantize(w)>, levels=gb.levels_of(path))` to float32
+        `gb.reference_linear(x, <dequantize(w)>, levels=levels_of(path))` to float32
         rounding. `path`: "best" (int8 inputs: VNNI, else AVX2, else portable), "portable",
-        "avx2" (where built), and "float", "float-portable", "float-avx2" (22-bit inputs)."""
+        "avx2" (where built), "float", "float-portable", "float-avx2" (22-bit inputs), and
+        "i15", "i15-portable", "i15-avx2" (15-bit inputs)."""
         if x.shape[1] != w.k:
             raise ValueError(f"x has {x.shape[1]} inputs, the weight {w.k}")
         return self._run(self.lib.kq_linear_desc, x, w.shape[0], self.desc(w, path), bias)
@@ -320,21 +372,21 @@ def self_check(kernels: KQuantKernels) -> str | None:
         b = torch.randn(n, generator=g)
         for m in (1, 5):
             x = torch.randn(m, k, generator=g)
-            for path in ("best", "float"):
-                want = gb.reference_linear(x, ref_w, b, levels=gb.levels_of(path)).float()
-                got = kernels.linear(x, w, b, path=path)
+            for path in ("best", "float", "i15"):
+                want = gb.reference_linear(x, ref_w, b, levels=levels_of(path)).float()
+                got = kernels.linear(x, tiled(w), b, path=path)  # the layers' layout
                 err = (got - want).abs().max().item()
                 if not err <= 1e-3 * (1 + want.abs().max().item()):
                     return f"kq linear ({name}, {m} rows, {path}): differs by {err:.3g}"
         if kernels.gemm_address is not None:
             x = torch.randn(9, k, generator=g)
             want = gb.reference_linear(x, ref_w, b, quantize_x=False).float()
-            got = kernels.steps(x, w, b, few_rows=2)
+            got = kernels.steps(x, tiled(w), b, few_rows=2)
             err = (got - want).abs().max().item()
             if not err <= 1e-3 * (1 + want.abs().max().item()):
                 return f"kq GEMM ({name}): differs by {err:.3g}"
         ids = torch.tensor([0, n - 1, 3])
-        if not torch.equal(kernels.rows(w, ids), dequantize(w)[ids]):
+        if not torch.equal(kernels.rows(tiled(w), ids), dequantize(w)[ids]):
             return f"kq rows ({name}): differ from dequantize"
     return None
 

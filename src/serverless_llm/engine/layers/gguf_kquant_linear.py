@@ -40,6 +40,19 @@ def few_rows() -> int:
     return int(raw) if raw.isdigit() else gk.FEW_ROWS
 
 
+def kquant_path(path: str) -> str:
+    """The K-quant parts' few-row path for the layer's `path` ("float" or "best", from
+    GGUF_BLOCK_INPUTS): GGUF_KQUANT_INPUTS, when set, picks the K-quant parts' inputs alone
+    ("float": 22-bit, "i15": 15-bit, two byte dots a code byte, "int8"), else they follow
+    `path`."""
+    raw = os.environ.get("GGUF_KQUANT_INPUTS", "").strip().lower()
+    if not raw:
+        return path
+    if raw not in ("float", "i15", "int8"):
+        raise ValueError(f"GGUF_KQUANT_INPUTS={raw!r}: expected float, i15 or int8")
+    return "best" if raw == "int8" else raw
+
+
 class KQuantLinear(PackedLinear):
     """A linear of parts in their own layouts (K-quant records or qb32 blocks), run by
     kq_multi_desc. A PackedLinear in name, so the whole-layer native decode can take it."""
@@ -47,6 +60,8 @@ class KQuantLinear(PackedLinear):
     def __init__(self, parts: list, kernels: gk.KQuantKernels, path: str = "float",
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
         nn.Module.__init__(self)
+        # K-quant records in tiles of 16 rows: the few-row kernel reads each tile as one stream
+        parts = [gk.tiled(p) if isinstance(p, gk.KQ) else p for p in parts]
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         self.packed, self.panels, self.native, self.native_rows = None, None, None, 0
@@ -57,7 +72,7 @@ class KQuantLinear(PackedLinear):
         descs, n0 = [], 0
         for p in parts:
             if isinstance(p, gk.KQ):
-                descs.append((kernels.steps_address, kernels.desc(p, path, rows), n0))
+                descs.append((kernels.steps_address, kernels.desc(p, kquant_path(path), rows), n0))
             else:
                 d = gb.QB32StepsDesc(gb.QB32Desc.of(p, path), rows)
                 descs.append((kernels.qb32_steps_address, d, n0))
@@ -135,16 +150,15 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
     """On a model still on meta: each decoder linear with a K-quant part, the token embedding
     of a K-quant type and a tied LM head over it, on K-quant records (see the module's text).
     Returns the GGUF names taken; without the K-quant kernels (their warning says why) or
-    AVX-512 VNNI nothing, and gguf_blocks' qb32 form takes them as before."""
+    either AVX-512 VNNI or AVX2 nothing, and gguf_blocks' qb32 form takes them as before."""
     from .gguf_linear import _meta_bias, _parts, permutes_qk
 
     if not any(t.type_name in gk.TYPES for t in tensors.values()):
         return set()
     kernels = gk.load()
-    if kernels is None or kernels.qb32_steps_address is None or not kernels.vnni:
-        # without AVX-512 VNNI the K-quants stay on qb32: the records' AVX2 path measured ~8%
-        # slower than qb32's on the AVX-512 machine (float inputs, compute-bound there); not yet
-        # measured on an AVX2-only one, where fewer bytes may win
+    if kernels is None or kernels.qb32_steps_address is None or not (kernels.vnni or kernels.avx2):
+        # the portable loop is for tests; with AVX2 alone the records' tiled AVX2 path ran
+        # 1.2-2.1x qb32's AVX2 path at one row (forced on the AVX-512 machine, session 23)
         return set()
     unpermute = permutes_qk(hf_config)
     taken: set[str] = set()
@@ -167,7 +181,8 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
     emb = getattr(model, "embed_tokens", None)
     if isinstance(emb, nn.Embedding) and emb_t is not None and emb_t.type_name in gk.TYPES:
         try:
-            w = gk.from_file_blocks(emb_t.data, emb_t.type_name, emb_t.shape[0], kernels)
+            # tiled once for the lookup and a tied head alike
+            w = gk.tiled(gk.from_file_blocks(emb_t.data, emb_t.type_name, emb_t.shape[0], kernels))
         except ValueError:
             w = None
         if w is not None and w.shape == tuple(emb.weight.shape):
