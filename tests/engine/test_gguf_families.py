@@ -49,6 +49,7 @@ FAMILIES = {
     "starcoder2": (transformers.Starcoder2Config, dict(), "starcoder2"),
     "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
     "gpt2": (transformers.GPT2Config, dict(naming="gpt2"), "gpt2"),
+    "mamba": (transformers.MambaConfig, dict(state_size=8), "mamba"),
     "lfm2": (transformers.Lfm2Config, dict(layer_types=["conv", "full_attention"]), "lfm2"),
 }
 
@@ -101,8 +102,11 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         w = t.numpy()
-        if w.ndim == 1 or "conv" in gname:  # norms, biases, convolutions: F32 as llama.cpp keeps
+        if w.ndim == 1 or "conv" in gname or "ssm_a" in gname or w.shape[-1] % 32:
+            # norms, biases, convolutions, Mamba's A, rows not whole blocks: F32, as llama.cpp
+            # keeps them
             stored = w + 1 if arch.startswith("gemma") and "norm" in gname else w
+            stored = -np.exp(w) if gname.endswith("ssm_a") else stored  # A, not log(-A)
             stored = stored.squeeze(1) if w.ndim == 3 else stored  # a conv's [C, 1, k] as [C, k]
             writer.add_tensor(gname, np.ascontiguousarray(stored, np.float32))
             deq[name] = t
@@ -160,7 +164,7 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 # the layers' linears served from blocks, of 2 layers x (q|k|v, o, gate|up, down); the fused
 # q|k|v and gate|up of phi3 and gpt2, the plain MLPs' up and lfm2's convolution layer's
 # projections are read as float (the block linears take llama's tensor names only)
-BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6}
+BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6, "mamba": 0}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -49,8 +49,15 @@ def gguf_name_map(hf_config) -> tuple[dict[str, str], object]:
                               for name in local]  # fmt: skip
     names = {}
     for module in modules:
+        if module.endswith((".weight", ".bias")):  # one tensor of a module (Mamba's dt_proj)
+            got = table.get_name(module, try_suffixes=(".weight", ".bias"))
+            if got is not None:
+                names.setdefault(got, module)
+            continue
         got = table.get_name(module)
         if got is not None:
+            # a module's weight and bias, or a bare parameter (Mamba's A_log: `blk.N.ssm_a`)
+            names.setdefault(got, module)
             for suffix in ("weight", "bias"):
                 names.setdefault(f"{got}.{suffix}", f"{module}.{suffix}")
     # the values' fix-ups by the file's architecture (llama's q/k rows, permuted by llama.cpp's
