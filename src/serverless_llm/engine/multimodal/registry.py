@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from .base import VisionFamily
+from .processor_import import defer_modeling
 
 VISION_FAMILIES: dict[str, VisionFamily] = {}
 
@@ -39,5 +40,8 @@ def vision_family_of(architectures) -> VisionFamily | None:
     _load()
     for arch in architectures or ():
         if arch in VISION_FAMILIES:
+            # Its processor will be built: transformers' processing utilities imported now
+            # without their modeling import (processor_import.py).
+            defer_modeling()
             return VISION_FAMILIES[arch]
     return None

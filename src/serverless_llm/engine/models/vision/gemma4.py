@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
+from ...loader.meta_build import quiet_meta
 from ...multimodal.base import (
     ImageFeatures,
     ImageItem,
@@ -486,6 +487,8 @@ class Gemma4Family(VisionFamily):
         return MultiModalPrompt(token_ids=ids, items=items)
 
     def build_tower(self, config, dtype: torch.dtype) -> VisionTower:
-        with torch.device("meta"):
+        with torch.device("meta"), quiet_meta():  # no torch._refs imports
             tower = Gemma4Tower(config)
-        return tower.to_empty(device="cpu").to(dtype)
+        with quiet_meta():
+            tower = tower.to_empty(device="cpu")
+        return tower.to(dtype)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ...kernels.activation import ACTIVATIONS
 from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
+from ...loader.meta_build import quiet_meta
 from ...multimodal.base import (
     ImageFeatures,
     ImageItem,
@@ -342,9 +343,11 @@ class PixtralTower(VisionTower):
 
 
 def _build(config, dtype: torch.dtype, projector: str) -> PixtralTower:
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_meta():  # no torch._refs imports
         tower = PixtralTower(config, projector)
-    return tower.to_empty(device="cpu").to(dtype).eval()
+    with quiet_meta():
+        tower = tower.to_empty(device="cpu")
+    return tower.to(dtype).eval()
 
 
 def pixtral_llava_tower(config, dtype: torch.dtype) -> PixtralTower:

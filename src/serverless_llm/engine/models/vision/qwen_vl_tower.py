@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.vision_attention import cu_seqlens_of, kernel_wanted, vision_attention
+from ...loader.meta_build import quiet_meta
 from ...multimodal.base import ImageFeatures, VisionTower, load_tower_tensors, prefixed_name
 
 TOWER_PREFIXES = ("model.visual.", "visual.")
@@ -234,10 +235,11 @@ class QwenVisionTower(VisionTower):
         self.heads = vc.num_heads
         self.head_dim = vc.hidden_size // vc.num_heads
         self.theta = float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-        with torch.device("meta"):
+        with torch.device("meta"), quiet_meta():  # no torch._refs imports
             self.build(vc)
         self.to(dtype)
-        self.to_empty(device="cpu")
+        with quiet_meta():
+            self.to_empty(device="cpu")
 
     def build(self, vc) -> None:
         raise NotImplementedError
