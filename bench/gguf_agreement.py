@@ -37,16 +37,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# system -> (QUANTIZED_WEIGHTS, GGUF_BLOCK_INPUTS) for the engine's modes
-ENGINE_MODES = {"float32": ("dequantize", None), "float": ("packed", "float"),
-                "int8": ("packed", "int8")}  # fmt: skip
+# system -> (QUANTIZED_WEIGHTS, GGUF_BLOCK_INPUTS, GGUF_GEMM_INPUTS) for the engine's modes:
+# "float" and "int8" name the few-row kernel's inputs (the GEMM with x as it is), "int16" the
+# default since session 23 (float few-row inputs, the many-row GEMM's 16-bit inputs on VNNI)
+ENGINE_MODES = {"float32": ("dequantize", None, None), "float": ("packed", "float", "float"),
+                "int8": ("packed", "int8", "float"),
+                "int16": ("packed", "float", "int16")}  # fmt: skip
 
 
 def engine_child(a) -> dict:
-    mode, inputs = ENGINE_MODES[a.child]
+    mode, inputs, gemm = ENGINE_MODES[a.child]
     if inputs:
         os.environ["GGUF_BLOCK_INPUTS"] = inputs
-    if a.ref:  # teacher forcing reads whole sequences as prompts: every row by the few-row kernel
+    if gemm:
+        os.environ["GGUF_GEMM_INPUTS"] = gemm
+    if a.ref and gemm != "int16":
+        # teacher forcing reads whole sequences as prompts: every row by the few-row kernel
+        # (the int16 system's by the GEMM: its teacher-forced figure is the GEMM's)
         os.environ["GGUF_BLOCK_ROWS"] = "100000"
     from bench.llamacpp import prompt_ids
     from serverless_llm import LLM, SamplingParams
@@ -56,7 +63,10 @@ def engine_child(a) -> dict:
     prompts = prompt_ids(a.model, a.prompts)
     free = []  # as served (a prompt's prefill by the many-row GEMM): not with a.ref
     params = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=0.0)
-    for ids in prompts if not a.ref else []:
+    if a.batched and not a.ref:  # all prompts in one call: decode steps of many rows
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+        free = [list(o.outputs[0].token_ids) for o in outs]
+    for ids in prompts if not (a.ref or a.batched) else []:
         out = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
         free.append(list(out.token_ids))
     forced = []
@@ -129,6 +139,8 @@ def run_child(a, system: str, ref: str | None) -> dict:
         cmd += ["--model", a.model]
     if ref:
         cmd += ["--ref", ref]
+    if a.batched and system != "float32":
+        cmd += ["--batched"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         print(out.stderr[-3000:], file=sys.stderr)
@@ -163,8 +175,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--systems", default="float,int8,llama.cpp",
-                    help="comma-separated, each against float32: float, int8 (the engine's "
-                    "block kernels with those inputs), llama.cpp")  # fmt: skip
+                    help="comma-separated, each against float32: float, int8, int16 (the "
+                    "engine's block kernels with those inputs: ENGINE_MODES), llama.cpp")  # fmt: skip
+    ap.add_argument("--batched", action="store_true",
+                    help="the systems' free-running texts from all prompts in one call (decode "
+                    "steps of --prompts rows: the many-row GEMM), against the float32 reference "
+                    "run one prompt at a time")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ref", default=None, help=argparse.SUPPRESS)

@@ -8,6 +8,9 @@ bench/llamacpp.py --threads 1.
     .venv/bin/python bench/gguf_batched.py --rounds 3                  # the engine step
     .venv/bin/python bench/gguf_batched.py --base 0b6ef6c --rounds 3   # before/after, one run
     .venv/bin/python bench/gguf_batched.py --gemm --rows 16 --base HEAD~1
+    .venv/bin/python bench/gguf_batched.py --inputs float,int16 --rounds 3  # the GEMM's inputs
+
+(--base needs a gguf_blocks.c with this tree's exports: session 23's or later.)
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def step_child(a) -> dict:
     torch.set_num_threads(1)
     if a.source:
         gguf_blocks.SOURCE = Path(a.source)
+    if a.inputs:
+        os.environ["GGUF_GEMM_INPUTS"] = a.inputs
     llm = LLM(None, dtype="float32", max_model_len=1024, quantized_weights="packed")
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(None, a.batch)]
 
@@ -80,7 +85,7 @@ def gemm_child(a) -> dict:
         for _ in range(a.repeats + 2):
             c = time.process_time()
             for w in ws:
-                lib.gemm(x, w)
+                lib.gemm(x, w, None, a.inputs or "float")
             best = min(best, (time.process_time() - c) / copies)
         out[f"{n}x{k} {name}"] = best * 1e3
         total += best * per_step
@@ -97,28 +102,35 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--inputs", default=None,
+                    help="comma-separated GEMM inputs to compare (float, int16: "
+                    "GGUF_GEMM_INPUTS), each a variant of the current source")  # fmt: skip
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--source", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(step_child(a) if a.child == "step" else gemm_child(a)))
         return 0
-    variants = {"current": None}
+    variants = {"current": (None, None)}
+    if a.inputs and not a.child:
+        variants = {f"GEMM {i}": (None, i) for i in a.inputs.split(",")}
     tmp = tempfile.TemporaryDirectory()
     if a.base:
         text = subprocess.run(["git", "show", f"{a.base}:{SOURCE}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
         path = Path(tmp.name) / "gguf_blocks.c"
         path.write_text(text)
-        variants = {a.base: str(path), "current": None}
+        variants = {a.base: (str(path), None), "current": (None, None)}
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
     for r in range(a.rounds):
-        for name, source in variants.items():
+        for name, (source, inputs) in variants.items():
             cmd = [sys.executable, __file__, "--child", "gemm" if a.gemm else "step",
                    "--rows", str(a.rows), "--batch", str(a.batch), "--tokens", str(a.tokens),
                    "--repeats", str(a.repeats)]  # fmt: skip
             if source:
                 cmd += ["--source", source]
+            if inputs:
+                cmd += ["--inputs", inputs]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode:
                 print(res.stderr[-3000:], file=sys.stderr)

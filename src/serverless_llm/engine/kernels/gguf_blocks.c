@@ -52,10 +52,14 @@ typedef struct {
     const uint8_t *qs;
     const void *d, *c;   /* float16 or float32, [N, K / group] */
     int64_t N, K, bits;  /* bits: 4 (nibbles), 5, 6 or 8 (a byte each) */
-    int64_t path;        /* qb32_linear's */
+    int64_t path;        /* qb32_linear's (low bits), | QB32_GEMM16: the GEMM's inputs */
     int64_t group;       /* inputs per (d, c): 32 or 16 (byte codes only) */
     int64_t scale_bytes; /* 2: float16 d and c; 4: float32 */
 } qb32_t;
+
+/* In qb32_t.path, beside the few-row path: the many-row GEMM quantizes x to 16 bits
+ * (qb32_gemm16) instead of taking it as it is. */
+#define QB32_GEMM16 64
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -553,7 +557,7 @@ ONE_ROW_COPY(row_g16_f32, 16, 1)
  * AVX2. Output rows are split across the OpenMP threads in runs of VNNI_ROWS. */
 static void qb32_run(const float *x, int64_t ldx, int64_t M, const qb32_t *w, const float *bias,
                      float *out, int64_t ldo) {
-    int64_t K = w->K, N = w->N, path = w->path;
+    int64_t K = w->K, N = w->N, path = w->path & (QB32_GEMM16 - 1);
     int parts = path >= 3 ? 3 : 1, how = (int)(path % 3); /* 0 best, 1 portable, 2 AVX2 */
     int use_vnni = HAVE_VNNI512 && how == 0, use_avx2 = HAVE_AVX2 && how != 1;
     xq_t X;
@@ -937,11 +941,307 @@ static void gemm_store(const float *acc, int64_t mp, int64_t nt, int64_t mc, con
 #endif
 }
 
+/* -- many rows with 16-bit inputs: integer dots (VPDPWSSD on AVX-512 VNNI) ------------------ */
+
+/* The float GEMM above runs at the core's float32 FMA peak, so the one way past it is an integer
+ * dot. x is quantized per block of 32 as the few-row kernel does, to LEVELS16 = 32767 (16 bits:
+ * each input moves by at most max|x| / 65534 of its block, 1/258 of int8's step), and each
+ * group's contribution is d * a * sum(u * q) + c * (a * sum(q)), the few-row contract with
+ * L = 32767. VPDPWSSD multiplies 16 lanes of two int16 pairs a step (32 products, twice an FMA's
+ * 16); a 4-bit code and a 16-bit code are exact in int16 and a group's sum fits int32
+ * (32 * 255 * 32767 < 2^31). Per group each accumulator is then converted and scaled once (the
+ * scales differ per block, so int32 cannot run across groups). Layout as the float GEMM: the
+ * weight tile's codes unpacked to int16 (input order, so one dword broadcast is a pair of
+ * inputs), x transposed to pairs of codes per row lane (xt [K/2, MP] int32), its per-group
+ * scales and code sums as [groups, MP] floats. Without VNNI the same integers in a portable
+ * loop (tests; the engine keeps the float GEMM there). */
+#define LEVELS16 32767
+
+int qb32_has_gemm16(void) { return HAVE_VNNI512; } /* where the engine takes it */
+
+/* x's rows m < mp quantized (rows past mc zero): xt's pair lanes [K/2, mp], ag (a per group) and
+ * sg (a * sum(q) per group), [ng, mp] each. Called inside the GEMM's parallel region. */
+static void quantize_x16(const float *x, int64_t ldx, int64_t mc, int64_t mp, int64_t K,
+                         int64_t group, int32_t *xt, float *ag, float *sg) {
+    int64_t nb = K / 32, per = 32 / group;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < mp; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t q[32];
+            float a = 0.0f;
+            if (m < mc)
+                a = quantize_block(x + m * ldx + b * 32, (float)LEVELS16, q);
+            else
+                memset(q, 0, sizeof q);
+            for (int j = 0; j < 16; j++)
+                xt[(b * 16 + j) * mp + m] =
+                    (int32_t)(((uint32_t)q[2 * j] & 0xffffu) | ((uint32_t)q[2 * j + 1] << 16));
+            for (int64_t h = 0; h < per; h++) {
+                int32_t s = 0;
+                for (int64_t j = h * group; j < (h + 1) * group; j++) s += q[j];
+                ag[(b * per + h) * mp + m] = a;
+                sg[(b * per + h) * mp + m] = a * (float)s;
+            }
+        }
+    }
+}
+
+/* Blocks [b0, b0 + nblk) of output row n: codes as int16 into u16 (input order), the groups'
+ * d and c as float32 into dg, cg. */
+static void unpack16(const qb32_t *w, int64_t n, int64_t b0, int64_t nblk, int16_t *u16,
+                     float *dg, float *cg) {
+    int64_t nb = w->K / 32, bb = w->bits == 4 ? 16 : 32, per = 32 / w->group;
+    int64_t ng = nb * per, f32 = w->scale_bytes == 4, sb = w->scale_bytes;
+    const uint8_t *qs = w->qs + (n * nb + b0) * bb;
+    const char *d = (const char *)w->d + n * ng * sb, *c = (const char *)w->c + n * ng * sb;
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *u = qs + b * bb;
+        int16_t *o = u16 + b * 32;
+#if HAVE_VNNI512
+        if (bb == 16) {
+            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u));
+            _mm256_storeu_si256((__m256i *)o, _mm256_and_si256(v, _mm256_set1_epi16(15)));
+            _mm256_storeu_si256((__m256i *)(o + 16), _mm256_srli_epi16(v, 4));
+        } else {
+            _mm512_storeu_si512(o, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)u)));
+        }
+#else
+        for (int j = 0; j < 16; j++) {
+            o[j] = (int16_t)(bb == 16 ? u[j] & 15 : u[j]);
+            o[j + 16] = (int16_t)(bb == 16 ? u[j] >> 4 : u[j + 16]);
+        }
+#endif
+    }
+#if HAVE_VNNI512
+    int64_t n16 = nblk * per; /* at most 16 groups a tile */
+    __mmask16 k16 = (__mmask16)((1u << n16) - 1);
+    if (f32) {
+        _mm512_storeu_ps(dg, _mm512_maskz_loadu_ps(k16, (const float *)d + b0 * per));
+        _mm512_storeu_ps(cg, _mm512_maskz_loadu_ps(k16, (const float *)c + b0 * per));
+    } else {
+        _mm512_storeu_ps(dg, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, (const uint16_t *)d + b0 * per)));
+        _mm512_storeu_ps(cg, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, (const uint16_t *)c + b0 * per)));
+    }
+#else
+    for (int64_t g = 0; g < nblk * per; g++) {
+        dg[g] = scale_at(d, (int)f32, b0 * per + g);
+        cg[g] = scale_at(c, (int)f32, b0 * per + g);
+    }
+#endif
+}
+
+#define G16_NB 48  /* weight rows unpacked at a time */
+#define G16_KC 256 /* inputs per tile: 8 blocks */
+
+#if HAVE_VNNI512
+/* acc += x's pairs times the broadcast weight pair wb, in asm: around the intrinsic GCC copied
+ * every accumulator twice a dot (the GEMM ran at the float GEMM's speed); the broadcast stays a
+ * register shared by the two dots (as a memory operand of each: 8% slower, the loads' ports) */
+#define DPWSSD(acc, x, wb) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(wb))
+/* acc[i, mm..mm + 16 * NV) += the groups of inputs [0, kc) of weight rows i < NR (int16 codes
+ * at u16 + i * G16_KC, scales dg/cg + i * (G16_KC / 16)) against x's pairs (xt, [kc / 2, mp])
+ * and group scales (ag, sg, [groups, mp]); first: acc starts at zero. */
+#define G16_DECL(i)                                                                               \
+    __m512 f##i##0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + i * lda);                \
+    __m512 f##i##1 = NV == 2 ? (first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + i * lda + 16)) \
+                             : _mm512_setzero_ps();                                               \
+    __m512i s##i##0, s##i##1;
+#define G16_ZERO(i)                                                                               \
+    s##i##0 = _mm512_setzero_si512();                                                             \
+    s##i##1 = _mm512_setzero_si512();
+#define G16_DOT(i)                                                                                \
+    {                                                                                             \
+        __m512i wb = _mm512_set1_epi32(*(const int32_t *)(u16 + i * G16_KC + 2 * p));             \
+        DPWSSD(s##i##0, x0, wb);                                                                  \
+        if (NV == 2) DPWSSD(s##i##1, x1, wb);                                                     \
+    }
+#define G16_FOLD(i)                                                                               \
+    {                                                                                             \
+        __m512 dv = _mm512_set1_ps(dg[i * lds + g]), cv = _mm512_set1_ps(cg[i * lds + g]);        \
+        f##i##0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s##i##0), a0), dv, f##i##0);   \
+        f##i##0 = _mm512_fmadd_ps(z0, cv, f##i##0);                                               \
+        if (NV == 2) {                                                                            \
+            f##i##1 =                                                                             \
+                _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s##i##1), a1), dv, f##i##1);     \
+            f##i##1 = _mm512_fmadd_ps(z1, cv, f##i##1);                                           \
+        }                                                                                         \
+    }
+#define G16_STORE(i)                                                                              \
+    _mm512_storeu_ps(acc + i * lda, f##i##0);                                                     \
+    if (NV == 2) _mm512_storeu_ps(acc + i * lda + 16, f##i##1);
+#define G16_MICRO(NAME, n, NVV, GROUP)                                                            \
+    static void NAME(const int16_t *u16, const float *dg, const float *cg, int64_t lds,          \
+                     const int32_t *xt, const float *ag, const float *sg, int64_t mp, int64_t kc, \
+                     float *acc, int64_t lda, int first) {                                        \
+        enum { NV = NVV };                                                                        \
+        GM_ROWS##n(G16_DECL) for (int64_t g = 0; g < kc / GROUP; g++) {                           \
+            GM_ROWS##n(G16_ZERO) _Pragma("GCC unroll 16") for (int64_t p = g * (GROUP / 2);       \
+                                                                p < (g + 1) * (GROUP / 2); p++) { \
+                __m512i x0 = _mm512_loadu_si512(xt + p * mp);                                     \
+                __m512i x1 = NV == 2 ? _mm512_loadu_si512(xt + p * mp + 16) : x0;                 \
+                GM_ROWS##n(G16_DOT)                                                               \
+            }                                                                                     \
+            __m512 a0 = _mm512_loadu_ps(ag + g * mp), z0 = _mm512_loadu_ps(sg + g * mp);          \
+            __m512 a1 = NV == 2 ? _mm512_loadu_ps(ag + g * mp + 16) : a0;                         \
+            __m512 z1 = NV == 2 ? _mm512_loadu_ps(sg + g * mp + 16) : z0;                         \
+            GM_ROWS##n(G16_FOLD)                                                                  \
+        }                                                                                         \
+        GM_ROWS##n(G16_STORE)                                                                     \
+    }
+typedef void (*g16_micro_t)(const int16_t *, const float *, const float *, int64_t,
+                            const int32_t *, const float *, const float *, int64_t, int64_t,
+                            float *, int64_t, int);
+#define G16_SET(GROUP, NV, SUF)                                                                   \
+    G16_MICRO(g16_##SUF##_1, 1, NV, GROUP)                                                        \
+    G16_MICRO(g16_##SUF##_2, 2, NV, GROUP)                                                        \
+    G16_MICRO(g16_##SUF##_3, 3, NV, GROUP)                                                        \
+    G16_MICRO(g16_##SUF##_4, 4, NV, GROUP)                                                        \
+    G16_MICRO(g16_##SUF##_5, 5, NV, GROUP)                                                        \
+    G16_MICRO(g16_##SUF##_6, 6, NV, GROUP)
+G16_SET(32, 2, g32v2)
+G16_SET(16, 2, g16v2)
+G16_SET(32, 1, g32v1)
+G16_SET(16, 1, g16v1)
+G16_MICRO(g16_g32v1_7, 7, 1, 32)
+G16_MICRO(g16_g32v1_8, 8, 1, 32)
+G16_MICRO(g16_g32v1_9, 9, 1, 32)
+G16_MICRO(g16_g32v1_10, 10, 1, 32)
+G16_MICRO(g16_g32v1_11, 11, 1, 32)
+G16_MICRO(g16_g32v1_12, 12, 1, 32)
+G16_MICRO(g16_g16v1_7, 7, 1, 16)
+G16_MICRO(g16_g16v1_8, 8, 1, 16)
+G16_MICRO(g16_g16v1_9, 9, 1, 16)
+G16_MICRO(g16_g16v1_10, 10, 1, 16)
+G16_MICRO(g16_g16v1_11, 11, 1, 16)
+G16_MICRO(g16_g16v1_12, 12, 1, 16)
+#define G16_NR 6   /* weight rows x 2 vectors of x rows: 12 int32 + 12 float accumulators */
+#define G16_NR1 12 /* x 1 vector */
+static const g16_micro_t G16_MICROS[2][G16_NR + 1] = {
+    {NULL, g16_g32v2_1, g16_g32v2_2, g16_g32v2_3, g16_g32v2_4, g16_g32v2_5, g16_g32v2_6},
+    {NULL, g16_g16v2_1, g16_g16v2_2, g16_g16v2_3, g16_g16v2_4, g16_g16v2_5, g16_g16v2_6},
+};
+static const g16_micro_t G16_MICROS1[2][G16_NR1 + 1] = {
+    {NULL, g16_g32v1_1, g16_g32v1_2, g16_g32v1_3, g16_g32v1_4, g16_g32v1_5, g16_g32v1_6,
+     g16_g32v1_7, g16_g32v1_8, g16_g32v1_9, g16_g32v1_10, g16_g32v1_11, g16_g32v1_12},
+    {NULL, g16_g16v1_1, g16_g16v1_2, g16_g16v1_3, g16_g16v1_4, g16_g16v1_5, g16_g16v1_6,
+     g16_g16v1_7, g16_g16v1_8, g16_g16v1_9, g16_g16v1_10, g16_g16v1_11, g16_g16v1_12},
+};
+#define G16_MV 16 /* x rows a vector */
+#else
+#define G16_MV 8
+#endif
+
+/* The portable micro-kernel: the same integers and float steps, one output at a time. */
+static void g16_portable(const int16_t *u16, const float *dg, const float *cg, int64_t lds,
+                         const int32_t *xt, const float *ag, const float *sg, int64_t mp,
+                         int64_t kc, int64_t group, int nr, int64_t mm, int64_t mv, float *acc,
+                         int64_t lda, int first) {
+    for (int i = 0; i < nr; i++)
+        for (int64_t m = mm; m < mm + mv; m++) {
+            float f = first ? 0.0f : acc[i * lda + m - mm];
+            for (int64_t g = 0; g < kc / group; g++) {
+                int32_t s = 0;
+                for (int64_t p = g * group / 2; p < (g + 1) * group / 2; p++) {
+                    int32_t pair = xt[p * mp + m];
+                    int16_t x0 = (int16_t)(pair & 0xffff), x1 = (int16_t)((uint32_t)pair >> 16);
+                    s += (int32_t)u16[i * G16_KC + 2 * p] * x0 +
+                         (int32_t)u16[i * G16_KC + 2 * p + 1] * x1;
+                }
+                f = fmaf((float)s * ag[g * mp + m], dg[i * lds + g], f);
+                f = fmaf(sg[g * mp + m], cg[i * lds + g], f);
+            }
+            acc[i * lda + m - mm] = f;
+        }
+}
+
+/* out[M, N] = x[M, K] (16-bit codes per block) times the weight^T (+ bias): the float GEMM's
+ * tiling with the integer micro-kernel. portable: the C loop (tests). */
+static void qb32_gemm16(const float *x, int64_t ldx, int64_t M, const qb32_t *w,
+                        const float *bias, float *out, int64_t ldo, int portable) {
+    int64_t K = w->K, N = w->N, group = w->group, ng = K / group;
+    int64_t mcap = M < GEMM_MC ? M : GEMM_MC, mv = G16_MV;
+    int64_t mpcap = (mcap + mv - 1) / mv * mv;
+    int32_t *xt = aligned_alloc(64, sizeof(int32_t) * (size_t)(K / 2 * mpcap + 16));
+    float *ag = aligned_alloc(64, sizeof(float) * (size_t)(ng * mpcap + 16));
+    float *sg = aligned_alloc(64, sizeof(float) * (size_t)(ng * mpcap + 16));
+    int64_t bb = w->bits == 4 ? 16 : 32, rowbytes = K / 32 * bb;
+    int gi = group == 16;
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) {
+        int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
+        int64_t mp = (mc + mv - 1) / mv * mv;
+        int64_t tiles = (N + G16_NB - 1) / G16_NB;
+#pragma omp parallel if (mc * N * K > (1 << 18))
+        {
+            quantize_x16(x + m0 * ldx, ldx, mc, mp, K, group, xt, ag, sg);
+            int16_t *u16 = aligned_alloc(64, sizeof(int16_t) * G16_NB * G16_KC);
+            float *dg = malloc(sizeof(float) * G16_NB * (G16_KC / 16));
+            float *cg = malloc(sizeof(float) * G16_NB * (G16_KC / 16));
+            float *acc = aligned_alloc(64, sizeof(float) * (size_t)(G16_NB * mp));
+            int64_t lds = G16_KC / 16;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t n0 = t * G16_NB, nt = N - n0 < G16_NB ? N - n0 : G16_NB;
+                for (int64_t k0 = 0; k0 < K; k0 += G16_KC) {
+                    int64_t kc = K - k0 < G16_KC ? K - k0 : G16_KC;
+                    for (int64_t i = 0; i < nt; i++) {
+                        int64_t nn = n0 + G16_NB + i; /* the next tile's blocks into cache */
+                        if (nn < N) {
+                            const char *q = (const char *)w->qs + nn * rowbytes + k0 / 32 * bb;
+                            for (int64_t o = 0; o < kc / 32 * bb; o += 64) __builtin_prefetch(q + o, 0, 3);
+                        }
+                        unpack16(w, n0 + i, k0 / 32, kc / 32, u16 + i * G16_KC, dg + i * lds,
+                                 cg + i * lds);
+                    }
+                    const int32_t *xk = xt + k0 / 2 * mp;
+                    const float *ak = ag + k0 / group * mp, *sk = sg + k0 / group * mp;
+                    int first = k0 == 0;
+                    if (portable) {
+                        for (int64_t i0 = 0; i0 < nt; i0 += 4) {
+                            int nr = nt - i0 < 4 ? (int)(nt - i0) : 4;
+                            for (int64_t mm = 0; mm < mp; mm += mv)
+                                g16_portable(u16 + i0 * G16_KC, dg + i0 * lds, cg + i0 * lds, lds,
+                                             xk, ak, sk, mp, kc, group, nr, mm, mv,
+                                             acc + i0 * mp + mm, mp, first);
+                        }
+                        continue;
+                    }
+#if HAVE_VNNI512
+                    int64_t mm = 0;
+                    for (; mm + 32 <= mp; mm += 32)
+                        for (int64_t i0 = 0; i0 < nt; i0 += G16_NR) {
+                            int nr = nt - i0 < G16_NR ? (int)(nt - i0) : G16_NR;
+                            G16_MICROS[gi][nr](u16 + i0 * G16_KC, dg + i0 * lds, cg + i0 * lds,
+                                               lds, xk + mm, ak + mm, sk + mm, mp, kc,
+                                               acc + i0 * mp + mm, mp, first);
+                        }
+                    if (mm < mp)
+                        for (int64_t i0 = 0; i0 < nt; i0 += G16_NR1) {
+                            int nr = nt - i0 < G16_NR1 ? (int)(nt - i0) : G16_NR1;
+                            G16_MICROS1[gi][nr](u16 + i0 * G16_KC, dg + i0 * lds, cg + i0 * lds,
+                                                lds, xk + mm, ak + mm, sk + mm, mp, kc,
+                                                acc + i0 * mp + mm, mp, first);
+                        }
+#else
+                    (void)gi;
+#endif
+                }
+                gemm_store(acc, mp, nt, mc, bias ? bias + n0 : NULL, out + m0 * ldo + n0, ldo);
+            }
+            free(u16);
+            free(dg);
+            free(cg);
+            free(acc);
+        }
+    }
+    free(xt);
+    free(ag);
+    free(sg);
+}
+
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias), x as it is.
  * For steps of many rows: gguf_blocks.py measures, per shape, from how many rows it wins. */
-void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, const float *bias,
-                    float *out, int64_t ldo) {
-    const qb32_t *w = desc;
+static void qb32_gemm_float(const float *x, int64_t ldx, int64_t M, const qb32_t *w,
+                            const float *bias, float *out, int64_t ldo) {
     int64_t K = w->K, N = w->N;
     int64_t step = GV; /* x's rows are padded to whole vectors; pairs of them a micro-kernel */
     dequant_t deq = dequant_for(w);
@@ -1005,6 +1305,27 @@ void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
         }
     }
     free(xt);
+}
+
+/* The many-row GEMM as the weight's descriptor asks (QB32_GEMM16 in its path: 16-bit inputs,
+ * on VNNI, else the portable loop; else x as it is). Callers: gguf_blocks.py, qb32_steps_desc,
+ * gguf_kquants.c's repacked tiles (their descriptors without the flag: x as it is). */
+void qb32_gemm_desc(const float *x, int64_t ldx, int64_t M, const void *desc, const float *bias,
+                    float *out, int64_t ldo) {
+    if (((const qb32_t *)desc)->path & QB32_GEMM16)
+        qb32_gemm16(x, ldx, M, (const qb32_t *)desc, bias, out, ldo, !HAVE_VNNI512);
+    else
+        qb32_gemm_float(x, ldx, M, (const qb32_t *)desc, bias, out, ldo);
+}
+
+/* One GEMM path by name (tests, benchmarks): 0 x as it is, 1 16-bit inputs on the best path
+ * this build has (VNNI, else the portable loop), 2 16-bit inputs, the portable loop. */
+void qb32_gemm_path_desc(const float *x, int64_t ldx, int64_t M, const void *desc,
+                         const float *bias, float *out, int64_t ldo, int64_t path) {
+    if (path == 0)
+        qb32_gemm_float(x, ldx, M, (const qb32_t *)desc, bias, out, ldo);
+    else
+        qb32_gemm16(x, ldx, M, (const qb32_t *)desc, bias, out, ldo, path == 2 || !HAVE_VNNI512);
 }
 
 /* out[r, K] = the dequantized rows idx[r] of the weight (the token embedding's lookup). */

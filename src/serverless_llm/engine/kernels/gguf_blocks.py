@@ -269,6 +269,11 @@ def dequantize(w: QB32, dtype=torch.float32) -> torch.Tensor:
 
 INT8_LEVELS = 127  # int8 inputs
 FLOAT_LEVELS = 127 * 2**14  # "float" inputs: 22-bit codes, three bytes each in the kernel
+GEMM16_LEVELS = 32767  # the many-row GEMM's 16-bit inputs (VPDPWSSD)
+# BlockKernels.gemm's paths: "float" (x as it is), "int16" (16-bit inputs: VNNI, else the
+# portable loop), "int16-portable" (tests)
+GEMM_PATHS = {"float": 0, "int16": 1, "int16-portable": 2}
+GEMM16 = 64  # in QB32Desc.path: the GEMM's 16-bit inputs (gguf_blocks.c QB32_GEMM16)
 
 
 def quantize_rows_reference(
@@ -323,7 +328,9 @@ class QB32Desc(ctypes.Structure):
     _fields_ += [("path", _I), ("group", _I), ("scale_bytes", _I)]
 
     @staticmethod
-    def of(w: QB32, path: str = "best") -> QB32Desc:
+    def of(w: QB32, path: str = "best", gemm: str = "float") -> QB32Desc:
+        """`path`: the few-row kernel's (PATHS); `gemm`: the many-row GEMM's inputs through
+        qb32_gemm_desc ("float": x as it is; "int16": 16-bit codes, VNNI else portable)."""
         n, k = w.shape
         if w.group not in (BLOCK, 16) or (w.group == 16 and w.bits == 4):
             raise ValueError(f"no kernel for groups of {w.group} with {w.bits}-bit codes")
@@ -332,8 +339,9 @@ class QB32Desc(ctypes.Structure):
         for t in (w.qs, w.d, w.c):
             if not t.is_contiguous():
                 raise ValueError("qb32 tensors must be contiguous")
-        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits,
-                        PATHS[path], w.group, w.d.element_size())  # fmt: skip
+        code = PATHS[path] | (GEMM16 if gemm == "int16" else 0)
+        return QB32Desc(w.qs.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, w.bits, code,
+                        w.group, w.d.element_size())  # fmt: skip
 
 
 class QB32StepsDesc(ctypes.Structure):
@@ -364,8 +372,9 @@ class BlockKernels:
         self._linear = f
         # the address cpu_native's whole-layer decode calls (decoder_layer_t.qlinear)
         self.linear_desc_address = ctypes.cast(self.lib.qb32_linear_desc, ctypes.c_void_p).value
-        g = self.lib.qb32_gemm_desc  # the many-row GEMM (prefill)
-        g.argtypes = [_P, _I, _I, _P, _P, _P, _I]
+        self.gemm16 = bool(self.lib.qb32_has_gemm16())  # the 16-bit GEMM on VNNI
+        g = self.lib.qb32_gemm_path_desc  # the many-row GEMM (prefill), one of GEMM_PATHS
+        g.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I]
         g.restype = None
         self._gemm = g
         # the whole-layer decode's linear when steps may be larger than the few-row kernel's
@@ -391,9 +400,11 @@ class BlockKernels:
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n)  # fmt: skip
         return out
 
-    def gemm(self, x: torch.Tensor, w: QB32, bias=None) -> torch.Tensor:
-        """The many-row GEMM (prefill): x [M, K] float32 times w^T (+ bias), x as it is; equal to
-        `reference_linear(..., quantize_x=False)` up to float32 summation order."""
+    def gemm(self, x: torch.Tensor, w: QB32, bias=None, path: str = "float") -> torch.Tensor:
+        """The many-row GEMM (prefill): x [M, K] float32 times w^T (+ bias). `path` (GEMM_PATHS):
+        "float" takes x as it is, equal to `reference_linear(..., quantize_x=False)` up to
+        float32 summation order; "int16" quantizes x per block of 32 to 16-bit codes (integer
+        dots), equal to `reference_linear(..., levels=GEMM16_LEVELS)` up to float32 rounding."""
         m, k = x.shape
         n, wk = w.shape
         if wk != k:
@@ -403,7 +414,8 @@ class BlockKernels:
         out = torch.empty(m, n, dtype=torch.float32)
         desc = QB32Desc.of(w)
         self._gemm(x.data_ptr(), x.stride(0), m, ctypes.byref(desc),
-                   None if bias is None else bias.data_ptr(), out.data_ptr(), n)  # fmt: skip
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                   GEMM_PATHS[path])  # fmt: skip
         return out
 
     def rows(self, w: QB32, index: torch.Tensor) -> torch.Tensor:
@@ -452,6 +464,12 @@ def self_check(kernels: BlockKernels) -> str | None:
                 err = (got - want).abs().max().item()
                 if not err <= 1e-3 * (1 + want.abs().max().item()):
                     return f"qb32 linear ({name}, {m} rows, {path}): differs by {err:.3g}"
+        if kernels.gemm16:  # the 16-bit GEMM, where the engine may run it
+            x = torch.randn(21, k, generator=g)
+            want = reference_linear(x, w, b, levels=GEMM16_LEVELS).float()
+            err = (kernels.gemm(x, w, b, path="int16") - want).abs().max().item()
+            if not err <= 1e-3 * (1 + want.abs().max().item()):
+                return f"qb32 GEMM ({name}, 21 rows, 16-bit inputs): differs by {err:.3g}"
     return None
 
 

@@ -61,6 +61,7 @@ class GGUFBlockLinear(PackedLinear):
         kernels: BlockKernels,
         path: str = "float",
         bias: torch.Tensor | None = None,
+        gemm: str = "float",
     ) -> None:
         nn.Module.__init__(self)
         self.out_features, self.in_features = blocks.shape
@@ -68,7 +69,8 @@ class GGUFBlockLinear(PackedLinear):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.blocks, self.kernels = blocks, kernels
         self.path = path  # the few-row kernel's: "best" (int8 inputs) or "float"
-        self.desc = QB32Desc.of(blocks, path)
+        self.gemm = gemm  # the many-row GEMM's inputs: "float" (x as it is) or "int16"
+        self.desc = QB32Desc.of(blocks, path, gemm)
         # for the whole-layer native decode: few-row up to block_rows, the GEMM past it
         self.steps = QB32StepsDesc(self.desc, BLOCK_ROWS)
 
@@ -87,7 +89,7 @@ class GGUFBlockLinear(PackedLinear):
         if x2.shape[0] <= self.block_rows:
             out = self.kernels.linear(x2, self.blocks, bias, self.path)
         else:
-            out = self.kernels.gemm(x2, self.blocks, bias)
+            out = self.kernels.gemm(x2, self.blocks, bias, self.gemm)
         return out.view(*lead, self.out_features).to(x.dtype)
 
 
@@ -164,6 +166,17 @@ def block_inputs() -> str:
     return raw
 
 
+def gemm_inputs() -> str:
+    """GGUF_GEMM_INPUTS, the many-row GEMM's inputs (prefill, batches past block_rows): "int16"
+    (the default; with AVX-512 VNNI: x quantized per block of 32 to 16-bit codes, each input
+    moved by at most 1/65534 of its block's largest |x|, and integer dots, ~1.4x the float
+    GEMM's speed; without VNNI it stays "float") or "float" (x as it is, float FMA)."""
+    raw = os.environ.get("GGUF_GEMM_INPUTS", "").strip().lower() or "int16"
+    if raw not in ("float", "int16"):
+        raise ValueError(f"GGUF_GEMM_INPUTS={raw!r}: expected int16 or float")
+    return raw
+
+
 def _meta_bias(lin: nn.Module) -> torch.Tensor | None:
     bias = getattr(lin, "bias", None)
     return None if bias is None else torch.empty(bias.shape, device="meta")
@@ -179,6 +192,7 @@ def take_gguf_blocks(
     from .gguf_kquant_linear import take_kquants
 
     path = "float" if block_inputs() == "float" else "best"
+    gemm = "int16" if kernels.gemm16 and gemm_inputs() == "int16" else "float"
     unpermute = permutes_qk(hf_config)
     # K-quant tensors first, on their dense records (what they take is no longer an nn.Linear
     # or nn.Embedding below)
@@ -193,7 +207,7 @@ def take_gguf_blocks(
             blocks = _blocks_of(tensors, parts, unpermute)
             if blocks is None or blocks.shape != (lin.out_features, lin.in_features):
                 continue
-            setattr(parent, name, GGUFBlockLinear(blocks, kernels, path, _meta_bias(lin)))
+            setattr(parent, name, GGUFBlockLinear(blocks, kernels, path, _meta_bias(lin), gemm))
             taken.update(n for n, _ in parts)
     emb_t = tensors.get("token_embd.weight")
     emb = getattr(model, "embed_tokens", None)
@@ -213,13 +227,13 @@ def take_gguf_blocks(
             and getattr(model, "lm_head_bias", None) is None
             and getattr(model, "packed_lm_head", None) is None
         ):
-            model.packed_lm_head = GGUFBlockLinear(emb_blocks, kernels, path)
+            model.packed_lm_head = GGUFBlockLinear(emb_blocks, kernels, path, None, gemm)
     else:
         head = getattr(model, "lm_head", None)
         if type(head) is nn.Linear and head.bias is None:
             blocks = _blocks_of(tensors, [("output.weight", None)], False)
             if blocks is not None and blocks.shape == (head.out_features, head.in_features):
-                model.lm_head = GGUFBlockLinear(blocks, kernels, path)
+                model.lm_head = GGUFBlockLinear(blocks, kernels, path, None, gemm)
                 taken.add("output.weight")
     return taken
 
@@ -249,7 +263,7 @@ def choose_block_rows(lin: GGUFBlockLinear) -> tuple[int, list]:
     for m in ROW_CANDIDATES:
         x = torch.randn(m, lin.in_features, generator=g)
         few = functools.partial(lin.kernels.linear, x, lin.blocks, lin.bias, lin.path)
-        gemm = functools.partial(lin.kernels.gemm, x, lin.blocks, lin.bias)
+        gemm = functools.partial(lin.kernels.gemm, x, lin.blocks, lin.bias, lin.gemm)
         few(), gemm()  # warm
         t_few, t_gemm = _time_both(few, gemm)
         timings.append((m, t_few, t_gemm))
@@ -261,7 +275,8 @@ def choose_block_rows(lin: GGUFBlockLinear) -> tuple[int, list]:
 
 def _shape_key(lin: GGUFBlockLinear) -> str:
     b = lin.blocks
-    return f"{lin.out_features}x{lin.in_features}:{b.bits}/{b.group}/{b.d.dtype}:{lin.path}"
+    return (f"{lin.out_features}x{lin.in_features}:{b.bits}/{b.group}/{b.d.dtype}:{lin.path}"
+            + ("" if lin.gemm == "float" else f":gemm-{lin.gemm}"))  # fmt: skip
 
 
 def block_rows_file(kernels: BlockKernels, keys: list[str]) -> Path:
@@ -376,6 +391,8 @@ def finish_gguf_blocks(model: nn.Module, kernels: BlockKernels) -> str:
     ):
         held += emb.blocks.nbytes()
     inputs = "float" if (linears + kq)[0].path == "float" else "int8"
+    if linears:
+        inputs += f"; GEMM {linears[0].gemm} inputs"
     isa = "AVX-512" if kernels.vnni else "AVX2" if kernels.avx2 else "portable C"
     what = f"{len(linears) + len(kq)} linears"
     if isinstance(emb, (GGUFBlockEmbedding, KQuantEmbedding)):
