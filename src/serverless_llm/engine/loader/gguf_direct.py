@@ -83,3 +83,49 @@ def gguf_weights(
         if got is None or got.weights is None or got.name not in names:
             continue  # a processor that places the tensor itself (MoE experts): not here
         yield names[got.name], torch.from_numpy(np.ascontiguousarray(got.weights, np.float32))
+
+
+_STACK = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}  # a fused linear's parts, in row order
+_STACKS = ({"q", "k", "v"}, {"gate", "up"})
+
+
+def gguf_block_parts(hf_config, i: int) -> dict[str, list[tuple[str, int | None]]]:
+    """Per linear of decoder layer i that the file's blocks can serve (its module path inside
+    the layer): the GGUF weights it stacks, in row order, each with the head count where
+    llama.cpp's converter permuted the rows (llama's q and k), else None. Derived from the
+    family's weight-name map, so a family's own names need no loader of their own: phi3's fused
+    `attn_qkv` and `ffn_up` serve qkv_proj and gate_up_proj whole, a plain MLP's `ffn_up` its
+    up_proj, GPT-2's Conv1D weights (stored [out, in] by llama.cpp) theirs. Layouts the blocks
+    cannot take as stored (Bloom's and Falcon's per-head q/k/v, MoE experts, row slices) are
+    left out: those linears load as float. The caller checks each stack's shape against the
+    linear's."""
+    names, processor = gguf_name_map(hf_config)
+    from ..models import describe_model
+
+    wn = describe_model(hf_config).names
+    prefix = f"{wn.layers_prefix}.{i}."
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    permuted = type(processor).__name__ == "LlamaTensorProcessor"
+    transposed = type(processor).__name__ == "GPT2TensorProcessor"
+    whole: dict[str, str] = {}
+    stacked: dict[str, dict[str, str]] = {}
+    for gname, ckpt in names.items():
+        if not (gname.endswith(".weight") and ckpt.startswith(prefix)):
+            continue
+        local = ckpt[len(prefix) :]
+        target = wn.layer.get(local[: -len(".weight")], wn.layer.get(local))
+        if isinstance(target, str) or (transposed and target and target[1] == "t"):
+            whole.setdefault(target if isinstance(target, str) else target[0], gname)
+        elif target and target[1] in _STACK:
+            stacked.setdefault(target[0], {})[target[1]] = gname
+    parts: dict[str, list[tuple[str, int | None]]] = {}
+    for target, gname in whole.items():
+        parts[target] = [(gname, None)]
+    for target, got in stacked.items():
+        if target in parts or set(got) not in _STACKS:
+            continue  # a fused tensor of the file serves it whole; or a stack missing a part
+        order = sorted(got, key=_STACK.__getitem__)
+        count = {"q": heads, "k": kv} if permuted else {}
+        parts[target] = [(got[how], count.get(how)) for how in order]
+    return parts
