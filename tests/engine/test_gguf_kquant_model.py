@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from serverless_llm import LLM, SamplingParams  # noqa: E402
 from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
 from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
-from serverless_llm.engine.layers.gguf_kquant_linear import KQuantLinear  # noqa: E402
+from serverless_llm.engine.layers.gguf_kquant_linear import KQuantLinear, kquant_path  # noqa: E402
 from serverless_llm.engine.layers.gguf_linear import GGUFBlockLinear  # noqa: E402
 from serverless_llm.engine.loader import gguf as gguf_loader  # noqa: E402
 from tests.kernels.gguf_packers import quantize  # noqa: E402
@@ -166,10 +166,13 @@ def test_linears_read_the_files_blocks(engines):
     assert kinds(l0.mlp.gate_up_proj) == ["Q4_K", 5]  # Q4_K gate with a Q5_0 up
     assert kinds(l0.mlp.down_proj) == ["Q6_K"]
     assert kinds(model.packed_lm_head) == ["Q6_K"]  # output.weight
-    # the K-quant records are served tiled (16 rows a stream for the few-row kernel)
+    # the K-quant records are served tiled (16 rows a stream) for int8 inputs, row after row
+    # for float ones (layers/gguf_kquant_linear.served)
     for lin in (l0.self_attn.qkv_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj,
                 model.packed_lm_head):  # fmt: skip
-        assert all(p.tiled for p in lin.parts if isinstance(p, gk.KQ))
+        for p in lin.parts:
+            if isinstance(p, gk.KQ):
+                assert p.tiled == (kquant_path(lin.path) == "best" and lin.kernels.vnni)
     assert (l1.self_attn.qkv_proj.blocks.bits, l1.self_attn.qkv_proj.blocks.d.dtype) == (
         5, torch.float16)  # fmt: skip
     assert any("dequantized to float at load: Q2_K (1 tensors)" in r for r in records), records
@@ -234,13 +237,20 @@ def test_the_files_bytes_dequantize_as_the_float_copy(engines, tmp_path):
 def test_kquant_inputs_knob(monkeypatch):
     """GGUF_KQUANT_INPUTS picks the K-quant parts' few-row inputs alone; unset, they follow
     GGUF_BLOCK_INPUTS' path; anything else is refused by name."""
-    from serverless_llm.engine.layers.gguf_kquant_linear import kquant_path
-
     monkeypatch.delenv("GGUF_KQUANT_INPUTS", raising=False)
     assert (kquant_path("float"), kquant_path("best")) == ("float", "best")
     for raw, want in (("i15", "i15"), ("INT8", "best"), ("float", "float")):
         monkeypatch.setenv("GGUF_KQUANT_INPUTS", raw)
         assert kquant_path("float") == want
+    # the record order each serves (int8: tiled; float, i15: row after row), the same values
+    from serverless_llm.engine.layers.gguf_kquant_linear import served
+
+    w = gk.from_file_blocks(quantize(np.ones((20, 256), np.float32), "Q6_K"), "Q6_K", 256)
+    for raw, tiled in (("int8", True), ("float", False), ("i15", False)):
+        monkeypatch.setenv("GGUF_KQUANT_INPUTS", raw)
+        got = served(gk.tiled(w), "float", vnni=True)
+        assert got.tiled == tiled and torch.equal(gk.dequantize(got), gk.dequantize(w))
+        assert not served(w, "float", vnni=False).tiled  # the AVX2 path: rows in order
     monkeypatch.setenv("GGUF_KQUANT_INPUTS", "int4")
     with pytest.raises(ValueError, match="GGUF_KQUANT_INPUTS"):
         kquant_path("float")

@@ -86,10 +86,11 @@ static inline const uint8_t *kq_rec(const kq_t *w, int64_t n, int64_t j, int64_t
     return w->data + (t0 * nsb + j * width + n % KQ_TILE) * rec;
 }
 
-/* What a tile prefetches: row-major records, the same super-block 16 rows ahead; tiled, 16 KiB
- * ahead in the one stream. Measured on one thread, the weights from memory (a 7168x1280 Q4_K,
- * int8 inputs): row-major 23-25 GB/s, tiled 2 KiB ahead ~25, 8 KiB ~32, 16 KiB ~35 (a float32
- * sum reads 35-39); without software prefetch 11. */
+/* What a tile prefetches: the same super-block 16 rows ahead (the next tile's, in either
+ * layout); for one row of x on tiled records, 16 KiB ahead in the one stream instead. Measured
+ * on one thread, the weights from memory (a 7168x1280 Q4_K, int8 inputs, one row): row-major
+ * 23-25 GB/s, tiled 2 KiB ahead ~25, 8 KiB ~32, 16 KiB ~35 (a float32 sum reads 35-39); without
+ * software prefetch 11. At four rows the 16 KiB distance lost (Q6_K 14 against 20 GB/s). */
 #define KQ_AHEAD 16
 #define KQ_AHEAD_BYTES 16384
 
@@ -338,7 +339,7 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
         for (int m = 0; m < MT; m++) xj[m] = X->xs + ((m0 + m) * nsb + j) * P * 256;
         for (int r = 0; r < R; r++) {
             const uint8_t *b = kq_rec(w, n0 + r, j, rec);
-            const char *ahead = (const char *)b + (w->tiled ? KQ_AHEAD_BYTES : KQ_AHEAD * rowb);
+            const char *ahead = (const char *)b + (w->tiled && MT == 1 ? KQ_AHEAD_BYTES : KQ_AHEAD * rowb);
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
             _mm_prefetch(ahead + 128, _MM_HINT_T0);
@@ -482,7 +483,7 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const kq_t *w, co
     for (int64_t j = 0; j < nsb; j++) {
         for (int r = 0; r < R; r++) {
             const uint8_t *b = kq_rec(w, n0 + r, j, rec);
-            const char *ahead = (const char *)b + (w->tiled ? KQ_AHEAD_BYTES : KQ_AHEAD * rowb);
+            const char *ahead = (const char *)b + (w->tiled && MT == 1 ? KQ_AHEAD_BYTES : KQ_AHEAD * rowb);
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
             _mm_prefetch(ahead + 128, _MM_HINT_T0);

@@ -53,6 +53,16 @@ def kquant_path(path: str) -> str:
     return "best" if raw == "int8" else raw
 
 
+def served(w: gk.KQ, path: str, vnni: bool) -> gk.KQ:
+    """w in the record order its kernel streams fastest (one thread, weights from memory,
+    session 23): tiled (gguf_kquants.tiled) for int8 inputs on AVX-512 VNNI (one row: 33-35
+    against 23-25 GB/s on a 7168x1280 Q4_K, four rows faster too); row after row for the float
+    and i15 inputs, whose dots bind them more (tiled, a 1280x3584 Q6_K with float inputs read
+    26-29 against 31-33 GB/s at one row, and both kinds lost ~10% at four rows), and on the
+    AVX2 path (tiles of 4 rows: row after row 1.1-2.3x faster, every input kind)."""
+    return gk.tiled(w) if vnni and kquant_path(path) == "best" else gk.untiled(w)
+
+
 class KQuantLinear(PackedLinear):
     """A linear of parts in their own layouts (K-quant records or qb32 blocks), run by
     kq_multi_desc. A PackedLinear in name, so the whole-layer native decode can take it."""
@@ -60,8 +70,7 @@ class KQuantLinear(PackedLinear):
     def __init__(self, parts: list, kernels: gk.KQuantKernels, path: str = "float",
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
         nn.Module.__init__(self)
-        # K-quant records in tiles of 16 rows: the few-row kernel reads each tile as one stream
-        parts = [gk.tiled(p) if isinstance(p, gk.KQ) else p for p in parts]
+        parts = [served(p, path, kernels.vnni) if isinstance(p, gk.KQ) else p for p in parts]
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         self.packed, self.panels, self.native, self.native_rows = None, None, None, 0
@@ -181,8 +190,9 @@ def take_kquants(model: nn.Module, tensors: dict, hf_config, path: str) -> set[s
     emb = getattr(model, "embed_tokens", None)
     if isinstance(emb, nn.Embedding) and emb_t is not None and emb_t.type_name in gk.TYPES:
         try:
-            # tiled once for the lookup and a tied head alike
-            w = gk.tiled(gk.from_file_blocks(emb_t.data, emb_t.type_name, emb_t.shape[0], kernels))
+            # in the order a tied head serves, for the lookup and the head alike (one copy)
+            w = gk.from_file_blocks(emb_t.data, emb_t.type_name, emb_t.shape[0], kernels)
+            w = served(w, path, kernels.vnni)
         except ValueError:
             w = None
         if w is not None and w.shape == tuple(emb.weight.shape):
