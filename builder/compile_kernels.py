@@ -72,7 +72,7 @@ def main() -> int:
         for module in (paged_attention, mla_attention):
             if hasattr(module, "num_sms"):
                 module.num_sms = lambda device, sms=sms: sms
-        specs.update(dict.fromkeys(list_launches(engine.runner, limits)))
+        specs.update(dict.fromkeys(list_launches(engine.runner, limits, engine.inputs.images)))
     listed = time.perf_counter() - t0
     for arch in targets:
         start = time.perf_counter()

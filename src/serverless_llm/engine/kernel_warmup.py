@@ -16,9 +16,10 @@ Guided decoding's mask kernel (xgrammar's, on CUDA) through the sampler's calls 
 (`_grammar_launches`). A vision-language model whose image tokens attend both ways (Gemma 3's
 rule: `ModelRunner.bidirectional_images`) runs its image steps through the paged kernel's
 HAS_LIMITS variant: the sweep's steps with prompts run again with each prompt one image span
-(`_host_batch(image_spans=True)`). Not listed: the vision towers' own launches (their attention
-kernel and layers follow the image sizes each family's processor gives; docs/engine.md says
-more).
+(`_host_batch(image_spans=True)`). The vision tower's own launches (its attention kernel, whose
+tile choice reads the longest sequence of patches, tiles or windows of a call) through synthetic
+images of every size class (`IMAGE_SIDES`, square and 1:2) run through the family's processor
+and the tower (`_vision_launches`), when the caller hands the engine's image inputs.
 The rows write no KV (slot -1) and the outputs are never read, so the sweep changes nothing in
 the cache. A launch the sweep missed would still compile at its first use; the engine then logs
 it by name (`watch_request_path`), so the gap is visible.
@@ -211,9 +212,42 @@ def is_encoder(runner: ModelRunner) -> bool:
     return bool(getattr(runner.model, "is_encoder", False))
 
 
+# Image sides of the vision sweep (pixels; each square and 1:2 both ways): the processors turn
+# them into sequences of a few patches (a dynamic-resolution family's smallest image) to
+# thousands (its tile choice stops growing at 128 rows), tiles, or one fixed size.
+IMAGE_SIDES = (28, 56, 112, 224, 448, 896)
+
+
+def _vision_launches(tower, images) -> None:
+    """The tower's launches for one synthetic image of each size class: each through the
+    family's processor (whose resizing, tiling or cropping makes the shapes the tower sees) and
+    the tower alone, one image a call (a call's tile choice reads its longest sequence, which a
+    single image of that size reaches)."""
+    from PIL import Image
+
+    family, processor = images.family, images.processor
+    placeholder = family.image_placeholder(processor)
+    device = next(tower.parameters()).device
+    sizes = {(w, h) for side in IMAGE_SIDES for w, h in ((side, side), (side, 2 * side),
+                                                         (2 * side, side))}  # fmt: skip
+    for w, h in sorted(sizes):
+        image = Image.new("RGB", (w, h), (120, 60, 200))
+        try:
+            prompt = family.process(processor, placeholder, [image], add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - a size this processor refuses: no request sends it
+            continue
+        for item in prompt.items:
+            tower.encode([{k: _to_device(v, device) for k, v in item.data.items()}])
+
+
+def _to_device(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 @torch.inference_mode()
-def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
-    """Every specialisation the runner's model launches over the sweep (see the module doc)."""
+def list_launches(runner: ModelRunner, limits: SweepLimits, image_inputs=None) -> list[LaunchSpec]:
+    """Every specialisation the runner's model launches over the sweep (see the module doc);
+    `image_inputs` (the engine's `ImageInputs`: family and processor) adds its vision tower's."""
     variants = [False] + ([True] if runner.lora_step is not None else [])
     images = bool(getattr(runner, "bidirectional_images", False))
     captured, runner.captured = runner.captured, None  # the sweep runs eagerly
@@ -227,6 +261,8 @@ def list_launches(runner: ModelRunner, limits: SweepLimits) -> list[LaunchSpec]:
                         runner.run(_host_batch(runner, q, s, lora, width, image_spans=True))
             if not is_encoder(runner):
                 _grammar_launches(runner, limits)
+            if image_inputs is not None and getattr(runner, "vision_tower", None) is not None:
+                _vision_launches(runner.vision_tower, image_inputs)
     finally:
         runner.captured = captured
         runner.lora_slots.pop(SWEEP_LORA_ID, None)
@@ -283,13 +319,13 @@ class WarmupResult:
         )
 
 
-def warm_up(runner: ModelRunner, limits: SweepLimits) -> WarmupResult:
-    """Lists and compiles the model's kernels (CUDA); counts Triton's cache hits through its
-    compilation listener."""
+def warm_up(runner: ModelRunner, limits: SweepLimits, image_inputs=None) -> WarmupResult:
+    """Lists and compiles the model's kernels (CUDA), its vision tower's with `image_inputs`;
+    counts Triton's cache hits through its compilation listener."""
     from triton import knobs
 
     t0 = time.perf_counter()
-    specs = list_launches(runner, limits)
+    specs = list_launches(runner, limits, image_inputs)
     t1 = time.perf_counter()
     hits = 0
     previous = knobs.compilation.listener

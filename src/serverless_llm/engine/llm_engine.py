@@ -641,7 +641,7 @@ class LLMEngine:
         limits = SweepLimits(self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                              whole_prompts=self.encoder)  # fmt: skip
         try:
-            result = warm_up(self.runner, limits)
+            result = warm_up(self.runner, limits, self.inputs.images)  # its tower's too
         except Exception as e:  # noqa: BLE001 - never fail a start over an optimisation
             logger.warning("kernel warm-up failed, kernels compile at first use: %r", e)
             return None
