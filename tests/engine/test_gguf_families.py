@@ -37,6 +37,7 @@ from tests.tiny_models import build_tokenizer, tiny_dims  # noqa: E402
 TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0")
 HEADS, KV_HEADS = 4, 2
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=24)
 # family -> (config class, options over the tiny sizes, the file's general.architecture)
 FAMILIES = {
@@ -49,6 +50,12 @@ FAMILIES = {
     "starcoder2": (transformers.Starcoder2Config, dict(), "starcoder2"),
     "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
     "gpt2": (transformers.GPT2Config, dict(naming="gpt2"), "gpt2"),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        dict(MOE, shared_expert_intermediate_size=64),
+        "qwen2moe",
+    ),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(MOE, head_dim=16), "qwen3moe"),
     "mamba": (transformers.MambaConfig, dict(state_size=8), "mamba"),
     "lfm2": (transformers.Lfm2Config, dict(layer_types=["conv", "full_attention"]), "lfm2"),
 }
@@ -96,11 +103,26 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
     )
     writer = gguf.GGUFWriter(str(out), arch)
     deq = {}
-    for i, (name, t) in enumerate(model.state_dict().items()):
+    tensors = []  # (checkpoint name, the file's name for it, value)
+    for name, t in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head: the file has token_embd only, as llama.cpp writes it
+        if name.endswith("experts.gate_up_proj"):  # [experts, gate | up rows, in]: two stacks
+            gate, up = t.chunk(2, dim=1)
+            tensors += [(name + ":gate", table.get_name(name[: -len("gate_up_proj")]
+                                                        + "gate_proj") + ".weight", gate),
+                        (name + ":up", table.get_name(name[: -len("gate_up_proj")]
+                                                      + "up_proj") + ".weight", up)]  # fmt: skip
+            continue
+        if name.endswith("experts.down_proj"):
+            tensors.append((name, table.get_name(name) + ".weight", t))
+            continue
         gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
+        if "gate_inp_shexp" in gname:  # [1, in]: llama.cpp stores it as [in]
+            t = t.reshape(-1)
+        tensors.append((name, gname, t))
+    for i, (name, gname, t) in enumerate(tensors):
         w = t.numpy()
         if w.ndim == 1 or "conv" in gname or "ssm_a" in gname or w.shape[-1] % 32:
             # norms, biases, convolutions, Mamba's A, rows not whole blocks: F32, as llama.cpp
@@ -109,7 +131,7 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
             stored = -np.exp(w) if gname.endswith("ssm_a") else stored  # A, not log(-A)
             stored = stored.squeeze(1) if w.ndim == 3 else stored  # a conv's [C, 1, k] as [C, k]
             writer.add_tensor(gname, np.ascontiguousarray(stored, np.float32))
-            deq[name] = t
+            deq[name] = model.state_dict()[name] if "gate_inp_shexp" in gname else t
             continue
         heads = {"attn_q.": HEADS, "attn_k.": KV_HEADS}
         head = next((h for k, h in heads.items() if k in gname), None) if arch == "llama" else None
@@ -124,6 +146,9 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         back = _permute(back, head, True) if head else back
         back = back.T if conv1d else back
         deq[name] = torch.from_numpy(np.ascontiguousarray(back, np.float32))
+    for name in [n for n in deq if n.endswith(":gate")]:  # the experts' stacks as HF holds them
+        hf = name[: -len(":gate")]
+        deq[hf] = torch.cat([deq.pop(name), deq.pop(hf + ":up")], dim=1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -167,7 +192,8 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 # mamba's projections are read as float; with the parts from the name map
 # (loader/gguf_direct.gguf_block_parts) all 8 are blocks for phi3, gpt2 and starcoder2 and 6 for
 # mamba (its dt_proj's 4 inputs are not whole blocks), tokens equal (checked by hand)
-BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6, "mamba": 0}
+BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6, "mamba": 0, "qwen2_moe": 4,
+                 "qwen3_moe": 4}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

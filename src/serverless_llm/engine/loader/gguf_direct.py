@@ -48,6 +48,16 @@ def gguf_name_map(hf_config) -> tuple[dict[str, str], object]:
     modules = list(wn.top) + [f"{wn.layers_prefix}.{i}.{name}" for i in range(layers)
                               for name in local]  # fmt: skip
     names = {}
+    for i in range(layers):  # per-expert checkpoint tensors: the file stacks them, [experts, ...]
+        for local, target in wn.layer.items():
+            how = target[1] if isinstance(target, tuple) else ""
+            if how.startswith("expert:"):
+                e = how.split(":")[1]
+                layer = f"{wn.layers_prefix}.{i}."
+                got = table.get_name(layer + local.replace(f".{e}.", ".", 1))
+                if got is not None:  # one name for every expert: `{}` takes the expert's index
+                    each = layer + local.replace(f".{e}.", ".{}.", 1) + ".weight"
+                    names.setdefault(f"{got}.weight", each)
     for module in modules:
         if module.endswith((".weight", ".bias")):  # one tensor of a module (Mamba's dt_proj)
             got = table.get_name(module, try_suffixes=(".weight", ".bias"))
@@ -78,6 +88,10 @@ def gguf_weights(
         w = tensor_to_float(t).numpy()
         shape = tuple(reversed(t.shape))  # the file lists inputs first
         w = w.reshape(shape)
+        if "{}" in names[gname]:  # a stack of experts' matrices (`ffn_gate_exps`): one by one
+            for e in range(shape[0]):
+                yield names[gname].format(e), torch.from_numpy(np.ascontiguousarray(w[e]))
+            continue
         got = processor.process(weights=w, name=gname, tensor_key_mapping=names,
                                 parsed_parameters={"tensors": {}, "config": {}})  # fmt: skip
         if got is None or got.weights is None or got.name not in names:
