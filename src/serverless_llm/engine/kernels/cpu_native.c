@@ -1742,6 +1742,73 @@ void conv1d_decode_f32(const float *x, int64_t x_st, const float *w, const float
     }
 }
 
+/* -- a whole short-convolution layer (LFM2, LFM3) for a decode step ----------------------- */
+
+/* LFM2's gated short convolution as a pre-norm layer, over M decode rows (row b is request b's
+ * one token, its window in state slot slots[b]):
+ *
+ *   h = rms(stream);  B, C, x = in_proj(h);  y = C * conv(B * x);  o = out_proj(y)
+ *   [o = rms_post(o)];  h = rms_mlp(o + stream);  m = down(act(gate(h)) * up(h));  [m = rms(m)]
+ *
+ * (the bracketed norms: LFM3's "sandwich" norms, where post_w / post_mlp_w are set). The same
+ * kernels, in the same order, as the module path's native calls (add_norm_f32, the panel GEMM,
+ * conv1d_decode_f32, activation_f32; the two products are single roundings, as torch's), so the
+ * two agree bit for bit. Every norm is an RMSNorm. */
+typedef struct {
+    int64_t hidden, channels, kernel, inter;
+    int64_t act;   /* activation_f32's kind */
+    int64_t gated; /* 1: up_w is [gate | up], 2 * inter rows; 0: inter rows */
+    float eps;
+    const float *in_w, *post_w, *mlp_w, *post_mlp_w; /* post_w, post_mlp_w: NULL for none */
+    const float *in_proj_w, *in_proj_b, *conv_w, *conv_b, *out_w, *out_b;
+    const float *up_w, *up_b, *down_w, *down_b;
+} conv_layer_t;
+
+/* Writes the MLP's output to mlp_out [M, hidden] and the stream after the mixer's add to res_out
+ * [M, hidden] (the decoder's (x, residual) pair); with `residual` the stream is x + residual,
+ * else x. conv_state [slots, channels, kernel - 1] is updated in place. `work` holds
+ * M * (4 * hidden + 5 * channels + 3 * inter) floats. */
+void conv_layer_f32(const conv_layer_t *CL, float *conv_state, const int32_t *slots,
+                    const uint8_t *has_init, const float *x, const float *residual,
+                    float *mlp_out, float *res_out, float *work, int64_t M) {
+    int64_t hd = CL->hidden, C = CL->channels, in = CL->inter;
+    int64_t up_n = CL->gated ? 2 * in : in;
+    float *h = work, *res1 = h + M * hd, *bcx = res1 + M * hd, *bx = bcx + M * 3 * C;
+    float *cv = bx + M * C, *o = cv + M * C, *o2 = o + M * hd, *gu = o2 + M * hd;
+    float *act = gu + M * up_n;
+    add_norm_f32(x, residual, CL->in_w, NULL, h, res1, M, hd, hd, CL->eps, 0);
+    const float *stream = residual ? res1 : x;
+    linear_panels_f32(h, hd, CL->in_proj_w, CL->in_proj_b, bcx, M, 3 * C, hd);
+    for (int64_t b = 0; b < M; b++) { /* B * x: in_proj's first and last thirds */
+        const float *r = bcx + b * 3 * C;
+        float *d = bx + b * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) d[c] = r[c] * r[2 * C + c];
+    }
+    conv1d_decode_f32(bx, C, CL->conv_w, CL->conv_b, conv_state, slots, has_init, cv, C, M, C,
+                      CL->kernel, 0);
+    for (int64_t b = 0; b < M; b++) { /* C * conv: the middle third gates */
+        const float *r = bcx + b * 3 * C + C;
+        float *d = cv + b * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) d[c] = r[c] * d[c];
+    }
+    linear_panels_f32(cv, C, CL->out_w, CL->out_b, o, M, hd, C);
+    if (CL->post_w) {
+        add_norm_f32(o, NULL, CL->post_w, NULL, o2, NULL, M, hd, hd, CL->eps, 0);
+        o = o2;
+    }
+    add_norm_f32(o, stream, CL->mlp_w, NULL, h, res_out, M, hd, hd, CL->eps, 0);
+    linear_panels_f32(h, hd, CL->up_w, CL->up_b, gu, M, up_n, hd);
+    activation_f32(gu, up_n, act, M, in, CL->act, CL->gated);
+    if (CL->post_mlp_w) {
+        linear_panels_f32(act, in, CL->down_w, CL->down_b, o2, M, hd, in);
+        add_norm_f32(o2, NULL, CL->post_mlp_w, NULL, mlp_out, NULL, M, hd, hd, CL->eps, 0);
+    } else {
+        linear_panels_f32(act, in, CL->down_w, CL->down_b, mlp_out, M, hd, in);
+    }
+}
+
 /* The same convolution over prompt chunks, token after token through each request's window (as
  * its decodes read it, so a prompt and its decodes round alike): requests b of [0, n), request
  * b's tokens rows starts[b] .. starts[b + 1] - 1 (empty: skipped), slot slots[b], from its window

@@ -22,6 +22,9 @@ group in one call, float32, reading the paged cache in place:
 - `activation`: the MLP's activation, plain or gated (silu, gelu and its tanh form, relu);
 - `decoder_layer`: a whole pre-norm decoder layer of a decode step, sequential or parallel (its
   MLP gated or plain, of a native activation);
+- `conv_layer`: a whole short-convolution layer (LFM2, LFM3) of a decode step: norm, in_proj,
+  the gated convolution's one-token update of each request's window in its state slot,
+  out_proj, LFM3's post norms, the MLP (models/decoder.NativeConvLayer);
 - the recurrent layers' decode steps, `gated_delta_decode`, `ssd_decode`,
   `selective_scan_decode`, `conv1d_decode`: each request's state read from its slot once and
   written back once, in place, parallel over (request, head) — the torch references gather the
@@ -141,6 +144,23 @@ class DecoderLayerWeights(ctypes.Structure):
         # another layout's linear (gguf_blocks' qb32_linear_desc) and each linear's descriptor
         # for it; NULL: the panels above
         *((name, _P) for name in ("qlinear", "qkv_q", "o_q", "up_q", "down_q")),
+    ]
+
+
+class ConvLayerWeights(ctypes.Structure):
+    """cpu_native.c's conv_layer_t: a short-convolution layer (LFM2, LFM3) for `conv_layer`."""
+
+    _fields_ = [
+        ("hidden", _I),
+        ("channels", _I),
+        ("kernel", _I),
+        ("inter", _I),
+        ("act", _I),
+        ("gated", _I),
+        ("eps", _F),
+        *((name, _P) for name in ("in_w", "post_w", "mlp_w", "post_mlp_w")),
+        *((name, _P) for name in ("in_proj_w", "in_proj_b", "conv_w", "conv_b", "out_w", "out_b")),
+        *((name, _P) for name in ("up_w", "up_b", "down_w", "down_b")),
     ]
 
 
@@ -283,6 +303,10 @@ class NativeKernels:
         f.argtypes += [ctypes.POINTER(Step)] + [_P] * 5 + [_I]
         f.restype = None
         self._decoder_layer = f
+        f = self.lib.conv_layer_f32
+        f.argtypes = [ctypes.POINTER(ConvLayerWeights)] + [_P] * 8 + [_I]
+        f.restype = None
+        self._conv_layer = f
         f = self.lib.add_norm_f32
         f.argtypes = [_P] * 6 + [_I] * 3 + [_F, _I]
         f.restype = None
@@ -486,6 +510,35 @@ class NativeKernels:
             ctypes.byref(weights),
             ctypes.byref(layer),
             ctypes.byref(step),
+            x.data_ptr(),
+            ptr_or_null(residual),
+            mlp_out.data_ptr(),
+            res_out.data_ptr(),
+            work.data_ptr(),
+            M,
+        )
+        return mlp_out, res_out
+
+    def conv_layer(self, weights: ConvLayerWeights, conv_state, slots, has_init, x, residual):
+        """A whole short-convolution layer (norm, in_proj, the gated convolution's one-token
+        update of each request's window, out_proj, the optional post norm, add and norm, MLP,
+        the optional post-MLP norm) over the step's M decode rows x [M, hidden] (contiguous;
+        residual too, or None): conv_state [slots, channels, kernel - 1] float32 contiguous,
+        updated in place; slots [>= M] int32 and has_init [>= M] bool, contiguous. Returns (the
+        MLP's output, the stream after the mixer's add)."""
+        M, hd = x.shape
+        mlp_out = torch.empty(M, hd, dtype=x.dtype)
+        res_out = torch.empty(M, hd, dtype=x.dtype)
+        w = weights
+        need = M * (4 * hd + 5 * w.channels + 3 * w.inter)
+        work = getattr(self._scratch, "work", None)
+        if work is None or work.numel() < need:
+            work = self._scratch.work = torch.empty(need)
+        self._conv_layer(
+            ctypes.byref(weights),
+            conv_state.data_ptr(),
+            slots.data_ptr(),
+            has_init.data_ptr(),
             x.data_ptr(),
             ptr_or_null(residual),
             mlp_out.data_ptr(),

@@ -31,6 +31,7 @@ from torch.nn.modules import module as torch_module
 from ..kernels.activation import ACT_CODES, ClampedSwiGLU
 from ..kernels.cpu_native import (
     NATIVE_ACT_CODES,
+    ConvLayerWeights,
     DecoderLayerWeights,
     LayerPrep,
     native_cache_ok,
@@ -55,7 +56,7 @@ from ..layers.attention import (
 from ..layers.linear import PackedLinear, pack_linears_for_cpu, use_native_linears
 from ..layers.moe import ROUTINGS, BiasedRouter, Experts, experts_on_weighted_inputs, route
 from ..layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
-from ..layers.recurrent import RecurrentMixerSpec
+from ..layers.recurrent import RecurrentMixerSpec, step_slots
 from ..layers.rotary import (
     RotaryStep,
     apply_rotary,
@@ -64,6 +65,7 @@ from ..layers.rotary import (
     rotary_step,
     rotate_gathered,
 )
+from ..layers.short_conv import ShortConv
 from ..parallel.group import SINGLE, TensorParallel
 from .lora_targets import DecoderLoRA
 from .mla import LatentAttention, MLASpec
@@ -968,6 +970,8 @@ class NativeDecodeLayer:
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives `layer` the whole-layer path where its shape allows; True if it did."""
+        if isinstance(layer.mixer, ShortConv) and layer.self_attn is None:
+            return NativeConvLayer.attach(layer, native, tp_enabled)
         if (
             not isinstance(layer.self_attn, Attention)
             or layer.mlp is None
@@ -1033,6 +1037,144 @@ class NativeDecodeLayer:
             return layer.forward(x, residual, rope, kv_cache, meta)
         step = attn.backend.step(meta, None if rope is None else rope.positions)
         return self.native.decoder_layer(self.weights, struct, step, x, residual)
+
+
+class NativeConvLayer:
+    """A decode step of a few rows through a whole short-convolution layer (LFM2's and LFM3's
+    recurrent layers) in one native call (`conv_layer_f32`): the in norm, in_proj, the gated
+    convolution's one-token update of each request's window in its state slot, out_proj, LFM3's
+    post norm, the add and MLP norm, a gated or plain MLP of a native activation, LFM3's post-MLP
+    norm. Taken where `NativeDecodeLayer` is (float32 decode rows, every linear packed with its
+    panels and taking the native kernel at the step's rows, no tensor parallelism, RMSNorms only)
+    and only while the layer's linears are those it was built on (LoRA turns it off). The same
+    kernels in the same order as the module path, so the two agree bit for bit."""
+
+    def __init__(self, layer: DecoderLayer, native, rows: int) -> None:
+        mix, mlp = layer.mixer, layer.mlp
+        self.native, self.rows = native, rows
+        self.linears = self.linears_of(layer)
+        self.min_rows = max(lin.native_min_rows for lin in self.linears)
+        in_proj, out_proj, up, down = self.linears
+        conv = mix.conv1d
+        self._keep = conv.weight.detach().contiguous()  # [C, K]: the checkpoint's, float32
+        self.weights = ConvLayerWeights(
+            hidden=out_proj.out_features,
+            channels=mix.channels,
+            kernel=conv.weight.shape[1],
+            inter=down.in_features,
+            act=ACT_CODES[mlp.act_fn.act],
+            gated=int(mlp.gated),
+            eps=layer.in_norm.eps,
+            in_w=ptr_or_null(layer.in_norm.weight),
+            post_w=ptr_or_null(getattr(layer.post_attn_norm, "weight", None)),
+            mlp_w=ptr_or_null(layer.mlp_norm.weight),
+            post_mlp_w=ptr_or_null(getattr(layer.post_mlp_norm, "weight", None)),
+            in_proj_w=ptr_or_null(in_proj.panels),
+            in_proj_b=ptr_or_null(in_proj.bias),
+            conv_w=ptr_or_null(self._keep),
+            conv_b=ptr_or_null(conv.bias),
+            out_w=ptr_or_null(out_proj.panels),
+            out_b=ptr_or_null(out_proj.bias),
+            up_w=ptr_or_null(up.panels),
+            up_b=ptr_or_null(up.bias),
+            down_w=ptr_or_null(down.panels),
+            down_b=ptr_or_null(down.bias),
+        )
+
+    @staticmethod
+    def linears_of(layer: DecoderLayer) -> tuple:
+        """The layer's in_proj, out_proj, up (gate-up when gated) and down linears, as they are
+        now (None for those it lacks)."""
+        mix, mlp = layer.mixer, layer.mlp
+        up = getattr(mlp, "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj", None)
+        return (
+            getattr(mix, "in_proj", None),
+            getattr(mix, "out_proj", None),
+            up,
+            getattr(mlp, "down_proj", None),
+        )
+
+    @staticmethod
+    def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
+        """Gives the short-convolution `layer` the whole-layer path where its shape allows;
+        True if it did."""
+        mix, mlp = layer.mixer, layer.mlp
+        norms = (layer.in_norm, layer.mlp_norm, layer.post_attn_norm, layer.post_mlp_norm)
+        linears = NativeConvLayer.linears_of(layer)
+        f32 = (mix.conv1d.weight, *(n.weight for n in norms if n is not None))
+        fits = (
+            not tp_enabled
+            and isinstance(mix, ShortConv)
+            and layer.self_attn is None
+            and isinstance(mlp, MLP)
+            and not layer.post_ln
+            and not layer.parallel
+            and layer.residual_scale == 1.0
+            and layer.ple_gate is None
+            and layer.layer_scalar is None
+            and layer.experts_beside is None
+            and isinstance(layer.in_norm, RMSNorm)
+            and isinstance(layer.mlp_norm, RMSNorm)
+            and all(n is None or isinstance(n, RMSNorm) for n in norms[2:])
+            and len({n.eps for n in norms if n is not None}) == 1
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in f32)
+            and (mix.conv1d.bias is None or mix.conv1d.bias.dtype == torch.float32)
+            and ACT_CODES[mlp.act_fn.act] in NATIVE_ACT_CODES
+            and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
+        )
+        rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
+        layer.native_decode = NativeConvLayer(layer, native, rows) if rows else None
+        return layer.native_decode is not None
+
+    def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
+        return (
+            self.min_rows <= x.shape[0] <= self.rows
+            and meta.num_decodes == x.shape[0]
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+            and self.same_linears(layer)
+        )
+
+    def same_linears(self, layer: DecoderLayer) -> bool:
+        """`linears_of(layer) == self.linears`, read from the modules' own tables (a LoRA
+        wrapper or anything else put in a linear's place since is another entry there)."""
+        in_proj, out_proj, up, down = self.linears
+        mix, mlp = layer._modules.get("mixer"), layer._modules.get("mlp")
+        if mix is None or mlp is None:
+            return False
+        a, m = mix._modules, mlp._modules
+        up_name = "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj"
+        return (
+            a.get("in_proj") is in_proj
+            and a.get("out_proj") is out_proj
+            and m.get(up_name) is up
+            and m.get("down_proj") is down
+        )
+
+    def __call__(self, layer: DecoderLayer, x, residual, rope, state, meta):
+        conv_state = state[0]
+        if conv_state.dtype != torch.float32 or not conv_state.is_contiguous():
+            layer.native_decode = None  # a state the native call cannot read: modules from now
+            return layer.forward(x, residual, rope, state, meta)
+        slots, has_init = self.step_slots(meta)
+        return self.native.conv_layer(self.weights, conv_state, slots, has_init, x, residual)
+
+    @staticmethod
+    def step_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's decode rows' state slots (int32) and continue flags (bool), contiguous:
+        made once a step (its metadata's backend state) for every layer of the step."""
+        st = meta.backend_state
+        got = st.get("conv_slots")
+        if got is None:
+            n = meta.num_decodes
+            slots, init = step_slots(meta)
+            slots, init = slots[:n], init[:n]
+            got = st["conv_slots"] = (
+                slots.to(torch.int32).contiguous(),
+                init.to(torch.bool).contiguous(),
+            )
+        return got
 
 
 class DecoderModel(DecoderWeights, DecoderLoRA, nn.Module):
