@@ -50,6 +50,7 @@ FAMILIES = {
     "starcoder2": (transformers.Starcoder2Config, dict(), "starcoder2"),
     "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
     "gpt2": (transformers.GPT2Config, dict(naming="gpt2"), "gpt2"),
+    "bloom": (transformers.BloomConfig, dict(naming="bloom"), "bloom"),
     "qwen2_moe": (
         transformers.Qwen2MoeConfig,
         dict(MOE, shared_expert_intermediate_size=64),
@@ -117,10 +118,14 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         if name.endswith("experts.down_proj"):
             tensors.append((name, table.get_name(name) + ".weight", t))
             continue
-        gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        suffixes = (".weight", ".bias")
+        gname = table.get_name(name, suffixes) or table.get_name(name.split(".", 1)[1], suffixes)
         assert gname is not None, name
         if "gate_inp_shexp" in gname:  # [1, in]: llama.cpp stores it as [in]
             t = t.reshape(-1)
+        if arch == "bloom" and "attn_qkv" in gname:  # per head [q, k, v] -> q | k | v
+            heads = config.n_head
+            t = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         tensors.append((name, gname, t))
     for i, (name, gname, t) in enumerate(tensors):
         w = t.numpy()
@@ -131,7 +136,7 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
             stored = -np.exp(w) if gname.endswith("ssm_a") else stored  # A, not log(-A)
             stored = stored.squeeze(1) if w.ndim == 3 else stored  # a conv's [C, 1, k] as [C, k]
             writer.add_tensor(gname, np.ascontiguousarray(stored, np.float32))
-            deq[name] = model.state_dict()[name] if "gate_inp_shexp" in gname else t
+            deq[name] = model.state_dict()[name]  # as the checkpoint holds it
             continue
         heads = {"attn_q.": HEADS, "attn_k.": KV_HEADS}
         head = next((h for k, h in heads.items() if k in gname), None) if arch == "llama" else None
@@ -145,7 +150,9 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         back = quants.dequantize(raw, qtype)
         back = _permute(back, head, True) if head else back
         back = back.T if conv1d else back
-        deq[name] = torch.from_numpy(np.ascontiguousarray(back, np.float32))
+        if arch == "bloom" and "attn_qkv" in gname:  # q | k | v -> per head [q, k, v]
+            back = back.reshape(3, config.n_head, -1, back.shape[-1]).swapaxes(0, 1)
+        deq[name] = torch.from_numpy(np.ascontiguousarray(back, np.float32).reshape(t.shape))
     for name in [n for n in deq if n.endswith(":gate")]:  # the experts' stacks as HF holds them
         hf = name[: -len(":gate")]
         deq[hf] = torch.cat([deq.pop(name), deq.pop(hf + ":up")], dim=1)
@@ -188,12 +195,12 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 
 # the fewest of the layers' linears served from blocks, of 2 layers x (q|k|v, o, gate|up,
 # down): while the block loader (layers/gguf_linear.py) takes llama's tensor names only, the
-# fused q|k|v and gate|up of phi3 and gpt2, the plain MLPs' up, lfm2's convolution layer's and
-# mamba's projections are read as float; with the parts from the name map
+# fused q|k|v and gate|up of phi3, gpt2 and bloom, the plain MLPs' up, lfm2's convolution
+# layer's, mamba's projections and the MoE layers' experts are read as float; with the parts from the name map
 # (loader/gguf_direct.gguf_block_parts) all 8 are blocks for phi3, gpt2 and starcoder2 and 6 for
 # mamba (its dt_proj's 4 inputs are not whole blocks), tokens equal (checked by hand)
 BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6, "mamba": 0, "qwen2_moe": 4,
-                 "qwen3_moe": 4}  # fmt: skip
+                 "qwen3_moe": 4, "bloom": 4}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

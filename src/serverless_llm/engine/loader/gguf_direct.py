@@ -64,7 +64,9 @@ def gguf_name_map(hf_config) -> tuple[dict[str, str], object]:
             if got is not None:
                 names.setdefault(got, module)
             continue
-        got = table.get_name(module)
+        # llama.cpp's converter drops a checkpoint's outer `transformer.` for some families
+        # (Bloom's `h.N...`, `word_embeddings`): the table knows those names without it
+        got = table.get_name(module) or table.get_name(module.split(".", 1)[-1])
         if got is not None:
             # a module's weight and bias, or a bare parameter (Mamba's A_log: `blk.N.ssm_a`)
             names.setdefault(got, module)
