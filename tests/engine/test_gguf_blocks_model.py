@@ -144,7 +144,7 @@ def test_auto_keeps_blocks_for_tested_families_only(tmp_path, monkeypatch):
     monkeypatch.setattr(resolve, "converted_gguf_dir", lambda *a: str(tmp_path / "converted"))
     cfg = dict(model=None, device="cpu", download_dir=str(tmp_path))
     for arch, auto_format in (("llama", "gguf"), ("qwen2", "gguf"), ("gemma3", "gguf"),
-                              ("phi3", "gguf"), ("falcon", "safetensors"),
+                              ("phi3", "gguf"), ("gemma4", "safetensors"),
                               ("gpt-oss", "safetensors")):  # fmt: skip
         path = str(tmp_path / f"{arch}.gguf")
         writer = gguf.GGUFWriter(path, arch)  # a header only: general.architecture first

@@ -36,6 +36,7 @@ from tests.tiny_models import build_tokenizer, tiny_dims  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0")
 HEADS, KV_HEADS = 4, 2
+HEAD_DIM = 16  # 64 / 4
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=24)
@@ -51,6 +52,11 @@ FAMILIES = {
     "stablelm": (transformers.StableLmConfig, dict(), "stablelm"),
     "gpt2": (transformers.GPT2Config, dict(naming="gpt2"), "gpt2"),
     "bloom": (transformers.BloomConfig, dict(naming="bloom"), "bloom"),
+    "falcon": (
+        transformers.FalconConfig,
+        dict(naming="falcon", new_decoder_architecture=True, num_kv_heads=KV_HEADS),
+        "falcon",
+    ),
     "qwen2_moe": (
         transformers.Qwen2MoeConfig,
         dict(MOE, shared_expert_intermediate_size=64),
@@ -126,6 +132,10 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         if arch == "bloom" and "attn_qkv" in gname:  # per head [q, k, v] -> q | k | v
             heads = config.n_head
             t = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        if arch == "falcon" and "attn_qkv" in gname:  # per kv group [q.., k, v] -> q | k | v
+            g = t.reshape(config.num_kv_heads, -1, HEAD_DIM, *t.shape[1:])
+            t = torch.cat([g[:, :-2].reshape(-1, *t.shape[1:]), g[:, -2].reshape(-1, *t.shape[1:]),
+                           g[:, -1].reshape(-1, *t.shape[1:])])  # fmt: skip
         tensors.append((name, gname, t))
     for i, (name, gname, t) in enumerate(tensors):
         w = t.numpy()
@@ -152,6 +162,11 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
         back = back.T if conv1d else back
         if arch == "bloom" and "attn_qkv" in gname:  # q | k | v -> per head [q, k, v]
             back = back.reshape(3, config.n_head, -1, back.shape[-1]).swapaxes(0, 1)
+        if arch == "falcon" and "attn_qkv" in gname:  # q | k | v -> per kv group [q.., k, v]
+            kv, rows = config.num_kv_heads, back.shape[0] - 2 * config.num_kv_heads * HEAD_DIM
+            q = back[:rows].reshape(kv, -1, HEAD_DIM, back.shape[-1])
+            k, v = (x.reshape(kv, 1, HEAD_DIM, -1) for x in np.split(back[rows:], 2))
+            back = np.concatenate([q, k, v], axis=1)
         deq[name] = torch.from_numpy(np.ascontiguousarray(back, np.float32).reshape(t.shape))
     for name in [n for n in deq if n.endswith(":gate")]:  # the experts' stacks as HF holds them
         hf = name[: -len(":gate")]
@@ -200,7 +215,7 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 # (loader/gguf_direct.gguf_block_parts) all 8 are blocks for phi3, gpt2 and starcoder2 and 6 for
 # mamba (its dt_proj's 4 inputs are not whole blocks), tokens equal (checked by hand)
 BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6, "mamba": 0, "qwen2_moe": 4,
-                 "qwen3_moe": 4, "bloom": 4}  # fmt: skip
+                 "qwen3_moe": 4, "bloom": 4, "falcon": 4}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

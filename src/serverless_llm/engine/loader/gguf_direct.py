@@ -74,8 +74,34 @@ def gguf_name_map(hf_config) -> tuple[dict[str, str], object]:
                 names.setdefault(f"{got}.{suffix}", f"{module}.{suffix}")
     # the values' fix-ups by the file's architecture (llama's q/k rows, permuted by llama.cpp's
     # converter, mistral files included; gemma's norms, stored as 1 + w)
-    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=hf_config.to_dict())
-    return names, processor
+    # (Falcon's: our own, transformers has none)
+    kind = _falcon_processor() if arch_name == "falcon" else TENSOR_PROCESSORS.get(arch_name)
+    return names, (kind or TensorProcessor)(config=hf_config.to_dict())
+
+
+def _falcon_processor():
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, TensorProcessor
+
+    class FalconProcessor(TensorProcessor):
+        """Falcon's new decoder (40B-style): llama.cpp's converter stores the fused q/k/v as
+        every q head, then the k heads, then the v heads; the checkpoint (and this engine's
+        `qkv_grouped`) holds [kv_heads, q heads of the group + k + v, head_dim] rows. The old
+        decoder's multi-query q | k | v is stored as it is. (transformers has no Falcon
+        processor: its own conversion keeps the file's order.)"""
+
+        def process(self, weights, name, **kwargs):
+            c = self.config
+            if "attn_qkv" in name and c.get("new_decoder_architecture"):
+                heads, kv = c["num_attention_heads"], c["num_kv_heads"]
+                d = c["hidden_size"] // heads
+                rest = weights.shape[1:]
+                q = weights[: heads * d].reshape(kv, heads // kv, d, *rest)
+                k = weights[heads * d : (heads + kv) * d].reshape(kv, 1, d, *rest)
+                v = weights[(heads + kv) * d :].reshape(kv, 1, d, *rest)
+                weights = np.concatenate([q, k, v], axis=1).reshape(-1, *rest)
+            return GGUFTensor(weights, name, {})
+
+    return FalconProcessor
 
 
 def gguf_weights(

@@ -53,7 +53,7 @@ def gguf_kept_quantized(cfg: EngineConfig) -> bool:
 # architecture converts under auto, as before, and takes the blocks with QUANTIZED_WEIGHTS=packed.
 GGUF_BLOCKS_BY_DEFAULT = frozenset(
     {"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "starcoder2", "stablelm", "gpt2",
-     "lfm2", "mamba", "qwen2moe", "qwen3moe", "bloom"}
+     "lfm2", "mamba", "qwen2moe", "qwen3moe", "bloom", "falcon"}
 )  # fmt: skip
 
 
