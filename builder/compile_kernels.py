@@ -1,5 +1,5 @@
 """Image build step: compiles the baked model's Triton kernels for the GPU architectures named at
-build time into the image's Triton cache, with no GPU (docs/deployment.md, "Baked kernels").
+build time into the image's Triton cache, with no GPU (docs/engine.md, "Cold start").
 
 The list is the worker's own warm-up list (engine/kernel_warmup.py): the model is built on the
 CPU with the Triton backend, the sweep of synthetic steps runs with every launch recorded and
