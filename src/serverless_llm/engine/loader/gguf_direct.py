@@ -139,35 +139,51 @@ def gguf_block_parts(hf_config, i: int) -> dict[str, list[tuple[str, int | None]
     `attn_qkv` and `ffn_up` serve qkv_proj and gate_up_proj whole, a plain MLP's `ffn_up` its
     up_proj, GPT-2's Conv1D weights (stored [out, in] by llama.cpp) theirs. Layouts the blocks
     cannot take as stored (Bloom's and Falcon's per-head q/k/v, MoE experts, row slices) are
-    left out: those linears load as float. The caller checks each stack's shape against the
-    linear's."""
-    names, processor = gguf_name_map(hf_config)
+    left out: those linears load as float. Norms come too: the caller takes the entries that
+    are linears and checks each stack's shape against the linear's. Every layer's are found in
+    one pass over the name map and kept for the next call on the same config (a 48-layer MoE's
+    map holds ~1,500 names)."""
+    cached = _PARTS_CACHE.get("config")
+    if cached is not hf_config:
+        _PARTS_CACHE.update(config=hf_config, parts=_all_block_parts(hf_config))
+    return _PARTS_CACHE["parts"].get(i, {})
+
+
+_PARTS_CACHE: dict = {}
+
+
+def _all_block_parts(hf_config) -> dict[int, dict[str, list[tuple[str, int | None]]]]:
     from ..models import describe_model
 
+    names, processor = gguf_name_map(hf_config)
     wn = describe_model(hf_config).names
-    prefix = f"{wn.layers_prefix}.{i}."
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     permuted = type(processor).__name__ == "LlamaTensorProcessor"
     transposed = type(processor).__name__ == "GPT2TensorProcessor"
-    whole: dict[str, str] = {}
-    stacked: dict[str, dict[str, str]] = {}
+    whole: dict[int, dict[str, str]] = {}
+    stacked: dict[int, dict[str, dict[str, str]]] = {}
+    lead = f"{wn.layers_prefix}."
     for gname, ckpt in names.items():
-        if not (gname.endswith(".weight") and ckpt.startswith(prefix)):
+        if not (gname.endswith(".weight") and ckpt.startswith(lead)):
             continue
-        local = ckpt[len(prefix) :]
+        index, _, local = ckpt[len(lead) :].partition(".")
+        if not index.isdigit():
+            continue
+        i = int(index)
         target = wn.layer.get(local[: -len(".weight")], wn.layer.get(local))
         if isinstance(target, str) or (transposed and target and target[1] == "t"):
-            whole.setdefault(target if isinstance(target, str) else target[0], gname)
+            name = target if isinstance(target, str) else target[0]
+            whole.setdefault(i, {}).setdefault(name, gname)
         elif target and target[1] in _STACK:
-            stacked.setdefault(target[0], {})[target[1]] = gname
-    parts: dict[str, list[tuple[str, int | None]]] = {}
-    for target, gname in whole.items():
-        parts[target] = [(gname, None)]
-    for target, got in stacked.items():
-        if target in parts or set(got) not in _STACKS:
-            continue  # a fused tensor of the file serves it whole; or a stack missing a part
-        order = sorted(got, key=_STACK.__getitem__)
-        count = {"q": heads, "k": kv} if permuted else {}
-        parts[target] = [(got[how], count.get(how)) for how in order]
+            stacked.setdefault(i, {}).setdefault(target[0], {})[target[1]] = gname
+    parts: dict[int, dict[str, list[tuple[str, int | None]]]] = {}
+    for i in set(whole) | set(stacked):
+        layer = parts[i] = {t: [(g, None)] for t, g in whole.get(i, {}).items()}
+        for target, got in stacked.get(i, {}).items():
+            if target in layer or set(got) not in _STACKS:
+                continue  # a fused tensor of the file serves it whole; or a stack missing a part
+            order = sorted(got, key=_STACK.__getitem__)
+            count = {"q": heads, "k": kv} if permuted else {}
+            layer[target] = [(got[how], count.get(how)) for how in order]
     return parts
