@@ -390,14 +390,14 @@ def finish_gguf_blocks(model: nn.Module, kernels: BlockKernels) -> str:
         lin.blocks is emb.blocks for lin in linears + kq
     ):
         held += emb.blocks.nbytes()
-    inputs = "float" if (linears + kq)[0].path == "float" else "int8"
+    inputs = ("float" if (linears + kq)[0].path == "float" else "int8") + " inputs"
     if linears:
-        inputs += f"; GEMM {linears[0].gemm} inputs"
+        inputs += f", GEMM {linears[0].gemm} inputs"
     isa = "AVX-512" if kernels.vnni else "AVX2" if kernels.avx2 else "portable C"
     what = f"{len(linears) + len(kq)} linears"
     if isinstance(emb, (GGUFBlockEmbedding, KQuantEmbedding)):
         what += " and the token embedding"
     return (
         f"GGUF blocks: {what} kept in the file's blocks ({held / 2**20:.0f} MiB, no float copy; "
-        f"{inputs} inputs; {isa}); {rows_line}; whole decode layers on blocks: {whole}"
+        f"{inputs}; {isa}); {rows_line}; whole decode layers on blocks: {whole}"
     )
