@@ -1,8 +1,9 @@
 """GGUF files: the embedded SmolLM2 and any user .gguf.
 
-Served from its own blocks on CPU (QUANTIZED_WEIGHTS=packed, layers/gguf_linear.py), a GGUF
-model needs only its config and tokenizer beside the file: `gguf_metadata_dir` writes those
-once, no weights. Otherwise (a GPU, tensor parallelism, QUANTIZED_WEIGHTS=dequantize) the engine
+Served from its own blocks on CPU (QUANTIZED_WEIGHTS=auto for the architectures whose direct
+read is tested, as `gguf_architecture` reads it from the header; any with packed;
+layers/gguf_linear.py), a GGUF model needs only its config and tokenizer beside the file:
+`gguf_metadata_dir` writes those once, no weights. Otherwise (a GPU, tensor parallelism, QUANTIZED_WEIGHTS=dequantize) the engine
 reads a safetensors checkpoint: transformers dequantizes the file into a float32 model, which
 takes tens of seconds, so `converted_gguf_dir` caches the result on disk. Both caches are keyed
 by the file's absolute path, size and mtime, and written atomically (built in a temporary

@@ -1,12 +1,17 @@
 """A GGUF file's tensors read straight from the file, under the checkpoint names the model's
 loader knows, without a converted float copy on disk.
 
-The name map is transformers' own (`get_gguf_hf_weights_map`: the `gguf` package's tensor-name
-table applied to the family's parameter names, from a model built on the meta device), and so
-is the per-family fix-up of a tensor's values (`TENSOR_PROCESSORS`: e.g. llama.cpp's converter
-stores llama's q/k rows in another order; the processor puts them back). The tensors a caller
-keeps in their blocks (layers/gguf_linear.py) are skipped; every other one is read as float32
+The name map is the `gguf` package's tensor-name table (what llama.cpp's converter names each
+checkpoint module) applied to the module names of our family description (models/,
+`WeightNames`), so a family's own names and fused tensors come from its description, not from
+a loader of its own; a layer's stacked experts are read one expert at a time. The per-family
+fix-up of a tensor's values is transformers' (`TENSOR_PROCESSORS`: llama's q/k row order,
+gemma's `1 + w` norms, Bloom's q/k/v order, GPT-2's transposed Conv1D weights, Mamba's `A`),
+Falcon's our own. The tensors a caller keeps in their blocks (layers/gguf_linear.py; which ones
+a layer's linears stack: `gguf_block_parts`) are skipped; every other one is read as float32
 (F32/F16/BF16 exactly, quantized types dequantized as the `gguf` package does), one at a time.
+Every architecture served from the file by default is tested against the same weights
+dequantized (tests/engine/test_gguf_families.py).
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def gguf_weights(
         got = processor.process(weights=w, name=gname, tensor_key_mapping=names,
                                 parsed_parameters={"tensors": {}, "config": {}})  # fmt: skip
         if got is None or got.weights is None or got.name not in names:
-            continue  # a processor that places the tensor itself (MoE experts): not here
+            continue  # a processor that places a tensor itself (gpt-oss's experts): not here
         yield names[got.name], torch.from_numpy(np.ascontiguousarray(got.weights, np.float32))
 
 
