@@ -132,3 +132,10 @@ def test_a_baked_choice_is_the_one_a_worker_on_the_same_cpu_reads(clean, tmp_pat
     model = load_model(config).model
     assert not measured, "the worker measured again: the baked key is not the runtime's"
     assert linear.choice_file(cpu_native.load(), linear.linear_shapes(model)).name == rows[0].name
+
+
+def test_the_dockerfile_bakes_into_the_directory_the_worker_reads():
+    text = (REPO / "Dockerfile").read_text()
+    assert 'ARG CPU_KERNELS=""' in text  # a compiler only when asked for: GPU images need none
+    assert f"ENV {BAKED_ENV}=/opt/cpu-native-cache" in text
+    assert f"{ENV}=${BAKED_ENV} python builder/bake_cpu_kernels.py" in text
