@@ -102,6 +102,10 @@ CASES = {
     "qk-layer-shared": (4, 4, 16, dict(rope=8, qk_norm="layer_head_shared"), {}),
     "clip-alibi": (4, 4, 16, dict(clip=1.5), {"alibi": True}),
     "softcap-window": (4, 1, 16, dict(rope="full"), {"logit_softcap": 2.5, "sliding_window": 9}),
+    # groups of 3 and 5 query heads a KV head (key dots in threes and twos) and head sizes past
+    # a multiple of 16 (the weighted values' last D % 16 outputs a row at a time)
+    "gqa3-d24": (6, 2, 24, dict(rope="full"), {}),
+    "gqa5-d40": (10, 2, 40, {}, {"sliding_window": 7}),
 }
 
 

@@ -236,6 +236,91 @@ static inline void key_dots(const float *q, const float *keys, int64_t n, int64_
     }
 }
 
+/* 16 floats as one vector (a zmm register with AVX-512, two ymm with AVX2); v16u: the same,
+ * loaded and stored at any float's alignment. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+/* key_dots for three query heads at once (q, q + D, q + 2D; scores s, s + ld, s + 2 ld): each
+ * key row is loaded once for the three (a KV head's group of query heads), four keys at a time,
+ * twelve independent sums. */
+static inline void key_dots3(const float *q, const float *keys, int64_t n, int64_t D,
+                             int64_t stride, float *s, int64_t ld) {
+    const float *q0 = q, *q1 = q + D, *q2 = q + 2 * D;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = keys + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,
+                    *k3 = k2 + stride;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f,
+              b3 = 0.0f, c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, c3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3)
+        for (int64_t d = 0; d < D; d++) {
+            float x0 = q0[d], x1 = q1[d], x2 = q2[d];
+            float y0 = k0[d], y1 = k1[d], y2 = k2[d], y3 = k3[d];
+            a0 += y0 * x0;
+            a1 += y1 * x0;
+            a2 += y2 * x0;
+            a3 += y3 * x0;
+            b0 += y0 * x1;
+            b1 += y1 * x1;
+            b2 += y2 * x1;
+            b3 += y3 * x1;
+            c0 += y0 * x2;
+            c1 += y1 * x2;
+            c2 += y2 * x2;
+            c3 += y3 * x2;
+        }
+        s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
+        s[ld + t] = b0, s[ld + t + 1] = b1, s[ld + t + 2] = b2, s[ld + t + 3] = b3;
+        s[2 * ld + t] = c0, s[2 * ld + t + 1] = c1, s[2 * ld + t + 2] = c2, s[2 * ld + t + 3] = c3;
+    }
+    if (t < n)
+        for (int g = 0; g < 3; g++) key_dots(q + g * D, keys + t * stride, n - t, D, stride,
+                                             s + g * ld + t);
+}
+
+/* key_dots for two query heads at once (q, q + D; scores s, s + ld). */
+static inline void key_dots2(const float *q, const float *keys, int64_t n, int64_t D,
+                             int64_t stride, float *s, int64_t ld) {
+    const float *q0 = q, *q1 = q + D;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = keys + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,
+                    *k3 = k2 + stride;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f,
+              b3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+        for (int64_t d = 0; d < D; d++) {
+            float x0 = q0[d], x1 = q1[d];
+            float y0 = k0[d], y1 = k1[d], y2 = k2[d], y3 = k3[d];
+            a0 += y0 * x0;
+            a1 += y1 * x0;
+            a2 += y2 * x0;
+            a3 += y3 * x0;
+            b0 += y0 * x1;
+            b1 += y1 * x1;
+            b2 += y2 * x1;
+            b3 += y3 * x1;
+        }
+        s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
+        s[ld + t] = b0, s[ld + t + 1] = b1, s[ld + t + 2] = b2, s[ld + t + 3] = b3;
+    }
+    if (t < n)
+        for (int g = 0; g < 2; g++) key_dots(q + g * D, keys + t * stride, n - t, D, stride,
+                                             s + g * ld + t);
+}
+
+/* The scores of G query heads (q, q + D, ...; scores s + g * ld) against n keys: heads in threes
+ * and twos, so each key row loaded serves several heads. */
+static inline void key_dots_heads(const float *q, int64_t G, const float *keys, int64_t n,
+                                  int64_t D, int64_t stride, float *s, int64_t ld) {
+    int64_t g = 0;
+    for (; G - g >= 3 && G - g != 4; g += 3)
+        key_dots3(q + g * D, keys, n, D, stride, s + g * ld, ld);
+    for (; G - g >= 2; g += 2) key_dots2(q + g * D, keys, n, D, stride, s + g * ld, ld);
+    if (g < G) key_dots(q + g * D, keys, n, D, stride, s + g * ld);
+}
+
 /* Asks for the cache lines of one (block, head) row of the cache, `bs` tokens of D floats
  * `st` apart from `row`: the next block of a request is anywhere in memory, where the hardware
  * prefetcher cannot guess it. */
@@ -283,9 +368,7 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
         const float *kb = L->k_cache + table[b] * sb + kh * sh;
         if ((b + 1) * bs < len)
             prefetch_block(L->k_cache + table[b + 1] * sb + kh * sh, bs, D, st);
-        for (int64_t g = 0; g < G; g++)
-            key_dots(qi + g * D, kb + t0 * st, t1 - t0, D, st,
-                     buf + g * n + (b * bs + t0 - first));
+        key_dots_heads(qi, G, kb + t0 * st, t1 - t0, D, st, buf + (b * bs + t0 - first), n);
     }
     for (int64_t g = 0; g < G; g++) {
         float *sc = buf + g * n;
@@ -307,21 +390,48 @@ static void attend_one(const layer_t *L, const step_t *S, int64_t i, int64_t kh,
         }
         float inv = 1.0f / sum;
         for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-        for (int64_t d = 0; d < D; d++) oi[g * D + d] = 0.0f;
     }
-    for (int64_t b = first / bs; b * bs < len; b++) {
-        int64_t t0 = b * bs < first ? first - b * bs : 0;
-        int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
-        const float *vb = L->v_cache + table[b] * sb + kh * sh;
-        if ((b + 1) * bs < len)
-            prefetch_block(L->v_cache + table[b + 1] * sb + kh * sh, bs, D, st);
-        for (int64_t t = t0; t < t1; t++) {
-            const float *val = vb + t * st;
-            for (int64_t g = 0; g < G; g++) {
-                float pj = buf[g * n + (b * bs + t - first)];
-                float *o = oi + g * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += pj * val[d];
+    /* The weighted values: 16 of the D outputs of up to three heads at a time held in
+     * registers over every key (each value row's 16 floats loaded once for the heads), each
+     * output summed over the keys in order, as o[d] += p * v[d] from zero would. */
+    int64_t d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16)
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+            int64_t gn = G - g0 < 3 ? G - g0 : 3;
+            const float *p0 = buf + g0 * n, *p1 = gn > 1 ? p0 + n : p0, *p2 = gn > 2 ? p1 + n : p1;
+            v16 o0 = {0}, o1 = {0}, o2 = {0};
+            for (int64_t b = first / bs; b * bs < len; b++) {
+                int64_t t0 = b * bs < first ? first - b * bs : 0;
+                int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
+                const float *vb = L->v_cache + table[b] * sb + kh * sh + d0;
+                if (d0 == 0 && g0 == 0 && (b + 1) * bs < len)
+                    prefetch_block(L->v_cache + table[b + 1] * sb + kh * sh, bs, D, st);
+                int64_t j = b * bs - first;
+                for (int64_t t = t0; t < t1; t++) {
+                    v16 v = *(const v16u *)(vb + t * st);
+                    o0 = o0 + p0[j + t] * v;
+                    o1 = o1 + p1[j + t] * v;
+                    o2 = o2 + p2[j + t] * v;
+                }
+            }
+            *(v16u *)(oi + g0 * D + d0) = o0;
+            if (gn > 1) *(v16u *)(oi + (g0 + 1) * D + d0) = o1;
+            if (gn > 2) *(v16u *)(oi + (g0 + 2) * D + d0) = o2;
+        }
+    if (d0 < D) { /* the last D % 16 outputs: a row at a time */
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = d0; d < D; d++) oi[g * D + d] = 0.0f;
+        for (int64_t b = first / bs; b * bs < len; b++) {
+            int64_t t0 = b * bs < first ? first - b * bs : 0;
+            int64_t t1 = (b + 1) * bs <= len ? bs : len - b * bs;
+            const float *vb = L->v_cache + table[b] * sb + kh * sh;
+            for (int64_t t = t0; t < t1; t++) {
+                const float *val = vb + t * st;
+                for (int64_t g = 0; g < G; g++) {
+                    float pj = buf[g * n + (b * bs + t - first)];
+                    float *o = oi + g * D;
+                    for (int64_t d = d0; d < D; d++) o[d] += pj * val[d];
+                }
             }
         }
     }
