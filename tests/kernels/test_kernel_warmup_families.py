@@ -10,11 +10,11 @@ for this family too. Encoders, guided decoding's mask kernel and speculative ver
 checked the same way below.
 
 A VLM's image steps (the paged kernel's HAS_LIMITS variant where image tokens attend both
-ways) are checked on a tiny Gemma 3. Not here, because the warm-up does not list them
-(docs/engine.md, "Cold start"): the vision towers' own launches (they follow the image sizes
-its family's processor gives; the test of image steps records them apart), and
-kernels/rejection.py's kernel, which no engine path launches
-(test_speculative_verify_launches_are_listed asserts it never runs)."""
+ways) are checked on a tiny Gemma 3; the vision towers' own launches (listed from synthetic
+images of the sizes the warm-up sweeps) are checked in tests/kernels/test_kernel_warmup_vision.py,
+so the test of image steps here records them apart. Not listed: kernels/rejection.py's kernel,
+which no engine path launches (test_speculative_verify_launches_are_listed asserts it never
+runs)."""
 
 from __future__ import annotations
 
