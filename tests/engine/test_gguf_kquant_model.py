@@ -1,8 +1,8 @@
 """A tiny Llama written as a GGUF file with the types a Q4_K_M download mixes (Q4_K, Q5_K and
 Q6_K, plus Q5_0, Q5_1, Q4_0, Q8_0 and one Q2_K tensor), served with QUANTIZED_WEIGHTS=packed:
-every linear whose tensors have a block layout reads the file's blocks (a linear with a Q4_K or
-Q6_K part on the dense K-quant records, kernels/gguf_kquants.py, each part of a fused linear in
-its own layout; the others on qb32), the Q2_K one stays float with a start-up line naming the type,
+every linear whose tensors have a block layout reads the file's blocks (a linear with a Q4_K,
+Q5_K or Q6_K part on the dense K-quant records, kernels/gguf_kquants.py, each part of a fused
+linear in its own layout; the others on qb32; the Q5_K token embedding on its records too), the Q2_K one stays float with a start-up line naming the type,
 and with float inputs (AVX-512) greedy tokens equal the same model run from the dequantized
 float weights (QUANTIZED_WEIGHTS=auto on a safetensors copy of gguf's own dequantization).
 
@@ -28,7 +28,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from serverless_llm import LLM, SamplingParams  # noqa: E402
 from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
 from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
-from serverless_llm.engine.layers.gguf_kquant_linear import KQuantLinear, kquant_path  # noqa: E402
+from serverless_llm.engine.layers.gguf_kquant_linear import (  # noqa: E402
+    KQuantEmbedding,
+    KQuantLinear,
+    kquant_path,
+)
 from serverless_llm.engine.layers.gguf_linear import GGUFBlockLinear  # noqa: E402
 from serverless_llm.engine.loader import gguf as gguf_loader  # noqa: E402
 from tests.kernels.gguf_packers import quantize  # noqa: E402
@@ -41,8 +45,8 @@ SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=HEADS,
 LINEARS = {
     "self_attn.q_proj": ("attn_q", "Q4_K", "Q5_1"),
     "self_attn.k_proj": ("attn_k", "Q4_K", "Q5_1"),
-    "self_attn.v_proj": ("attn_v", "Q6_K", "Q5_1"),
-    "self_attn.o_proj": ("attn_output", "Q5_K", "Q8_0"),
+    "self_attn.v_proj": ("attn_v", "Q5_K", "Q5_1"),
+    "self_attn.o_proj": ("attn_output", "Q8_0", "Q5_K"),
     "mlp.gate_proj": ("ffn_gate", "Q4_K", "Q4_K"),
     "mlp.up_proj": ("ffn_up", "Q5_0", "Q2_K"),  # Q2_K: no layout, layer 1's gate|up stays float
     "mlp.down_proj": ("ffn_down", "Q6_K", "Q4_0"),
@@ -77,7 +81,7 @@ def write_models(root: str) -> tuple[str, str]:
         back = torch.from_numpy(quants.dequantize(raw, qtype).copy())
         out[hf_name] = from_file_order(back, heads) if heads else back
 
-    put("model.embed_tokens.weight", "token_embd.weight", "Q4_K")
+    put("model.embed_tokens.weight", "token_embd.weight", "Q5_K")
     put("lm_head.weight", "output.weight", "Q6_K")
     writer.add_tensor("output_norm.weight", state["model.norm.weight"].float().numpy())
     out["model.norm.weight"] = state["model.norm.weight"].float()
@@ -149,27 +153,31 @@ def test_linears_read_the_files_blocks(engines):
     if not (gk.load().vnni or gk.load().avx2):
         pytest.skip("neither AVX-512 VNNI nor AVX2: the K-quants stay on qb32 (kernel tests)")
     l0, l1 = model.layers
-    for lin in (l0.self_attn.o_proj, l1.self_attn.qkv_proj, l1.self_attn.o_proj,
-                l1.mlp.down_proj):  # fmt: skip
-        assert isinstance(lin, GGUFBlockLinear)  # Q5_K, Q5_1, Q8_0, Q4_0: qb32
+    for lin in (l0.self_attn.o_proj, l1.self_attn.qkv_proj, l1.mlp.down_proj):
+        assert isinstance(lin, GGUFBlockLinear)  # Q8_0, Q5_1, Q4_0: qb32
     for lin in (l0.self_attn.qkv_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj,
-                model.packed_lm_head):  # fmt: skip
-        assert isinstance(lin, KQuantLinear)  # a Q4_K or Q6_K part
+                l1.self_attn.o_proj, model.packed_lm_head):  # fmt: skip
+        assert isinstance(lin, KQuantLinear)  # a Q4_K, Q5_K or Q6_K part
+    assert isinstance(model.embed_tokens, KQuantEmbedding)
+    assert model.embed_tokens.blocks.type_name == "Q5_K"
     assert not isinstance(l1.mlp.gate_up_proj, (GGUFBlockLinear, KQuantLinear))  # up is Q2_K
 
     def kinds(lin):
         return [p.type_name if isinstance(p, gk.KQ) else p.bits for p in lin.parts]
 
-    # each part in its own layout: Q4_K q and k joined, the Q6_K v apart; no widening
-    assert kinds(l0.self_attn.qkv_proj) == ["Q4_K", "Q6_K"]
+    # each part in its own layout: Q4_K q and k joined, the Q5_K v apart; no widening
+    assert kinds(l0.self_attn.qkv_proj) == ["Q4_K", "Q5_K"]
     assert [p.shape[0] for p in l0.self_attn.qkv_proj.parts] == [256 + 128, 128]
     assert kinds(l0.mlp.gate_up_proj) == ["Q4_K", 5]  # Q4_K gate with a Q5_0 up
     assert kinds(l0.mlp.down_proj) == ["Q6_K"]
     assert kinds(model.packed_lm_head) == ["Q6_K"]  # output.weight
+    assert kinds(l1.self_attn.o_proj) == ["Q5_K"]
+    # the Q5_K records keep about the file's bytes (180 of 176 a super-block; qb32: 320)
+    assert l1.self_attn.o_proj.blocks.nbytes() == 256 * 180
     # the K-quant records are served tiled (16 rows a stream) for int8 inputs, row after row
     # for float ones (layers/gguf_kquant_linear.served)
     for lin in (l0.self_attn.qkv_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj,
-                model.packed_lm_head):  # fmt: skip
+                l1.self_attn.o_proj, model.packed_lm_head):  # fmt: skip
         for p in lin.parts:
             if isinstance(p, gk.KQ):
                 assert p.tiled == (kquant_path(lin.path) == "best" and lin.kernels.vnni)
@@ -217,7 +225,7 @@ def test_the_files_bytes_dequantize_as_the_float_copy(engines, tmp_path):
     path = tmp_path / "check.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     w = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
-    for t in ("Q2_K", "Q4_K", "Q6_K", "F16"):
+    for t in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "F16"):
         raw = quantize(w, t) if t != "F16" else w.astype(np.float16)
         writer.add_tensor(
             f"t.{t}", raw, raw_dtype=gguf.GGMLQuantizationType[t] if t != "F16" else None

@@ -1,7 +1,7 @@
-"""The dense K-quant layout (kernels/gguf_kquants.py): Q4_K and Q6_K tensors written by
+"""The dense K-quant layout (kernels/gguf_kquants.py): Q4_K, Q5_K and Q6_K tensors written by
 tests/kernels/gguf_packers.py (the `gguf` package only dequantizes them) and random file bytes
 read back equal to the package's dequantization and to gguf_blocks' qb32 form of the same
-blocks; the records keep the file's bytes (Q4_K 148 of 144, Q6_K 210 of 210); the C repack
+blocks; the records keep the file's bytes (Q4_K 148 of 144, Q5_K 180 of 176, Q6_K 210 of 210); the C repack
 writes the numpy one's records; the few-row kernel (VNNI and AVX2 where this machine has them,
 the portable loop everywhere) equals its float64 reference for 1 to 128 rows, outputs off every
 tile and 1, 2, 5 super-blocks, also at the integer extremes; steps past the few-row threshold
@@ -21,7 +21,7 @@ from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
 from serverless_llm.engine.kernels import gguf_kquants as gk  # noqa: E402
 from tests.kernels.gguf_packers import gguf_dequantize, quantize, weight  # noqa: E402
 
-TYPES = ("Q4_K", "Q6_K")
+TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PATHS = ("best", "portable", "avx2", "float", "float-portable", "float-avx2", "i15",
          "i15-portable", "i15-avx2")  # fmt: skip
 
@@ -79,7 +79,8 @@ def test_random_file_bytes_read_back_exactly(type_name):
 
 
 def test_records_keep_the_files_bytes():
-    for type_name, record, file_bytes in (("Q4_K", 148, 144), ("Q6_K", 210, 210)):
+    sizes = (("Q4_K", 148, 144), ("Q5_K", 180, 176), ("Q6_K", 210, 210))
+    for type_name, record, file_bytes in sizes:
         raw = quantize(weight(3, 512, 2), type_name)
         assert raw.shape == (3, 2 * file_bytes)
         w = gk.from_file_blocks(raw, type_name, 512)
@@ -91,7 +92,7 @@ def test_whole_super_blocks_and_known_types():
     with pytest.raises(ValueError, match="whole super-blocks"):
         gk.from_file_blocks(raw, "Q4_K", 224)
     with pytest.raises(ValueError, match="no kq layout"):
-        gk.from_file_blocks(raw, "Q5_K", 256)
+        gk.from_file_blocks(raw, "Q2_K", 256)
 
 
 def check(got: torch.Tensor, want: torch.Tensor, what) -> None:
@@ -122,15 +123,17 @@ def test_kernel_equals_the_float64_reference(kernels, type_name, path):
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("path", PATHS)
 def test_integer_extremes(kernels, type_name, path):
-    """Every code at its largest and inputs at +-L in every lane: the 22-bit inputs' int32 dot
+    """Every code at its largest (Q5_K: every fifth bit set) and inputs at +-L in every lane: the
+    22-bit inputs' int32 dot
     of 16 products of 63 * L is within 2^31 of zero (a wrap or a saturation would show)."""
     skip_unless_built(kernels, path)
     size = gk.TYPES[type_name][2]
-    raw = np.full((9, size), 255, np.uint8)  # codes 15 / 63, sub-scales and mins 63, scales -1
+    raw = np.full((9, size), 255, np.uint8)  # codes 15 / 31 / 63, sub-scales and mins 63
     for at in gb._HALF_FIELDS[type_name]:
         raw[:, at : at + 2] = np.array([0.01], np.float16).view(np.uint8)
     w = gk.from_file_blocks(raw, type_name, 256)
-    assert int(gk.codes(w).max()) == (15 if type_name == "Q4_K" else 63)
+    top = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 63}[type_name]
+    assert int(gk.codes(w).min()) == int(gk.codes(w).max()) == top
     ref = gk.to_qb32(w)
     for sign in (1.0, -1.0):
         x = torch.full((2, 256), sign)
@@ -179,16 +182,17 @@ def test_rows_equal_dequantize(kernels, type_name):
 
 
 def test_stacked_parts_keep_their_layouts(kernels):
-    """A Q4_K part, a Q6_K part and a Q5_0 qb32 part stacked along the outputs (a Q4_K_M file's
+    """A Q4_K part, a Q6_K part, a Q5_0 qb32 part and a Q5_K part stacked along the outputs (a Q4_K_M file's
     q, k with v; a gate with an up of another type), each run by its own kernel through
     kq_multi_desc: equal to the stacked reference, for few and many rows."""
     k = 512
     q4 = gk.from_file_blocks(quantize(weight(24, k, 1), "Q4_K"), "Q4_K", k)
     q6 = gk.from_file_blocks(quantize(weight(9, k, 2), "Q6_K"), "Q6_K", k)
     q5 = gb.from_gguf_blocks(quantize(weight(11, k, 3), "Q5_0"), "Q5_0", k)
-    full = torch.cat([gk.dequantize(q4), gk.dequantize(q6), gb.dequantize(q5)])
+    q5k = gk.from_file_blocks(quantize(weight(7, k, 4), "Q5_K"), "Q5_K", k)
+    full = torch.cat([gk.dequantize(q4), gk.dequantize(q6), gb.dequantize(q5), gk.dequantize(q5k)])
     descs, n0 = [], 0
-    for p in (q4, q6, q5):
+    for p in (q4, q6, q5, q5k):
         if isinstance(p, gk.KQ):
             descs.append((kernels.steps_address, kernels.desc(p, "float", 4), n0))
         else:

@@ -1,4 +1,4 @@
-/* Few-row linears on GGUF K-quant weights (Q4_K, Q6_K) in a dense layout of their own, close to
+/* Few-row linears on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) in a dense layout of their own, close to
  * the file's bytes (kernels/gguf_kquants.py repacks the file's super-blocks into it, builds and
  * loads this file, and holds the torch references it is tested against).
  *
@@ -13,12 +13,16 @@
  *     top bit pairs (byte k: bits 4-5 the pair of the low-nibble code of byte k, bits 6-7 that of
  *     byte k + 32, bits 0-1 the high-nibble code's of byte k, bits 2-3 of byte k + 32), sixteen
  *     int8 scales (one per 16 inputs), float16 d. Input j of group g is d * scale[g] * (u - 32).
- * Both are exactly the file's values; 148 / 144 and 210 / 210 of the file's bytes.
+ *   - Q5_K (180 bytes): Q4_K's 148 bytes (the low four bits of the 5-bit codes), then the fifth
+ *     bits, 16 bytes a step: 8 for the low-nibble codes, bit k (byte k / 8, bit k % 8) the fifth
+ *     bit of the code in byte k's low nibble, then 8 the same for the high nibbles (a 64-bit
+ *     byte mask a step and nibble: one masked add on AVX-512). Values as Q4_K's.
+ * All are exactly the file's values; 148 / 144, 180 / 176 and 210 / 210 of the file's bytes.
  *
  * The product: as gguf_blocks.c's few-row kernel, each row of x is quantized per block of 32
  * inputs (a = max|x| / L, q = round-half-even(x / a); L = 127, or 127 * 2^14 for "float"
  * inputs held as three bytes, 127 * 2^7 for 15-bit ones held as two), and a group contributes d_g * a * sum(u * q) + c_g * a * sum(q),
- * c_g = -dmin * m (Q4_K) or -32 * d_g (Q6_K). VPDPBUSD on AVX-512 VNNI, a portable C loop
+ * c_g = -dmin * m (Q4_K, Q5_K) or -32 * d_g (Q6_K). VPDPBUSD on AVX-512 VNNI, a portable C loop
  * elsewhere. Steps of more rows go to gguf_blocks.c's many-row GEMM, a chunk of rows at a time
  * repacked to its layout (qb32) on the way.
  */
@@ -52,8 +56,9 @@
 #define QK 256
 #define LEVELS22 2080768 /* 127 * 2^14: "float" inputs */
 #define LEVELS15 16256 /* 127 * 2^7: 15-bit inputs, two bytes */
-enum { KQ_Q4K = 0, KQ_Q6K = 1 };
-static const int64_t REC_BYTES[2] = {148, 210};
+enum { KQ_Q4K = 0, KQ_Q6K = 1, KQ_Q5K = 2 };
+static const int64_t REC_BYTES[3] = {148, 210, 180};
+#define KQ_HIGH 148 /* Q5_K: the fifth bits after the Q4_K-like fields */
 
 int kq_has_vnni(void) { return HAVE_VNNI512; }
 int kq_has_avx2(void) { return HAVE_AVX2; }
@@ -120,7 +125,7 @@ static float half_to_float(const uint8_t *p) {
     return f;
 }
 
-/* The 256 codes (0..15 for Q4_K, 0..63 for Q6_K) of one record, in input order. */
+/* The 256 codes (0..15 for Q4_K, 0..31 for Q5_K, 0..63 for Q6_K) of one record, in input order. */
 static void record_codes(const uint8_t *rec, int type, uint8_t *u) {
     for (int s = 0; s < 2; s++) {
         const uint8_t *c = rec + 64 * s, *h = rec + 128 + 32 * s;
@@ -131,6 +136,10 @@ static void record_codes(const uint8_t *rec, int type, uint8_t *u) {
                 int hk = h[k % 32];
                 lo |= (k < 32 ? (hk >> 4) & 3 : (hk >> 6) & 3) << 4;
                 hi |= (k < 32 ? hk & 3 : (hk >> 2) & 3) << 4;
+            } else if (type == KQ_Q5K) {
+                const uint8_t *fb = rec + KQ_HIGH + 16 * s;
+                lo |= ((fb[k / 8] >> (k % 8)) & 1) << 4;
+                hi |= ((fb[8 + k / 8] >> (k % 8)) & 1) << 4;
             }
             u[16 * t + 8 * s + i] = (uint8_t)lo;
             u[16 * t + 8 * s + 4 + i] = (uint8_t)hi;
@@ -141,7 +150,7 @@ static void record_codes(const uint8_t *rec, int type, uint8_t *u) {
 /* The record's scales and offsets per group of 32 (Q4_K: 8) or 16 (Q6_K: 16) inputs, float32:
  * d * sc and -(dmin * m); d * scale and -32 * (d * scale). Exact (at most 18 bits). */
 static int record_scales(const uint8_t *rec, int type, float *d, float *c) {
-    if (type == KQ_Q4K) {
+    if (type != KQ_Q6K) { /* Q4_K, Q5_K */
         float sd = half_to_float(rec + 144), sm = half_to_float(rec + 146);
         for (int i = 0; i < 8; i++) {
             d[i] = sd * (float)rec[128 + i];
@@ -284,9 +293,9 @@ static void row_portable(const kq_t *w, const xq_t *X, int64_t n, float *out, in
                 for (int i = 0; i < gs; i++) dot += (int64_t)u[g * gs + i] * q[j * QK + g * gs + i];
                 total += (d[g] * a[j * 8 + g * gs / 32]) * (float)dot;
             }
-            const float *s = type == KQ_Q4K ? X->s32 : X->s16;
+            const float *s = type != KQ_Q6K ? X->s32 : X->s16;
             for (int g = 0; g < ng; g++)
-                total += type == KQ_Q4K ? c[g] * s[(m * nsb + j) * 16 + 8 + g]
+                total += type != KQ_Q6K ? c[g] * s[(m * nsb + j) * 16 + 8 + g]
                                         : d[g] * s[(m * nsb + j) * 16 + g];
         }
         out[m * ldo + n] = total + (bias ? bias[n] : 0.0f);
@@ -310,8 +319,9 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
                                                            int64_t m0, int64_t n0, const int R,
                                                            const int MT, const int P,
                                                            const int T, float *res) {
-    const int64_t rec = T == KQ_Q4K ? 148 : 210, nsb = X->nsb;
+    const int64_t rec = T == KQ_Q4K ? 148 : (T == KQ_Q5K ? 180 : 210), nsb = X->nsb;
     const int64_t rowb = nsb * rec;
+    const __m512i fifth = _mm512_set1_epi8(16);
     __m512 acc[R][MT];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
@@ -343,12 +353,12 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
             _mm_prefetch(ahead + 128, _MM_HINT_T0);
-            if (T == KQ_Q6K) _mm_prefetch(ahead + 192, _MM_HINT_T0);
-            /* float16 d (and Q4_K's dmin after it) */
+            if (T != KQ_Q4K) _mm_prefetch(ahead + 192, _MM_HINT_T0);
+            /* float16 d (and Q4_K's / Q5_K's dmin after it) */
             __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(
-                _mm_cvtsi32_si128(*(const int32_t *)(b + (T == KQ_Q4K ? 144 : 208)))));
+                _mm_cvtsi32_si128(*(const int32_t *)(b + (T != KQ_Q6K ? 144 : 208)))));
             __m512 D;
-            if (T == KQ_Q4K) {
+            if (T != KQ_Q6K) {
                 /* lanes 0-7 d * sc, 8-15 dmin * m (the sixteen bytes after the codes) */
                 __m512 V = _mm512_mul_ps(
                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 128)))),
@@ -393,6 +403,13 @@ static inline __attribute__((always_inline)) void kq_tile(const kq_t *w, const x
                     hi[s] = _mm512_or_si512(hi[s], _mm512_and_si512(_mm512_sllv_epi16(H, shl), top));
                 }
 #endif
+                if (T == KQ_Q5K) { /* the fifth bits: one byte mask a nibble, 16 added */
+                    uint64_t fl, fh;
+                    memcpy(&fl, b + KQ_HIGH + 16 * s, 8);
+                    memcpy(&fh, b + KQ_HIGH + 16 * s + 8, 8);
+                    lo[s] = _mm512_mask_add_epi8(lo[s], (__mmask64)fl, lo[s], fifth);
+                    hi[s] = _mm512_mask_add_epi8(hi[s], (__mmask64)fh, hi[s], fifth);
+                }
             }
             for (int m = 0; m < MT; m++) {
                 const int8_t *xr = xj[m];
@@ -454,9 +471,13 @@ KQ_COPY(kq_p3_q4k, 3, KQ_Q4K)
 KQ_COPY(kq_p3_q6k, 3, KQ_Q6K)
 KQ_COPY(kq_p2_q4k, 2, KQ_Q4K)
 KQ_COPY(kq_p2_q6k, 2, KQ_Q6K)
+KQ_COPY(kq_p1_q5k, 1, KQ_Q5K)
+KQ_COPY(kq_p2_q5k, 2, KQ_Q5K)
+KQ_COPY(kq_p3_q5k, 3, KQ_Q5K)
 #undef KQ_COPY
-static const kq_rows_t KQ_RUNS[3][2] = {
-    {kq_p1_q4k, kq_p1_q6k}, {kq_p2_q4k, kq_p2_q6k}, {kq_p3_q4k, kq_p3_q6k}};
+static const kq_rows_t KQ_RUNS[3][3] = {{kq_p1_q4k, kq_p1_q6k, kq_p1_q5k},
+                                        {kq_p2_q4k, kq_p2_q6k, kq_p2_q5k},
+                                        {kq_p3_q4k, kq_p3_q6k, kq_p3_q5k}};
 #endif
 
 
@@ -472,7 +493,13 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const kq_t *w, co
                                                                 const int R, const int MT,
                                                                 const int P, const int T,
                                                                 float *res) {
-    const int64_t rec = T == KQ_Q4K ? 148 : 210, nsb = X->nsb, rowb = nsb * rec;
+    const int64_t rec = T == KQ_Q4K ? 148 : (T == KQ_Q5K ? 180 : 210), nsb = X->nsb;
+    const int64_t rowb = nsb * rec;
+    /* Q5_K's fifth bits: byte i of a half takes bit i % 8 of mask byte i / 8 */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                            2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i fifth = _mm256_set1_epi8(16);
     __m256 acc[R][MT];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
@@ -487,11 +514,11 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const kq_t *w, co
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
             _mm_prefetch(ahead + 128, _MM_HINT_T0);
-            if (T == KQ_Q6K) _mm_prefetch(ahead + 192, _MM_HINT_T0);
+            if (T != KQ_Q4K) _mm_prefetch(ahead + 192, _MM_HINT_T0);
             __m128 dd = _mm_cvtph_ps(
-                _mm_cvtsi32_si128(*(const int32_t *)(b + (T == KQ_Q4K ? 144 : 208))));
+                _mm_cvtsi32_si128(*(const int32_t *)(b + (T != KQ_Q6K ? 144 : 208))));
             __m256 d = _mm256_broadcastss_ps(dd), D0, D1;
-            if (T == KQ_Q4K) {
+            if (T != KQ_Q6K) {
                 __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                               _mm_loadl_epi64((const __m128i *)(b + 128)))),
                                           d);
@@ -528,6 +555,15 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const kq_t *w, co
                         __m256i ph = h ? _mm256_slli_epi32(H, 2) : _mm256_slli_epi32(H, 4);
                         lo[s] = _mm256_or_si256(lo[s], _mm256_and_si256(pl, top));
                         hi[s] = _mm256_or_si256(hi[s], _mm256_and_si256(ph, top));
+                    }
+                    if (T == KQ_Q5K) {
+                        int32_t fl, fh;
+                        memcpy(&fl, b + KQ_HIGH + 16 * s + 4 * h, 4);
+                        memcpy(&fh, b + KQ_HIGH + 16 * s + 8 + 4 * h, 4);
+                        __m256i ml = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(fl), spread), bit);
+                        __m256i mh = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(fh), spread), bit);
+                        lo[s] = _mm256_or_si256(lo[s], _mm256_and_si256(_mm256_cmpeq_epi8(ml, bit), fifth));
+                        hi[s] = _mm256_or_si256(hi[s], _mm256_and_si256(_mm256_cmpeq_epi8(mh, bit), fifth));
                     }
                 }
                 for (int m = 0; m < MT; m++) {
@@ -597,9 +633,13 @@ KQ2_COPY(kq2_p3_q4k, 3, KQ_Q4K)
 KQ2_COPY(kq2_p3_q6k, 3, KQ_Q6K)
 KQ2_COPY(kq2_p2_q4k, 2, KQ_Q4K)
 KQ2_COPY(kq2_p2_q6k, 2, KQ_Q6K)
+KQ2_COPY(kq2_p1_q5k, 1, KQ_Q5K)
+KQ2_COPY(kq2_p2_q5k, 2, KQ_Q5K)
+KQ2_COPY(kq2_p3_q5k, 3, KQ_Q5K)
 #undef KQ2_COPY
-static const kq_rows_t KQ2_RUNS[3][2] = {
-    {kq2_p1_q4k, kq2_p1_q6k}, {kq2_p2_q4k, kq2_p2_q6k}, {kq2_p3_q4k, kq2_p3_q6k}};
+static const kq_rows_t KQ2_RUNS[3][3] = {{kq2_p1_q4k, kq2_p1_q6k, kq2_p1_q5k},
+                                         {kq2_p2_q4k, kq2_p2_q6k, kq2_p2_q5k},
+                                         {kq2_p3_q4k, kq2_p3_q6k, kq2_p3_q5k}};
 #endif
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) times the weight^T (+ bias), x quantized
@@ -621,7 +661,7 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
     int parallel = N * M * K > (1 << 16);
 #if HAVE_VNNI512
     if (use_vnni) {
-        kq_rows_t run = KQ_RUNS[parts - 1][w->type == KQ_Q6K];
+        kq_rows_t run = KQ_RUNS[parts - 1][w->type];
         int64_t tiles = (N + KQ_ROWS - 1) / KQ_ROWS;
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t t = 0; t < tiles; t++) {
@@ -634,7 +674,7 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
 #endif
 #if HAVE_AVX2
     if (use_avx2) {
-        kq_rows_t run = KQ2_RUNS[parts - 1][w->type == KQ_Q6K];
+        kq_rows_t run = KQ2_RUNS[parts - 1][w->type];
         int64_t tiles = (N + KQ2_ROWS - 1) / KQ2_ROWS;
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t t = 0; t < tiles; t++) {
@@ -653,12 +693,13 @@ void kq_linear_desc(const float *x, int64_t ldx, int64_t M, const void *desc, co
 
 /* Rows [n0, n0 + nr) of the weight in gguf_blocks.c's qb32 layout (float32 scales): Q4_K as
  * 4-bit codes in 32-input blocks (byte i: input i low, i + 16 high), d * sc and -(dmin * m) per
- * 32; Q6_K a byte a code, d * scale and -32 * (d * scale) per 16. The same values exactly. */
+ * 32; Q5_K a byte a code, the same scales; Q6_K a byte a code, d * scale and -32 * (d * scale)
+ * per 16. The same values exactly. */
 void kq_to_qb32(const void *desc, int64_t n0, int64_t nr, uint8_t *qs, float *d, float *c) {
     const kq_t *w = desc;
     int type = (int)w->type;
     int64_t rec = REC_BYTES[type], nsb = w->K / QK, bb = type == KQ_Q4K ? 128 : 256;
-    int64_t ng = type == KQ_Q4K ? 8 : 16;
+    int64_t ng = type == KQ_Q6K ? 16 : 8;
 #pragma omp parallel for schedule(static) if (nr * w->K > (1 << 18))
     for (int64_t r = 0; r < nr; r++) {
         for (int64_t j = 0; j < nsb; j++) {
@@ -668,7 +709,7 @@ void kq_to_qb32(const void *desc, int64_t n0, int64_t nr, uint8_t *qs, float *d,
             record_codes(b, type, u);
             record_scales(b, type, d + at * ng, c + at * ng);
             uint8_t *o = qs + at * bb;
-            if (type == KQ_Q6K) {
+            if (type != KQ_Q4K) {
                 memcpy(o, u, QK);
                 continue;
             }
@@ -691,7 +732,8 @@ void kq_steps_desc(const float *x, int64_t ldx, int64_t M, const void *desc, con
         return;
     }
     int type = (int)w->type;
-    int64_t K = w->K, ng = type == KQ_Q4K ? K / 32 : K / 16, cb = type == KQ_Q4K ? K / 2 : K;
+    int64_t K = w->K, ng = type == KQ_Q6K ? K / 16 : K / 32, cb = type == KQ_Q4K ? K / 2 : K;
+    int64_t bits = type == KQ_Q4K ? 4 : (type == KQ_Q5K ? 5 : 6);
     uint8_t *qs = malloc((size_t)(KQ_CHUNK * cb));
     float *d = malloc(sizeof(float) * (size_t)(KQ_CHUNK * ng));
     float *c = malloc(sizeof(float) * (size_t)(KQ_CHUNK * ng));
@@ -699,7 +741,7 @@ void kq_steps_desc(const float *x, int64_t ldx, int64_t M, const void *desc, con
         for (int64_t n0 = 0; n0 < w->N; n0 += KQ_CHUNK) {
             int64_t nr = w->N - n0 < KQ_CHUNK ? w->N - n0 : KQ_CHUNK;
             kq_to_qb32(desc, n0, nr, qs, d, c);
-            qb32_t q = {qs, d, c, nr, K, type == KQ_Q4K ? 4 : 6, 0, type == KQ_Q4K ? 32 : 16, 4};
+            qb32_t q = {qs, d, c, nr, K, bits, 0, type == KQ_Q6K ? 16 : 32, 4};
             w->gemm(x, ldx, M, &q, bias ? bias + n0 : NULL, out + n0, ldo);
         }
     } else {
@@ -770,6 +812,17 @@ static void pack_codes(const uint8_t *u, int type, uint8_t *rec) {
             uint8_t lo = u[16 * t + 8 * s + i], hi = u[16 * t + 8 * s + 4 + i];
             rec[64 * s + k] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
         }
+    if (type == KQ_Q5K) {
+        uint8_t *fb = rec + KQ_HIGH;
+        memset(fb, 0, 32);
+        for (int s = 0; s < 2; s++)
+            for (int k = 0; k < 64; k++) {
+                int t = k / 4, i = k % 4;
+                fb[16 * s + k / 8] |= (uint8_t)(((u[16 * t + 8 * s + i] >> 4) & 1) << (k % 8));
+                fb[16 * s + 8 + k / 8] |= (uint8_t)(((u[16 * t + 8 * s + 4 + i] >> 4) & 1) << (k % 8));
+            }
+        return;
+    }
     if (type != KQ_Q6K) return;
     for (int s = 0; s < 2; s++)
         for (int k = 0; k < 32; k++) {
@@ -780,21 +833,27 @@ static void pack_codes(const uint8_t *u, int type, uint8_t *rec) {
         }
 }
 
-/* `count` file super-blocks of `type` (Q4_K: 144 bytes, Q6_K: 210) at `raw` into records at
- * `out` (148 or 210 bytes each). */
+/* `count` file super-blocks of `type` (Q4_K: 144 bytes, Q5_K: 176, Q6_K: 210) at `raw` into
+ * records at `out` (148, 180 or 210 bytes each). */
 void kq_from_file(const uint8_t *raw, int64_t count, int64_t type, uint8_t *out) {
 #pragma omp parallel for schedule(static) if (count > 4096)
     for (int64_t j = 0; j < count; j++) {
         uint8_t u[QK];
-        if (type == KQ_Q4K) {
-            const uint8_t *b = raw + j * 144, *q = b + 16, *sc = b + 4;
-            uint8_t *r = out + j * 148;
+        if (type == KQ_Q4K || type == KQ_Q5K) {
+            int five = type == KQ_Q5K;
+            const uint8_t *b = raw + j * (five ? 176 : 144), *q = b + (five ? 48 : 16), *sc = b + 4;
+            const uint8_t *qh = b + 16; /* Q5_K: bit i of byte l, the fifth bit of sub-block i's input l */
+            uint8_t *r = out + j * (five ? 180 : 148);
             for (int k = 0; k < 4; k++)
                 for (int l = 0; l < 32; l++) {
                     u[64 * k + l] = q[32 * k + l] & 15;
                     u[64 * k + 32 + l] = q[32 * k + l] >> 4;
+                    if (five) {
+                        u[64 * k + l] |= (uint8_t)(((qh[l] >> (2 * k)) & 1) << 4);
+                        u[64 * k + 32 + l] |= (uint8_t)(((qh[l] >> (2 * k + 1)) & 1) << 4);
+                    }
                 }
-            pack_codes(u, KQ_Q4K, r);
+            pack_codes(u, (int)type, r);
             for (int i = 0; i < 4; i++) { /* 6-bit sub-scales and sub-mins: gguf_blocks._k_scales */
                 r[128 + i] = sc[i] & 63;
                 r[136 + i] = sc[4 + i] & 63;

@@ -1,4 +1,4 @@
-"""GGUF K-quant weights (Q4_K, Q6_K) kept in a dense layout close to the file's bytes on CPU: the
+"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept in a dense layout close to the file's bytes on CPU: the
 layout (`KQ`), its repack from the file's super-blocks, the few-row linear on it
 (gguf_kquants.c), and the torch references it is tested against.
 
@@ -7,6 +7,7 @@ byte a code with float32 scales per 16: 1.33x and 1.83x the file), and a decode 
 of weight once, so they decode slower than the file allows. Here a row is a run of records, one
 per super-block of 256 inputs (layout in gguf_kquants.c's header and docs/quantization.md):
 Q4_K 148 bytes (4-bit codes, 8-bit sub-scales and sub-mins, float16 d and dmin; the file's 144),
+Q5_K 180 bytes (Q4_K's fields for the low four bits, then the fifth bits packed; the file's 176),
 Q6_K 210 bytes (the file's: 4-bit low codes, packed top bit pairs, int8 scales, float16 d), the
 codes reordered so a 512-bit integer dot's lanes each hold one scale group. Values are the
 file's exactly (`dequantize` equals the `gguf` package's dequantization).
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kquants.c")
 SUPER = 256
-TYPES = {"Q4_K": (0, 148, 144), "Q6_K": (1, 210, 210)}  # name -> (code, record bytes, file bytes)
+# name -> (code, record bytes, file bytes)
+TYPES = {"Q4_K": (0, 148, 144), "Q6_K": (1, 210, 210), "Q5_K": (2, 180, 176)}
 # Steps of more rows go to the many-row GEMM (unless GGUF_BLOCK_ROWS says). Measured on one
 # thread (float inputs, the ~0.5B file's 7168x1280 Q4_K and 1280x3584 Q6_K): the repack to qb32
 # costs the GEMM ~4-6 ms a call, so the few-row kernel wins up to 32 rows (4.8 against 7.0 ms),
@@ -92,8 +94,8 @@ def _step_order(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def from_file_blocks(raw: np.ndarray, type_name: str, k: int, kernels=None) -> KQ:
-    """Our records from a GGUF tensor's raw blocks (uint8 [N, row bytes]) of `type_name` (Q4_K
-    or Q6_K) with `k` inputs. Exact. With `kernels` (KQuantKernels) the repack runs in C
+    """Our records from a GGUF tensor's raw blocks (uint8 [N, row bytes]) of `type_name` (Q4_K,
+    Q5_K or Q6_K) with `k` inputs. Exact. With `kernels` (KQuantKernels) the repack runs in C
     (kq_from_file, the same bytes), else in numpy."""
     if type_name not in TYPES:
         raise ValueError(f"GGUF type {type_name} has no kq layout")
@@ -106,14 +108,19 @@ def from_file_blocks(raw: np.ndarray, type_name: str, k: int, kernels=None) -> K
         out = torch.empty(n, k // SUPER * rec, dtype=torch.uint8)
         kernels.lib.kq_from_file(b.ctypes.data, b.shape[0], code, out.data_ptr())
         return KQ(out, type_name, k)
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         scale, mins = gb._k_scales(b[:, 4:16])
-        low = b[:, 16:144].reshape(-1, 4, 32)  # per 64 inputs: 32 bytes, two sub-blocks
+        low = b[:, -128:].reshape(-1, 4, 32)  # per 64 inputs: 32 bytes, two sub-blocks
         u = np.stack([low & 15, low >> 4], axis=2).reshape(-1, SUPER)
+        if type_name == "Q5_K":  # bit i of high byte l: the fifth bit of sub-block i's input l
+            high = np.unpackbits(b[:, 16:48, None], axis=-1, bitorder="little")  # [S, 32, 8]
+            u = u | (high.transpose(0, 2, 1).reshape(-1, SUPER) << 4)
         lo, hi = _step_order(u)
-        out = np.concatenate(
-            [(lo | (hi << 4)).reshape(-1, 128), scale, mins, b[:, 0:2], b[:, 2:4]], axis=1
-        )
+        fields = [((lo & 15) | ((hi & 15) << 4)).reshape(-1, 128), scale, mins, b[:, 0:4]]
+        if type_name == "Q5_K":  # per step 8 bytes of low-nibble fifth bits, 8 of high ones
+            bits = np.stack([lo >> 4, hi >> 4], axis=2)  # [S, step, nibble, 64]
+            fields.append(np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 32))
+        out = np.concatenate(fields, axis=1)
     else:
         low = b[:, 0:128].reshape(-1, 2, 2, 32)
         low = np.stack([low & 15, low >> 4], axis=2).reshape(-1, 2, 4, 32)
@@ -171,10 +178,13 @@ def _records(w: KQ) -> np.ndarray:
 
 
 def codes(w: KQ) -> torch.Tensor:
-    """The unsigned codes u [N, K] (Q4_K 0..15, Q6_K 0..63) as int16."""
+    """The unsigned codes u [N, K] (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) as int16."""
     r = _records(w)
     nib = r[:, :128].reshape(-1, 2, 64)
     lo, hi = nib & 15, nib >> 4
+    if w.type_name == "Q5_K":
+        bits = np.unpackbits(r[:, 148:180].reshape(-1, 2, 2, 8), axis=-1, bitorder="little")
+        lo, hi = lo | (bits[:, :, 0] << 4), hi | (bits[:, :, 1] << 4)
     if w.type_name == "Q6_K":
         p = r[:, 128:192].reshape(-1, 2, 32)
         lo = lo | (np.concatenate([(p >> 4) & 3, (p >> 6) & 3], axis=-1) << 4)
@@ -190,10 +200,11 @@ def _half(b: np.ndarray) -> np.ndarray:
 
 def scales(w: KQ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(d, c, group): float32 [N, K / group] with value = d * u + c per group of 32 (Q4_K: d *
-    sc, -(dmin * m)) or 16 (Q6_K: d * scale, -32 * (d * scale)). Exact in float32."""
+    sc, -(dmin * m); Q5_K the same) or 16 (Q6_K: d * scale, -32 * (d * scale)). Exact in
+    float32."""
     r = _records(w)
     n, k = w.shape
-    if w.type_name == "Q4_K":
+    if w.type_name != "Q6_K":
         d = _half(r[:, 144:146])[:, None] * r[:, 128:136].astype(np.float32)
         c = -(_half(r[:, 146:148])[:, None] * r[:, 136:144].astype(np.float32))
         group = 32
@@ -221,7 +232,7 @@ def to_qb32(w: KQ) -> gb.QB32:
     d, c, group = scales(w)
     u = codes(w).to(torch.uint8).numpy().reshape(n, k // 32, 32)
     qs = gb._nibbles(u) if w.type_name == "Q4_K" else u
-    bits = 4 if w.type_name == "Q4_K" else 6
+    bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[w.type_name]
     return gb.QB32(torch.from_numpy(np.ascontiguousarray(qs)), d.contiguous(), c.contiguous(),
                    bits, group)  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""GGUF K-quant tensors (Q4_K, Q6_K) served from their dense records (kernels/gguf_kquants.py)
+"""GGUF K-quant tensors (Q4_K, Q5_K, Q6_K) served from their dense records (kernels/gguf_kquants.py)
 instead of gguf_blocks' widened qb32 form, and fused linears whose parts have different types
 kept part by part.
 
@@ -125,9 +125,9 @@ def _same_layout(a, b) -> bool:
 
 
 def parts_of(tensors: dict, parts, unpermute: bool, kernels=None) -> list | None:
-    """The layouts of a fused linear's GGUF tensors (K-quant records for Q4_K/Q6_K, qb32 blocks
-    for the other block types), adjacent ones of one layout joined; None where a tensor is
-    missing, of a type with neither layout, or none of them is a K-quant."""
+    """The layouts of a fused linear's GGUF tensors (K-quant records for Q4_K/Q5_K/Q6_K, qb32
+    blocks for the other block types), adjacent ones of one layout joined; None where a tensor
+    is missing, of a type with neither layout, or none of them is a K-quant."""
     from .gguf_linear import _unpermute_rows
 
     got: list = []
