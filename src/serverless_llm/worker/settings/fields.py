@@ -269,7 +269,9 @@ class SettingsFields(BaseSettings):
             "load: faster on CPU, 4x the memory), or `auto`: packed on CUDA, dequantized "
             "elsewhere. For a GGUF model on CPU, `packed` serves it from the file's own blocks "
             "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with no float copy converted or "
-            "held (~0.4x the resident memory); `auto` does the same for llama-architecture files (one "
+            "held (~0.4x the resident memory); `auto` does the same for the architectures whose "
+            "direct read is tested (llama/mistral, qwen2/3 and their MoE, gemma2/3, phi3, starcoder2, "
+            "stablelm, gpt2, bloom, falcon, lfm2, mamba; docs/models.md) (one "
             "request decodes ~3x faster than from a float32 copy and a batch as fast; "
             "measured, docs/quantization.md) except with LoRA adapters; `dequantize` converts it once to a float copy."
         ),
