@@ -1,9 +1,9 @@
-"""The K-quant few-row kernel (kernels/gguf_kquants.c) at one input row on the ~0.5B Q4_K_M
-file's shapes (and Q5_K on the same shapes, as a Q5_K_M file holds them), for each input kind (int8, 15-bit "i15", 22-bit "float") and ISA path, in CPU
-time on one thread: the weights streamed from memory (enough random copies to pass the L3),
-the paths interleaved, best of --repeats. With --qb32, the same weights in gguf_blocks' qb32
-form on its own paths beside them, with its own bytes (issue 39: which layout wins on AVX2; Q5_K's
-records against qb32's widening).
+"""The K-quant few-row kernel (kernels/gguf_kquants.c) at one input row on the ~0.5B Q4_K_M file's
+shapes (and Q5_K on the same shapes, as a Q5_K_M file holds them), for each input kind (int8,
+15-bit "i15", 22-bit "float") and ISA path, in CPU time on one thread: the weights streamed from
+memory (enough random copies to pass the L3), the paths interleaved, best of --repeats. With
+--qb32, the same weights in gguf_blocks' qb32 form on its own paths beside them, with its own
+bytes (issue 39: which layout wins on AVX2; Q5_K's records against qb32's widening).
 
     .venv/bin/python bench/gguf_kquant_inputs.py
     .venv/bin/python bench/gguf_kquant_inputs.py --paths float-avx2,i15-avx2,avx2 --qb32

@@ -2,9 +2,10 @@
 Q6_K, plus Q5_0, Q5_1, Q4_0, Q8_0 and one Q2_K tensor), served with QUANTIZED_WEIGHTS=packed:
 every linear whose tensors have a block layout reads the file's blocks (a linear with a Q4_K,
 Q5_K or Q6_K part on the dense K-quant records, kernels/gguf_kquants.py, each part of a fused
-linear in its own layout; the others on qb32; the Q5_K token embedding on its records too), the Q2_K one stays float with a start-up line naming the type,
-and with float inputs (AVX-512) greedy tokens equal the same model run from the dequantized
-float weights (QUANTIZED_WEIGHTS=auto on a safetensors copy of gguf's own dequantization).
+linear in its own layout; the others on qb32; the Q5_K token embedding on its records too),
+the Q2_K one stays float with a start-up line naming the type, and with float inputs (AVX-512)
+greedy tokens equal the same model run from the dequantized float weights
+(QUANTIZED_WEIGHTS=auto on a safetensors copy of gguf's own dequantization).
 
 The K-quant blocks come from tests/kernels/gguf_packers.py (the `gguf` package only
 dequantizes them); the engine is given the .gguf file itself, its config and tokenizer taken

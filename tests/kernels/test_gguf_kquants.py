@@ -1,13 +1,13 @@
 """The dense K-quant layout (kernels/gguf_kquants.py): Q4_K, Q5_K and Q6_K tensors written by
 tests/kernels/gguf_packers.py (the `gguf` package only dequantizes them) and random file bytes
 read back equal to the package's dequantization and to gguf_blocks' qb32 form of the same
-blocks; the records keep the file's bytes (Q4_K 148 of 144, Q5_K 180 of 176, Q6_K 210 of 210); the C repack
-writes the numpy one's records; the few-row kernel (VNNI and AVX2 where this machine has them,
-the portable loop everywhere) equals its float64 reference for 1 to 128 rows, outputs off every
-tile and 1, 2, 5 super-blocks, also at the integer extremes; steps past the few-row threshold
-run the many-row GEMM (x as it is); the row lookup equals dequantize bit for bit; a linear
-stacked from parts of different layouts equals the stacked reference, each part in its own
-layout."""
+blocks; the records keep the file's bytes (Q4_K 148 of 144, Q5_K 180 of 176, Q6_K 210 of 210);
+the C repack writes the numpy one's records; the few-row kernel (VNNI and AVX2 where this
+machine has them, the portable loop everywhere) equals its float64 reference for 1 to 128 rows,
+outputs off every tile and 1, 2, 5 super-blocks, also at the integer extremes; steps past the
+few-row threshold run the many-row GEMM (x as it is); the row lookup equals dequantize bit for
+bit; a linear stacked from parts of different layouts equals the stacked reference, each part in
+its own layout."""
 
 from __future__ import annotations
 
@@ -182,9 +182,9 @@ def test_rows_equal_dequantize(kernels, type_name):
 
 
 def test_stacked_parts_keep_their_layouts(kernels):
-    """A Q4_K part, a Q6_K part, a Q5_0 qb32 part and a Q5_K part stacked along the outputs (a Q4_K_M file's
-    q, k with v; a gate with an up of another type), each run by its own kernel through
-    kq_multi_desc: equal to the stacked reference, for few and many rows."""
+    """A Q4_K part, a Q6_K part, a Q5_0 qb32 part and a Q5_K part stacked along the outputs (a
+    Q4_K_M file's q, k with v; a gate with an up of another type), each run by its own kernel
+    through kq_multi_desc: equal to the stacked reference, for few and many rows."""
     k = 512
     q4 = gk.from_file_blocks(quantize(weight(24, k, 1), "Q4_K"), "Q4_K", k)
     q6 = gk.from_file_blocks(quantize(weight(9, k, 2), "Q6_K"), "Q6_K", k)

@@ -1,6 +1,6 @@
-/* Few-row linears on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) in a dense layout of their own, close to
- * the file's bytes (kernels/gguf_kquants.py repacks the file's super-blocks into it, builds and
- * loads this file, and holds the torch references it is tested against).
+/* Few-row linears on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) in a dense layout of their own,
+ * close to the file's bytes (kernels/gguf_kquants.py repacks the file's super-blocks into it,
+ * builds and loads this file, and holds the torch references it is tested against).
  *
  * The layout ("kq"): a weight [N, K] with K a multiple of 256, each output row a run of records,
  * one per super-block of 256 inputs. A record's first 128 bytes are 4-bit codes, in two steps of

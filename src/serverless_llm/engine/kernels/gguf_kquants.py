@@ -1,5 +1,5 @@
-"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept in a dense layout close to the file's bytes on CPU: the
-layout (`KQ`), its repack from the file's super-blocks, the few-row linear on it
+"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept in a dense layout close to the file's bytes on
+CPU: the layout (`KQ`), its repack from the file's super-blocks, the few-row linear on it
 (gguf_kquants.c), and the torch references it is tested against.
 
 gguf_blocks.py's qb32 layout widens the K-quants (float32 scale and offset per 32 inputs, Q6_K a
