@@ -90,10 +90,11 @@ def test_every_conv_layer_takes_the_native_call(family_models, kernels, native_r
     convs = conv_layers(llm)
     assert convs and all(isinstance(layer.native_decode, NativeConvLayer) for layer in convs)
     assert all(layer.native_decode.rows == 8 for layer in convs)
-    if name == "lfm2":  # LFM2's attention layers take the attention layer's call
-        layers = llm.engine.runner.model.layers
-        attn = [layer for layer in layers if layer.self_attn is not None]
-        assert all(isinstance(layer.native_decode, NativeDecodeLayer) for layer in attn)
+    # the attention layers take the attention layer's call (LFM3's with its head gate and
+    # sandwich norms): every layer of the step in one native call
+    attn = [layer for layer in llm.engine.runner.model.layers if layer.self_attn is not None]
+    assert attn and all(isinstance(layer.native_decode, NativeDecodeLayer) for layer in attn)
+    assert all(layer.native_decode.rows == 8 for layer in attn)
 
 
 @pytest.mark.parametrize("name", NAMES)

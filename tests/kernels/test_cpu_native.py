@@ -593,6 +593,10 @@ def assert_whole_layers_match(monkeypatch, kernels, build) -> None:
         ("test_families", "cohere"),  # parallel, LayerNorm without bias, gated SiLU, q/k norm
         ("test_families_gpt", "gpt_neox"),  # parallel with the MLP's own norm, erf gelu
         ("test_families_alibi", "mpt"),  # erf gelu, ALiBi, clip_qkv, no biases
+        ("test_families", "gemma2"),  # sandwich norms, soft-cap
+        ("test_families", "gemma3"),  # sandwich norms, q/k norm, sliding layers
+        ("test_families_conv", "lfm3"),  # a sigmoid gate a head, sandwich norms, convolutions
+        ("test_families_conv", "lfm3_plain"),  # LFM3 without the gate and the sandwich norms
     ],
 )
 def test_whole_decode_layers_of_other_shapes_equal_transformers(
@@ -626,10 +630,15 @@ def test_whole_decode_layer_is_attached_only_where_the_shape_fits(tmp_path, monk
     layers = llama.engine.runner.model.layers
     assert all(layer.native_decode is not None for layer in layers)
     assert layers[0].native_decode.rows == 4
-    # Gemma 2's post-norms and soft-cap layers keep the per-op path.
+    # Gemma 2's sandwich norms (RMSNorms before the residual adds) take it too; Granite's
+    # multipliers and OLMo 2's norms after the sublayers alone keep the per-op path.
     gemma2 = save_family_model(str(tmp_path / "gemma2"), CONFIGS["gemma2"](build_tokenizer()))
     layers = LLM(gemma2, **kw).engine.runner.model.layers
-    assert all(layer.native_decode is None for layer in layers)
+    assert all(layer.native_decode is not None for layer in layers)
+    for name in ("granite", "olmo2"):
+        path = save_family_model(str(tmp_path / name), CONFIGS[name](build_tokenizer()))
+        layers = LLM(path, **kw).engine.runner.model.layers
+        assert all(layer.native_decode is None for layer in layers), name
     monkeypatch.setenv("NATIVE_LINEAR_ROWS", "0")  # no native linears: no whole layers
     layers = LLM(build_tiny_model(str(tmp_path / "l2"), "llama"), **kw).engine.runner.model.layers
     assert all(layer.native_decode is None for layer in layers)

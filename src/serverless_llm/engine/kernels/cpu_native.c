@@ -1173,6 +1173,12 @@ typedef struct {
     void (*qlinear)(const float *, int64_t, int64_t, const void *, const float *, float *,
                     int64_t);
     const void *qkv_q, *o_q, *up_q, *down_q;
+    /* LFM3's attention layers (sequential only): a sigmoid gate a query head from the normed
+     * stream, gate_w [gate_heads, hidden] in panels (NULL: none); RMSNorms of the attention's
+     * and the MLP's outputs before their residual adds (NULL: none). */
+    const float *gate_w;
+    int64_t gate_heads;
+    const float *post_w, *post_mlp_w;
 } decoder_layer_t;
 
 static void layer_linear(const decoder_layer_t *DL, const void *q, const float *x, int64_t xs,
@@ -1188,7 +1194,7 @@ static void layer_linear(const decoder_layer_t *DL, const void *q, const float *
  * x + residual, else x. Writes the MLP's output to mlp_out [M, hidden] and the stream after the
  * attention's add to res_out [M, hidden] (the decoder's (x, residual) pair; parallel: the MLP's
  * output plus the attention's, and the stream). `work` holds
- * M * (4 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) floats. */
+ * M * (5 * hidden + q_size + 2 * kv_size + q_size + 3 * inter + gate_heads) floats. */
 void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t *S,
                        const float *x, const float *residual, float *mlp_out, float *res_out,
                        float *work, int64_t M) {
@@ -1196,11 +1202,25 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
     int64_t qkv_n = qs + 2 * kvs;
     float *h = work, *res1 = h + M * hd, *qkv = res1 + M * hd, *attn = qkv + M * qkv_n;
     float *o = attn + M * qs, *gu = o + M * hd, *act = gu + M * 2 * in, *h2 = act + M * in;
+    float *o2 = h2 + M * hd, *gate = o2 + M * hd;
     add_norm_f32(x, residual, DL->in_w, DL->in_b, h, res1, M, hd, hd, DL->eps, DL->norm_kind);
     const float *stream = residual ? res1 : x;
     layer_linear(DL, DL->qkv_q, h, hd, DL->qkv_w, DL->qkv_b, qkv, M, qkv_n, hd);
     attention_step_f32(L, S, qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, attn, qs);
+    if (DL->gate_w) { /* attn * sigmoid(gate(h)), a factor a head */
+        int64_t gh = DL->gate_heads, D = qs / gh;
+        linear_panels_f32(h, hd, DL->gate_w, NULL, gate, M, gh, hd);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < gh; j++) {
+                float f = sigmoid(gate[m * gh + j]), *a = attn + m * qs + j * D;
+                for (int64_t d = 0; d < D; d++) a[d] = a[d] * f;
+            }
+    }
     layer_linear(DL, DL->o_q, attn, qs, DL->o_w, DL->o_b, o, M, hd, qs);
+    if (DL->post_w) {
+        add_norm_f32(o, NULL, DL->post_w, NULL, o2, NULL, M, hd, hd, DL->eps, DL->norm_kind);
+        o = o2;
+    }
     if (DL->parallel) {
         if (DL->mlp_norm)
             add_norm_f32(stream, NULL, DL->mlp_w, DL->mlp_b, h2, NULL, M, hd, hd, DL->eps,
@@ -1216,7 +1236,13 @@ void decoder_layer_f32(const decoder_layer_t *DL, const layer_t *L, const step_t
     int64_t up_n = DL->gated ? 2 * in : in;
     layer_linear(DL, DL->up_q, h2, hd, DL->up_w, DL->up_b, gu, M, up_n, hd);
     activation_f32(gu, up_n, act, M, in, DL->act, DL->gated);
-    layer_linear(DL, DL->down_q, act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
+    if (DL->post_mlp_w) {
+        layer_linear(DL, DL->down_q, act, in, DL->down_w, DL->down_b, o2, M, hd, in);
+        add_norm_f32(o2, NULL, DL->post_mlp_w, NULL, mlp_out, NULL, M, hd, hd, DL->eps,
+                     DL->norm_kind);
+    } else {
+        layer_linear(DL, DL->down_q, act, in, DL->down_w, DL->down_b, mlp_out, M, hd, in);
+    }
     if (DL->parallel) /* attention + MLP, as the torch path adds them */
         for (int64_t i = 0; i < M * hd; i++) mlp_out[i] = o[i] + mlp_out[i];
 }

@@ -144,6 +144,11 @@ class DecoderLayerWeights(ctypes.Structure):
         # another layout's linear (gguf_blocks' qb32_linear_desc) and each linear's descriptor
         # for it; NULL: the panels above
         *((name, _P) for name in ("qlinear", "qkv_q", "o_q", "up_q", "down_q")),
+        # LFM3's per-head gate (panels of [heads, hidden]) and post norms; NULL: none
+        ("gate_w", _P),
+        ("gate_heads", _I),
+        ("post_w", _P),
+        ("post_mlp_w", _P),
     ]
 
 
@@ -502,7 +507,7 @@ class NativeKernels:
         mlp_out = torch.empty(M, hd, dtype=x.dtype)
         res_out = torch.empty(M, hd, dtype=x.dtype)
         w = weights
-        need = M * (4 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter)
+        need = M * (5 * hd + 2 * w.q_size + 2 * w.kv_size + 3 * w.inter + w.gate_heads)
         work = getattr(self._scratch, "work", None)
         if work is None or work.numel() < need:
             work = self._scratch.work = torch.empty(need)

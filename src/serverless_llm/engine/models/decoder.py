@@ -920,7 +920,8 @@ class DecoderLayer(nn.Module):
 class NativeDecodeLayer:
     """A decode step of a few rows through a whole layer in one native call
     (`decoder_layer_f32`): for the common layer shapes only (pre-norm "in" and "mlp" norms of
-    one kind, sequential or parallel (the "mlp" norm optional), no multipliers, a gated or
+    one kind, sequential or parallel (the "mlp" norm optional), sandwich RMSNorms on a
+    sequential layer (Gemma 2/3, LFM3), LFM3's sigmoid gate a head, no multipliers, a gated or
     plain MLP of a native activation, every linear packed with its panels kept for the native
     rows, q/k prepared by the native step), and only while the layer's linears are those it was
     built on (a LoRA wrapper or anything else put in their place afterwards turns it off)."""
@@ -929,8 +930,9 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.native, self.rows = native, rows
         self.linears = self.linears_of(layer)
+        self.gate = attn.g_proj  # LFM3's per-head gate, or None
         # the fewest rows every linear takes the native kernel at (one row: oneDNN's, on some)
-        self.min_rows = max(lin.native_min_rows for lin in self.linears)
+        self.min_rows = max(lin.native_min_rows for lin in self.all_linears)
         norm, mlp_norm = layer.in_norm, layer.mlp_norm
         qkv, o, up, down = self.linears
         self.weights = DecoderLayerWeights(
@@ -956,7 +958,15 @@ class NativeDecodeLayer:
             up_b=ptr_or_null(up.bias),
             down_w=ptr_or_null(down.panels),
             down_b=ptr_or_null(down.bias),
+            gate_w=ptr_or_null(None if self.gate is None else self.gate.panels),
+            gate_heads=0 if self.gate is None else self.gate.out_features,
+            post_w=ptr_or_null(getattr(layer.post_attn_norm, "weight", None)),
+            post_mlp_w=ptr_or_null(getattr(layer.post_mlp_norm, "weight", None)),
         )
+
+    @property
+    def all_linears(self) -> tuple:
+        return self.linears if self.gate is None else (*self.linears, self.gate)
 
     @staticmethod
     def linears_of(layer: DecoderLayer) -> tuple:
@@ -983,19 +993,28 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         norm, mlp_norm = layer.in_norm, layer.mlp_norm
         linears = NativeDecodeLayer.linears_of(layer)
+        if attn.g_proj is not None:  # LFM3's per-head gate: a linear of the same kind
+            linears = (*linears, attn.g_proj)
+        posts = [n for n in (layer.post_attn_norm, layer.post_mlp_norm) if n is not None]
         fits = (
             not tp_enabled
             and not layer.post_ln
             and layer.residual_scale == 1.0
-            and layer.post_attn_norm is None
-            and layer.post_mlp_norm is None
+            and layer.experts_beside is None
+            # sandwich norms (LFM3, Gemma 2/3): RMSNorms of the sublayers' outputs before
+            # their adds, in a sequential layer of RMSNorms of one eps
+            and (
+                not posts
+                or isinstance(norm, RMSNorm)
+                and not layer.parallel
+                and all(isinstance(n, RMSNorm) and n.eps == norm.eps for n in posts)
+            )
             and isinstance(norm, (RMSNorm, LayerNorm))
             # sequential: an "mlp" norm of the same kind; parallel: that, or none
             and (type(mlp_norm) is type(norm) or (layer.parallel and mlp_norm is None))
             and isinstance(mlp, MLP)
             and ACT_CODES[mlp.act_fn.act] in NATIVE_ACT_CODES
             and attn.native_prep
-            and attn.g_proj is None
             and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
         )
         rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
@@ -1027,6 +1046,7 @@ class NativeDecodeLayer:
             and a.get("o_proj") is o
             and m.get(up_name) is up
             and m.get("down_proj") is down
+            and a.get("g_proj") is self.gate
         )
 
     def __call__(self, layer: DecoderLayer, x, residual, rope, kv_cache, meta):
