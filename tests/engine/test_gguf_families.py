@@ -209,13 +209,13 @@ def prompt_ids(n: int, length: int) -> list[list[int]]:
 
 
 # the fewest of the layers' linears served from blocks, of 2 layers x (q|k|v, o, gate|up,
-# down): while the block loader (layers/gguf_linear.py) takes llama's tensor names only, the
-# fused q|k|v and gate|up of phi3, gpt2 and bloom, the plain MLPs' up, lfm2's convolution
-# layer's, mamba's projections and the MoE layers' experts are read as float; with the parts from the name map
-# (loader/gguf_direct.gguf_block_parts) all 8 are blocks for phi3, gpt2 and starcoder2 and 6 for
-# mamba (its dt_proj's 4 inputs are not whole blocks), tokens equal (checked by hand)
-BLOCK_LINEARS = {"phi3": 4, "starcoder2": 6, "gpt2": 4, "lfm2": 6, "mamba": 0, "qwen2_moe": 4,
-                 "qwen3_moe": 4, "bloom": 4, "falcon": 4}  # fmt: skip
+# down), with each layer's parts taken from the family's name map
+# (loader/gguf_direct.gguf_block_parts): all 8 for the dense families (phi3's and gpt2's fused
+# q|k|v and gate|up, the plain MLPs' up); 6 where a layer's layout is not stacked blocks
+# (Bloom's and Falcon's per-head q|k|v, the MoE layers' experts, lfm2's convolution layer,
+# mamba's dt_proj whose 4 inputs are not whole blocks)
+BLOCK_LINEARS = {"lfm2": 6, "mamba": 6, "qwen2_moe": 6, "qwen3_moe": 6, "bloom": 6,
+                 "falcon": 6}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

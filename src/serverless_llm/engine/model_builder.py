@@ -330,7 +330,9 @@ def gguf_blocks_on_meta(model, resolved: ResolvedModel, hf_config):
         logger.warning("GGUF blocks: off (the block kernels did not build; see the warning "
                        "above): every tensor is dequantized to float32 at load")  # fmt: skip
         return tensors, None, set()
-    return tensors, kernels, take_gguf_blocks(model, tensors, hf_config, kernels)
+    from .loader.gguf_direct import gguf_block_parts
+
+    return tensors, kernels, take_gguf_blocks(model, tensors, hf_config, kernels, gguf_block_parts)
 
 
 def gguf_blocks_bytes(model) -> int:

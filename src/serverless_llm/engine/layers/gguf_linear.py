@@ -183,12 +183,18 @@ def _meta_bias(lin: nn.Module) -> torch.Tensor | None:
 
 
 def take_gguf_blocks(
-    model: nn.Module, tensors: dict[str, FileTensor], hf_config, kernels: BlockKernels
+    model: nn.Module,
+    tensors: dict[str, FileTensor],
+    hf_config,
+    kernels: BlockKernels,
+    parts_of=_parts,
 ) -> set[str]:
     """On a model still on the meta device: every decoder linear (and the token embedding and
     LM head) whose file tensors have a qb32 layout and the right shape becomes a block module
-    holding them. Returns the GGUF names of the tensors taken (the loader skips those); biases
-    stay parameters, loaded as float."""
+    holding them. `parts_of(hf_config, i)`: layer i's linears (module paths in the layer) and
+    the file tensors each stacks (the loader's `gguf_block_parts`, from the family's name map;
+    by default llama's names). Returns the GGUF names of the tensors taken (the loader skips
+    those); biases stay parameters, loaded as float."""
     from .gguf_kquant_linear import take_kquants
 
     path = "float" if block_inputs() == "float" else "best"
@@ -198,7 +204,7 @@ def take_gguf_blocks(
     # or nn.Embedding below)
     taken: set[str] = take_kquants(model, tensors, hf_config, path)
     for i, layer in enumerate(getattr(model, "layers", [])):
-        for where, parts in _parts(hf_config, i).items():
+        for where, parts in parts_of(hf_config, i).items():
             parent_name, _, name = where.rpartition(".")
             parent = getattr(layer, parent_name, None)
             lin = getattr(parent, name, None)
