@@ -84,6 +84,29 @@ def test_the_row_choice_key_holds_the_cpu_and_its_cores(clean, tmp_path):
     assert linear.choice_file(Native, {(24, 16): [object()]}) != here  # shapes and counts
 
 
+def test_the_gguf_rows_key_holds_the_cpu_and_its_cores(clean, tmp_path):
+    """The GGUF block linears' measured rows (layers/gguf_linear.py) live in the same shared
+    cache: their key holds every field of the CPU's identity too."""
+    from serverless_llm.engine.layers import gguf_linear
+
+    class Kernels:
+        path = "/x/gguf_blocks-0123.so"
+
+    clean.setenv(ENV, str(tmp_path))
+    keys = ["576x576:4/32:float", "1536x576:4/32:float"]
+    here = gguf_linear.block_rows_file(Kernels, keys)
+    assert here.parent == tmp_path and here.name.startswith("gguf-rows-")
+    identity = linear.cpu_identity()
+    for i in range(len(identity)):
+        other = list(identity)
+        other[i] = "another" if isinstance(other[i], str) else (other[i] or 0) + 1
+        clean.setattr(gguf_linear, "cpu_identity", lambda other=tuple(other): other)
+        assert gguf_linear.block_rows_file(Kernels, keys) != here, f"field {i} not in the key"
+    clean.setattr(gguf_linear, "cpu_identity", lambda: identity)
+    assert gguf_linear.block_rows_file(Kernels, keys) == here
+    assert gguf_linear.block_rows_file(Kernels, keys[:1]) != here
+
+
 def _builder():
     spec = importlib.util.spec_from_file_location(
         "bake_cpu_kernels", REPO / "builder" / "bake_cpu_kernels.py"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels.cpu_native import cache_dir, cpu_flags
+from ..kernels.cpu_native import cache_dir
 from ..kernels.gguf_blocks import (
     FILE_TYPES,
     QB32,
@@ -38,7 +38,7 @@ from ..kernels.gguf_blocks import (
     QB32StepsDesc,
     from_gguf_blocks,
 )
-from .linear import PackedLinear
+from .linear import PackedLinear, cpu_identity
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,11 @@ def _shape_key(lin: GGUFBlockLinear) -> str:
 
 
 def block_rows_file(kernels: BlockKernels, keys: list[str]) -> Path:
-    what = (3, cpu_flags(), torch.get_num_threads(), Path(kernels.path).name, tuple(sorted(keys)))
+    """Where the measured rows for these shapes are kept: the native kernels' cache (shared
+    by workers on a network volume or baked into an image), under a key of the CPU
+    (`cpu_identity`: model name, flags, cores, threads), the library and the shapes, so no
+    worker reads a choice measured on another CPU."""
+    what = (4, cpu_identity(), Path(kernels.path).name, tuple(sorted(keys)))
     return cache_dir() / f"gguf-rows-{hashlib.sha256(repr(what).encode()).hexdigest()[:16]}.json"
 
 
