@@ -118,7 +118,7 @@ def _served_model_types() -> dict[str, str]:
 
 def test_every_served_config_reads_the_same_with_activations_deferred(tmp_path):
     """Each served model type's default config, saved and read back in a fresh process (the
-    activations deferred) and here (transformers imported as usual): the same config."""
+    activations and transformers' model index deferred) and here (transformers imported as usual): the same config."""
     dirs = {}
     for model_type, arch in _served_model_types().items():
         config = CONFIG_MAPPING[model_type]()
@@ -132,21 +132,59 @@ def test_every_served_config_reads_the_same_with_activations_deferred(tmp_path):
         """
         import json, sys
         from serverless_llm.engine.loader import ResolvedModel, load_hf_config
-        from serverless_llm.engine.loader.config_import import activations_imported
+        from serverless_llm.engine.loader.config_import import (
+            activations_imported, models_index_deferred)
         dirs = json.load(open(sys.argv[1]))
         out = {}
         for t, d in dirs.items():
             out[t] = load_hf_config(ResolvedModel(d, d, "safetensors", d)).to_dict()
-        print(json.dumps({"configs": out, "activations": activations_imported()}, default=str))
+        print(json.dumps({"configs": out, "activations": activations_imported(),
+                          "index_deferred": models_index_deferred()}, default=str))
         """,
         str(tmp_path / "dirs.json"),
     )
+    assert got["index_deferred"]  # every config read without transformers' model index
     importlib.import_module("transformers.activations")  # here the usual way
 
     for model_type, path in dirs.items():
         here = load_hf_config(ResolvedModel(path, path, "safetensors", path)).to_dict()
         here = json.loads(json.dumps(here, default=str))
         assert got["configs"][model_type] == here, model_type
+
+
+def test_deferred_model_index_answers_and_gives_way_to_the_real_package(tiny_llama):
+    """After a config read with transformers' model index deferred, the package still answers
+    every way code reaches it: a submodule by its path, a name imported through the stand-in, a
+    name only the index knows; the first such read puts the real package in its place."""
+    got = _run(
+        """
+        import json, sys
+        from serverless_llm.engine.loader import ResolvedModel, load_hf_config
+        from serverless_llm.engine.loader.config_import import models_index_deferred
+        d = sys.argv[1]
+        load_hf_config(ResolvedModel(d, d, "safetensors", d))
+        out = {"deferred": models_index_deferred()}
+        from transformers.models.mistral.configuration_mistral import MistralConfig
+        out["by_path"] = MistralConfig().model_type
+        out["still_deferred"] = models_index_deferred()
+        import transformers
+        out["through_standin"] = transformers.models.llama.LlamaConfig.__name__
+        out["after_submodule"] = models_index_deferred()  # llama: imported by the read
+        from transformers.models import gemma  # not imported yet: the index answers
+        out["index_name"] = gemma.GemmaConfig.__name__
+        out["after_read"] = models_index_deferred()
+        out["real"] = type(sys.modules["transformers.models"]).__name__
+        out["parent_real"] = transformers.models is sys.modules["transformers.models"]
+        out["kept"] = transformers.models.mistral.MistralConfig is MistralConfig
+        print(json.dumps(out))
+        """,
+        tiny_llama,
+    )
+    assert got["deferred"] and got["still_deferred"] and got["after_submodule"], got
+    assert got["by_path"] == "mistral" and got["through_standin"] == "LlamaConfig", got
+    assert got["index_name"] == "GemmaConfig", got
+    assert not got["after_read"] and got["real"] == "_LazyModule" and got["parent_real"], got
+    assert got["kept"], got
 
 
 class _Tiny(torch.nn.Module):

@@ -13,6 +13,13 @@ else), so every config class is the one transformers builds, field for field, an
 change is when the modeling imports happen: only if something needs them. Nothing else is
 touched: the stand-in module lives in `sys.modules` only while `type_validators` is imported,
 and a later `import transformers.activations` gets the real module.
+
+`defer_models_index` does the like for the package `transformers.models`, whose `__init__` walks
+every model's directory and reads its files to index what each exports (~0.2 s of CPU at every
+start), while a config read imports only `models.auto` and the model's own configuration module
+by their paths. Until something asks the package itself for a name, `sys.modules` holds a
+stand-in with the real package's path and spec (so every submodule imports from where it always
+does); the first such read imports the real, indexed package in its place and answers from it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Iterator, Mapping
 
 _ACTIVATIONS = "transformers.activations"
 _VALIDATORS = "transformers.utils.type_validators"
+_MODELS = "transformers.models"
 _lock = threading.Lock()
 
 
@@ -92,4 +100,58 @@ def defer_activations() -> bool:
         finally:
             if sys.modules.get(_ACTIVATIONS) is stand_in:
                 del sys.modules[_ACTIVATIONS]
+        return True
+
+
+def _real_models() -> types.ModuleType:
+    with _lock:
+        module = sys.modules.get(_MODELS)
+        if isinstance(module, _ModelsStandIn):
+            del sys.modules[_MODELS]
+            real = importlib.import_module(_MODELS)
+            # the submodules imported through the stand-in stay reachable as attributes
+            for name, value in vars(module).items():
+                if isinstance(value, types.ModuleType) and not hasattr(real, name):
+                    setattr(real, name, value)
+            parent = sys.modules.get("transformers")
+            if parent is not None and getattr(parent, "models", None) is module:
+                parent.models = real
+            return real
+    return importlib.import_module(_MODELS)
+
+
+class _ModelsStandIn(types.ModuleType):
+    """`transformers.models` before its index is needed: the real package's `__path__` and
+    spec, so `transformers.models.<family>.<module>` imports as always; any other name read
+    from the package itself imports the real one (`_real_models`) and answers from it."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_real_models(), name)
+
+
+def models_index_deferred() -> bool:
+    """Whether `transformers.models` is still the stand-in (its index not built)."""
+    return isinstance(sys.modules.get(_MODELS), _ModelsStandIn)
+
+
+def defer_models_index() -> bool:
+    """Puts the stand-in for `transformers.models` in place unless the package is imported
+    already (or cannot be found); True when this call did it."""
+    with _lock:
+        if _MODELS in sys.modules:
+            return False
+        try:
+            spec = importlib.util.find_spec(_MODELS)
+        except (ImportError, ValueError):
+            return False
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        stand_in = _ModelsStandIn(_MODELS)
+        stand_in.__spec__ = spec
+        stand_in.__path__ = list(spec.submodule_search_locations)
+        stand_in.__file__ = spec.origin
+        stand_in.__package__ = _MODELS
+        sys.modules[_MODELS] = stand_in
         return True
