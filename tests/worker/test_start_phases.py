@@ -28,8 +28,8 @@ def test_start_up_line_names_each_phase(make_worker, caplog):
 
         asyncio.run(first())
     line = next(r.getMessage() for r in caplog.records if "start-up: ready" in r.getMessage())
-    for phase in ("imports and settings", "weights", "KV allocation", "kernel warm-up",
-                  "graph capture", "other set-up"):  # fmt: skip
+    for phase in ("imports and settings", "weights", "tokenizer", "KV allocation",
+                  "kernel warm-up", "graph capture", "other set-up"):  # fmt: skip
         assert phase in line, line
     phases = worker.start_phases
     assert 0 < phases.load_start < phases.ready <= phases.first_token

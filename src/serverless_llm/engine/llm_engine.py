@@ -87,11 +87,24 @@ class LLMEngine:
         self.tp: TensorParallel = SINGLE
         self._load_window: tuple[float, float] | None = None  # rank 0's, with parallelism
         self.ranks: RankProcesses | None = None  # the other tensor-parallel ranks
+        self._early_tokenizer = None
+        tokenizer_seconds = 0.0
         if config.tensor_parallel_size > 1:
             loaded = self._start_ranks(config)
         else:
-            loaded = load_model(config)
-        self.start_phases["weights"] = time.perf_counter() - t0
+            prepared = prepare_model(config)
+            # The tokenizer before the weights: the weight files are being read ahead
+            # (loader/prefetch.py), so on a cold page cache its load fills the wait for the
+            # disk instead of following it.
+            t_tok = time.perf_counter()
+            self._early_tokenizer = load_tokenizer(
+                prepared.resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
+            )
+            tokenizer_seconds = time.perf_counter() - t_tok
+            loaded = load_model(config, prepared=prepared)
+        self.start_phases["weights"] = time.perf_counter() - t0 - tokenizer_seconds
+        if self._early_tokenizer is not None:
+            self.start_phases["tokenizer"] = tokenizer_seconds
         try:
             self._build(config, loaded, t0)
         except BaseException:
@@ -162,9 +175,12 @@ class LLMEngine:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
 
-        self.tokenizer = load_tokenizer(
-            self.resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
-        )
+        self.tokenizer = self._early_tokenizer
+        self._early_tokenizer = None
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(
+                self.resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
+            )
         eos = eos_token_ids(
             self.tokenizer, self.hf_config, load_generation_config(self.resolved.model_dir)
         )
