@@ -483,30 +483,49 @@ def test_packed_linear_takes_the_native_kernel_up_to_its_rows(kernels, monkeypat
     assert p.panels is None and p(torch.randn(1, 16)).shape == (1, 24) and calls == [1, 4, 2]
 
 
-def test_choose_native_rows_stops_at_the_first_loss(kernels):
+def test_choose_native_rows_spans_the_wins_past_streaming_bound_coin_flips(kernels):
     from serverless_llm.engine.layers.linear import choose_native_rows
 
     _, p = packed()
-    # native's share of oneDNN's time by rows: wins at 1 and 2, loses at 4 (8 is never tried)
-    share = {1: 0.5, 2: 0.9, 4: 1.2, 8: 0.1}
+    # native's share of oneDNN's time by rows (a list: one value a timing, the last repeated)
+    share: dict[int, list[float]] = {}
     tried = []
 
     def timer(linears, x, native, repeats=3):
         m = next(iter(x.values())).shape[0]
-        tried.append(m)
-        return share[m] if native else 1.0
+        if repeats == 1:
+            return 1.0  # the warm-up pass
+        tried.append(m) if native else None
+        if not native:
+            return 1.0
+        values = share[m]
+        return values.pop(0) if len(values) > 1 else values[0]
 
-    rows, timings = choose_native_rows([p], kernels, timer)
-    assert rows == (1, 2) and [t[0] for t in timings] == [1, 2, 4] and 8 not in tried
-    share[1] = 0.99  # within NATIVE_WIN of oneDNN: not worth the memory; 2 rows still win
-    assert choose_native_rows([p], kernels, timer)[0] == (2, 2)
-    # losses before the first win: only up to 4 rows (steps bound by streaming the weight,
-    # which oneDNN does as well); from the first win up to the last before a loss
-    share.update({1: 1.3, 2: 0.5, 4: 0.7, 8: 1.1})
-    assert choose_native_rows([p], kernels, timer)[0] == (2, 4)
-    share.update({2: 1.2, 4: 1.2, 8: 0.1})
-    tried.clear()
-    assert choose_native_rows([p], kernels, timer)[0] == (0, 0) and tried[-1] == 4
+    def choose(**shares):
+        share.clear()
+        share.update({int(k[1:]): list(v) for k, v in shares.items()})
+        tried.clear()
+        return choose_native_rows([p], kernels, timer)
+
+    # wins at 1 and 2, a stray loss at 4 (streaming-bound: inside the span), wins to 32, a loss
+    # at 64 that holds when timed again: the span is 1-32
+    rows, timings = choose(r1=[0.5], r2=[0.9], r4=[1.2], r8=[0.1], r16=[0.1], r32=[0.2],
+                           r64=[1.3])  # fmt: skip
+    assert rows == (1, 32) and [t[0] for t in timings] == [1, 2, 4, 8, 16, 32, 64]
+    assert tried.count(64) == 2 and tried.count(4) == 1  # only past 4 rows is a loss retimed
+    # a loss past 4 rows that does not hold (a busy moment) does not end the span
+    assert choose(r1=[0.5], r2=[0.5], r4=[0.5], r8=[1.3, 0.4], r16=[0.4], r32=[0.4],
+                  r64=[0.4])[0] == (1, 64)  # fmt: skip
+    # one that holds does
+    assert choose(r1=[0.5], r2=[0.5], r4=[0.5], r8=[1.3, 1.2], r16=[0.1], r32=[0.1],
+                  r64=[0.1])[0] == (1, 4)  # fmt: skip
+    assert 16 not in tried
+    # within NATIVE_WIN of oneDNN at 1 row: not worth the memory; the span starts at 2
+    assert choose(r1=[0.99], r2=[0.9], r4=[0.9], r8=[1.2], r16=[1.2])[0] == (2, 4)
+    # losses before the first win, up to 4 rows, are skipped
+    assert choose(r1=[1.3], r2=[0.5], r4=[0.7], r8=[1.1])[0] == (2, 4)
+    # no win by 4 rows: a CPU where the native kernel loses there stops
+    assert choose(r1=[1.3], r2=[1.2], r4=[1.2], r8=[0.1])[0] == (0, 0) and tried[-1] == 4
 
 
 def test_the_measurement_times_only_a_budget_of_each_shapes_weights(kernels):

@@ -210,11 +210,11 @@ def pack_linears_for_cpu(
 # every fresh serverless worker) for a ~20% gain on steps of 65-128 rows, which oneDNN takes.
 NATIVE_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's time
-# Candidates up to this many rows may lose before the first win: a step of so few rows is
-# bound by streaming the weight, which oneDNN does as well or better, while from 8 rows on the
-# native AVX-512 GEMM computes faster (Zen 5, one thread, CPU time, weights streamed from
-# memory: native/oneDNN 0.95-1.2 at 1 row, 0.86-1.2 at 2 and 4, 0.66-0.89 at 8, 0.74-0.80 at
-# 32). A CPU where the native kernel loses at 1, 2 and 4 rows stops there.
+# Candidates up to this many rows may lose (before the first win, or inside the span): a step of
+# so few rows is bound by streaming the weight, which oneDNN does as well or better, while from
+# 8 rows on the native AVX-512 GEMM computes faster (Zen 5, one thread, CPU time, weights
+# streamed from memory: native/oneDNN 0.95-1.2 at 1 row, 0.86-1.2 at 2 and 4, 0.66-0.89 at 8,
+# 0.74-0.80 at 32). A CPU where the native kernel loses at 1, 2 and 4 rows stops there.
 NATIVE_LEADING_LOSSES = 4
 
 
@@ -258,12 +258,15 @@ def cpu_identity() -> tuple:
     return (cpu_model_name(), cpu_flags(), os.cpu_count(), usable, torch.get_num_threads())
 
 
+CHOICE_RULE = 2  # `choose_native_rows`' rule: a choice made by an earlier one is measured again
+
+
 def choice_file(native, shapes: dict) -> Path:
     """Where the measured choice for these shapes is kept: the native kernels' cache
     (NATIVE_KERNEL_CACHE, which the worker places on a network volume or in a baked image:
     worker/native_cache.py), under a key of `cpu_identity`, the library and the shapes with
     their counts."""
-    what = (*cpu_identity(), Path(native.path).name)
+    what = (*cpu_identity(), Path(native.path).name, CHOICE_RULE)
     what += tuple(sorted((n, k, len(group)) for (n, k), group in shapes.items()))
     key = hashlib.sha256(repr(what).encode()).hexdigest()[:16]
     return cache_dir() / f"linear-rows-{key}.json"
@@ -342,9 +345,13 @@ def choose_native_rows(
 ) -> tuple[tuple[int, int], list]:
     """The span of rows (of NATIVE_ROW_CANDIDATES) at which the native kernel streams
     `linears` (one shape's, all of the model's instances in turn) faster than oneDNN, each
-    candidate timed both ways: from the first win (the candidates up to NATIVE_LEADING_LOSSES
-    rows may lose before it) to the last before a loss. Returns ((min rows, rows), [(rows,
-    native s, oneDNN s)...]); (0, 0): no win."""
+    candidate timed both ways: from the first win to the last win before a loss past
+    NATIVE_LEADING_LOSSES rows. Up to that many rows a step is bound by streaming the weight
+    and the two come out even, so a loss there is a coin flip: before the first win it is
+    skipped, after it it stays inside the span (one stray loss at 4 rows had sent every step
+    of 4-64 rows to oneDNN, where the native kernel is 13-25% faster: lfm2, session 23).
+    Past it, a loss is timed again and ends the span only if it holds. Returns ((min rows,
+    rows), [(rows, native s, oneDNN s)...]); (0, 0): no win."""
     for lin in linears:
         lin.native = native
     lo = hi = 0
@@ -354,9 +361,12 @@ def choose_native_rows(
         timer(linears, x, True, 1)  # warm: oneDNN's kernel for this size, pages
         timer(linears, x, False, 1)
         t_native, t_packed = timer(linears, x, True), timer(linears, x, False)
+        if t_native > NATIVE_WIN * t_packed and m > NATIVE_LEADING_LOSSES:
+            t_native = min(t_native, timer(linears, x, True))  # confirmed, or a busy moment
+            t_packed = min(t_packed, timer(linears, x, False))
         timings.append((m, t_native, t_packed))
         if t_native > NATIVE_WIN * t_packed:
-            if lo or m >= NATIVE_LEADING_LOSSES:
+            if m > NATIVE_LEADING_LOSSES or (not lo and m == NATIVE_LEADING_LOSSES):
                 break
             continue
         lo, hi = lo or m, m
