@@ -524,8 +524,11 @@ def test_choose_native_rows_spans_the_wins_past_streaming_bound_coin_flips(kerne
     assert choose(r1=[0.99], r2=[0.9], r4=[0.9], r8=[1.2], r16=[1.2])[0] == (2, 4)
     # losses before the first win, up to 4 rows, are skipped
     assert choose(r1=[1.3], r2=[0.5], r4=[0.7], r8=[1.1])[0] == (2, 4)
-    # no win by 4 rows: a CPU where the native kernel loses there stops
-    assert choose(r1=[1.3], r2=[1.2], r4=[1.2], r8=[0.1])[0] == (0, 0) and tried[-1] == 4
+    # no win by 4 rows (streaming evenly, as a large LM head does), wins from 8: 8 to 64
+    assert choose(r1=[1.3], r2=[1.2], r4=[1.2], r8=[0.5], r16=[0.5], r32=[0.5],
+                  r64=[0.5])[0] == (8, 64)  # fmt: skip
+    # a CPU where the native kernel loses there and at 8 rows too stops at 8
+    assert choose(r1=[1.3], r2=[1.2], r4=[1.2], r8=[1.2])[0] == (0, 0) and tried[-1] == 8
 
 
 def test_the_measurement_times_only_a_budget_of_each_shapes_weights(kernels):

@@ -214,7 +214,8 @@ NATIVE_WIN = 0.95  # the native kernel must take at most this share of oneDNN's 
 # so few rows is bound by streaming the weight, which oneDNN does as well or better, while from
 # 8 rows on the native AVX-512 GEMM computes faster (Zen 5, one thread, CPU time, weights
 # streamed from memory: native/oneDNN 0.95-1.2 at 1 row, 0.86-1.2 at 2 and 4, 0.66-0.89 at 8,
-# 0.74-0.80 at 32). A CPU where the native kernel loses at 1, 2 and 4 rows stops there.
+# 0.74-0.80 at 32). A CPU where the native kernel loses at 1, 2 and 4 rows stops at the first
+# confirmed loss past them.
 NATIVE_LEADING_LOSSES = 4
 
 
@@ -258,7 +259,7 @@ def cpu_identity() -> tuple:
     return (cpu_model_name(), cpu_flags(), os.cpu_count(), usable, torch.get_num_threads())
 
 
-CHOICE_RULE = 2  # `choose_native_rows`' rule: a choice made by an earlier one is measured again
+CHOICE_RULE = 3  # `choose_native_rows`' rule: a choice made by an earlier one is measured again
 
 
 def choice_file(native, shapes: dict) -> Path:
@@ -350,7 +351,8 @@ def choose_native_rows(
     and the two come out even, so a loss there is a coin flip: before the first win it is
     skipped, after it it stays inside the span (one stray loss at 4 rows had sent every step
     of 4-64 rows to oneDNN, where the native kernel is 13-25% faster: lfm2, session 23).
-    Past it, a loss is timed again and ends the span only if it holds. Returns ((min rows,
+    Past it, a loss is timed again and ends the search only if it holds (an LM head that
+    streams evenly up to 4 rows and computes faster natively from 8 gets 8-64 rows). Returns ((min rows,
     rows), [(rows, native s, oneDNN s)...]); (0, 0): no win."""
     for lin in linears:
         lin.native = native
@@ -366,7 +368,7 @@ def choose_native_rows(
             t_packed = min(t_packed, timer(linears, x, False))
         timings.append((m, t_native, t_packed))
         if t_native > NATIVE_WIN * t_packed:
-            if m > NATIVE_LEADING_LOSSES or (not lo and m == NATIVE_LEADING_LOSSES):
+            if m > NATIVE_LEADING_LOSSES:
                 break
             continue
         lo, hi = lo or m, m
