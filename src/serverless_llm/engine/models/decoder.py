@@ -917,7 +917,30 @@ class DecoderLayer(nn.Module):
         return h * self.residual_scale if self.residual_scale != 1.0 else h
 
 
-class NativeDecodeLayer:
+class _WholeLayerCall:
+    """What the whole-layer native calls share: the steps they take (decode rows only, between
+    the fewest rows every linear takes the native kernel at, `min_rows`, and the most it was
+    chosen for, `rows`; float32, contiguous) while the layer's linears are still those the
+    call was built on (`same_linears`)."""
+
+    rows: int
+    min_rows: int
+
+    def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
+        return (
+            self.min_rows <= x.shape[0] <= self.rows
+            and meta.num_decodes == x.shape[0]
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+            and self.same_linears(layer)
+        )
+
+    def same_linears(self, layer: DecoderLayer) -> bool:
+        raise NotImplementedError
+
+
+class NativeDecodeLayer(_WholeLayerCall):
     """A decode step of a few rows through a whole layer in one native call
     (`decoder_layer_f32`): for the common layer shapes only (pre-norm "in" and "mlp" norms of
     one kind, sequential or parallel (the "mlp" norm optional), sandwich RMSNorms on a
@@ -1021,16 +1044,6 @@ class NativeDecodeLayer:
         layer.native_decode = NativeDecodeLayer(layer, native, rows) if rows else None
         return layer.native_decode is not None
 
-    def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
-        return (
-            self.min_rows <= x.shape[0] <= self.rows
-            and meta.num_decodes == x.shape[0]
-            and x.dtype == torch.float32
-            and x.is_contiguous()
-            and (residual is None or residual.is_contiguous())
-            and self.same_linears(layer)
-        )
-
     def same_linears(self, layer: DecoderLayer) -> bool:
         """`linears_of(layer) == self.linears`, read from the modules' own tables (a linear
         replaced since, by a LoRA wrapper or anything else, is another entry there); each
@@ -1059,7 +1072,7 @@ class NativeDecodeLayer:
         return self.native.decoder_layer(self.weights, struct, step, x, residual)
 
 
-class NativeConvLayer:
+class NativeConvLayer(_WholeLayerCall):
     """A decode step of a few rows through a whole short-convolution layer (LFM2's and LFM3's
     recurrent layers) in one native call (`conv_layer_f32`): the in norm, in_proj, the gated
     convolution's one-token update of each request's window in its state slot, out_proj, LFM3's
@@ -1145,16 +1158,6 @@ class NativeConvLayer:
         rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
         layer.native_decode = NativeConvLayer(layer, native, rows) if rows else None
         return layer.native_decode is not None
-
-    def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
-        return (
-            self.min_rows <= x.shape[0] <= self.rows
-            and meta.num_decodes == x.shape[0]
-            and x.dtype == torch.float32
-            and x.is_contiguous()
-            and (residual is None or residual.is_contiguous())
-            and self.same_linears(layer)
-        )
 
     def same_linears(self, layer: DecoderLayer) -> bool:
         """`linears_of(layer) == self.linears`, read from the modules' own tables (a LoRA
