@@ -29,7 +29,6 @@ from serverless_llm.engine.layers.gguf_linear import (  # noqa: E402
     GGUFBlockLinear,
 )
 from serverless_llm.engine.layers.linear import PackedLinear  # noqa: E402
-from serverless_llm.engine.loader import gguf as gguf_mod  # noqa: E402
 from serverless_llm.engine.loader import resolve_model  # noqa: E402
 from serverless_llm.engine.loader.gguf_direct import gguf_name_map  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
@@ -87,29 +86,6 @@ def _unfile(w: np.ndarray, heads: int) -> np.ndarray:
     """The inverse of `as_file`."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-@pytest.fixture
-def no_conversion(monkeypatch):
-    """The converter must not run; the config/tokenizer writer copies them from the float
-    checkpoint (transformers reads both from a full GGUF file; these tiny files hold tensors
-    only)."""
-
-    def must_not_convert(*args, **kwargs):
-        raise AssertionError("a float copy was converted")
-
-    monkeypatch.setattr(gguf_mod, "convert_gguf", must_not_convert)
-    written = []
-
-    def metadata(gguf_path, out_dir, show_progress=True):
-        written.append(gguf_path)
-        src = Path(gguf_path).parent / "float"
-        for f in os.listdir(src):
-            if not f.endswith(".safetensors"):
-                shutil.copy(src / f, out_dir)
-
-    monkeypatch.setattr(gguf_mod, "write_gguf_metadata", metadata)
-    return written
 
 
 def chat_ids(n: int, length: int) -> list[list[int]]:

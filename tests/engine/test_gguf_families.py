@@ -12,8 +12,6 @@ heads, phi3's fused qkv and gate|up) come from the family's weight-name map
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +30,7 @@ from serverless_llm.engine.layers.gguf_linear import (  # noqa: E402
 )
 from serverless_llm.engine.loader import gguf as gguf_mod  # noqa: E402
 from serverless_llm.engine.loader.resolve import GGUF_BLOCKS_BY_DEFAULT  # noqa: E402
+from tests.engine.test_gguf_direct import chat_ids  # noqa: E402
 from tests.tiny_models import build_tokenizer, tiny_dims  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0")
@@ -181,33 +180,6 @@ def write_gguf(model, arch: str, out: Path, float_dir: Path) -> None:
     model.save_pretrained(float_dir, safe_serialization=True)
 
 
-@pytest.fixture
-def no_conversion(monkeypatch):
-    """The converter must not run; the config/tokenizer writer copies them from the float
-    checkpoint (these tiny files hold tensors only)."""
-
-    def must_not_convert(*args, **kwargs):
-        raise AssertionError("a float copy was converted")
-
-    monkeypatch.setattr(gguf_mod, "convert_gguf", must_not_convert)
-    written = []
-
-    def metadata(gguf_path, out_dir, show_progress=True):
-        written.append(gguf_path)
-        src = Path(gguf_path).parent / "float"
-        for f in os.listdir(src):
-            if not f.endswith(".safetensors"):
-                shutil.copy(src / f, out_dir)
-
-    monkeypatch.setattr(gguf_mod, "write_gguf_metadata", metadata)
-    return written
-
-
-def prompt_ids(n: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(length)
-    return [torch.randint(5, 380, (length + 3 * i,), generator=g).tolist() for i in range(n)]
-
-
 # the fewest of the layers' linears served from blocks, of 2 layers x (q|k|v, o, gate|up,
 # down), with each layer's parts taken from the family's name map
 # (loader/gguf_direct.gguf_block_parts): all 8 for the dense families (phi3's and gpt2's fused
@@ -249,7 +221,7 @@ def test_family_served_from_blocks_by_default(tmp_path, no_conversion, monkeypat
         assert m.packed_lm_head.blocks is m.embed_tokens.blocks
     reference = LLM(str(float_dir), **kw)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(4, 9)]
+    prompts = [{"prompt_token_ids": ids} for ids in chat_ids(4, 9)]
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in served.generate(prompts, params)]
     assert len({t for w in want for t in w}) > 2  # not a degenerate model
