@@ -923,8 +923,45 @@ class _WholeLayerCall:
     chosen for, `rows`; float32, contiguous) while the layer's linears are still those the
     call was built on (`same_linears`)."""
 
+    MIXER: str  # the layer's mixer module: "self_attn" or "mixer"
+    MIXER_LINEARS: tuple[str, str]  # the mixer's two linears the call reads, in order
     rows: int
     min_rows: int
+    linears: tuple  # the mixer's two linears, up (gate-up when gated) and down
+    extra: tuple = ()  # (name, linear) of other mixer linears the call reads (LFM3's gate)
+
+    @classmethod
+    def linears_of(cls, layer: DecoderLayer) -> tuple:
+        """The layer's mixer linears (MIXER_LINEARS), up (gate-up when gated) and down linears,
+        as they are now (None for those it lacks: a recurrent layer has no QKV or O)."""
+        mix, mlp = getattr(layer, cls.MIXER, None), layer.mlp
+        up = getattr(mlp, "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj", None)
+        first, second = (getattr(mix, name, None) for name in cls.MIXER_LINEARS)
+        return first, second, up, getattr(mlp, "down_proj", None)
+
+    def same_linears(self, layer: DecoderLayer) -> bool:
+        """`linears_of(layer) == self.linears` (and the extra linears the same), read from the
+        modules' own tables (a linear replaced since, by a LoRA wrapper or anything else, is
+        another entry there); each step asks it of every layer, and nn.Module's attribute
+        fallback is the slow part."""
+        first, second, up, down = self.linears
+        mix, mlp = layer._modules.get(self.MIXER), layer._modules.get("mlp")
+        if mix is None or mlp is None:
+            return False
+        a, m = mix._modules, mlp._modules
+        name1, name2 = self.MIXER_LINEARS
+        up_name = "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj"
+        if not (
+            a.get(name1) is first
+            and a.get(name2) is second
+            and m.get(up_name) is up
+            and m.get("down_proj") is down
+        ):
+            return False
+        for name, lin in self.extra:
+            if a.get(name) is not lin:
+                return False
+        return True
 
     def takes(self, layer: DecoderLayer, x, residual, meta) -> bool:
         return (
@@ -936,9 +973,6 @@ class _WholeLayerCall:
             and self.same_linears(layer)
         )
 
-    def same_linears(self, layer: DecoderLayer) -> bool:
-        raise NotImplementedError
-
 
 class NativeDecodeLayer(_WholeLayerCall):
     """A decode step of a few rows through a whole layer in one native call
@@ -949,11 +983,14 @@ class NativeDecodeLayer(_WholeLayerCall):
     rows, q/k prepared by the native step), and only while the layer's linears are those it was
     built on (a LoRA wrapper or anything else put in their place afterwards turns it off)."""
 
+    MIXER, MIXER_LINEARS = "self_attn", ("qkv_proj", "o_proj")
+
     def __init__(self, layer: DecoderLayer, native, rows: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.native, self.rows = native, rows
         self.linears = self.linears_of(layer)
         self.gate = attn.g_proj  # LFM3's per-head gate, or None
+        self.extra = (("g_proj", self.gate),)
         # the fewest rows every linear takes the native kernel at (one row: oneDNN's, on some)
         self.min_rows = max(lin.native_min_rows for lin in self.all_linears)
         norm, mlp_norm = layer.in_norm, layer.mlp_norm
@@ -990,15 +1027,6 @@ class NativeDecodeLayer(_WholeLayerCall):
     @property
     def all_linears(self) -> tuple:
         return self.linears if self.gate is None else (*self.linears, self.gate)
-
-    @staticmethod
-    def linears_of(layer: DecoderLayer) -> tuple:
-        """The layer's QKV, O, up (gate-up when gated) and down linears, as they are now (None
-        for those it lacks: a recurrent layer has no QKV or O)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        up = getattr(mlp, "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj", None)
-        qkv, o = getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None)
-        return qkv, o, up, getattr(mlp, "down_proj", None)
 
     @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
@@ -1044,24 +1072,6 @@ class NativeDecodeLayer(_WholeLayerCall):
         layer.native_decode = NativeDecodeLayer(layer, native, rows) if rows else None
         return layer.native_decode is not None
 
-    def same_linears(self, layer: DecoderLayer) -> bool:
-        """`linears_of(layer) == self.linears`, read from the modules' own tables (a linear
-        replaced since, by a LoRA wrapper or anything else, is another entry there); each
-        step asks it of every layer, and nn.Module's attribute fallback is the slow part."""
-        qkv, o, up, down = self.linears
-        attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
-        if attn is None or mlp is None:
-            return False
-        a, m = attn._modules, mlp._modules
-        up_name = "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj"
-        return (
-            a.get("qkv_proj") is qkv
-            and a.get("o_proj") is o
-            and m.get(up_name) is up
-            and m.get("down_proj") is down
-            and a.get("g_proj") is self.gate
-        )
-
     def __call__(self, layer: DecoderLayer, x, residual, rope, kv_cache, meta):
         attn = layer.self_attn
         struct, _ = attn.native_layer(rope, kv_cache)
@@ -1081,6 +1091,8 @@ class NativeConvLayer(_WholeLayerCall):
     panels and taking the native kernel at the step's rows, no tensor parallelism, RMSNorms only)
     and only while the layer's linears are those it was built on (LoRA turns it off). The same
     kernels in the same order as the module path, so the two agree bit for bit."""
+
+    MIXER, MIXER_LINEARS = "mixer", ("in_proj", "out_proj")
 
     def __init__(self, layer: DecoderLayer, native, rows: int) -> None:
         mix, mlp = layer.mixer, layer.mlp
@@ -1115,19 +1127,6 @@ class NativeConvLayer(_WholeLayerCall):
         )
 
     @staticmethod
-    def linears_of(layer: DecoderLayer) -> tuple:
-        """The layer's in_proj, out_proj, up (gate-up when gated) and down linears, as they are
-        now (None for those it lacks)."""
-        mix, mlp = layer.mixer, layer.mlp
-        up = getattr(mlp, "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj", None)
-        return (
-            getattr(mix, "in_proj", None),
-            getattr(mix, "out_proj", None),
-            up,
-            getattr(mlp, "down_proj", None),
-        )
-
-    @staticmethod
     def attach(layer: DecoderLayer, native, tp_enabled: bool) -> bool:
         """Gives the short-convolution `layer` the whole-layer path where its shape allows;
         True if it did."""
@@ -1158,22 +1157,6 @@ class NativeConvLayer(_WholeLayerCall):
         rows = min((lin.native_rows for lin in linears), default=0) if fits else 0
         layer.native_decode = NativeConvLayer(layer, native, rows) if rows else None
         return layer.native_decode is not None
-
-    def same_linears(self, layer: DecoderLayer) -> bool:
-        """`linears_of(layer) == self.linears`, read from the modules' own tables (a LoRA
-        wrapper or anything else put in a linear's place since is another entry there)."""
-        in_proj, out_proj, up, down = self.linears
-        mix, mlp = layer._modules.get("mixer"), layer._modules.get("mlp")
-        if mix is None or mlp is None:
-            return False
-        a, m = mix._modules, mlp._modules
-        up_name = "gate_up_proj" if getattr(mlp, "gated", True) else "up_proj"
-        return (
-            a.get("in_proj") is in_proj
-            and a.get("out_proj") is out_proj
-            and m.get(up_name) is up
-            and m.get("down_proj") is down
-        )
 
     def __call__(self, layer: DecoderLayer, x, residual, rope, state, meta):
         conv_state = state[0]
