@@ -19,6 +19,7 @@ pytest.importorskip("gguf")
 from serverless_llm.engine.kernels import gguf_blocks as gb  # noqa: E402
 from serverless_llm.engine.layers.gguf_linear import GGUFBlockLinear  # noqa: E402
 from tests.kernels.test_gguf_blocks import gguf_tensor  # noqa: E402
+from tests.kernels.test_gguf_gemm import gemm_cases  # noqa: E402
 
 PATHS = ("int16", "int16-portable")  # "int16": VNNI where built, else the portable loop too
 
@@ -76,16 +77,8 @@ def test_gemm16_shapes_off_every_tile(kernels, type_name, path):
     """The gguf package's own blocks; outputs 1, 7, 50 and 97 (off the 6/12-row micro-kernels
     and the 48-row tile), inputs of 1 to 10 blocks (off the 256-input tile), rows 1 to 300."""
     skip_unless_built(kernels, path)
-    g = torch.Generator().manual_seed(0)
-    for n, blocks, rows in ((1, 1, (1, 2, 33)), (7, 3, (5, 64, 129)), (50, 9, (1, 31, 128)),
-                            (97, 10, (17, 300))):  # fmt: skip
-        k = blocks * 32
-        raw, _ = gguf_tensor(type_name, n, k, seed=n)
-        w = gb.from_gguf_blocks(raw, type_name, k)
-        bias = torch.randn(n, generator=g)
-        for m in rows:
-            x = torch.randn(m, k, generator=g) * 3
-            check(kernels.gemm(x, w, bias, path), x, w, bias, (n, k, m))
+    for x, w, bias in gemm_cases(type_name):
+        check(kernels.gemm(x, w, bias, path), x, w, bias, (w.shape, x.shape[0]))
 
 
 def test_gemm16_paths_agree_and_the_rounding_is_bounded(kernels):

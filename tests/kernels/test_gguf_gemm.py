@@ -31,8 +31,10 @@ def check(got: torch.Tensor, x: torch.Tensor, w: gb.QB32, bias) -> None:
     assert (err <= 1e-5 * scale + 1e-6).all(), err.max().item()
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_gemm_equals_the_dequantized_reference(kernels, type_name):
+def gemm_cases(type_name: str):
+    """(x, w, bias) of the gguf package's own blocks of `type_name`: outputs 1, 7, 50 and 97
+    (off the 6/12/24-row micro-kernels and the 48-row tile), inputs of 1 to 10 blocks (off the
+    input tiles), rows 1 to 300 (past the 256-row pass)."""
     g = torch.Generator().manual_seed(0)
     for n, blocks, rows in ((1, 1, (1, 2, 33)), (7, 3, (5, 64, 129)), (50, 9, (1, 31, 128)),
                             (97, 10, (17, 300))):  # fmt: skip
@@ -41,9 +43,14 @@ def test_gemm_equals_the_dequantized_reference(kernels, type_name):
         w = gb.from_gguf_blocks(raw, type_name, k)
         bias = torch.randn(n, generator=g)
         for m in rows:
-            x = torch.randn(m, k, generator=g) * 3
-            check(kernels.gemm(x, w, bias), x, w, bias)
-            check(kernels.gemm(x, w), x, w, None)
+            yield torch.randn(m, k, generator=g) * 3, w, bias
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_gemm_equals_the_dequantized_reference(kernels, type_name):
+    for x, w, bias in gemm_cases(type_name):
+        check(kernels.gemm(x, w, bias), x, w, bias)
+        check(kernels.gemm(x, w), x, w, None)
 
 
 @pytest.mark.parametrize("type_name", sorted(gb.FILE_TYPES))
