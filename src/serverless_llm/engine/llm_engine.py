@@ -87,8 +87,7 @@ class LLMEngine:
         self.tp: TensorParallel = SINGLE
         self._load_window: tuple[float, float] | None = None  # rank 0's, with parallelism
         self.ranks: RankProcesses | None = None  # the other tensor-parallel ranks
-        self._early_tokenizer = None
-        tokenizer_seconds = 0.0
+        tokenizer, tokenizer_seconds = None, 0.0
         if config.tensor_parallel_size > 1:
             loaded = self._start_ranks(config)
         else:
@@ -97,16 +96,16 @@ class LLMEngine:
             # (loader/prefetch.py), so on a cold page cache its load fills the wait for the
             # disk instead of following it.
             t_tok = time.perf_counter()
-            self._early_tokenizer = load_tokenizer(
+            tokenizer = load_tokenizer(
                 prepared.resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
             )
             tokenizer_seconds = time.perf_counter() - t_tok
             loaded = load_model(config, prepared=prepared)
         self.start_phases["weights"] = time.perf_counter() - t0 - tokenizer_seconds
-        if self._early_tokenizer is not None:
+        if tokenizer is not None:
             self.start_phases["tokenizer"] = tokenizer_seconds
         try:
-            self._build(config, loaded, t0)
+            self._build(config, loaded, t0, tokenizer)
         except BaseException:
             self.close()
             raise
@@ -157,7 +156,7 @@ class LLMEngine:
             raise
         return loaded
 
-    def _build(self, config: EngineConfig, loaded, t0: float) -> None:
+    def _build(self, config: EngineConfig, loaded, t0: float, tokenizer=None) -> None:
         self.resolved = loaded.resolved
         self.hf_config = loaded.hf_config
         self.device = loaded.device
@@ -175,12 +174,11 @@ class LLMEngine:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
 
-        self.tokenizer = self._early_tokenizer
-        self._early_tokenizer = None
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(
+        if tokenizer is None:  # with tensor parallelism: not loaded beside the weights
+            tokenizer = load_tokenizer(
                 self.resolved.tokenizer_dir, trust_remote_code=config.trust_remote_code
             )
+        self.tokenizer = tokenizer
         eos = eos_token_ids(
             self.tokenizer, self.hf_config, load_generation_config(self.resolved.model_dir)
         )
