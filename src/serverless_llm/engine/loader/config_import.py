@@ -34,7 +34,9 @@ from collections.abc import Iterator, Mapping
 _ACTIVATIONS = "transformers.activations"
 _VALIDATORS = "transformers.utils.type_validators"
 _MODELS = "transformers.models"
-_lock = threading.Lock()
+# Reentrant: `_real_models` imports the real package while holding it, and an attribute read
+# through the stand-in during that import (same thread) must not wait on itself.
+_lock = threading.RLock()
 
 
 def _real_activations() -> types.ModuleType:
